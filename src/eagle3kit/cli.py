@@ -1,0 +1,158 @@
+"""The ``eagle3kit`` command line: one subcommand per stage, and ``run`` to chain them.
+
+Every subcommand takes ``--config`` (YAML; default: the run directory's ``config.yaml``, else
+the packaged defaults) and ``--run-dir`` (overrides ``run_dir``). Errors in input or config end
+the command with exit code 2 and a message naming the thing and the fix.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .config import ConfigError, load_config
+from .rundir import DataError, RunDir
+from .ui import console, print_table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)")
+RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
+
+
+def _setup(config: Optional[Path], run_dir: Optional[Path]):
+    over = {"run_dir": str(run_dir)} if run_dir else {}
+    if config is None and run_dir is not None and (run_dir / "config.yaml").exists():
+        config = run_dir / "config.yaml"
+    cfg = load_config(config, over)
+    return cfg, RunDir(cfg.run_dir)
+
+
+def _guard(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from .export import ExportError
+
+        try:
+            return fn(*a, **kw)
+        except (ConfigError, DataError, ExportError, FileNotFoundError, FileExistsError) as e:
+            console.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(2)
+    return wrapper
+
+
+def _show(title: str, values: dict) -> None:
+    print_table(title, [(k, v) for k, v in values.items() if not isinstance(v, (dict, list))])
+
+
+@app.command()
+@_guard
+def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
+    """Read prompt files (or synthesize prompts from the target) into prompts.jsonl / heldout.jsonl."""
+    from .prompts import run_prompts
+
+    cfg, run = _setup(config, run_dir)
+    _show("prompts", run_prompts(cfg, run))
+
+
+@app.command()
+@_guard
+def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+             backend: Optional[str] = typer.Option(None, help="auto | transformers | vllm")):
+    """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
+    from .generate import run_generate
+
+    cfg, run = _setup(config, run_dir)
+    if backend:
+        cfg.generate.backend = backend  # type: ignore[assignment]
+    _show("generate", run_generate(cfg, run))
+
+
+@app.command()
+@_guard
+def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
+    """Turn conversations into a token shard with loss masks (tokens.safetensors)."""
+    from .tokenize import run_tokenize
+
+    cfg, run = _setup(config, run_dir)
+    _show("tokenize", run_tokenize(cfg, run))
+
+
+@app.command()
+@_guard
+def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
+    """Build the draft vocabulary (vocab.safetensors: d2t offsets, t2d mask) and print coverage."""
+    from .vocab import run_vocab
+
+    cfg, run = _setup(config, run_dir)
+    _show("vocab", run_vocab(cfg, run))
+
+
+@app.command()
+@_guard
+def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
+    """Train the EAGLE-3 drafter with training-time test (resumes after the last finished epoch)."""
+    from .train import run_train
+
+    cfg, run = _setup(config, run_dir)
+    _show("train", run_train(cfg, run))
+
+
+@app.command()
+@_guard
+def export(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+           checkpoint: Optional[Path] = typer.Option(None, help="drafter checkpoint (default: <run>/checkpoints/best.safetensors)"),
+           out: Optional[Path] = typer.Option(None, help="output folder (default: <run>/drafter)"),
+           overwrite: bool = typer.Option(False, help="replace an existing drafter folder")):
+    """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
+    from .export import run_export
+
+    cfg, run = _setup(config, run_dir)
+    default_out = out is None
+    _show("export", run_export(cfg, run, str(checkpoint) if checkpoint else None, str(out) if out else None,
+                               overwrite=overwrite or default_out))
+
+
+@app.command()
+@_guard
+def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+             mode: Optional[str] = typer.Option(None, help="simulate | decode"),
+             k: Optional[int] = typer.Option(None, help="draft tokens per verify step"),
+             drafter: Optional[Path] = typer.Option(None, help="drafter folder (default: <run>/drafter)"),
+             num_prompts: Optional[int] = typer.Option(None, help="cap prompts per set"),
+             max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit")):
+    """Measure τ and per-position acceptance (simulate) or decode for real and check losslessness."""
+    from .evaluate import run_evaluate
+
+    cfg, run = _setup(config, run_dir)
+    if mode not in (None, "simulate", "decode"):
+        raise ConfigError(f"--mode must be simulate or decode, got {mode!r}")
+    if num_prompts:
+        cfg.evaluate.num_prompts = num_prompts
+    if max_new_tokens:
+        cfg.evaluate.max_new_tokens = max_new_tokens
+    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None, mode=mode, k=k)
+    _show("evaluate", rep)
+
+
+@app.command("run")
+@_guard
+def run_cmd(config: Optional[Path] = typer.Argument(None, help="YAML config (default: the built-in SmolLM2 run)"),
+            run_dir: Optional[Path] = RunDirOpt):
+    """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate."""
+    from .pipeline import run_all
+
+    cfg = load_config(config, {"run_dir": str(run_dir)} if run_dir else None)
+    run_all(cfg)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

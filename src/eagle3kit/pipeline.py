@@ -1,0 +1,118 @@
+"""``eagle3kit run``: the stages of DESIGN.md §1 chained over one run directory.
+
+Stages whose inputs are unchanged since their last run are skipped (prompts, tokenize, vocab:
+keyed by the hash of their inputs and config section); ``generate`` and ``train`` resume by
+themselves; ``export`` and ``evaluate`` always run. The target is loaded once and shared.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import __version__
+from .config import Config, dump_config
+from .rundir import RunDir, sha256_file, sha256_json
+from .ui import Timer, console, print_table
+
+
+def stage_key(*parts) -> str:
+    return sha256_json([p.model_dump(mode="json") if hasattr(p, "model_dump") else p for p in parts])
+
+
+def _fresh(run: RunDir, stage: str, key: str, output: str) -> bool:
+    inputs = run.stage_inputs(stage) or {}
+    return inputs.get("stage_key") == key and (run / output).exists()
+
+
+def _mark(run: RunDir, stage: str, key: str) -> None:
+    m = run.manifest
+    m["stages"][stage]["inputs"]["stage_key"] = key
+    from .rundir import write_json
+
+    write_json(run / "manifest.json", m)
+
+
+def write_run_header(cfg: Config, run: RunDir, target) -> None:
+    """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
+    from .target import chat_template_hash, resolve_aux_layer_ids, tokenizer_hash
+
+    (run / "config.yaml").write_text(dump_config(cfg))
+    aux = resolve_aux_layer_ids(cfg.target, target.num_layers)
+    run.update_manifest(
+        eagle3kit_version=__version__,
+        target={**target.source, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+                "vocab_size": target.vocab_size, "dtype": cfg.target.dtype},
+        tokenizer_sha256=tokenizer_hash(target.tokenizer),
+        chat_template_sha256=chat_template_hash(target.tokenizer),
+        template_flags={},
+        aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux)},
+    )
+
+
+def summary_rows(report: dict) -> list[tuple[str, object]]:
+    """The numbers ``run`` prints at the end (from ``report.json``)."""
+    ev, tr, vo = report.get("evaluate", {}), report.get("train", {}), report.get("vocab", {})
+    rows: list[tuple[str, object]] = []
+    for stage in ("prompts", "generate", "tokenize"):
+        s = report.get(stage, {})
+        dropped = {k: v for k, v in s.items() if k.startswith("dropped_") and v}
+        rows.append((f"{stage}: rows in / kept", f"{s.get('rows_in', '-')} / {s.get('rows_kept', '-')}"
+                     + (f"  dropped {dropped}" if dropped else "")))
+    g = report.get("generate", {})
+    if "truncated_share" in g:
+        rows.append(("generate: share cut at max_new_tokens", g["truncated_share"]))
+    rows.append(("vocab: coverage of supervised tokens", vo.get("coverage", "-")))
+    rows.append(("train: final loss", tr.get("final_loss", "-")))
+    rows.append(("train: step-0 accuracy", tr.get("step0_accuracy", "-")))
+    rows.append(("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})"))
+    rows.append((f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-")))
+    for name, s in ev.get("sets", {}).items():
+        rows.append((f"  {name}: τ / untrained τ / prompts", f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}"))
+    rows.append(("evaluate: per-position acceptance (cumulative)", ev.get("per_position_acceptance", "-")))
+    if "greedy_identical" in ev:
+        rows.append(("evaluate: greedy_identical", ev["greedy_identical"]))
+    return rows
+
+
+def run_all(cfg: Config) -> dict:
+    """Run every stage; returns ``report.json``'s content and prints the summary table."""
+    from .evaluate import run_evaluate
+    from .export import run_export
+    from .generate import run_generate
+    from .prompts import run_prompts
+    from .target import load_target
+    from .tokenize import run_tokenize
+    from .train import run_train
+    from .vocab import run_vocab
+
+    run = RunDir(cfg.run_dir)
+    timer = Timer()
+    console.rule(f"eagle3kit run → {run.path}")
+    target = load_target(cfg.target)
+    write_run_header(cfg, run, target)
+
+    key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model)
+    if _fresh(run, "prompts", key, "prompts.jsonl"):
+        console.print("prompts: up to date")
+    else:
+        run_prompts(cfg, run, target)
+        _mark(run, "prompts", key)
+    run_generate(cfg, run, target)
+    key = stage_key(cfg.tokenize, sha256_file(run / "conversations.jsonl"))
+    if _fresh(run, "tokenize", key, "tokens.safetensors"):
+        console.print("tokenize: up to date")
+    else:
+        run_tokenize(cfg, run, target.tokenizer)
+        _mark(run, "tokenize", key)
+    key = stage_key(cfg.vocab, sha256_file(run / "tokens.safetensors"))
+    if _fresh(run, "vocab", key, "vocab.safetensors"):
+        console.print("vocab: up to date")
+    else:
+        run_vocab(cfg, run, target.tokenizer)
+        _mark(run, "vocab", key)
+    run_train(cfg, run, target)
+    run_export(cfg, run)
+    run_evaluate(cfg, run, target)
+    run.update_report("run", {"seconds": round(timer.seconds, 1)})
+    report = run.report
+    print_table(f"eagle3kit run: {Path(cfg.run_dir)} ({timer.seconds / 60:.1f} min)", summary_rows(report))
+    return report

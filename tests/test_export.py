@@ -1,0 +1,52 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3kit.export import ExportError, export_drafter, load_exported, validate_tensors
+from test_drafter import tiny_drafter
+
+
+def test_c28_reduced_vocab_export_shapes_and_config(tmp_path):
+    d = tiny_drafter(vd=8)
+    out = export_drafter(d, tmp_path / "dr", provenance={"k": "v"})
+    cfg = json.loads((out / "config.json").read_text())
+    t = load_file(str(out / "model.safetensors"))
+    assert cfg["vocab_size"] == 97 and cfg["draft_vocab_size"] == 8
+    assert t["lm_head.weight"].shape[0] == 8 == t["d2t"].numel()
+    assert t["t2d"].numel() == 97 and t["t2d"].dtype == torch.bool and t["d2t"].dtype == torch.int64
+    assert not any("embed" in k for k in t) and not any(k.startswith("model.") for k in t)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False and "bias" not in cfg
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    assert cfg["target_hidden_size"] == 32 and t["fc.weight"].shape == (32, 96)
+    assert t["midlayer.self_attn.q_proj.weight"].shape == (32, 64)
+    back = load_exported(out)
+    assert torch.equal(back.lm_head.weight, d.lm_head.weight) and torch.equal(back.d2t, d.d2t)
+
+
+def test_c19_full_vocab_exports_no_maps(tmp_path):
+    out = export_drafter(tiny_drafter(), tmp_path / "full")
+    t = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in t and "t2d" not in t
+    assert load_exported(out).draft_to_target(torch.tensor([5])).item() == 5
+
+
+def test_c27_missing_or_stray_tensors_are_refused(tmp_path):
+    d = tiny_drafter(vd=8)
+    good = {k: v for k, v in d.state_dict().items() if not k.startswith("rotary")}
+    for drop in ("lm_head.weight", "fc.weight", "d2t"):
+        bad = {k: v for k, v in good.items() if k != drop}
+        with pytest.raises(ExportError, match=f"missing {drop}"):
+            validate_tensors(bad, d.config)
+    with pytest.raises(ExportError, match="unexpected tensor embed_tokens.weight"):
+        validate_tensors({**good, "embed_tokens.weight": torch.zeros(97, 32)}, d.config)
+
+
+def test_export_never_overwrites_without_being_asked(tmp_path):
+    export_drafter(tiny_drafter(), tmp_path / "x")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_drafter(tiny_drafter(), tmp_path / "x")
+    export_drafter(tiny_drafter(), tmp_path / "x", overwrite=True)

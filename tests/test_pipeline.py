@@ -1,0 +1,120 @@
+"""The whole `run` on a tiny random Llama (real SmolLM2 tokenizer and template, real prompts), then
+each stage alone from the CLI, decode vs simulate, and the train/eval overlap guard."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import GSM8K, MT_BENCH
+from eagle3kit.cli import app
+from eagle3kit.config import load_config
+from eagle3kit.pipeline import run_all
+from eagle3kit.rundir import DataError, RunDir
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_target_dir):
+    d = tmp_path_factory.mktemp("tiny-run")
+    cfg_path = d / "config.yaml"
+    cfg_path.write_text(f"""
+run_dir: {d / 'run'}
+target: {{model: {tiny_target_dir}, dtype: float64}}
+prompts:
+  sources: [{{path: {GSM8K}, stop: 40}}]
+generate: {{backend: transformers, max_new_tokens: 32, batch_size: 8}}
+vocab: {{draft_vocab_size: 512}}
+train: {{epochs: 12, ttt_steps: 3, tokens_per_step: 512, lr: 0.002}}
+evaluate:
+  k: 3
+  max_new_tokens: 32
+  sets: [{{path: {MT_BENCH}, name: mt_bench, limit: 4}}]
+""")
+    cfg = load_config(cfg_path)
+    report = run_all(cfg)
+    return cfg, cfg_path, RunDir(cfg.run_dir), report
+
+
+def test_run_writes_every_stage_and_the_report_keys(tiny_run):
+    cfg, _, run, report = tiny_run
+    for name in ("prompts.jsonl", "conversations.jsonl", "tokens.safetensors", "vocab.safetensors",
+                 "checkpoints/best.safetensors", "drafter/config.json", "drafter/model.safetensors", "manifest.json"):
+        assert (run / name).exists(), name
+    ev = report["evaluate"]
+    assert ev["mode"] == "simulate" and ev["k"] == 3 and ev["num_prompts"] == 4
+    assert len(ev["per_position_acceptance"]) == 3 and "mt_bench" in ev["sets"]
+    assert 1.0 <= ev["tau"] <= 4.0
+    assert report["prompts"]["rows_kept"] == 40 and report["generate"]["rows_kept"] == 40
+    assert report["tokenize"]["rows_kept"] + sum(v for k, v in report["tokenize"].items() if k.startswith("dropped_")) == 40
+    assert 0 < report["vocab"]["coverage"] <= 1
+    assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
+    m = run.manifest
+    assert m["aux_layer_ids"] == {"convention": "hf_output_hidden_states_index", "ids": [2, 4, 5]}
+    assert m["tokenizer_sha256"] and m["chat_template_sha256"] and m["draft_vocab_sha256"]
+    exported = json.loads((run / "drafter/config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert exported["draft_vocab_size"] == 512 and exported["vocab_size"] == 49152
+
+
+def test_training_beats_the_untrained_drafter(tiny_run):
+    ev = tiny_run[3]["evaluate"]
+    assert ev["untrained_tau"] < 1.1
+    assert ev["tau"] > ev["untrained_tau"] + 0.3
+
+
+def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
+    from eagle3kit.evaluate import run_evaluate
+
+    cfg, _, run, _ = tiny_run
+    rep = run_evaluate(cfg, run, mode="decode")
+    assert rep["greedy_identical"] is True
+    s = rep["sets"]["mt_bench"]
+    assert s["mismatches"] == []
+    assert s["tau"] == pytest.approx(s["simulate_tau_same_prompts"], abs=1e-9)
+    assert s["tau"] > 1.2
+    assert sum(1 for h in s["accept_histogram"] if h) >= 2    # partial acceptances and rejections both happened
+
+
+def test_each_stage_runs_alone_from_the_cli(tiny_run):
+    _, cfg_path, run, _ = tiny_run
+    r = CliRunner()
+    res = r.invoke(app, ["vocab", "--config", str(cfg_path)])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again")])
+    assert res.exit_code == 0, res.output
+    assert (run / "again/model.safetensors").exists()
+    res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again")])
+    assert res.exit_code == 2 and "overwrite" in res.output
+
+
+def test_a_stage_without_its_input_says_which_stage_to_run(tmp_path):
+    res = CliRunner().invoke(app, ["tokenize", "--run-dir", str(tmp_path / "empty")])
+    assert res.exit_code == 2
+    out = " ".join(res.output.split()).replace("\n", "")
+    assert "is missing: run `eagle3kit generate" in out
+
+
+def test_evaluation_prompts_that_were_trained_on_are_refused(tiny_run, tmp_path):
+    from eagle3kit.evaluate import run_evaluate
+
+    cfg, _, run, _ = tiny_run
+    bad = cfg.model_copy(deep=True)
+    bad.evaluate.sets[0].path = str(GSM8K)
+    bad.evaluate.sets[0].limit = 3
+    with pytest.raises(DataError, match="were trained on"):
+        run_evaluate(bad, run)
+
+
+def test_c16_shallow_target_fails_before_any_work(tmp_path, smollm2_tokenizer):
+    from conftest import build_tiny_llama
+
+    d = tmp_path / "four"
+    build_tiny_llama(4).save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "target": {"model": str(d)}})
+    from eagle3kit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[2, 2, 1\]"):
+        run_all(cfg)
+    assert not (tmp_path / "run" / "prompts.jsonl").exists()

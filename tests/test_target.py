@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from conftest import build_tiny_llama
+from eagle3kit.config import TargetConfig
+from eagle3kit.target import Target, capture_layer_inputs, resolve_aux_layer_ids, resolve_parts, target_features, teacher_logits
+
+
+def _wrap(model):
+    return Target(model=model, tokenizer=None, parts=resolve_parts(model))
+
+
+def test_c14_hidden_state_indices_on_a_4_layer_model():
+    m = build_tiny_llama(4, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 9))
+    out = m(input_ids=ids, output_hidden_states=True)
+    hs = out.hidden_states
+    assert len(hs) == 5
+    assert torch.equal(hs[0], m.model.embed_tokens(ids))
+    seen = {}
+    hooks = [m.model.layers[i].register_forward_hook(lambda mod, a, kw, o, i=i: seen.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True)
+             for i in range(4)]
+    with capture_layer_inputs(m.model.layers, [1, 2, 3]) as store:
+        m(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    for i in (1, 2, 3):
+        assert torch.equal(store[i], seen[i])        # our capture = the input of layer i seen by a hook
+        assert torch.allclose(store[i], hs[i], atol=0, rtol=0)  # = HF index i
+    # HF index N is after the final norm: not equal to the pre-norm input of the norm
+    assert not torch.allclose(hs[4], store[3])
+
+
+def test_c13_output_of_layer_and_hf_numbering_select_the_same_tensors():
+    m = build_tiny_llama(8, vocab_size=97)
+    t = _wrap(m)
+    ids = torch.randint(0, 97, (1, 12))
+    a = resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8)
+    b = resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[2, 5, 7]), 8)
+    assert a == b == (2, 5, 7)
+    aux, _ = target_features(t, ids, None, a)
+    hs = m(input_ids=ids, output_hidden_states=True).hidden_states
+    assert torch.equal(aux, torch.cat([hs[2], hs[5], hs[7]], -1))
+
+
+def test_c15_teacher_logits_apply_the_final_norm_once():
+    m = build_tiny_llama(4, vocab_size=97)
+    t = _wrap(m)
+    ids = torch.randint(0, 97, (2, 7))
+    _, last = target_features(t, ids, None, (1, 2, 3))
+    ref = m(input_ids=ids).logits
+    assert torch.allclose(teacher_logits(t, last), ref, atol=1e-5)
+    sub = torch.tensor([3, 10, 50])
+    assert torch.allclose(teacher_logits(t, last, sub), ref[..., sub], atol=1e-5)
+
+
+def test_resolver_finds_parts_through_a_wrapper():
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.language_model = inner
+
+        def get_output_embeddings(self):
+            return self.language_model.lm_head
+
+    inner = build_tiny_llama(4, vocab_size=97)
+    parts = resolve_parts(Wrapper(inner))
+    assert parts.layers is inner.model.layers and parts.lm_head is inner.lm_head and parts.final_norm is inner.model.norm
+
+
+@pytest.mark.smollm2
+def test_smollm2_loads_from_the_package_without_a_hub(smollm2_target):
+    t = smollm2_target
+    assert t.num_layers == 30 and t.hidden_size == 576 and t.vocab_size == 49152
+    assert resolve_aux_layer_ids(TargetConfig(), t.num_layers) == (2, 15, 27)
+    assert t.source["gguf_file"].endswith(".gguf")
+    assert t.end_of_turn_ids() == [2]  # <|im_end|>
+    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]
+    out = t.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    text = t.tokenizer.decode(out[0, len(ids):])
+    assert "4" in text
