@@ -124,7 +124,9 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
              k: Optional[int] = typer.Option(None, help="draft tokens per verify step"),
              drafter: Optional[Path] = typer.Option(None, help="drafter folder (default: <run>/drafter)"),
              num_prompts: Optional[int] = typer.Option(None, help="cap prompts per set"),
-             max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit")):
+             max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit"),
+             sets: Optional[str] = typer.Option(None, "--sets", help="comma-separated names of evaluate.sets to run"),
+             section: str = typer.Option("evaluate", help="report.json section to write (keep several evaluations apart)")):
     """Measure τ and per-position acceptance (simulate) or decode for real and check losslessness."""
     from .evaluate import run_evaluate
 
@@ -135,7 +137,8 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
         cfg.evaluate.num_prompts = num_prompts
     if max_new_tokens:
         cfg.evaluate.max_new_tokens = max_new_tokens
-    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None, mode=mode, k=k)
+    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None, mode=mode, k=k,
+                       only_sets=sets.split(",") if sets else None, section=section)
     _show("evaluate", rep)
 
 

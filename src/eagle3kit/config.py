@@ -103,7 +103,7 @@ class VocabConfig(_Strict):
 class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1)
     step_weight: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k")
-    epochs: int = Field(default=4, ge=1)
+    epochs: int = Field(default=20, ge=1)
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0

@@ -151,8 +151,10 @@ def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafte
 
 
 def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter_dir: str | None = None,
-                 mode: str | None = None, k: int | None = None) -> dict:
-    """Evaluate the exported drafter (``<run>/drafter`` or ``drafter_dir``) on every prompt set."""
+                 mode: str | None = None, k: int | None = None, only_sets: list[str] | None = None,
+                 section: str = "evaluate") -> dict:
+    """Evaluate the exported drafter (``<run>/drafter`` or ``drafter_dir``) on every prompt set
+    (or those named in ``only_sets``); the result goes to ``report.json`` under ``section``."""
     from .export import load_exported
     from .target import load_target
 
@@ -174,7 +176,13 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
     report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}
     all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
     n_prompts, identical = 0, True
-    for name, rows in eval_sets(cfg, run).items():
+    sets = eval_sets(cfg, run)
+    if only_sets:
+        unknown = sorted(set(only_sets) - set(sets))
+        if unknown:
+            raise ConfigError(f"no evaluation set named {unknown}; the config has {sorted(sets)}")
+        sets = {k_: v for k_, v in sets.items() if k_ in only_sets}
+    for name, rows in sets.items():
         overlap = check_overlap(train_rows, rows)
         prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
         entry: dict = {"num_prompts": len(rows), **overlap}
@@ -209,5 +217,5 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
         report["untrained_tau"] = round(all_base.tau, 4)
     if mode == "decode":
         report["greedy_identical"] = identical
-    run.record_stage("evaluate", {"drafter": str(folder), "mode": mode, "k": k}, report)
+    run.record_stage(section, {"drafter": str(folder), "mode": mode, "k": k}, report)
     return report

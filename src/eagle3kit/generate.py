@@ -87,11 +87,15 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager`` and a fixed KV-cache size
     (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as the CPU build needs (DESIGN.md §6).
     """
-    key = (id(target), max_model_len)
-    if key in _VLLM:
+    key = id(target)
+    if key in _VLLM and _VLLM[key].llm_engine.model_config.max_model_len >= max_model_len:
         return _VLLM[key]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
     folder = export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16])
     from vllm import LLM
 
@@ -125,7 +129,7 @@ def vllm_generate(
     """Same contract as :func:`transformers_generate`, through vLLM's offline engine."""
     from vllm import SamplingParams
 
-    llm = vllm_engine(target, max_model_len=max(len(p) for p in prompts) + max_new_tokens + 8)
+    llm = vllm_engine(target, max_model_len=max(4096, max(len(p) for p in prompts) + max_new_tokens + 8))
     eot = target.end_of_turn_ids()
     params = SamplingParams(
         temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,

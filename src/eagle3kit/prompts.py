@@ -158,6 +158,7 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     import torch
 
     from .generate import transformers_generate
+    from .ui import progress
 
     tok = target.tokenizer
     prefix_ids = tok(magpie_prefix(tok), add_special_tokens=False)["input_ids"]
@@ -166,6 +167,10 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     seen: set[str] = set()
     attempts = 0
     gen = torch.Generator().manual_seed(seed)
+    bar = progress()
+    bar.start()
+    task = bar.add_task("synthesize prompts (Magpie)", total=n, tokens=0, note="")
+    made_tokens = 0
     while len(rows) < n and attempts < 4 * n:
         b = min(batch_size, 4 * n - attempts)
         attempts += b
@@ -173,6 +178,7 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
             target, [prefix_ids] * b, max_new_tokens, temperature=1.0, top_p=0.95,
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
         )
+        made_tokens += sum(len(o) for o in outs)
         for ids in outs:
             if not ids or ids[-1] not in eot:
                 continue
@@ -188,6 +194,8 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
             rows.append({"id": pid, "messages": msgs, "source": "magpie", "category": None})
             if len(rows) >= n:
                 break
+        bar.update(task, completed=len(rows), tokens=made_tokens, note=f"{attempts} sampled")
+    bar.stop()
     return rows
 
 

@@ -339,7 +339,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     final = history[-1] if history else {}
     result = {
         "final_loss": final.get("train_loss"), "step0_accuracy": final.get("train_step0_accuracy"),
-        "best_epoch": best["epoch"], "best_val_tau": best["val_tau"] if val else None,
+        "best_epoch": best["epoch"], "best_val_tau": round(best["val_tau"], 4) if val else None,
         "epochs": tc.epochs, "ttt_steps": tc.ttt_steps, "train_samples": len(train), "val_samples": len(val),
         "history": history, "last_step": last_stats,
     }

