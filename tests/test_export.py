@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle3kit.export import ExportError, export_drafter, load_exported, validate_tensors
 from test_drafter import tiny_drafter

@@ -1,4 +1,3 @@
-import json
 
 from conftest import GSM8K
 from eagle3kit.config import Config, GenerateConfig, PromptSource, PromptsConfig, TargetConfig

@@ -3,7 +3,6 @@ each stage alone from the CLI, decode vs simulate, and the train/eval overlap gu
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from conftest import GSM8K, MT_BENCH
@@ -118,3 +117,36 @@ def test_c16_shallow_target_fails_before_any_work(tmp_path, smollm2_tokenizer):
     with pytest.raises(ConfigError, match=r"\[2, 2, 1\]"):
         run_all(cfg)
     assert not (tmp_path / "run" / "prompts.jsonl").exists()
+
+
+def test_train_rerun_resumes_and_never_deletes_earlier_checkpoints(tiny_run):
+    from eagle3kit.train import run_train
+
+    cfg, _, run, report = tiny_run
+    target = None
+    again = run_train(cfg, run, target)                  # every epoch is done: nothing is retrained
+    assert again["history"] == report["train"]["history"]
+    before = (run / "checkpoints/best.safetensors").read_bytes()
+    changed = cfg.model_copy(deep=True)
+    changed.train.epochs = 1
+    run_train(changed, run)                               # other inputs: the old state is set aside, not lost
+    assert (run / "checkpoints.prev-1/best.safetensors").read_bytes() == before
+    assert (run / "checkpoints.prev-1/train_log.jsonl").exists()
+
+
+def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3kit.config import ConfigError
+    from eagle3kit.train import run_train
+
+    cfg, _, run, _ = tiny_run
+    other = RunDir(tmp_path / "other")
+    for name in ("tokens.safetensors", "vocab.safetensors"):
+        shutil.copy(run / name, other / name)
+    save_file(load_file(str(other / "vocab.safetensors")), str(other / "vocab.safetensors"),
+              metadata={"tokenizer_sha256": "0" * 64})
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        run_train(cfg, other)

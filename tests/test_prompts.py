@@ -1,10 +1,9 @@
-import json
 
 import pytest
 
 from conftest import GSM8K, MT_BENCH, SHARED
 from eagle3kit.config import Config, PromptSource, PromptsConfig
-from eagle3kit.prompts import dedupe, magpie_prefix, parse_row, read_source, run_prompts, synthesize
+from eagle3kit.prompts import magpie_prefix, parse_row, read_source, run_prompts, synthesize
 from eagle3kit.rundir import DataError, RunDir, read_jsonl
 
 

@@ -1,6 +1,5 @@
 import json
 
-import torch
 
 from eagle3kit.config import Config, TokenizeConfig
 from eagle3kit.generate import render_prompt_ids

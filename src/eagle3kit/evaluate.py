@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError, PromptSource
+from .config import Config, ConfigError
 from .drafter import Eagle3Drafter
 from .generate import generate_completions, pick_backend, render_prompt_ids
 from .metrics import AcceptanceStats

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__
-from .config import Config, ConfigError
+from .config import Config
 from .drafter import DrafterConfig, Eagle3Drafter
-from .rundir import RunDir, sha256_file
+from .rundir import RunDir, sha256_tensors
 from .vocab import DraftVocab, check_maps
 
 
@@ -178,9 +178,9 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
     drafter = load_drafter_checkpoint(src)
     m = run.manifest
     prov = {k: m.get(k) for k in ("target", "tokenizer_sha256", "chat_template_sha256", "draft_vocab_sha256", "aux_layer_ids") if k in m}
-    prov["checkpoint_sha256"] = sha256_file(src)
+    prov["checkpoint_sha256"] = sha256_tensors(src)
     out = export_drafter(drafter, out_dir or (run / "drafter"), prov, overwrite=overwrite)
-    res = {"path": str(out), "model_sha256": sha256_file(out / "model.safetensors"),
+    res = {"path": str(out), "model_sha256": sha256_tensors(out / "model.safetensors"),
            "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
     run.record_stage("export", {"checkpoint": prov["checkpoint_sha256"]}, res)
     return res

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import Config, dump_config
-from .rundir import RunDir, sha256_file, sha256_json
+from .rundir import RunDir, sha256_file, sha256_tensors, sha256_json
 from .ui import Timer, console, print_table
 
 
@@ -103,7 +103,7 @@ def run_all(cfg: Config) -> dict:
     else:
         run_tokenize(cfg, run, target.tokenizer)
         _mark(run, "tokenize", key)
-    key = stage_key(cfg.vocab, sha256_file(run / "tokens.safetensors"))
+    key = stage_key(cfg.vocab, sha256_tensors(run / "tokens.safetensors"))
     if _fresh(run, "vocab", key, "vocab.safetensors"):
         console.print("vocab: up to date")
     else:

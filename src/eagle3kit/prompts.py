@@ -18,7 +18,6 @@ import json
 import random
 import re
 from collections import Counter
-from pathlib import Path
 
 from .config import Config, PromptSource
 from .rundir import DataError, RunDir, read_jsonl, sha256_file, write_jsonl

@@ -39,6 +39,23 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def sha256_tensors(path: str | Path) -> str:
+    """SHA-256 of a safetensors file's *content*: tensor names, dtypes, shapes, bytes and
+    metadata in sorted order. (The file bytes are not stable: safetensors writes its metadata
+    map in arbitrary order.)"""
+    import torch
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(path), "pt") as f:
+        h.update(json.dumps(sorted((f.metadata() or {}).items())).encode())
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name)
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def sha256_json(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
 

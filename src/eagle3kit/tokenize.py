@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import Config
 from .generate import render_prompt_ids
-from .rundir import DataError, RunDir, read_jsonl, sha256_file
+from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
 
 
 def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[list[int], list[int], str | None, bool]:
@@ -44,7 +44,7 @@ def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[li
         if completion and row.get("finish_reason") != "length":
             completion = completion + [eot_id]
     body = [t for t in completion if t != eot_id]
-    if not body:
+    if not body or (row.get("content") is not None and not str(row["content"]).strip()):
         return [], [], "empty_completion", mismatch
     if len(prompt) >= max_length - 1:
         return [], [], "prompt_reaches_max_length", mismatch
@@ -107,6 +107,6 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_id: int | None = 
     save_shard(out, samples, {"tokenizer_sha256": tokenizer_hash(tok)})
     res = {k: v for k, v in counts.items()}
     run.record_stage("tokenize", {"conversations.jsonl": sha256_file(src), "tokenizer": tokenizer_hash(tok),
-                                  "max_length": cfg.tokenize.max_length}, res, {"tokens.safetensors": sha256_file(out)})
+                                  "max_length": cfg.tokenize.max_length}, res, {"tokens.safetensors": sha256_tensors(out)})
     run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
     return res

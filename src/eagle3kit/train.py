@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
-from .rundir import RunDir, sha256_file, sha256_json, write_json
+from .rundir import RunDir, sha256_tensors, sha256_json
 from .target import Target, pick_device, resolve_aux_layer_ids, target_features
 from .tokenize import load_shard
 from .ui import Timer, console, progress
@@ -221,6 +220,19 @@ def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
     return d.to(device)
 
 
+def _set_aside(ckpt: Path, log: Path) -> Path:
+    """Move a previous run's checkpoints (and its log) to ``checkpoints.prev-N``; never delete them."""
+    n = 1
+    while ckpt.with_name(f"checkpoints.prev-{n}").exists():
+        n += 1
+    dest = ckpt.with_name(f"checkpoints.prev-{n}")
+    ckpt.rename(dest)
+    if log.exists():
+        log.rename(dest / log.name)
+    ckpt.mkdir()
+    return dest
+
+
 def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     """Train the drafter; writes ``checkpoints/`` and ``train_log.jsonl``; returns the report section."""
     from .target import load_target
@@ -229,11 +241,20 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     device = pick_device(tc.device)
     shard = run.require("tokens.safetensors", "tokenize")
     vocab_path = run.require("vocab.safetensors", "vocab")
-    vocab, _ = load_vocab(vocab_path, expected_size=cfg.vocab.draft_vocab_size)
+    vocab, vocab_meta = load_vocab(vocab_path, expected_size=cfg.vocab.draft_vocab_size)
     if target is None:
         target = load_target(cfg.target, device=device)
     if vocab.vocab_size != target.vocab_size:
         raise ConfigError(f"{vocab_path} was built for a vocabulary of {vocab.vocab_size}, the target has {target.vocab_size}")
+    from safetensors import safe_open
+
+    from .target import tokenizer_hash
+
+    tok_hash = tokenizer_hash(target.tokenizer)
+    for path, meta in ((vocab_path, vocab_meta), (shard, safe_open(str(shard), "pt").metadata() or {})):
+        if meta.get("tokenizer_sha256") not in (None, tok_hash):
+            raise ConfigError(f"{path} was built with another tokenizer than {cfg.target.model}'s; "
+                              "rerun `eagle3kit tokenize` and `eagle3kit vocab` for this target")
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     rows = load_shard(shard)
     samples = [Sample(ids, mask) for ids, mask in rows if mask[1:].any()]
@@ -247,7 +268,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     train = [samples[i] for i in order[n_val:]]
     ckpt = run / "checkpoints"
     ckpt.mkdir(exist_ok=True)
-    inputs = {"tokens": sha256_file(shard), "vocab": sha256_file(vocab_path), "aux_layer_ids": list(aux_ids),
+    inputs = {"tokens": sha256_tensors(shard), "vocab": sha256_tensors(vocab_path), "aux_layer_ids": list(aux_ids),
               "train_config": sha256_json(tc.model_dump(mode="json")), "target": target.source.get("weights_fingerprint")}
 
     drafter = build_drafter(target, vocab, aux_ids, tc.seed).to(device)
@@ -275,7 +296,10 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             torch.set_rng_state(st["torch_rng"])  # batch order is seeded per epoch; the split is seeded once
             console.print(f"[green]train: resuming after epoch {st['epoch'] + 1} of {tc.epochs}")
         else:
-            console.print("[yellow]train: checkpoints/ belong to other inputs; starting fresh (old state is overwritten)")
+            changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
+            keep = _set_aside(ckpt, run / "train_log.jsonl")
+            console.print(f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
+                          f"moved them to {keep} and starting fresh")
     if start_epoch >= tc.epochs:
         console.print("[green]train: all epochs already done")
     timer = Timer()
@@ -288,7 +312,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     for epoch in range(start_epoch, tc.epochs):
         drafter.train()
         batches = length_batches([s.ids.numel() for s in train], tc.tokens_per_step, True, random.Random(tc.seed + epoch))
-        ep_loss, ep_acc0, ep_n = 0.0, 0.0, 0
+        ep_loss, ep_acc0, ep_n, ep_tokens = 0.0, 0.0, 0, 0
         with progress() as bar:
             task = bar.add_task(f"train epoch {epoch + 1}/{tc.epochs}", total=len(batches), tokens=0, note="")
             for b in batches:
@@ -305,6 +329,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                 step += 1
                 ntok = int(batch["key_mask"].sum())
                 trained_tokens += ntok
+                ep_tokens += ntok
                 if not tc.feature_cache:
                     for i in b:
                         train[i].aux = train[i].last = train[i].argmax = None
@@ -312,11 +337,12 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                        "acc": [round(a, 4) for a in st["acc"]], "n": st["n"], "implied_tau": round(implied_tau(st["acc"]), 4),
                        "tokens": ntok}
                 log.write(json.dumps(rec) + "\n")
-                ep_loss += float(loss.detach()) * max(st["n"][0], 1)
-                ep_acc0 += st["acc"][0] * st["n"][0]
-                ep_n += max(st["n"][0], 1)
+                if st["n"][0]:  # a batch with no supervised token adds nothing (no fake 0 in the mean)
+                    ep_loss += float(loss.detach()) * st["n"][0]
+                    ep_acc0 += st["acc"][0] * st["n"][0]
+                    ep_n += st["n"][0]
                 last_stats = rec
-                bar.update(task, advance=1, tokens=trained_tokens,
+                bar.update(task, advance=1, tokens=ep_tokens,
                            note=f"loss {float(loss.detach()):.3f} acc0 {st['acc'][0]:.3f} τ≈{rec['implied_tau']:.2f}")
         log.flush()
         val_stats = simulate_samples(drafter, target, val, cfg.evaluate.k, device) if val else None
@@ -345,6 +371,6 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     }
     if trained_tokens:
         result["tokens_per_s"] = round(trained_tokens / timer.seconds, 1)
-    run.record_stage("train", inputs, result, {"best.safetensors": sha256_file(ckpt / "best.safetensors")})
+    run.record_stage("train", inputs, result, {"best.safetensors": sha256_tensors(ckpt / "best.safetensors")})
     run.update_manifest(aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)})
     return result

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import Config, ConfigError
-from .rundir import DataError, RunDir, sha256_file
+from .rundir import DataError, RunDir, sha256_tensors
 
 
 @dataclass
@@ -182,9 +182,9 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
         if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
             keep.append(tid)
     vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
-    meta = {"data_sha256": sha256_file(shard_path), "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
+    meta = {"data_sha256": sha256_tensors(shard_path), "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
     out = run / "vocab.safetensors"
     save_vocab(out, vocab, meta)
-    run.record_stage("vocab", meta, stats, {"vocab.safetensors": sha256_file(out)})
-    run.update_manifest(draft_vocab_sha256=sha256_file(out))
+    run.record_stage("vocab", meta, stats, {"vocab.safetensors": sha256_tensors(out)})
+    run.update_manifest(draft_vocab_sha256=sha256_tensors(out))
     return stats
