@@ -3,6 +3,7 @@ each stage alone from the CLI, decode vs simulate, and the train/eval overlap gu
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import GSM8K, MT_BENCH
@@ -84,7 +85,15 @@ def test_each_stage_runs_alone_from_the_cli(tiny_run):
     assert res.exit_code == 0, res.output
     assert (run / "again/model.safetensors").exists()
     res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again")])
-    assert res.exit_code == 2 and "overwrite" in res.output
+    assert res.exit_code == 0 and "up_to_date" in res.output          # the same checkpoint: nothing to do
+    from eagle3kit.train import load_drafter_checkpoint, save_drafter_checkpoint
+
+    other = load_drafter_checkpoint(run / "checkpoints/best.safetensors")
+    with torch.no_grad():
+        other.norm.weight.add_(1.0)
+    save_drafter_checkpoint(other, run / "other.safetensors", {})
+    res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again"), "--checkpoint", str(run / "other.safetensors")])
+    assert res.exit_code == 2 and "overwrite" in res.output             # another drafter is never overwritten silently
 
 
 def test_a_stage_without_its_input_says_which_stage_to_run(tmp_path):
@@ -150,3 +159,63 @@ def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):
               metadata={"tokenizer_sha256": "0" * 64})
     with pytest.raises(ConfigError, match="another tokenizer"):
         run_train(cfg, other)
+
+
+def test_rows_from_other_settings_or_other_prompts_never_reach_training(tiny_run, tmp_path):
+    import shutil
+
+    from eagle3kit.config import ConfigError
+    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.generate import run_generate
+    from eagle3kit.tokenize import run_tokenize
+
+    cfg, _, run, _ = tiny_run
+    other = RunDir(tmp_path / "r")
+    for name in ("prompts.jsonl", "conversations.jsonl", "vocab.safetensors", "manifest.json"):
+        shutil.copy(run / name, other / name)
+    shutil.copytree(run / "drafter", other / "drafter")
+    c2 = cfg.model_copy(deep=True)
+    c2.run_dir = str(other.path)
+    c2.generate.max_new_tokens = 16                       # other sampling settings: refuse to mix
+    with pytest.raises(ConfigError, match="another sampling"):
+        run_generate(c2, other)
+    # the prompt set shrinks: old conversations stay on disk but are not tokenized ...
+    rows = (other / "prompts.jsonl").read_text().splitlines()
+    (other / "prompts.jsonl").write_text("\n".join(rows[:30]) + "\n")
+    counts = run_tokenize(cfg, other)
+    assert counts["dropped_not_in_prompts"] == 10 and counts["rows_in"] == 40
+    # ... and an evaluation set holding one of them is still refused as trained-on
+    import json as _json
+
+    dropped = _json.loads(rows[35])
+    (tmp_path / "ev.jsonl").write_text(_json.dumps({"messages": dropped["messages"]}) + "\n")
+    c3 = cfg.model_copy(deep=True)
+    c3.evaluate.sets[0].path = str(tmp_path / "ev.jsonl")
+    with pytest.raises(DataError, match="were trained on"):
+        run_evaluate(c3, other)
+
+
+def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_path, smollm2_tokenizer):
+    from conftest import build_tiny_llama
+    from eagle3kit.config import ConfigError
+    from eagle3kit.evaluate import run_evaluate
+
+    cfg, _, run, _ = tiny_run
+    d = tmp_path / "other-tiny"
+    build_tiny_llama(8, seed=1).save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    c2 = cfg.model_copy(deep=True)
+    c2.target.model = str(d)
+    with pytest.raises(ConfigError, match="trained on another target"):
+        run_evaluate(c2, run)
+
+
+def test_an_empty_evaluation_set_is_an_error_not_tau_1(tiny_run, tmp_path):
+    from eagle3kit.config import ConfigError
+    from eagle3kit.evaluate import run_evaluate
+
+    cfg, _, run, _ = tiny_run
+    c2 = cfg.model_copy(deep=True)
+    c2.evaluate.sets[0].categories = ["no-such-category"]
+    with pytest.raises(ConfigError, match="hold no prompts"):
+        run_evaluate(c2, run)

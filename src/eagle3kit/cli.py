@@ -22,12 +22,25 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: <ru
 RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
 
 
-def _setup(config: Optional[Path], run_dir: Optional[Path]):
-    over = {"run_dir": str(run_dir)} if run_dir else {}
+def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None):
+    """Config for a stage: ``--config``, else ``<run-dir>/config.yaml``, else the built-in defaults;
+    CLI flags are merged in and validated like the file. The config used is written back to
+    ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir`` alone uses it too."""
+    from .config import dump_config
+
+    over = {k: v for k, v in (overrides or {}).items() if v not in (None, {})}
+    if run_dir:
+        over["run_dir"] = str(run_dir)
     if config is None and run_dir is not None and (run_dir / "config.yaml").exists():
         config = run_dir / "config.yaml"
     cfg = load_config(config, over)
-    return cfg, RunDir(cfg.run_dir)
+    run = RunDir(cfg.run_dir)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    return cfg, run
+
+
+def _some(**kw) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def _guard(fn):
@@ -66,9 +79,7 @@ def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
     """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
     from .generate import run_generate
 
-    cfg, run = _setup(config, run_dir)
-    if backend:
-        cfg.generate.backend = backend  # type: ignore[assignment]
+    cfg, run = _setup(config, run_dir, {"generate": _some(backend=backend)})
     _show("generate", run_generate(cfg, run))
 
 
@@ -112,9 +123,8 @@ def export(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirO
     from .export import run_export
 
     cfg, run = _setup(config, run_dir)
-    default_out = out is None
     _show("export", run_export(cfg, run, str(checkpoint) if checkpoint else None, str(out) if out else None,
-                               overwrite=overwrite or default_out))
+                               overwrite=overwrite))
 
 
 @app.command()
@@ -130,14 +140,12 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
     """Measure τ and per-position acceptance (simulate) or decode for real and check losslessness."""
     from .evaluate import run_evaluate
 
-    cfg, run = _setup(config, run_dir)
-    if mode not in (None, "simulate", "decode"):
-        raise ConfigError(f"--mode must be simulate or decode, got {mode!r}")
-    if num_prompts:
-        cfg.evaluate.num_prompts = num_prompts
-    if max_new_tokens:
-        cfg.evaluate.max_new_tokens = max_new_tokens
-    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None, mode=mode, k=k,
+    import re
+
+    if not re.fullmatch(r"evaluate[\w-]*", section):
+        raise ConfigError(f"--section must start with 'evaluate' (it names a report.json section), got {section!r}")
+    cfg, run = _setup(config, run_dir, {"evaluate": _some(mode=mode, k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)})
+    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None,
                        only_sets=sets.split(",") if sets else None, section=section)
     _show("evaluate", rep)
 

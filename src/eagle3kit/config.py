@@ -13,13 +13,33 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 
 
 class ConfigError(ValueError):
     """A configuration that contradicts itself or the target; the message names field and fix."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses a key given twice in one mapping (the last would win silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one section; keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_labels(sources: list, where: str) -> None:
+    labels = [s.label for s in sources]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"{where}: names {dup} are used twice; give each source a distinct `name`")
 
 
 class _Strict(BaseModel):
@@ -74,6 +94,11 @@ class PromptsConfig(_Strict):
     heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _names(self):
+        _unique_labels(self.sources, "prompts.sources")
+        return self
+
 
 class GenerateConfig(_Strict):
     backend: Literal["auto", "transformers", "vllm"] = "auto"
@@ -125,9 +150,14 @@ class EvaluateConfig(_Strict):
     untrained_baseline: bool = True
     device: str = "auto"
 
+    @model_validator(mode="after")
+    def _names(self):
+        _unique_labels(self.sets, "evaluate.sets")
+        return self
+
 
 class Config(_Strict):
-    run_dir: str = "runs/default"
+    run_dir: str = Field(default="runs/default", min_length=1)
     target: TargetConfig = TargetConfig()
     prompts: PromptsConfig = PromptsConfig()
     generate: GenerateConfig = GenerateConfig()
@@ -150,14 +180,18 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
     for key, value in (overrides or {}).items():
-        if isinstance(value, dict):
-            data.setdefault(key, {}).update(value)
+        if isinstance(value, dict) and isinstance(data.get(key, {}), dict):
+            data[key] = {**(data.get(key) or {}), **value}
         else:
             data[key] = value
     try:

@@ -14,6 +14,7 @@ way, so a report always shows what training added. Prompts seen in training are 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -40,10 +41,25 @@ def eval_sets(cfg: Config, run: RunDir) -> dict[str, list[dict]]:
         path = run.require("heldout.jsonl", "prompts")
         sets["heldout"] = [r for _, r in read_jsonl(path)]
         if not sets["heldout"]:
-            raise ConfigError("no held-out prompts: set prompts.heldout_fraction > 0 or give evaluate.sets")
+            raise ConfigError(f"{path} holds no prompts: rerun `eagle3kit prompts` with prompts.heldout_fraction > 0, "
+                              "or give evaluate.sets")
     if cfg.evaluate.num_prompts:
         sets = {k: v[: cfg.evaluate.num_prompts] for k, v in sets.items()}
+    empty = [k for k, v in sets.items() if not v]
+    if empty:
+        raise ConfigError(f"evaluation sets {empty} hold no prompts after their filters; fix their path, categories or slice")
     return sets
+
+
+def trained_prompt_rows(run: RunDir) -> list[dict]:
+    """Every prompt this run could have trained on: ``prompts.jsonl`` and every row of
+    ``conversations.jsonl`` (which may hold rows generated for an earlier prompt set)."""
+    rows = []
+    for name in ("prompts.jsonl", "conversations.jsonl"):
+        if (run / name).exists():
+            rows += [{"id": r.get("id"), "messages": r["messages"]} for _, r in read_jsonl(run / name)
+                     if isinstance(r, dict) and isinstance(r.get("messages"), list)]
+    return rows
 
 
 def _word_set(text: str) -> set[str]:
@@ -169,8 +185,16 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
     if drafter.config.target_hidden_size != target.hidden_size or drafter.config.vocab_size != target.vocab_size:
         raise ConfigError(f"{folder} was trained for another target (hidden {drafter.config.target_hidden_size}, "
                           f"vocab {drafter.config.vocab_size}) than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})")
+    trained_on = (json.loads((folder / "config.json").read_text()).get("eagle3kit") or {}).get("target") or {}
+    fp, now = trained_on.get("weights_fingerprint"), target.source.get("weights_fingerprint")
+    if fp and now and fp != now:
+        raise ConfigError(f"{folder} was trained on another target ({trained_on.get('model')}, weights {fp[:12]}…) than "
+                          f"{cfg.target.model} (weights {now[:12]}…); evaluate it with the target it was trained for")
+    if max(drafter.config.aux_layer_ids) >= target.num_layers:
+        raise ConfigError(f"{folder} reads aux layers {drafter.config.aux_layer_ids}, but {cfg.target.model} has "
+                          f"{target.num_layers} layers: it was trained for another target")
     drafter = drafter.to(target.dtype)
-    train_rows = [r for _, r in read_jsonl(run / "prompts.jsonl")] if (run / "prompts.jsonl").exists() else []
+    train_rows = trained_prompt_rows(run)
     backend = pick_backend(cfg.generate.backend)
     baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
     report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}

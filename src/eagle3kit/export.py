@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from . import __version__
 from .config import Config
 from .drafter import DrafterConfig, Eagle3Drafter
-from .rundir import RunDir, sha256_tensors
+from .rundir import RunDir, load_safetensors, set_aside, sha256_tensors
 from .vocab import DraftVocab, check_maps
 
 
@@ -160,8 +160,11 @@ def load_exported(folder: str | Path, device="cpu") -> Eagle3Drafter:
     if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
         raise FileNotFoundError(f"{folder}: expected config.json and model.safetensors (run `eagle3kit export`)")
     c = config_from_engine_json(json.loads((folder / "config.json").read_text()))
-    tensors = load_file(str(folder / "model.safetensors"))
-    validate_tensors(tensors, c)
+    tensors = load_safetensors(folder / "model.safetensors", "re-export the drafter")
+    try:
+        validate_tensors(tensors, c)
+    except ExportError as e:
+        raise ExportError(f"{folder} is not a valid drafter: {str(e).split(':', 1)[1].strip()}") from None
     d = Eagle3Drafter(c)
     if "d2t" not in tensors:
         d.set_vocab(DraftVocab.full(c.vocab_size))
@@ -170,16 +173,30 @@ def load_exported(folder: str | Path, device="cpu") -> Eagle3Drafter:
     return d.to(device=device, dtype=dtype)
 
 
-def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir: str | None = None, overwrite: bool = True) -> dict:
-    """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter``."""
-    from .train import load_drafter_checkpoint
+def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir: str | None = None,
+               overwrite: bool = False, set_aside_existing: bool = False) -> dict:
+    """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or ``out_dir``).
+
+    A folder that already holds the same checkpoint's export is left as it is; another drafter
+    there is refused (FileExistsError) unless ``overwrite``, or moved to ``<out>.prev-N`` with
+    ``set_aside_existing`` (what ``eagle3kit run`` does)."""
+    from .train import checkpoint_provenance, load_drafter_checkpoint
+    from .ui import console
 
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
     drafter = load_drafter_checkpoint(src)
-    m = run.manifest
-    prov = {k: m.get(k) for k in ("target", "tokenizer_sha256", "chat_template_sha256", "draft_vocab_sha256", "aux_layer_ids") if k in m}
+    prov = checkpoint_provenance(src)          # what this checkpoint was trained with, not what the run dir says
     prov["checkpoint_sha256"] = sha256_tensors(src)
-    out = export_drafter(drafter, out_dir or (run / "drafter"), prov, overwrite=overwrite)
+    out = Path(out_dir or (run / "drafter"))
+    if (out / "config.json").exists() and not overwrite:
+        old = (json.loads((out / "config.json").read_text()).get("eagle3kit") or {}).get("checkpoint_sha256")
+        if old == prov["checkpoint_sha256"]:
+            res = {"path": str(out), "up_to_date": True}
+            run.record_stage("export", {"checkpoint": prov["checkpoint_sha256"]}, res)
+            return res
+        if set_aside_existing:
+            console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
+    out = export_drafter(drafter, out, prov, overwrite=overwrite)
     res = {"path": str(out), "model_sha256": sha256_tensors(out / "model.safetensors"),
            "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
     run.record_stage("export", {"checkpoint": prov["checkpoint_sha256"]}, res)

@@ -157,6 +157,65 @@ def generate_completions(
     return fn(target, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128)
+
+
+def check_backend(backend: str, asked: str, target: Target) -> str:
+    """vLLM's CPU build supports only some head sizes: ``auto`` falls back to transformers, an
+    explicit ``vllm`` is refused with the reason."""
+    if backend != "vllm":
+        return backend
+    tc = target.config
+    head = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    if head in VLLM_CPU_HEAD_SIZES:
+        return backend
+    if asked == "auto":
+        console.print(f"[yellow]generate: vLLM's CPU build cannot run head size {head}; using transformers")
+        return "transformers"
+    from .config import ConfigError
+
+    raise ConfigError(f"generate.backend is vllm but the target's head size {head} is not one vLLM's CPU build runs "
+                      f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use backend transformers")
+
+
+def generation_settings(cfg: Config) -> dict:
+    """What a conversation row depends on: the target and the sampling settings. Rows made with
+    other settings are never mixed into a run (see :func:`existing_rows`)."""
+    gc = cfg.generate
+    return {"target": cfg.target.model,
+            "sampling": {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens,
+                         "seed": gc.seed if gc.temperature > 0 else None}}
+
+
+def existing_rows(path, settings: dict) -> set[str]:
+    """Ids of rows already in ``conversations.jsonl``.
+
+    Raises:
+        DataError: a row is not an object with ``id`` and ``messages`` (names the line), or rows were
+            generated with another target or other sampling settings (names what changed): mixing
+            them would silently train on two different distributions.
+    """
+    from .config import ConfigError
+    from .rundir import DataError
+
+    if not path.exists():
+        return set()
+    ids, other = set(), Counter()
+    for n, r in read_jsonl(path):
+        if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(r.get("messages"), list):
+            raise DataError(f"{path}:{n}: not a conversation row (needs 'id' and 'messages'); fix or delete that line")
+        for key in ("target", "sampling"):
+            if key in r and r[key] != settings[key]:
+                other[key] += 1
+        ids.add(r["id"])
+    if other:
+        raise ConfigError(
+            f"{path} holds rows generated with another {' and '.join(sorted(other))} "
+            f"(now: {settings}); move the file away or use a new run_dir: mixing them would train on both"
+        )
+    return ids
+
+
 def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     """Generate a reply for every prompt in ``prompts.jsonl`` not yet in ``conversations.jsonl``.
 
@@ -170,7 +229,8 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
     torn = repair_torn_tail(out_path)
     if torn:
         console.print(f"[yellow]conversations.jsonl: removed a torn last line ({torn} bytes) left by an interrupted run")
-    done = {r["id"] for _, r in read_jsonl(out_path)} if out_path.exists() else set()
+    settings = generation_settings(cfg)
+    done = existing_rows(out_path, settings)
     todo = [r for r in rows if r["id"] not in done]
     counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
     backend = pick_backend(gc.backend)
@@ -179,9 +239,10 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
             from .target import load_target
 
             target = load_target(cfg.target)
+        backend = check_backend(backend, gc.backend, target)
         tok = target.tokenizer
         eot = set(target.end_of_turn_ids())
-        sampling = {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens, "seed": gc.seed}
+        sampling = settings["sampling"]
         chunk = gc.batch_size if backend == "transformers" else max(gc.batch_size, 64)
         todo.sort(key=lambda r: len(str(r["messages"])))
         timer = Timer()
@@ -202,7 +263,7 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
                         "id": r["id"], "messages": r["messages"], "source": r.get("source"), "category": r.get("category"),
                         "prompt_ids": p, "completion_ids": c, "content": content, "reasoning": None,
                         "finish_reason": finish, "usage": {"prompt_tokens": len(p), "completion_tokens": len(c)},
-                        "template_flags": {}, "backend": backend, "sampling": sampling,
+                        "template_flags": {}, "backend": backend, "sampling": sampling, "target": settings["target"],
                     })
                     counts["completion_tokens"] += len(c)
                 bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])

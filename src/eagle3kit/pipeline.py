@@ -110,7 +110,7 @@ def run_all(cfg: Config) -> dict:
         run_vocab(cfg, run, target.tokenizer)
         _mark(run, "vocab", key)
     run_train(cfg, run, target)
-    run_export(cfg, run)
+    run_export(cfg, run, set_aside_existing=True)
     run_evaluate(cfg, run, target)
     run.update_report("run", {"seconds": round(timer.seconds, 1)})
     report = run.report

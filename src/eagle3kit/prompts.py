@@ -37,15 +37,23 @@ def normalize_text(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", "", text.lower())).strip()
 
 
-def _first_user_prefix(messages: list[dict], where: str) -> list[dict]:
+def _text(value, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {what} must be a string, got {type(value).__name__} {str(value)[:40]!r}; fix or drop that row")
+    return value
+
+
+def _first_user_prefix(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
     out = []
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{where}: each message needs 'role' and 'content', got {str(m)[:80]!r}")
         if m["role"] == "system":
-            out.append({"role": "system", "content": str(m["content"])})
+            out.append({"role": "system", "content": _text(m["content"], where, "a system message's content")})
         elif m["role"] == "user":
-            out.append({"role": "user", "content": str(m["content"])})
+            out.append({"role": "user", "content": _text(m["content"], where, "a user message's content")})
             return out
         else:
             break
@@ -66,7 +74,7 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
     if fmt in ("auto", "mt_bench") and "turns" in row:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise DataError(f"{where}: 'turns' must be a non-empty list of strings")
+            raise DataError(f"{where}: 'turns' must be a non-empty list of strings; fix or drop that row")
         return [{"role": "user", "content": turns[0]}], cat
     if fmt in ("auto", "openai") and "messages" in row:
         return _first_user_prefix(row["messages"], where), cat
@@ -81,14 +89,14 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
             role = _SHAREGPT_ROLES.get(m["from"])
             if role is None:
                 raise DataError(f"{where}: unknown ShareGPT speaker {m['from']!r} (known: {sorted(_SHAREGPT_ROLES)})")
-            msgs.append({"role": role, "content": m["value"]})
+            msgs.append({"role": role, "content": _text(m["value"], where, "a ShareGPT 'value'")})
         return _first_user_prefix(msgs, where), cat
     if fmt in ("auto", "oasst") and isinstance(row.get("prompt"), dict) and "text" in row["prompt"]:
-        return [{"role": "user", "content": row["prompt"]["text"]}], cat
+        return [{"role": "user", "content": _text(row["prompt"]["text"], where, "prompt.text")}], cat
     if fmt in ("auto", "plain"):
-        keys = [field] if field else [k for k in _TEXT_FIELDS if isinstance(row.get(k), str)]
-        if keys and isinstance(row.get(keys[0]), str):
-            return [{"role": "user", "content": row[keys[0]]}], cat
+        keys = [field] if field else [k for k in _TEXT_FIELDS if k in row]
+        if keys and keys[0] in row:
+            return [{"role": "user", "content": _text(row[keys[0]], where, f"field {keys[0]!r}")}], cat
     raise DataError(
         f"{where}: row matches no prompt format (keys: {sorted(row)[:8]}); expected 'turns', 'messages', "
         f"'conversations', an OpenAssistant 'prompt' tree, or a text field ({', '.join(_TEXT_FIELDS)}); "
@@ -225,6 +233,9 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
         if len(rows) < pc.synthesize:
             counts["synthesize_shortfall"] = pc.synthesize - len(rows)
     counts["rows_in"] = len(rows)
+    if not rows:
+        raise DataError("the prompts stage produced 0 prompts (" + (", ".join(f"{s.path}" for s in pc.sources) or "synthesis")
+                        + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")
     rows, ndup = dedupe(rows)
     counts["dropped_duplicate"] = ndup
     heldout: list[dict] = []
@@ -236,6 +247,9 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
         hold = set(order[:n_hold])
         heldout = [r for i, r in enumerate(rows) if i in hold]
         rows = [r for i, r in enumerate(rows) if i not in hold]
+        if not rows:
+            raise DataError(f"all {len(heldout)} prompts were held out for evaluation; give more prompts or lower "
+                            "prompts.heldout_fraction")
     write_jsonl(run / "prompts.jsonl", rows)
     write_jsonl(run / "heldout.jsonl", heldout)
     counts["rows_kept"] = len(rows)

@@ -56,6 +56,22 @@ def sha256_tensors(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def load_safetensors(path: str | Path, fix: str) -> dict:
+    """``safetensors.torch.load_file`` with a DataError naming the file and ``fix`` when the file
+    is not a safetensors file (a text file, a pickle, a folder)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a safetensors file; {fix}")
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # SafetensorError, OSError: not a safetensors file
+        raise DataError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); {fix}") from None
+
+
 def sha256_json(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
 
@@ -68,23 +84,30 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
         DataError: a line is not valid JSON (names file and line). A last line without a
             trailing newline that does not parse is reported as a torn append.
     """
+    import gzip
+
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; give the path of a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    opener = open
-    if path.suffix == ".gz":
-        import gzip
-
-        opener = gzip.open  # type: ignore[assignment]
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                torn = "" if line.endswith("\n") else " (the last line has no newline: an interrupted append?)"
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){torn}; fix or delete that line") from None
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:  # type: ignore[operator]
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    torn = "" if line.endswith("\n") else " (the last line has no newline: an interrupted append?)"
+                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){torn}; fix or delete that line") from None
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise DataError(f"{path}: named .gz but not a valid gzip file ({e}); rename or recompress it") from None
 
 
 def repair_torn_tail(path: str | Path) -> int:
@@ -154,12 +177,33 @@ def write_json(path: str | Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def set_aside(path: str | Path) -> Path:
+    """Rename ``path`` to ``<name>.prev-N`` (the first free N) and return the new path: earlier
+    results are moved, never deleted or overwritten."""
+    path = Path(path)
+    n = 1
+    while path.with_name(f"{path.name}.prev-{n}").exists():
+        n += 1
+    dest = path.with_name(f"{path.name}.prev-{n}")
+    path.rename(dest)
+    return dest
+
+
 class RunDir:
-    """A run directory with its ``manifest.json`` (provenance) and ``report.json`` (numbers)."""
+    """A run directory with its ``manifest.json`` (provenance) and ``report.json`` (numbers).
+
+    Raises:
+        DataError: the path (or a parent) is a file.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_dir():
+            raise DataError(f"run directory {self.path} is a file; choose another run_dir")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except (NotADirectoryError, FileExistsError):
+            raise DataError(f"cannot create run directory {self.path}: a parent is a file; choose another run_dir") from None
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name

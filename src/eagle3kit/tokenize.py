@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import Config
 from .generate import render_prompt_ids
@@ -67,7 +67,9 @@ def save_shard(path: str | Path, samples: list[tuple[list[int], list[int]]], met
 
 def load_shard(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Read a token shard → list of (input_ids int64 [T], loss_mask bool [T])."""
-    d = load_file(str(path))
+    from .rundir import load_safetensors
+
+    d = load_safetensors(path, "rerun `eagle3kit tokenize`")
     for k in ("input_ids", "loss_mask", "offsets"):
         if k not in d:
             raise DataError(f"{path}: not a token shard (missing {k}); rerun `eagle3kit tokenize`")
@@ -86,8 +88,20 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_id: int | None = 
         eot_id = int(tok.eos_token_id)
     counts: Counter = Counter()
     samples = []
-    for _, row in read_jsonl(src):
+    prompts_path = run / "prompts.jsonl"
+    current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
+    V = len(tok)
+    for n, row in read_jsonl(src):
         counts["rows_in"] += 1
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise DataError(f"{src}:{n}: not a conversation row (needs 'messages'); fix or delete that line")
+        if current is not None and row.get("id") not in current:
+            counts["dropped_not_in_prompts"] += 1   # generated for an earlier prompt set: never trained on
+            continue
+        bad = [t for t in row.get("completion_ids") or [] if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the tokenizer's [0, {V}); "
+                            "the row comes from another tokenizer or is corrupt")
         if cfg.tokenize.drop_truncated and row.get("finish_reason") == "length":
             counts["dropped_truncated"] += 1
             continue

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
-from .rundir import RunDir, sha256_tensors, sha256_json
+from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_tensors
 from .target import Target, pick_device, resolve_aux_layer_ids, target_features
 from .tokenize import load_shard
 from .ui import Timer, console, progress
@@ -211,22 +211,29 @@ def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
     """Inverse of :func:`save_drafter_checkpoint` (strict: no missing or unexpected key)."""
     from safetensors import safe_open
 
+    tensors = load_safetensors(path, "give a checkpoint written by `eagle3kit train` (checkpoints/*.safetensors)")
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     if "drafter_config" not in meta:
         raise ConfigError(f"{path}: not an eagle3kit drafter checkpoint (no drafter_config metadata)")
     d = Eagle3Drafter(DrafterConfig(**json.loads(meta["drafter_config"])))
-    d.load_state_dict(load_file(str(path)), strict=True)
+    missing, unexpected = d.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{path}: drafter checkpoint is incomplete or foreign (missing {missing[:4]}, unexpected {unexpected[:4]})")
     return d.to(device)
+
+
+def checkpoint_provenance(path: Path) -> dict:
+    """The provenance ``run_train`` stored in a checkpoint (target, tokenizer, vocab, aux ids)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("provenance", "{}"))
 
 
 def _set_aside(ckpt: Path, log: Path) -> Path:
     """Move a previous run's checkpoints (and its log) to ``checkpoints.prev-N``; never delete them."""
-    n = 1
-    while ckpt.with_name(f"checkpoints.prev-{n}").exists():
-        n += 1
-    dest = ckpt.with_name(f"checkpoints.prev-{n}")
-    ckpt.rename(dest)
+    dest = set_aside(ckpt)
     if log.exists():
         log.rename(dest / log.name)
     ckpt.mkdir()
@@ -271,6 +278,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     inputs = {"tokens": sha256_tensors(shard), "vocab": sha256_tensors(vocab_path), "aux_layer_ids": list(aux_ids),
               "train_config": sha256_json(tc.model_dump(mode="json")), "target": target.source.get("weights_fingerprint")}
 
+    provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint")},
+                  "tokenizer_sha256": tok_hash, "draft_vocab_sha256": inputs["vocab"],
+                  "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)}}
     drafter = build_drafter(target, vocab, aux_ids, tc.seed).to(device)
     draft_ids = vocab.ids.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
@@ -288,8 +298,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     state_path = ckpt / "train_state.pt"
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
-        if st.get("inputs") == inputs:
-            drafter.load_state_dict(load_file(str(ckpt / "last.safetensors")), strict=True)
+        if st.get("inputs") == inputs and (ckpt / "last.safetensors").exists():
+            drafter.load_state_dict(load_file(str(ckpt / "last.safetensors")), strict=True)  # resume
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
             start_epoch, history, best = st["epoch"] + 1, json.loads(st["history"]), json.loads(st["best"])
@@ -297,6 +307,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             console.print(f"[green]train: resuming after epoch {st['epoch'] + 1} of {tc.epochs}")
         else:
             changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
+            changed = changed or ["last.safetensors missing"]
             keep = _set_aside(ckpt, run / "train_log.jsonl")
             console.print(f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
                           f"moved them to {keep} and starting fresh")
@@ -352,7 +363,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         history.append(epoch_rec)
         console.print(f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  step-0 acc {epoch_rec['train_step0_accuracy']:.3f}"
                       + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else ""))
-        meta = {"epoch": epoch + 1}
+        meta = {"epoch": epoch + 1, "provenance": json.dumps(provenance)}
         save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta)
         score = val_stats.tau if val_stats else -epoch_rec["train_loss"]
         if score > best["val_tau"]:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import Config, ConfigError
 from .rundir import DataError, RunDir, sha256_tensors
@@ -147,13 +147,18 @@ def load_vocab(path, expected_size: int | None = None) -> tuple[DraftVocab, dict
     built for another ``draft_vocab_size`` (C21), naming both numbers."""
     from safetensors import safe_open
 
-    d = load_file(str(path))
+    from .rundir import load_safetensors
+
+    d = load_safetensors(path, "rerun `eagle3kit vocab`")
     with safe_open(str(path), "pt") as f:
         meta = dict(f.metadata() or {})
     if "d2t" not in d or "t2d" not in d:
         raise DataError(f"{path}: missing d2t/t2d; rerun `eagle3kit vocab`")
     V = d["t2d"].numel()
-    vocab = DraftVocab.from_maps(d["d2t"], d["t2d"], V)
+    try:
+        vocab = DraftVocab.from_maps(d["d2t"], d["t2d"], V)
+    except DataError as e:
+        raise DataError(f"{path}: {e}; rerun `eagle3kit vocab`") from None
     if expected_size is not None and int(d["t2d"].sum()) != expected_size:
         raise ConfigError(
             f"vocab.draft_vocab_size is {expected_size} but {path} has {int(d['t2d'].sum())} entries in t2d "
