@@ -3,7 +3,6 @@ adversarial review; each case here once crashed with a traceback or did the wron
 import gzip
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from eagle3kit.cli import app
