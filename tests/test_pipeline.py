@@ -97,6 +97,9 @@ def test_each_stage_runs_alone_from_the_cli(tiny_run):
 
 
 def test_a_stage_without_its_input_says_which_stage_to_run(tmp_path):
+    res = CliRunner().invoke(app, ["tokenize", "--run-dir", str(tmp_path / "nonexistent")])
+    assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split()) and not (tmp_path / "nonexistent").exists()
+    (tmp_path / "empty").mkdir()
     res = CliRunner().invoke(app, ["tokenize", "--run-dir", str(tmp_path / "empty")])
     assert res.exit_code == 2
     out = " ".join(res.output.split()).replace("\n", "")

@@ -22,7 +22,7 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: <ru
 RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
 
 
-def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None):
+def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None, first_stage: bool = False):
     """Config for a stage: ``--config``, else ``<run-dir>/config.yaml``, else the built-in defaults;
     CLI flags are merged in and validated like the file. The config used is written back to
     ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir`` alone uses it too."""
@@ -34,6 +34,9 @@ def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | No
     if config is None and run_dir is not None and (run_dir / "config.yaml").exists():
         config = run_dir / "config.yaml"
     cfg = load_config(config, over)
+    if not first_stage and not Path(cfg.run_dir).is_dir():
+        raise FileNotFoundError(f"run directory {cfg.run_dir} does not exist: start with `eagle3kit prompts` "
+                                "(or `eagle3kit run`), or pass the --run-dir of an earlier run")
     run = RunDir(cfg.run_dir)
     (run / "config.yaml").write_text(dump_config(cfg))
     return cfg, run
@@ -68,7 +71,7 @@ def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
     """Read prompt files (or synthesize prompts from the target) into prompts.jsonl / heldout.jsonl."""
     from .prompts import run_prompts
 
-    cfg, run = _setup(config, run_dir)
+    cfg, run = _setup(config, run_dir, first_stage=True)
     _show("prompts", run_prompts(cfg, run))
 
 
@@ -147,7 +150,9 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
     cfg, run = _setup(config, run_dir, {"evaluate": _some(mode=mode, k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)})
     rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None,
                        only_sets=sets.split(",") if sets else None, section=section)
-    _show("evaluate", rep)
+    from .pipeline import evaluate_rows
+
+    print_table(f"evaluate → report.json[{section!r}]", evaluate_rows(rep))
 
 
 @app.command("run")

@@ -110,7 +110,7 @@ def greedy_continuations(target: Target, prompts: list[list[int]], max_new_token
 
 
 def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], continuations: list[list[int]],
-             k: int, device) -> tuple[AcceptanceStats, list[float]]:
+             k: int, device, label: str = "simulate") -> tuple[AcceptanceStats, list[float]]:
     """Simulated greedy-chain acceptance over (prompt, continuation) pairs.
 
     Returns pooled stats and the per-prompt τ (for the report's spread)."""
@@ -121,7 +121,7 @@ def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], c
         mask[len(p):] = True
         samples.append(Sample(ids, mask))
     aux_ids = drafter.config.aux_layer_ids
-    compute_features(target, samples, aux_ids, 8192, device, device)
+    compute_features(target, samples, aux_ids, 8192, device, device, label=f"target features ({label})")
     pooled = AcceptanceStats(k)
     per_prompt = []
     for s in samples:
@@ -212,7 +212,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
         entry: dict = {"num_prompts": len(rows), **overlap}
         if mode == "simulate":
             conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
-            stats, per_prompt = simulate(drafter, target, prompts, conts, k, device)
+            stats, per_prompt = simulate(drafter, target, prompts, conts, k, device, f"{name}, trained drafter")
             hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
             entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
         else:
@@ -222,12 +222,12 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
             entry["mismatches"] = dec["mismatches"]
             identical &= dec["greedy_identical"]
             conts = dec["references"]
-            sim, _ = simulate(drafter, target, prompts, conts, k, device)
+            sim, _ = simulate(drafter, target, prompts, conts, k, device, f"{name}, simulate on decoded outputs")
             entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
             entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
         entry.update(stats.as_dict())
         if baseline is not None:
-            base, _ = simulate(baseline, target, prompts, conts, k, device)
+            base, _ = simulate(baseline, target, prompts, conts, k, device, f"{name}, untrained drafter")
             entry["untrained_tau"] = round(base.tau, 4)
             all_base.merge(base)
         report["sets"][name] = entry

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-TAU_FORMULA = "tau = 1 + accepted / drafts (pooled totals over verify steps; bonus token counted)"
+TAU_FORMULA = ("tau = 1 + accepted / drafts, where drafts = verify steps (vLLM's num_drafts) and accepted = accepted "
+               "draft tokens, pooled over all steps; the bonus token is counted")
 
 
 @dataclass
@@ -67,7 +68,8 @@ class AcceptanceStats:
 
     def as_dict(self) -> dict:
         return {
-            "tau": round(self.tau, 4), "k": self.k, "drafts": self.drafts, "accepted": self.accepted,
+            "tau": round(self.tau, 4), "k": self.k, "drafts": self.drafts, "draft_tokens": self.drafts * self.k,
+            "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4), "accept_histogram": list(self.hist),
             "per_position_acceptance": [round(x, 4) for x in self.cumulative_per_position],
             "per_position_kind": "cumulative a_k = steps whose first k drafts were all accepted / steps",

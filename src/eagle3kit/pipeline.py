@@ -64,9 +64,16 @@ def summary_rows(report: dict) -> list[tuple[str, object]]:
     rows.append(("train: final loss", tr.get("final_loss", "-")))
     rows.append(("train: step-0 accuracy", tr.get("step0_accuracy", "-")))
     rows.append(("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})"))
-    rows.append((f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-")))
+    return rows + evaluate_rows(ev)
+
+
+def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
+    """The evaluate section of the summary (also printed by ``eagle3kit evaluate``)."""
+    rows: list[tuple[str, object]] = [(f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-"))]
     for name, s in ev.get("sets", {}).items():
         rows.append((f"  {name}: τ / untrained τ / prompts", f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}"))
+        if "simulate_tau_same_prompts" in s:
+            rows.append((f"  {name}: simulate τ on the same outputs", s["simulate_tau_same_prompts"]))
     rows.append(("evaluate: per-position acceptance (cumulative)", ev.get("per_position_acceptance", "-")))
     if "greedy_identical" in ev:
         rows.append(("evaluate: greedy_identical", ev["greedy_identical"]))

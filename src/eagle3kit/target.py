@@ -276,7 +276,9 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         ConfigError: unknown package, missing folder, download needed but not allowed.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # GGUF de-quantization and weight-loading bars: noise in every stage
     loc = locate_target(cfg)
     dev = pick_device(str(device) if device is not None else cfg.device)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}

@@ -76,12 +76,13 @@ def _pad(seqs: list[torch.Tensor], value=0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_batch: int, device, store_device) -> None:
+def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_batch: int, device, store_device,
+                     label: str = "target features") -> None:
     """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place)."""
     w = target.parts.lm_head.weight
     batches = length_batches([s.ids.numel() for s in samples], tokens_per_batch, False, random.Random(0))
     with progress() as bar:
-        task = bar.add_task("target features", total=len(samples), tokens=0, note="")
+        task = bar.add_task(label, total=len(samples), tokens=0, note="")
         done_tokens = 0
         for b in batches:
             ids = _pad([samples[i].ids for i in b]).to(device)
@@ -354,7 +355,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                     ep_n += st["n"][0]
                 last_stats = rec
                 bar.update(task, advance=1, tokens=ep_tokens,
-                           note=f"loss {float(loss.detach()):.3f} acc0 {st['acc'][0]:.3f} τ≈{rec['implied_tau']:.2f}")
+                           note=f"batch: loss {float(loss.detach()):.2f} acc0 {st['acc'][0]:.2f}")
         log.flush()
         val_stats = simulate_samples(drafter, target, val, cfg.evaluate.k, device) if val else None
         epoch_rec = {"epoch": epoch + 1, "train_loss": round(ep_loss / max(ep_n, 1), 5),
