@@ -72,7 +72,7 @@ def test_c23_ttt_steps_equal_a_step_by_step_autoregressive_draft():
             assert torch.allclose(d.logits(h[0, 0]), d.logits(outs[k][0, t]), atol=1e-10), (t, k)
 
 
-def test_loss_is_normalised_per_supervised_token_and_never_nan():
+def test_c25_loss_is_normalised_per_supervised_token_never_nan_never_a_fake_zero():
     t = tiny_target()
     d = tiny_drafter()
     torch.manual_seed(1)
