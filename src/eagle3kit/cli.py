@@ -78,11 +78,15 @@ def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
 @app.command()
 @_guard
 def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-             backend: Optional[str] = typer.Option(None, help="auto | transformers | vllm")):
+             backend: Optional[str] = typer.Option(None, help="auto | transformers | vllm | openai"),
+             base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible server, e.g. http://localhost:8000/v1"),
+             model: Optional[str] = typer.Option(None, help="the served model name (backend openai)"),
+             concurrency: Optional[int] = typer.Option(None, help="requests in flight (backend openai)")):
     """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
     from .generate import run_generate
 
-    cfg, run = _setup(config, run_dir, {"generate": _some(backend=backend)})
+    cfg, run = _setup(config, run_dir, {"generate": _some(backend=backend, base_url=base_url, model=model,
+                                                          concurrency=concurrency)})
     _show("generate", run_generate(cfg, run))
 
 

@@ -101,7 +101,18 @@ class PromptsConfig(_Strict):
 
 
 class GenerateConfig(_Strict):
-    backend: Literal["auto", "transformers", "vllm"] = "auto"
+    """``backend``: ``transformers`` / ``vllm`` (in-process) or ``openai`` (any OpenAI-compatible
+    server at ``base_url`` serving ``model``; API key from the environment variable ``api_key_env``)."""
+
+    backend: Literal["auto", "transformers", "vllm", "openai"] = "auto"
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = Field(default=8, gt=0)
+    timeout_s: float = Field(default=600.0, gt=0)
+    max_retries: int = Field(default=5, ge=0)
+    expect_reasoning: bool = False
+    template_flags: dict = {}
     max_new_tokens: int = Field(default=384, gt=0)
     batch_size: int = Field(default=16, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)

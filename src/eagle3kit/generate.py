@@ -139,6 +139,19 @@ def vllm_generate(
     return [_cut_at_end_of_turn(list(o.outputs[0].token_ids), set(eot)) for o in outs]
 
 
+def _special_tokens(cfg: Config) -> list[str]:
+    """The target tokenizer's special-token strings (for C06), when the tokenizer is at hand."""
+    from .target import load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg.target)
+    except Exception as e:  # a server-only target may have no local tokenizer
+        console.print(f"[yellow]generate: no local tokenizer for {cfg.target.model} ({type(e).__name__}); "
+                      "special-token strings inside reasoning are not checked")
+        return []
+    return [str(t) for t in tok.all_special_tokens] + [str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()]
+
+
 def pick_backend(name: str) -> str:
     if name == "auto":
         return "vllm" if vllm_available() and not torch.cuda.is_available() else "transformers"
@@ -234,7 +247,20 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
     todo = [r for r in rows if r["id"] not in done]
     counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
     backend = pick_backend(gc.backend)
-    if todo:
+    engine = None
+    if todo and backend == "openai":
+        from .server_backend import generate_via_server, server_version
+
+        engine = {"name": "openai-compatible", "base_url": gc.base_url, "model": gc.model,
+                  "version": server_version(gc.base_url) if gc.base_url else None}
+        special = _special_tokens(cfg)
+        timer = Timer()
+        with JsonlAppender(out_path) as sink, progress() as bar:
+            task = bar.add_task("generate (server)", total=len(todo), tokens=0, note="")
+            counts.update(generate_via_server(cfg, todo, sink, settings, special, bar, task))
+        counts["seconds"] = round(timer.seconds, 1)
+        counts["tokens_per_s"] = round(counts["completion_tokens"] / max(timer.seconds, 1e-9), 1)
+    elif todo:
         if target is None:
             from .target import load_target
 
@@ -280,6 +306,9 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
               "max_new_tokens": gc.max_new_tokens, "temperature": gc.temperature}
     if backend == "vllm":
         inputs["engine"] = {"name": "vllm", "version": vllm_version()}
+    if engine:
+        inputs["engine"] = engine
+        run.update_manifest(generation_server=engine)
     out = {k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in counts.items()}
     run.record_stage("generate", inputs, out)
     return out

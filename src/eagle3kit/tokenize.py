@@ -35,7 +35,7 @@ def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[li
     """
     flags = row.get("template_flags") or {}
     prompt = render_prompt_ids(tokenizer, row["messages"], flags)
-    mismatch = "prompt_ids" in row and list(row["prompt_ids"]) != prompt
+    mismatch = row.get("prompt_ids") is not None and list(row["prompt_ids"]) != prompt
     if row.get("completion_ids") is not None:
         completion = [int(t) for t in row["completion_ids"]]
     else:
@@ -51,6 +51,20 @@ def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[li
     ids = (prompt + completion)[:max_length]
     mask = ([0] * len(prompt) + [1] * len(completion))[:max_length]
     return ids, mask, None, mismatch
+
+
+def untrainable_reason(row: dict) -> str | None:
+    """Why a server-generated row must not become a training turn (C02, C04, C06), or None."""
+    flags = set(row.get("flags") or [])
+    for flag in ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning"):
+        if flag in flags:
+            return flag
+    if row.get("reasoning") is not None:
+        if row.get("finish_reason") == "length":
+            return "truncated_reasoning"
+        if row.get("completion_ids") is None:
+            return "reasoning_without_token_ids"   # rebuilding the think markers is issue 4
+    return None
 
 
 def save_shard(path: str | Path, samples: list[tuple[list[int], list[int]]], meta: dict | None = None) -> None:
@@ -97,6 +111,10 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_id: int | None = 
             raise DataError(f"{src}:{n}: not a conversation row (needs 'messages'); fix or delete that line")
         if current is not None and row.get("id") not in current:
             counts["dropped_not_in_prompts"] += 1   # generated for an earlier prompt set: never trained on
+            continue
+        unfit = untrainable_reason(row)
+        if unfit:
+            counts[f"dropped_{unfit}"] += 1
             continue
         bad = [t for t in row.get("completion_ids") or [] if not isinstance(t, int) or not 0 <= t < V]
         if bad:

@@ -1,0 +1,70 @@
+"""A stand-in OpenAI-compatible server (a TEST DOUBLE, not a real engine): FastAPI + uvicorn in a
+thread. What it answers is chosen by the last user message:
+
+* ``shape:NAME`` → the reply shape NAME from fixtures/reasoning_replies.json (hand-written shapes);
+* ``fail400`` → HTTP 400;  ``flaky429:KEY`` → HTTP 429 on the first request for KEY, then a reply;
+* anything else → a plain reply without reasoning, echoing the prompt.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+SHAPES = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandInServer:
+    def __init__(self):
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
+        self.hits: Counter = Counter()
+        app = FastAPI()
+
+        @app.get("/version")
+        def version():
+            return {"version": "stand-in-0"}
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: dict):
+            text = body["messages"][-1]["content"]
+            self.hits[text] += 1
+            if text == "fail400":
+                return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, status_code=400)
+            if text.startswith("flaky429") and self.hits[text] == 1:
+                return JSONResponse({"error": {"message": "slow down"}}, status_code=429, headers={"retry-after-ms": "10"})
+            base = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+            if text.startswith("shape:"):
+                shape = SHAPES[text[6:]]
+                return {**base, **shape}
+            return {**base, "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": f"reply to {text}"}}]}
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("stand-in server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=5)

@@ -1,0 +1,77 @@
+"""generate --backend openai against a stand-in OpenAI-compatible server (a test double, see
+standin_server.py): reasoning shapes, retries, per-row failures, resume, expect_reasoning."""
+
+import pytest
+
+from eagle3kit.config import Config, ConfigError, GenerateConfig, PromptsConfig, TargetConfig
+from eagle3kit.generate import run_generate
+from eagle3kit.rundir import RunDir, read_jsonl, write_jsonl
+from eagle3kit.prompts import prompt_id
+from standin_server import StandInServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with StandInServer() as s:
+        yield s
+
+
+def _run(tmp_path, server, texts, **gen):
+    run = RunDir(tmp_path / "run")
+    rows = []
+    for t in texts:
+        msgs = [{"role": "user", "content": t}]
+        rows.append({"id": prompt_id(msgs), "messages": msgs, "source": "t", "category": None})
+    write_jsonl(run / "prompts.jsonl", rows)
+    cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tmp_path)),   # no local tokenizer: C06 check skipped
+                 prompts=PromptsConfig(heldout_fraction=0.0),
+                 generate=GenerateConfig(backend="openai", base_url=server.url, model="stand-in", concurrency=4,
+                                         max_retries=2, **gen))
+    return cfg, run
+
+
+def test_every_reasoning_shape_is_captured_with_its_source(tmp_path, server):
+    # the openai SDK (3.x) has neither reasoning key in its schema: both arrive through model_extra
+    shapes = {"vllm_reasoning_field": "model_extra.reasoning", "deepseek_reasoning_content": "model_extra.reasoning_content",
+              "inline_think": "inline_think"}
+    cfg, run = _run(tmp_path, server, [f"shape:{n}" for n in shapes] + ["plain question"])
+    counts = run_generate(cfg, run)
+    rows = {r["messages"][0]["content"]: r for _, r in read_jsonl(run / "conversations.jsonl")}
+    for name, src in shapes.items():
+        assert rows[f"shape:{name}"]["reasoning_source"] == src and rows[f"shape:{name}"]["reasoning"]
+    assert rows["shape:vllm_reasoning_field"]["content"] == "ans"
+    assert rows["plain question"]["reasoning"] is None
+    assert counts["with_reasoning"] == 3 and counts["without_reasoning"] == 1 and counts["failed"] == 0
+    assert run.manifest["generation_server"]["version"] == "stand-in-0"
+
+
+def test_429_is_retried_and_a_400_row_does_not_stop_the_others(tmp_path, server):
+    texts = ["flaky429:a", "fail400", "ok 1", "ok 2"]
+    cfg, run = _run(tmp_path, server, texts)
+    counts = run_generate(cfg, run)
+    assert counts["generated"] == 3 and counts["failed"] == 1 and counts["failed_400"] == 1
+    assert server.hits["flaky429:a"] == 2
+    # the failed row is simply missing: a rerun sends only it, and duplicates nothing
+    again = run_generate(cfg, run)
+    assert again["already_done"] == 3 and again["failed"] == 1
+    ids = [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")]
+    assert len(ids) == len(set(ids)) == 3
+
+
+def test_expect_reasoning_stops_early_and_keeps_what_was_written(tmp_path, server):
+    cfg, run = _run(tmp_path, server, [f"question {i}" for i in range(40)], expect_reasoning=True, )
+    cfg.generate.concurrency = 1
+    with pytest.raises(ConfigError, match="carry no reasoning"):
+        run_generate(cfg, run)
+    n = sum(1 for _ in read_jsonl(run / "conversations.jsonl"))
+    assert 8 <= n < 40                                 # stopped after the probe, rows kept
+
+
+def test_truncated_or_conflicting_reasoning_never_reaches_a_training_sample(tmp_path, server, smollm2_tokenizer):
+    from eagle3kit.tokenize import run_tokenize
+
+    cfg, run = _run(tmp_path, server, ["shape:length_null_content", "shape:both_fields_disagree", "shape:vllm_reasoning_field", "plain"])
+    run_generate(cfg, run)
+    counts = run_tokenize(cfg, run, smollm2_tokenizer, 2)
+    assert counts["dropped_truncated_reasoning"] == 1 and counts["dropped_reasoning_fields_disagree"] == 1
+    assert counts["dropped_reasoning_without_token_ids"] == 1 and counts["rows_kept"] == 1
