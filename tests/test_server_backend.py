@@ -75,3 +75,43 @@ def test_truncated_or_conflicting_reasoning_never_reaches_a_training_sample(tmp_
     counts = run_tokenize(cfg, run, smollm2_tokenizer, 2)
     assert counts["dropped_truncated_reasoning"] == 1 and counts["dropped_reasoning_fields_disagree"] == 1
     assert counts["dropped_reasoning_without_token_ids"] == 1 and counts["rows_kept"] == 1
+
+
+def test_10000_rows_with_the_client_killed_three_times(tmp_path, server):
+    """Scale and faults: the client process is SIGKILLed at three random moments; the final file
+    holds exactly 10,000 distinct rows (a torn last line is repaired, never duplicated)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    n = 10_000
+    cfg, run = _run(tmp_path, server, [f"scale question {i}" for i in range(n)], )
+    cfg_path = tmp_path / "c.yaml"
+    from eagle3kit.config import dump_config
+
+    cfg.generate.concurrency = 64
+    cfg_path.write_text(dump_config(cfg))
+    out = run / "conversations.jsonl"
+    cmd = [sys.executable, "-m", "eagle3kit", "generate", "-c", str(cfg_path)]
+    rng = random.Random(0)
+
+    def lines() -> int:
+        return sum(1 for _ in open(out, "rb")) if out.exists() else 0
+
+    for kill in range(3):
+        before = lines()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 120
+        while lines() <= before + 50 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert lines() > before, f"no progress before kill {kill + 1}"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ids = [r["id"] for _, r in read_jsonl(out)]
+    assert len(ids) == n and len(set(ids)) == n
