@@ -44,6 +44,8 @@ class StandInServer:
                 return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, status_code=400)
             if text.startswith("flaky429") and self.hits[text] == 1:
                 return JSONResponse({"error": {"message": "slow down"}}, status_code=429, headers={"retry-after-ms": "10"})
+            if body.get("stream"):
+                return self._stream(body, text)
             base = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
             if text.startswith("shape:"):
@@ -52,6 +54,25 @@ class StandInServer:
             return {**base, "choices": [{"index": 0, "finish_reason": "stop",
                                          "message": {"role": "assistant", "content": f"reply to {text}"}}]}
 
+        from fastapi.responses import StreamingResponse
+
+        def _stream(body, text):
+            head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+            if text.startswith("shape:"):
+                chunks = SHAPES[text[6:]]
+            else:
+                chunks = [{"choices": [{"index": 0, "delta": {"content": "reply "}, "finish_reason": None, "token_ids": [7]}]},
+                          {"choices": [{"index": 0, "delta": {"content": f"to {text}"}, "finish_reason": "stop", "token_ids": [8, 2]}]},
+                          {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}]
+
+            def gen():
+                for c in chunks:
+                    yield "data: " + json.dumps({**head, **c}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        self._stream = _stream
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))

@@ -115,3 +115,17 @@ def test_10000_rows_with_the_client_killed_three_times(tmp_path, server):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     ids = [r["id"] for _, r in read_jsonl(out)]
     assert len(ids) == n and len(set(ids)) == n
+
+
+def test_streamed_replies_give_the_same_rows(tmp_path, server):
+    cfg, run = _run(tmp_path, server, ["shape:stream_reasoning", "shape:stream_reasoning_content", "plain streamed"], stream=True)
+    counts = run_generate(cfg, run)
+    rows = {r["messages"][0]["content"]: r for _, r in read_jsonl(run / "conversations.jsonl")}
+    assert counts["generated"] == 3 and all(r["streamed"] for r in rows.values())
+    for name in ("stream_reasoning", "stream_reasoning_content"):
+        r = rows[f"shape:{name}"]
+        key = name.split("_", 1)[1]
+        assert (r["reasoning"], r["content"], r["reasoning_source"]) == ("think", "ans", f"stream.{key}")
+    plain = rows["plain streamed"]
+    assert plain["content"] == "reply to plain streamed" and plain["completion_ids"] == [7, 8, 2]
+    assert plain["usage"]["completion_tokens"] == 3 and rows["shape:stream_reasoning"]["completion_ids"] is None

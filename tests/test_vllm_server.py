@@ -121,3 +121,19 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_targ
     tok = smollm2_target.tokenizer
     ref = transformers_generate(smollm2_target, [render_prompt_ids(tok, prompts[i]["messages"]) for i in order], 32)
     assert [prompts[i]["completion_ids"][:32] for i in order] == ref    # = an uninterrupted greedy reference
+
+
+def test_streamed_requests_to_vllm_give_the_same_tokens(vllm_server, smollm2_target, tmp_path):
+    spec = PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=["qa"], limit=4)
+    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=[spec], heldout_fraction=0.0),
+                 generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", max_new_tokens=16,
+                                         concurrency=4, stream=True))
+    run = RunDir(cfg.run_dir)
+    run_prompts(cfg, run)
+    counts = run_generate(cfg, run)
+    assert counts["generated"] == 4 and counts["token_ids_returned"] == 4
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    tok = smollm2_target.tokenizer
+    prompts = [render_prompt_ids(tok, r["messages"]) for r in rows]
+    assert [r["completion_ids"] for r in rows] == transformers_generate(smollm2_target, prompts, 16)
+    assert all(r["streamed"] and r["prompt_ids"] == p for r, p in zip(rows, prompts))

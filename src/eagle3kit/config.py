@@ -112,6 +112,7 @@ class GenerateConfig(_Strict):
     timeout_s: float = Field(default=600.0, gt=0)
     max_retries: int = Field(default=5, ge=0)
     expect_reasoning: bool = False
+    stream: bool = False
     template_flags: dict = {}
     max_new_tokens: int = Field(default=384, gt=0)
     batch_size: int = Field(default=16, gt=0)

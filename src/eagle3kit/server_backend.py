@@ -19,7 +19,7 @@ import os
 from collections import Counter
 
 from .config import Config, ConfigError
-from .reasoning import parse_reply
+from .reasoning import parse_reply, parse_stream
 from .rundir import JsonlAppender
 from .ui import console
 
@@ -62,26 +62,51 @@ def _request(cfg: Config, row: dict) -> dict:
     return req
 
 
+async def _streamed(client, req: dict, special_tokens) -> tuple:
+    """Send a streamed request; returns (reply, completion ids or None, prompt ids or None, usage, model)."""
+    stream = await client.chat.completions.create(**req, stream=True, stream_options={"include_usage": True})
+    chunks, ids, prompt_ids, usage, model = [], [], None, None, None
+    async for chunk in stream:
+        chunks.append(chunk)
+        model = chunk.model or model
+        extra = getattr(chunk, "model_extra", None) or {}
+        prompt_ids = extra.get("prompt_token_ids") or prompt_ids
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for ch in chunk.choices:
+            piece = (getattr(ch, "model_extra", None) or {}).get("token_ids")
+            if piece is not None:
+                ids.extend(piece)
+    reply = parse_stream(chunks, special_tokens=special_tokens)
+    got_ids = ids if any((getattr(ch, "model_extra", None) or {}).get("token_ids") is not None
+                         for c in chunks for ch in c.choices) else None
+    return reply, got_ids, prompt_ids, usage, model
+
+
 def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dict) -> dict:
-    choice = resp.choices[0]
-    reply = parse_reply(choice.message, choice.finish_reason, special_tokens=special_tokens)
-    extra_choice = getattr(choice, "model_extra", None) or {}
-    extra_resp = getattr(resp, "model_extra", None) or {}
-    completion_ids = extra_choice.get("token_ids")
-    usage = resp.usage.model_dump() if resp.usage is not None else None
+    if isinstance(resp, tuple):   # streamed
+        reply, completion_ids, prompt_ids, usage, model = resp
+    else:
+        choice = resp.choices[0]
+        reply = parse_reply(choice.message, choice.finish_reason, special_tokens=special_tokens)
+        completion_ids = (getattr(choice, "model_extra", None) or {}).get("token_ids")
+        prompt_ids = (getattr(resp, "model_extra", None) or {}).get("prompt_token_ids")
+        usage = resp.usage.model_dump() if resp.usage is not None else None
+        model = resp.model
     return {
         "id": row["id"], "messages": row["messages"], "source": row.get("source"), "category": row.get("category"),
         "content": reply.content, "reasoning": reply.reasoning, "reasoning_source": reply.reasoning_source,
         "flags": reply.flags, "finish_reason": reply.finish_reason, "truncated": reply.truncated,
-        "prompt_ids": extra_resp.get("prompt_token_ids"), "completion_ids": completion_ids,
+        "prompt_ids": prompt_ids, "completion_ids": completion_ids,
         "token_ids_returned": completion_ids is not None, "usage": usage,
         "template_flags": dict((req["extra_body"] or {}).get("chat_template_kwargs", {})),
         "request": {k: v for k, v in req.items() if k not in ("messages", "extra_body")},
-        "server_model": resp.model, "backend": "openai", "sampling": settings["sampling"], "target": settings["target"],
+        "server_model": model, "backend": "openai", "streamed": isinstance(resp, tuple), "sampling": settings["sampling"], "target": settings["target"],
     }
 
 
 async def _run(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dict, special_tokens, bar, task) -> Counter:
+    import httpx
     import openai
 
     gc = cfg.generate
@@ -99,8 +124,8 @@ async def _run(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dic
                 return
             req = _request(cfg, row)
             try:
-                resp = await client.chat.completions.create(**req)
-            except (openai.APIStatusError, openai.APIConnectionError, openai.APITimeoutError) as e:
+                resp = await (_streamed(client, req, special_tokens) if gc.stream else client.chat.completions.create(**req))
+            except (openai.APIError, httpx.HTTPError) as e:   # after the SDK's retries; a stream cut mid-way too
                 counts["failed"] += 1
                 status = getattr(e, "status_code", None)
                 counts[f"failed_{status or type(e).__name__}"] += 1
