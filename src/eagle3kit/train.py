@@ -32,7 +32,7 @@ from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
 from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_tensors
-from .target import Target, pick_device, resolve_aux_layer_ids, target_features
+from .target import Target, pick_device, resolve_aux_layer_ids, target_features, teacher_logits
 from .tokenize import load_shard
 from .ui import Timer, console, progress
 from .vocab import DraftVocab, load_vocab
@@ -79,7 +79,6 @@ def _pad(seqs: list[torch.Tensor], value=0) -> torch.Tensor:
 def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_batch: int, device, store_device,
                      label: str = "target features") -> None:
     """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place)."""
-    w = target.parts.lm_head.weight
     batches = length_batches([s.ids.numel() for s in samples], tokens_per_batch, False, random.Random(0))
     with progress() as bar:
         task = bar.add_task(label, total=len(samples), tokens=0, note="")
@@ -92,7 +91,7 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
                 n = samples[i].ids.numel()
                 s = samples[i]
                 s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
-                s.argmax = torch.cat([(c.to(w.dtype) @ w.T).argmax(-1) for c in last[j, :n].split(1024)]).to(store_device)
+                s.argmax = torch.cat([teacher_logits(target, c).argmax(-1) for c in last[j, :n].split(1024)]).to(store_device)
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
 
@@ -147,7 +146,6 @@ def ttt_loss(
     embed = target.parts.embed
     embeds = [embed(t).to(drafter.fc.weight.dtype) for t in batch["tok"]]
     outs = drafter.ttt_forward(batch["aux"].to(drafter.fc.weight.dtype), embeds, batch["positions"], batch["key_mask"])
-    w_d = target.parts.lm_head.weight[draft_ids]
     in_draft = drafter.t2d
     total = outs[0].new_zeros(())
     stats = {"loss": [], "acc": [], "n": []}
@@ -158,7 +156,7 @@ def ttt_loss(
         if n == 0:
             stats["loss"].append(0.0), stats["acc"].append(0.0), stats["n"].append(0)
             continue
-        teacher = torch.softmax((shift(batch["last"], nxt)[sup].to(w_d.dtype) @ w_d.T).float(), dim=-1)
+        teacher = torch.softmax(teacher_logits(target, shift(batch["last"], nxt)[sup], draft_ids), dim=-1)
         logq = torch.log_softmax(drafter.logits(outs[k][sup]).float(), dim=-1)
         ce = -(teacher * logq).sum() / n
         total = total + (step_weight ** k) * ce
