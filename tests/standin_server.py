@@ -3,31 +3,29 @@ thread. What it answers is chosen by the last user message:
 
 * ``shape:NAME`` → the reply shape NAME from fixtures/reasoning_replies.json (hand-written shapes);
 * ``fail400`` → HTTP 400;  ``flaky429:KEY`` → HTTP 429 on the first request for KEY, then a reply;
+* ``http500:KEY`` → HTTP 500 once; ``stall:KEY`` → the first reply waits 3 s; ``drop:KEY`` → the
+  first reply's connection is cut mid-body;
 * anything else → a plain reply without reasoning, echoing the prompt.
 """
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+from eagle3kit.engines import free_port
+
 SHAPES = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandInServer:
     def __init__(self):
         import uvicorn
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         self.hits: Counter = Counter()
         app = FastAPI()
@@ -42,6 +40,15 @@ class StandInServer:
             self.hits[text] += 1
             if text == "fail400":
                 return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, status_code=400)
+            if text.startswith("stall") and self.hits[text] == 1:
+                await asyncio.sleep(3.0)                       # longer than the client's timeout
+            if text.startswith("drop") and self.hits[text] == 1:
+                def broken():
+                    yield b'{"id": "x", "choi'
+                    raise ConnectionResetError("stand-in drops the connection mid-reply")
+                return StreamingResponse(broken(), media_type="application/json")
+            if text.startswith("http500") and self.hits[text] == 1:
+                return JSONResponse({"error": {"message": "internal"}}, status_code=500)
             if text.startswith("flaky429") and self.hits[text] == 1:
                 return JSONResponse({"error": {"message": "slow down"}}, status_code=429, headers={"retry-after-ms": "10"})
             if body.get("stream"):
@@ -54,7 +61,6 @@ class StandInServer:
             return {**base, "choices": [{"index": 0, "finish_reason": "stop",
                                          "message": {"role": "assistant", "content": f"reply to {text}"}}]}
 
-        from fastapi.responses import StreamingResponse
 
         def _stream(body, text):
             head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
@@ -73,7 +79,7 @@ class StandInServer:
             return StreamingResponse(gen(), media_type="text/event-stream")
 
         self._stream = _stream
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

