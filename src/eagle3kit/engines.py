@@ -33,7 +33,8 @@ class VLLMServer:
                "--served-model-name", self.served_name, "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # its own process group: vLLM starts an EngineCore child that must die with it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + wait_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -47,8 +48,14 @@ class VLLMServer:
         raise RuntimeError(f"vLLM server did not start in {wait_s} s; see {self.log_path}")
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the server and every process it started (its process group)."""
+        import signal
+
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(timeout=30)
 
     @property
