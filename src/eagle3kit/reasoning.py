@@ -22,6 +22,8 @@ from typing import Any, Iterable
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 REASONING_KEYS = ("reasoning", "reasoning_content")
+# flags that keep a reply out of training as it is (C02 disagreeing fields, C04 cut block, C06 special token)
+UNTRAINABLE_FLAGS = ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning")
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Reply:
             return False
         if self.truncated and self.reasoning is not None:
             return False          # a cut-off reasoning block (C04)
-        return not ({"unclosed_think", "reasoning_fields_disagree", "special_token_in_reasoning"} & set(self.flags))
+        return not (set(UNTRAINABLE_FLAGS) & set(self.flags))
 
 
 def _get(obj: Any, key: str) -> Any:

@@ -65,7 +65,8 @@ def _request(cfg: Config, row: dict) -> dict:
 async def _streamed(client, req: dict, special_tokens) -> tuple:
     """Send a streamed request; returns (reply, completion ids or None, prompt ids or None, usage, model)."""
     stream = await client.chat.completions.create(**req, stream=True, stream_options={"include_usage": True})
-    chunks, ids, prompt_ids, usage, model = [], [], None, None, None
+    chunks, prompt_ids, usage, model = [], None, None, None
+    ids: list[int] | None = None   # None when the server sent no token ids at all
     async for chunk in stream:
         chunks.append(chunk)
         model = chunk.model or model
@@ -76,11 +77,9 @@ async def _streamed(client, req: dict, special_tokens) -> tuple:
         for ch in chunk.choices:
             piece = (getattr(ch, "model_extra", None) or {}).get("token_ids")
             if piece is not None:
-                ids.extend(piece)
+                ids = (ids or []) + list(piece)
     reply = parse_stream(chunks, special_tokens=special_tokens)
-    got_ids = ids if any((getattr(ch, "model_extra", None) or {}).get("token_ids") is not None
-                         for c in chunks for ch in c.choices) else None
-    return reply, got_ids, prompt_ids, usage, model
+    return reply, ids, prompt_ids, usage, model
 
 
 def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dict) -> dict:

@@ -55,8 +55,10 @@ def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[li
 
 def untrainable_reason(row: dict) -> str | None:
     """Why a server-generated row must not become a training turn (C02, C04, C06), or None."""
+    from .reasoning import UNTRAINABLE_FLAGS
+
     flags = set(row.get("flags") or [])
-    for flag in ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning"):
+    for flag in UNTRAINABLE_FLAGS:
         if flag in flags:
             return flag
     if row.get("reasoning") is not None:
