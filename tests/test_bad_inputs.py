@@ -106,3 +106,38 @@ def test_every_stage_records_the_config_it_used(tmp_path):
     assert CliRunner().invoke(app, ["prompts", "-c", str(cfg)]).exit_code == 0
     stored = load_config(tmp_path / "run" / "config.yaml")
     assert stored.vocab.draft_vocab_size == 256            # a later `--run-dir` alone uses it, not the defaults
+
+
+def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
+    """Issue 3 point 4: bad JSON, missing fields, wrong types, empty prompts and non-UTF-8 bytes
+    are each named by file:line and skipped; the good rows around them go on."""
+    src = tmp_path / "mixed.jsonl"
+    src.write_bytes(
+        b'{"turns": ["first good"]}\n'          # 1
+        b'{"turns": [\n'                         # 2 bad JSON
+        b'{"foo": 1}\n'                          # 3 no known format
+        b'{"messages": [{"role": "user"}]}\n'    # 4 message without content
+        b'{"turns": ["   "]}\n'                  # 5 empty prompt
+        b'"caf\xe9"\n'                           # 6 not UTF-8
+        b'{"question": 5}\n'                     # 7 wrong type
+        b'"second good"\n'                       # 8
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nprompts:\n  heldout_fraction: 0\n  sources: [{{path: {src}}}]\n")
+    res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
+    assert res.exit_code == 0, res.output
+    kept = [r["messages"][0]["content"] for _, r in read_jsonl(tmp_path / "run" / "prompts.jsonl")]
+    assert kept == ["first good", "second good"]
+    rejected = [r for _, r in read_jsonl(tmp_path / "run" / "prompts_rejected.jsonl")]
+    assert [r["line"] for r in rejected] == [2, 3, 4, 5, 6, 7]
+    reasons = {r["line"]: r["reason"] for r in rejected}
+    assert "not valid JSON" in reasons[2] and "not UTF-8" in reasons[6] and "matches no prompt format" in reasons[3]
+    assert "'role' and 'content'" in reasons[4] and "empty prompt" in reasons[5] and "must be a string" in reasons[7]
+    out = " ".join(res.output.split())
+    assert "skipped 6 malformed or empty row(s)" in out and "mixed.jsonl:2" in out
+    report = RunDir(tmp_path / "run").report["prompts"]
+    assert report["dropped_malformed"] == 5 and report["dropped_empty_prompt"] == 1 and report["rows_kept"] == 2
+    # the strict setting stops at the first bad row instead
+    cfg.write_text(cfg.read_text().replace("heldout_fraction: 0\n", "heldout_fraction: 0\n  on_bad_row: error\n"))
+    res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
+    assert res.exit_code == 2 and "mixed.jsonl:2: not valid JSON" in " ".join(res.output.split())

@@ -93,6 +93,8 @@ class PromptsConfig(_Strict):
     synthesize_max_tokens: int = Field(default=96, gt=0)
     heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     seed: int = 0
+    on_bad_row: Literal["skip", "error"] = Field(
+        default="skip", description="skip: a malformed or empty row is reported (file:line) and skipped; error: it stops the stage")
 
     @model_validator(mode="after")
     def _names(self):

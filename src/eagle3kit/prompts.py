@@ -104,14 +104,35 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
     )
 
 
-def read_source(src: PromptSource) -> tuple[list[dict], Counter]:
-    """Read one prompt source into rows; returns (rows, counts of what was dropped and why)."""
+def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[dict], Counter]:
+    """Read one prompt source into rows; returns (rows, counts of what was dropped and why).
+
+    Without ``bad_rows`` the first malformed row raises. With a list, each malformed row (bad
+    JSON, not UTF-8, no known format, a wrongly typed field, an empty prompt) is skipped and
+    ``{"path", "line", "reason"}`` appended to it, so one bad line never stops a run.
+
+    Raises:
+        DataError: a malformed row (only without ``bad_rows``), or an unreadable file.
+    """
     dropped: Counter = Counter()
-    rows = [(n, r) for n, r in read_jsonl(src.path)]
+    first_bad = len(bad_rows) if bad_rows is not None else 0
+    lines: list | None = [] if bad_rows is not None else None
+    rows = [(n, r) for n, r in read_jsonl(src.path, bad_lines=lines)]
+    for n, reason in lines or []:
+        bad_rows.append({"path": src.path, "line": n, "reason": reason})
+        dropped["malformed"] += 1
     rows = rows[slice(src.start, src.stop)]
     out = []
     for n, raw in rows:
-        msgs, cat = parse_row(raw, src.format, src.field, f"{src.path}:{n}")
+        where = f"{src.path}:{n}"
+        try:
+            msgs, cat = parse_row(raw, src.format, src.field, where)
+        except DataError as e:
+            if bad_rows is None:
+                raise
+            bad_rows.append({"path": src.path, "line": n, "reason": str(e)[len(where) + 2:]})
+            dropped["malformed"] += 1
+            continue
         if src.categories is not None and cat not in src.categories:
             dropped["category_filtered"] += 1
             continue
@@ -120,10 +141,14 @@ def read_source(src: PromptSource) -> tuple[list[dict], Counter]:
             continue
         if not any(m["content"].strip() for m in msgs if m["role"] == "user"):
             dropped["empty_prompt"] += 1
+            if bad_rows is not None:
+                bad_rows.append({"path": src.path, "line": n, "reason": "empty prompt (the user text is blank)"})
             continue
         out.append({"id": prompt_id(msgs), "messages": msgs, "source": src.label, "category": cat})
         if src.limit is not None and len(out) >= src.limit:
             break
+    if bad_rows is not None:
+        bad_rows[first_bad:] = sorted(bad_rows[first_bad:], key=lambda b: b["line"])
     return out, dropped
 
 
@@ -206,6 +231,21 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     return rows
 
 
+def report_bad_rows(bad: list[dict], path, show: int = 5) -> None:
+    """Print the first ``show`` skipped rows (file:line and reason) and write all of them to
+    ``path`` (JSONL, rewritten each run, empty when none) so none goes unnoticed."""
+    from .ui import console
+
+    write_jsonl(path, bad)
+    if not bad:
+        return
+    console.print(f"[yellow]prompts: skipped {len(bad)} malformed or empty row(s); all listed in {path}")
+    for b in bad[:show]:
+        console.print(f"[yellow]  {b['path']}:{b['line']}: {b['reason'][:160]}")
+    if len(bad) > show:
+        console.print(f"[yellow]  … and {len(bad) - show} more")
+
+
 def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     """Build ``prompts.jsonl`` (and ``heldout.jsonl`` when evaluation uses a held-out split).
 
@@ -215,10 +255,11 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     pc = cfg.prompts
     counts: Counter = Counter()
     inputs: dict = {}
+    bad: list[dict] | None = None if pc.on_bad_row == "error" else []
     if pc.sources:
         rows: list[dict] = []
         for src in pc.sources:
-            got, dropped = read_source(src)
+            got, dropped = read_source(src, bad)
             counts.update({f"dropped_{k}": v for k, v in dropped.items()})
             counts[f"rows_from_{src.label}"] = len(got)
             rows.extend(got)
@@ -233,6 +274,8 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
         if len(rows) < pc.synthesize:
             counts["synthesize_shortfall"] = pc.synthesize - len(rows)
     counts["rows_in"] = len(rows)
+    if bad is not None:
+        report_bad_rows(bad, run / "prompts_rejected.jsonl")
     if not rows:
         raise DataError("the prompts stage produced 0 prompts (" + (", ".join(f"{s.path}" for s in pc.sources) or "synthesis")
                         + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")

@@ -76,12 +76,16 @@ def sha256_json(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+def read_jsonl(path: str | Path, bad_lines: list | None = None) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_number, value)`` for each non-empty line (1-based line numbers).
+
+    With ``bad_lines`` (a list), a line that is not UTF-8 or not valid JSON is skipped and
+    ``(line_number, reason)`` appended to it instead of raising.
 
     Raises:
         FileNotFoundError: the file does not exist.
-        DataError: a line is not valid JSON (names file and line). A last line without a
+        DataError: a line is not valid JSON (names file and line; only without ``bad_lines``),
+            the path is a directory, or a ``.gz`` file is not gzip. A last line without a
             trailing newline that does not parse is reported as a torn append.
     """
     import gzip
@@ -98,14 +102,23 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 try:
                     line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+                    msg = f"not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
+                    if bad_lines is None:
+                        raise DataError(f"{path}:{n}: {msg}") from None
+                    bad_lines.append((n, msg))
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield n, json.loads(line)
+                    value = json.loads(line)
                 except json.JSONDecodeError as e:
                     torn = "" if line.endswith("\n") else " (the last line has no newline: an interrupted append?)"
-                    raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){torn}; fix or delete that line") from None
+                    msg = f"not valid JSON ({e.msg}){torn}; fix or delete that line"
+                    if bad_lines is None:
+                        raise DataError(f"{path}:{n}: {msg}") from None
+                    bad_lines.append((n, msg))
+                    continue
+                yield n, value
     except (gzip.BadGzipFile, EOFError) as e:
         raise DataError(f"{path}: named .gz but not a valid gzip file ({e}); rename or recompress it") from None
 
