@@ -6,6 +6,10 @@ thread. What it answers is chosen by the last user message:
 * ``http500:KEY`` → HTTP 500 once; ``stall:KEY`` → the first reply waits 3 s; ``drop:KEY`` → the
   first reply's connection is cut mid-body;
 * anything else → a plain reply without reasoning, echoing the prompt.
+
+``/v1/completions`` (Magpie) answers a prompt by the request's seed: attempt ``i = seed mod
+1000003`` gets "Explain topic i//2 in detail" (so pairs are duplicates), but every 5th attempt is
+cut at the token limit and every 7th is too short to keep. Requests are kept in ``completions``.
 """
 from __future__ import annotations
 
@@ -33,6 +37,21 @@ class StandInServer:
         @app.get("/version")
         def version():
             return {"version": "stand-in-0"}
+
+        self.completions: list[dict] = []
+
+        @app.post("/v1/completions")
+        async def completions(body: dict):
+            self.completions.append(body)
+            i = body["seed"] % 1_000_003
+            text, finish = f"Explain topic {i // 2} in detail, please.", "stop"
+            if i % 5 == 4:
+                text, finish = "An answer that runs past the", "length"
+            elif i % 7 == 6:
+                text = "Hi there"
+            return {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                    "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}}
 
         @app.post("/v1/chat/completions")
         async def chat(body: dict):

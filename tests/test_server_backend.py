@@ -139,3 +139,35 @@ def test_stalls_dropped_connections_and_500s_are_retried(tmp_path, server):
     assert all(server.hits[t] == 2 for t in texts[:3])          # each fault cost exactly one retry
     rows = {r["messages"][0]["content"]: r["content"] for _, r in read_jsonl(run / "conversations.jsonl")}
     assert rows["drop:a"] == "reply to drop:a"
+
+
+def test_magpie_synthesis_through_the_completions_endpoint_resumes_by_attempt(tmp_path, server, tiny_target_dir,
+                                                                              smollm2_tokenizer):
+    """Issue 3: Magpie through a server. The raw templated prefix (SmolLM2's real template) goes to
+    /v1/completions; cut or too-short candidates and near-duplicates are dropped; a rerun asking
+    for more prompts re-sends no attempt already made."""
+    from eagle3kit.prompts import magpie_prefix, run_prompts
+
+    run = RunDir(tmp_path / "run")
+    cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tiny_target_dir)),
+                 prompts=PromptsConfig(synthesize=6, heldout_fraction=0.0, seed=3),
+                 generate=GenerateConfig(backend="openai", base_url=server.url, model="stand-in", concurrency=4))
+    server.completions.clear()
+    counts = run_prompts(cfg, run)
+    rows = [r for _, r in read_jsonl(run / "prompts.jsonl")]
+    texts = [r["messages"][0]["content"] for r in rows]
+    # attempts 0..10: topic 0, 0 (dup), 1, 1 (dup), [cut], 2, [short], 3, 4, [cut], 5 → six distinct kept
+    assert texts == [f"Explain topic {k} in detail, please." for k in range(6)]
+    assert counts["rows_kept"] == 6 and counts["magpie_kept"] == 6 and "synthesize_shortfall" not in counts
+    first = server.completions[0]
+    assert first["prompt"] == magpie_prefix(smollm2_tokenizer) and first["prompt"].endswith("<|im_start|>user\n")
+    assert first["add_special_tokens"] is False and first["stop_token_ids"] == [smollm2_tokenizer.eos_token_id]
+    sent = sorted(b["seed"] - 3 * 1_000_003 for b in server.completions)
+    assert len(sent) == len(set(sent)) == counts["magpie_attempts"]
+    # ask for more: only new attempts are sent
+    server.completions.clear()
+    more = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"synthesize": 10})})
+    counts2 = run_prompts(more, run)
+    resent = {b["seed"] - 3 * 1_000_003 for b in server.completions}
+    assert counts2["rows_kept"] == 10 and not resent & set(sent)
+    assert [r["messages"][0]["content"] for _, r in read_jsonl(run / "prompts.jsonl")][:6] == texts

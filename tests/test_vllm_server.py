@@ -100,3 +100,26 @@ def test_streamed_requests_to_vllm_give_the_same_tokens(vllm_server, smollm2_tar
     prompts = [render_prompt_ids(tok, r["messages"]) for r in rows]
     assert [r["completion_ids"] for r in rows] == transformers_generate(smollm2_target, prompts, 16)
     assert all(r["streamed"] and r["prompt_ids"] == p for r, p in zip(rows, prompts))
+
+
+def test_magpie_prompts_through_the_real_server(vllm_server, smollm2_target, tmp_path):
+    """Magpie through vLLM's completions endpoint: the raw templated prefix goes in as text with
+    add_special_tokens false, the server stops at SmolLM2's end of turn, and the kept candidates
+    are clean user turns (no template markers leak into them)."""
+    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(),
+                 prompts=PromptsConfig(synthesize=4, synthesize_max_tokens=48, heldout_fraction=0.0),
+                 generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", concurrency=8))
+    run = RunDir(cfg.run_dir)
+    counts = run_prompts(cfg, run)
+    attempts = [r for _, r in read_jsonl(run / "magpie_attempts.jsonl")]
+    assert counts["magpie_attempts"] == len(attempts) >= 8
+    ended = [a for a in attempts if a["finish_reason"] == "stop"]
+    assert ended, "no attempt ended its turn: stop_token_ids did not reach the server"
+    texts = [r["messages"][0]["content"] for _, r in read_jsonl(run / "prompts.jsonl")]
+    assert len(texts) == 4 and len(set(texts)) == len(texts)
+    assert not any(m in t for t in texts for m in ("<|im_start|>", "<|im_end|>", "assistant\n"))
+    assert set(texts) <= {a["text"].strip() for a in ended}   # only turns the model ended are kept
+    # a rerun re-sends nothing and keeps the same prompts
+    again = run_prompts(cfg, run)
+    assert again["magpie_attempts"] == counts["magpie_attempts"]
+    assert [r["messages"][0]["content"] for _, r in read_jsonl(run / "prompts.jsonl")] == texts

@@ -88,9 +88,15 @@ class PromptSource(_Strict):
 
 
 class PromptsConfig(_Strict):
+    """Prompt files (``sources``), or ``synthesize`` Magpie prompts written by the target itself:
+    locally, or through the generation server's completions endpoint when ``generate.backend``
+    is ``openai``."""
+
     sources: list[PromptSource] = []
     synthesize: int = Field(default=64, ge=0, description="Magpie prompts when no sources are given")
     synthesize_max_tokens: int = Field(default=96, gt=0)
+    magpie_prefix: str | None = Field(
+        default=None, description="raw templated prefix for Magpie through a server; default: rendered from the target's tokenizer")
     heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     seed: int = 0
     on_bad_row: Literal["skip", "error"] = Field(

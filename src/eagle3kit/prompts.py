@@ -180,12 +180,39 @@ def magpie_prefix(tokenizer) -> str:
     return text[:cut]
 
 
+class MagpieCollector:
+    """The acceptance rule for synthesized user turns, shared by the local and the server path:
+    a candidate is kept when the model ended its turn (not cut at the token limit), has at least
+    3 words, and is not a near-duplicate (:func:`normalize_text`) of one already kept."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.rows: list[dict] = []
+        self._seen: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.rows) >= self.n
+
+    def offer(self, text: str, ended_turn: bool) -> bool:
+        """Consider one candidate; returns True when it was kept."""
+        text = text.strip()
+        if self.full or not ended_turn or len(text.split()) < 3:
+            return False
+        key = normalize_text(text)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        msgs = [{"role": "user", "content": text}]
+        self.rows.append({"id": prompt_id(msgs), "messages": msgs, "source": "magpie", "category": None})
+        return True
+
+
 def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int = 16) -> list[dict]:
     """Let the target write ``n`` distinct user turns (Magpie): sample after the user header.
 
-    Sampling: temperature 1.0, top-p 0.95, seeded; replies shorter than 3 words or cut at the
-    token limit without ending their turn are discarded; at most 4·n attempts.
-    Returns prompt rows with ``source: "magpie"``.
+    Sampling: temperature 1.0, top-p 0.95, seeded; candidates are kept by
+    :class:`MagpieCollector`; at most 4·n attempts. Returns prompt rows with ``source: "magpie"``.
     """
     import torch
 
@@ -195,15 +222,14 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     tok = target.tokenizer
     prefix_ids = tok(magpie_prefix(tok), add_special_tokens=False)["input_ids"]
     eot = set(target.end_of_turn_ids())
-    rows: list[dict] = []
-    seen: set[str] = set()
+    keep = MagpieCollector(n)
     attempts = 0
     gen = torch.Generator().manual_seed(seed)
     bar = progress()
     bar.start()
     task = bar.add_task("synthesize prompts (Magpie)", total=n, tokens=0, note="")
     made_tokens = 0
-    while len(rows) < n and attempts < 4 * n:
+    while not keep.full and attempts < 4 * n:
         b = min(batch_size, 4 * n - attempts)
         attempts += b
         outs = transformers_generate(
@@ -212,23 +238,36 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
         )
         made_tokens += sum(len(o) for o in outs)
         for ids in outs:
-            if not ids or ids[-1] not in eot:
-                continue
-            text = tok.decode(ids[:-1], skip_special_tokens=True).strip()
-            if len(text.split()) < 3:
-                continue
-            msgs = [{"role": "user", "content": text}]
-            pid = prompt_id(msgs)
-            key = normalize_text(text)
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append({"id": pid, "messages": msgs, "source": "magpie", "category": None})
-            if len(rows) >= n:
-                break
-        bar.update(task, completed=len(rows), tokens=made_tokens, note=f"{attempts} sampled")
+            ended = bool(ids) and ids[-1] in eot
+            keep.offer(tok.decode(ids[:-1] if ended else ids, skip_special_tokens=True), ended)
+        bar.update(task, completed=len(keep.rows), tokens=made_tokens, note=f"{attempts} sampled")
     bar.stop()
-    return rows
+    return keep.rows
+
+
+def _synthesize_via_server(cfg: Config, run: RunDir) -> tuple[list[dict], dict]:
+    """Magpie through the generation server's completions endpoint (``generate.backend: openai``).
+
+    The raw templated prefix is ``prompts.magpie_prefix`` or, when unset, rendered from the
+    target's local tokenizer (which also gives the end-of-turn ids sent as ``stop_token_ids``)."""
+    from .config import ConfigError
+    from .server_backend import synthesize_via_server
+
+    pc = cfg.prompts
+    prefix, stop_ids = pc.magpie_prefix, []
+    try:
+        from .target import load_tokenizer
+
+        tok = load_tokenizer(cfg.target)
+        prefix = prefix or magpie_prefix(tok)
+        stop_ids = [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
+    except Exception as e:   # a server-only target may have no local tokenizer
+        if prefix is None:
+            raise ConfigError(f"Magpie through a server needs the target's chat template to build the prefix, but its "
+                              f"tokenizer did not load ({type(e).__name__}: {str(e)[:120]}); set prompts.magpie_prefix to "
+                              "the template rendered up to the start of a user message's text") from None
+    rows, counts = synthesize_via_server(cfg, prefix, stop_ids, run / "magpie_attempts.jsonl")
+    return rows, counts
 
 
 def report_bad_rows(bad: list[dict], path, show: int = 5) -> None:
@@ -264,6 +303,10 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
             counts[f"rows_from_{src.label}"] = len(got)
             rows.extend(got)
             inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
+    elif cfg.generate.backend == "openai":
+        rows, got = _synthesize_via_server(cfg, run)
+        counts.update(got)
+        inputs["magpie"] = {"server": cfg.generate.base_url, "model": cfg.generate.model, "n": pc.synthesize, "seed": pc.seed}
     else:
         if target is None:
             from .target import load_target

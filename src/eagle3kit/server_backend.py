@@ -177,3 +177,112 @@ def generate_via_server(cfg: Config, todo: list[dict], sink: JsonlAppender, sett
     if not gc.base_url or not gc.model:
         raise ConfigError("generate.backend openai needs generate.base_url (e.g. http://localhost:8000/v1) and generate.model")
     return asyncio.run(_run(cfg, todo, sink, settings, special_tokens, bar, task))
+
+
+def _magpie_settings(cfg: Config, prefix: str) -> dict:
+    import hashlib
+
+    pc = cfg.prompts
+    return {"server_model": cfg.generate.model, "prefix_sha256": hashlib.sha256(prefix.encode()).hexdigest()[:16],
+            "max_tokens": pc.synthesize_max_tokens, "temperature": 1.0, "top_p": 0.95, "seed": pc.seed}
+
+
+async def _magpie_attempts(cfg: Config, prefix: str, stop_ids: list[int], indices: list[int], settings: dict,
+                           sink: JsonlAppender, log: dict, counts: Counter) -> None:
+    import httpx
+    import openai
+
+    sem = asyncio.Semaphore(cfg.generate.concurrency)
+    client = _client(cfg)
+    extra: dict = {"add_special_tokens": False}   # the prefix already holds the template's special tokens
+    if stop_ids:
+        extra["stop_token_ids"] = stop_ids
+
+    async def one(i: int) -> None:
+        async with sem:
+            try:
+                resp = await client.completions.create(
+                    model=cfg.generate.model, prompt=prefix, max_tokens=settings["max_tokens"], temperature=1.0,
+                    top_p=0.95, seed=settings["seed"] * 1_000_003 + i, extra_body=extra)
+            except (openai.APIError, httpx.HTTPError) as e:
+                counts["magpie_failed"] += 1
+                if counts["magpie_failed"] <= 5:
+                    console.print(f"[yellow]prompts: Magpie attempt {i} failed after retries: {type(e).__name__} {str(e)[:160]}")
+                return
+        choice = resp.choices[0]
+        row = {"attempt": i, "text": choice.text, "finish_reason": choice.finish_reason,
+               "completion_tokens": resp.usage.completion_tokens if resp.usage else None, "settings": settings}
+        sink.append(row)
+        log[i] = row
+
+    try:
+        await asyncio.gather(*(one(i) for i in indices))
+    finally:
+        await client.close()
+
+
+def synthesize_via_server(cfg: Config, prefix: str, stop_ids: list[int], log_path) -> tuple[list[dict], Counter]:
+    """Magpie through an OpenAI-compatible completions endpoint: the raw templated ``prefix`` (the
+    chat template up to a user message's text) is sent as the prompt, and the model's
+    continuation up to its end of turn is a new user prompt (Xu et al. 2024, "Magpie").
+
+    Sampling: temperature 1.0, top-p 0.95, ``seed·1000003 + attempt`` per request;
+    ``add_special_tokens: false`` and ``stop_token_ids`` (vLLM/SGLang extensions; other servers
+    ignore them). Every attempt is appended to ``log_path`` (JSONL), so a rerun sends only the
+    attempts not yet made; candidates are kept in attempt order by
+    :class:`eagle3kit.prompts.MagpieCollector` (finished turn, ≥ 3 words, no near-duplicate), at
+    most 4·n attempts, in waves sized to what is still missing.
+
+    Returns (prompt rows, counters: magpie_attempts, magpie_failed, magpie_kept).
+
+    Raises:
+        ConfigError: no ``generate.base_url``/``model``; ``log_path`` holds attempts made with
+            other settings (another prefix, model, seed or token limit).
+    """
+    from .prompts import MagpieCollector
+    from .rundir import read_jsonl, repair_torn_tail
+    from .ui import progress
+
+    gc, n = cfg.generate, cfg.prompts.synthesize
+    if not gc.base_url or not gc.model:
+        raise ConfigError("Magpie through a server needs generate.base_url and generate.model")
+    settings = _magpie_settings(cfg, prefix)
+    repair_torn_tail(log_path)
+    log: dict[int, dict] = {}
+    if log_path.exists():
+        for ln, r in read_jsonl(log_path):
+            if r.get("settings") != settings:
+                raise ConfigError(f"{log_path}:{ln} was made with other Magpie settings ({r.get('settings')}; now {settings}); "
+                                  "move the file away or use a new run_dir")
+            log[r["attempt"]] = r
+    counts: Counter = Counter(magpie_failed=0)
+
+    def collect() -> MagpieCollector:
+        keep = MagpieCollector(n)
+        for i in sorted(log):
+            keep.offer(log[i]["text"], log[i]["finish_reason"] == "stop")
+        return keep
+
+    keep, cap, nxt = collect(), 4 * n, 0
+    with JsonlAppender(log_path) as sink, progress() as bar:
+        task = bar.add_task("synthesize prompts (Magpie, server)", total=n, tokens=0, note="")
+        while not keep.full:
+            want = max(gc.concurrency, 2 * (n - len(keep.rows)))
+            wave = []
+            while nxt < cap and len(wave) < want:
+                if nxt not in log:
+                    wave.append(nxt)
+                nxt += 1
+            if not wave:
+                break
+            before = len(log)
+            asyncio.run(_magpie_attempts(cfg, prefix, stop_ids, wave, settings, sink, log, counts))
+            if len(log) == before:
+                raise ConfigError(f"the server at {gc.base_url} answered none of {len(wave)} Magpie requests (see the "
+                                  "errors above); check generate.base_url and generate.model. Attempts made so far are kept.")
+            keep = collect()
+            bar.update(task, completed=min(len(keep.rows), n), tokens=sum(r.get("completion_tokens") or 0 for r in log.values()),
+                       note=f"{len(log)} sampled, failed {counts['magpie_failed']}")
+    counts["magpie_attempts"] = len(log)
+    counts["magpie_kept"] = len(keep.rows)
+    return keep.rows, counts
