@@ -1,4 +1,4 @@
-"""Reasoning capture (issue 3 groundwork; field cases C01–C04, C06) on reply shapes hand-written from
+"""Reasoning capture (issue 3; field cases C01–C06) on reply shapes hand-written from
 the servers' documented formats (fixtures/reasoning_replies.json says so: no reasoning model can be
 served here)."""
 import json
@@ -70,3 +70,67 @@ def test_c06_special_token_string_inside_reasoning_is_flagged():
 def test_c01_history_reasoning_goes_under_the_key_the_server_reads(reads, keys):
     m = assistant_history_message("A", "T", reads)
     assert {k for k in m if k.startswith("reasoning")} == keys and all(m[k] == "T" for k in keys)
+
+
+KIMI = (Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "templates" / "kimi_k2_thinking.jinja").read_text()
+KIMI_SPECIALS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>", "<think>", "</think>",
+                 "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+
+
+@pytest.fixture(scope="module")
+def kimi_standin_tokenizer(tiny_target_dir):
+    """A STAND-IN for Kimi's tokenizer (no Kimi vocabulary exists here, ../shared/tokenizers/README.md):
+    SmolLM2's real vocabulary with Kimi's special tokens added, and Kimi-K2-Thinking's real template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tok.add_special_tokens({"additional_special_tokens": KIMI_SPECIALS})
+    tok.chat_template = KIMI
+    return tok
+
+
+@pytest.mark.parametrize("mode", ["message", "stream"])
+def test_c05_turn2_of_a_kimi_tool_call_exchange_keeps_turn1_reasoning(mode, kimi_standin_tokenizer):
+    """C05: turn 1's reply has reasoning and a tool call; the turn-2 request built for a Kimi-style
+    template carries that reasoning under the key the template reads, so the rendered turn-2 prompt
+    holds it exactly once, inside turn 1's <think>…</think>, before the tool call."""
+    from eagle3kit.reasoning import next_turn_messages, template_reasoning_key
+
+    reply = parse_reply(*msg("kimi_tool_call")) if mode == "message" else parse_stream(R["stream_kimi_tool_call"])
+    thought = "The user wants the weather in Paris; I should call get_weather."
+    assert reply.reasoning == thought and reply.finish_reason == "tool_calls" and reply.trainable
+    assert reply.tool_calls == [{"id": "functions.get_weather:0", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    reads = template_reasoning_key(KIMI)
+    assert reads == "reasoning_content"
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    turn2 = next_turn_messages(user, reply, [{"tool_call_id": "functions.get_weather:0", "content": "18 C, sunny"}], reads)
+    assert [m["role"] for m in turn2] == ["user", "assistant", "tool"] and "reasoning" not in turn2[1]
+    text = kimi_standin_tokenizer.apply_chat_template(turn2, tokenize=False, add_generation_prompt=True)
+    assert text.count(thought) == 1
+    assert (f"<|im_assistant|>assistant<|im_middle|><think>{thought}</think><|tool_calls_section_begin|>"
+            f"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{{\"city\": \"Paris\"}}") in text
+    assert text.endswith("## Return of functions.get_weather:0\n18 C, sunny<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    # the same reply sent under vLLM's key only: Kimi's template would drop the thinking (the fault C05 guards)
+    lost = kimi_standin_tokenizer.apply_chat_template(next_turn_messages(user, reply, None, "reasoning"), tokenize=False)
+    assert thought not in lost and "<think></think>" in lost
+    # "both" keys: the template still replays it once (C01's "exactly once")
+    both = kimi_standin_tokenizer.apply_chat_template(next_turn_messages(user, reply, None, "both"), tokenize=False)
+    assert both.count(thought) == 1
+
+
+def test_tool_result_for_an_unknown_call_is_refused():
+    from eagle3kit.reasoning import next_turn_messages
+
+    with pytest.raises(ValueError, match="answers no tool call"):
+        next_turn_messages([], parse_reply(*msg("kimi_tool_call")), [{"tool_call_id": "nope", "content": "x"}])
+
+
+@pytest.mark.parametrize("template,key", [("{{ m.reasoning_content }}", "reasoning_content"),
+                                          ("{{ message['reasoning'] }}", "reasoning"), ("{{ m.reasoning }}", "reasoning"),
+                                          ("{{ m.content }}", "both")])
+def test_template_reasoning_key(template, key):
+    from eagle3kit.reasoning import template_reasoning_key
+
+    assert template_reasoning_key(template) == key

@@ -129,6 +129,21 @@ def test_streamed_replies_give_the_same_rows(tmp_path, server):
     plain = rows["plain streamed"]
     assert plain["content"] == "reply to plain streamed" and plain["completion_ids"] == [7, 8, 2]
     assert plain["usage"]["completion_tokens"] == 3 and rows["shape:stream_reasoning"]["completion_ids"] is None
+    assert plain["tool_calls"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_replies_keep_reasoning_and_calls_through_the_sdk(tmp_path, server, stream):
+    """C05 through the OpenAI SDK's own objects (not dicts): the row keeps the reasoning and the
+    merged tool call, ready for the turn-2 request."""
+    name = "shape:stream_kimi_tool_call" if stream else "shape:kimi_tool_call"
+    cfg, run = _run(tmp_path, server, [name], stream=stream)
+    assert run_generate(cfg, run)["generated"] == 1
+    (row,) = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    assert row["reasoning"] == "The user wants the weather in Paris; I should call get_weather."
+    assert row["finish_reason"] == "tool_calls" and row["content"] == ""
+    assert row["tool_calls"] == [{"id": "functions.get_weather:0", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
 
 
 def test_stalls_dropped_connections_and_500s_are_retried(tmp_path, server):

@@ -1,4 +1,4 @@
-"""Reasoning capture from OpenAI-compatible chat replies (field cases C01–C04, C06).
+"""Reasoning capture from OpenAI-compatible chat replies (field cases C01–C06).
 
 Servers return a model's thinking in different places:
 
@@ -35,7 +35,8 @@ class Reply:
     ``inline_think``, ``prompt_opened_think`` or None. ``flags``: problems found (a row with
     ``reasoning_fields_disagree``, ``unclosed_think`` or ``special_token_in_reasoning`` must not
     become a training turn unchanged). ``truncated``: the reply was cut (``finish_reason`` length
-    or an unclosed think block)."""
+    or an unclosed think block). ``tool_calls``: the OpenAI ``tool_calls`` list
+    (``[{"id", "type": "function", "function": {"name", "arguments": str}}]``) or None."""
 
     content: str
     reasoning: str | None = None
@@ -43,6 +44,7 @@ class Reply:
     finish_reason: str | None = None
     truncated: bool = False
     flags: list[str] = field(default_factory=list)
+    tool_calls: list[dict] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +52,7 @@ class Reply:
     @property
     def trainable(self) -> bool:
         """False when the row must not become a training turn as it is (C04, C06, C02)."""
-        if not self.content.strip():
+        if not self.content.strip() and not self.tool_calls:
             return False
         if self.truncated and self.reasoning is not None:
             return False          # a cut-off reasoning block (C04)
@@ -140,7 +142,20 @@ def parse_reply(
             flags.append("special_token_in_reasoning")
     truncated = finish_reason == "length" or "unclosed_think" in flags
     return Reply(content=content, reasoning=reasoning, reasoning_source=source, finish_reason=finish_reason,
-                 truncated=truncated, flags=flags)
+                 truncated=truncated, flags=flags, tool_calls=_tool_calls(message))
+
+
+def _tool_calls(message: Any) -> list[dict] | None:
+    calls = _get(message, "tool_calls")
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        c = c.model_dump(exclude_none=True) if hasattr(c, "model_dump") else dict(c)
+        fn = dict(c.get("function") or {})
+        out.append({"id": c.get("id"), "type": c.get("type") or "function",
+                    "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""}})
+    return out
 
 
 def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
@@ -150,6 +165,7 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
     keys the stream used, so :func:`parse_reply` treats both modes alike (source names are
     rewritten to ``stream.*`` by :func:`parse_stream`)."""
     parts: dict[str, list[str]] = {"content": [], "reasoning": [], "reasoning_content": []}
+    calls: dict[int, dict] = {}   # streamed tool calls, merged by index: id/name once, arguments in pieces
     finish = None
     for chunk in chunks:
         choices = _get(chunk, "choices") or []
@@ -161,9 +177,18 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
             piece = _get(delta, key)
             if isinstance(piece, str):
                 parts[key].append(piece)
+        for tc in _get(delta, "tool_calls") or []:
+            slot = calls.setdefault(_get(tc, "index") or 0, {"id": None, "type": "function",
+                                                             "function": {"name": None, "arguments": ""}})
+            slot["id"] = _get(tc, "id") or slot["id"]
+            fn = _get(tc, "function")
+            slot["function"]["name"] = _get(fn, "name") or slot["function"]["name"]
+            slot["function"]["arguments"] += _get(fn, "arguments") or ""
         finish = _get(ch, "finish_reason") or finish
-    msg = {k: "".join(v) for k, v in parts.items() if v}
+    msg: dict = {k: "".join(v) for k, v in parts.items() if v}
     msg.setdefault("content", "")
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
     return msg, finish
 
 
@@ -176,12 +201,47 @@ def parse_stream(chunks: Iterable[Any], prompt_opens_think: bool = False, specia
     return reply
 
 
-def assistant_history_message(content: str, reasoning: str | None, server_reads: str = "both") -> dict:
+def assistant_history_message(content: str, reasoning: str | None, server_reads: str = "both",
+                              tool_calls: list[dict] | None = None) -> dict:
     """An earlier assistant turn for the next request, with its reasoning under the key the target
-    server reads (``reasoning``, ``reasoning_content`` or ``both``) — C01."""
+    server reads (``reasoning``, ``reasoning_content`` or ``both``) — C01 — and its tool calls (C05)."""
     msg: dict = {"role": "assistant", "content": content}
     if reasoning:
         keys = REASONING_KEYS if server_reads == "both" else (server_reads,)
         for k in keys:
             msg[k] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = [dict(c) for c in tool_calls]
     return msg
+
+
+def template_reasoning_key(chat_template: str | None) -> str:
+    """Which message key a chat template reads an earlier turn's reasoning from: ``reasoning_content``
+    (Kimi-K2, DeepSeek, Qwen3 templates), ``reasoning`` (templates written for vLLM's field), or
+    ``both`` when the template names neither (sending both costs nothing: templates ignore unknown keys)."""
+    import re
+
+    t = chat_template or ""
+    if "reasoning_content" in t:
+        return "reasoning_content"
+    if re.search(r"""[.'"\[]reasoning\b(?!_)""", t):
+        return "reasoning"
+    return "both"
+
+
+def next_turn_messages(messages: list[dict], reply: Reply, tool_results: list[dict] | None = None,
+                       server_reads: str = "both") -> list[dict]:
+    """The messages of the next request after ``reply``: the history, the reply as an assistant
+    turn (reasoning under ``server_reads``, tool calls kept), then one ``tool`` message per
+    ``tool_results`` item (``{"tool_call_id", "content"}``) — the multi-step tool exchange of C05.
+
+    Raises:
+        ValueError: a tool result answers no tool call of the reply (names the id).
+    """
+    ids = {c["id"] for c in reply.tool_calls or []}
+    out = list(messages) + [assistant_history_message(reply.content, reply.reasoning, server_reads, reply.tool_calls)]
+    for res in tool_results or []:
+        if res["tool_call_id"] not in ids:
+            raise ValueError(f"tool result for {res['tool_call_id']!r} answers no tool call of the reply (calls: {sorted(ids)})")
+        out.append({"role": "tool", "tool_call_id": res["tool_call_id"], "content": res["content"]})
+    return out

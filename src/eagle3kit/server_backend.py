@@ -96,6 +96,7 @@ def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dic
         "id": row["id"], "messages": row["messages"], "source": row.get("source"), "category": row.get("category"),
         "content": reply.content, "reasoning": reply.reasoning, "reasoning_source": reply.reasoning_source,
         "flags": reply.flags, "finish_reason": reply.finish_reason, "truncated": reply.truncated,
+        "tool_calls": reply.tool_calls,
         "prompt_ids": prompt_ids, "completion_ids": completion_ids,
         "token_ids_returned": completion_ids is not None, "usage": usage,
         "template_flags": dict((req["extra_body"] or {}).get("chat_template_kwargs", {})),
