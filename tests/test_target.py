@@ -80,3 +80,19 @@ def test_smollm2_loads_from_the_package_without_a_hub(smollm2_target):
     out = t.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=20, do_sample=False)
     text = t.tokenizer.decode(out[0, len(ids):])
     assert "4" in text
+
+
+def test_gguf_tokenizer_is_cached_as_a_folder_and_loads_identically(tmp_path, monkeypatch, smollm2_tokenizer):
+    """The GGUF tokenizer rebuild (seconds) happens once; the cached folder gives the same vocabulary,
+    special tokens and chat template (same tokenizer hash, same ids)."""
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import load_tokenizer, tokenizer_hash
+
+    monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
+    first = load_tokenizer(TargetConfig())
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    again = load_tokenizer(TargetConfig())
+    assert tokenizer_hash(again) == tokenizer_hash(first) == tokenizer_hash(smollm2_tokenizer)
+    msgs = [{"role": "user", "content": "Résumé <|im_end|> 12 345"}]
+    assert again.apply_chat_template(msgs, add_generation_prompt=True) == first.apply_chat_template(msgs, add_generation_prompt=True)

@@ -233,7 +233,9 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
     """Generate a reply for every prompt in ``prompts.jsonl`` not yet in ``conversations.jsonl``.
 
     Returns stage counts: rows_in, already_done, generated, truncated (no end-of-turn within
-    ``max_new_tokens``), empty_content.
+    ``max_new_tokens``), empty_content, completion_tokens, seconds (the generation loop, s),
+    startup_seconds (loading the target or tokenizer, probing the server), tokens_per_s
+    (completion tokens / seconds).
     """
     gc = cfg.generate
     prompts_path = run.require("prompts.jsonl", "prompts")
@@ -248,13 +250,14 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
     counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
     backend = pick_backend(gc.backend)
     engine = None
-    timer = Timer()
+    stage_timer = timer = Timer()
     if todo and backend == "openai":
         from .server_backend import generate_via_server, server_version
 
         engine = {"name": "openai-compatible", "base_url": gc.base_url, "model": gc.model,
                   "version": server_version(gc.base_url) if gc.base_url else None}
         special = _special_tokens(cfg)
+        timer = Timer()   # tokens/s counts the request loop, not the start-up (tokenizer, /version probe)
         with JsonlAppender(out_path) as sink, progress() as bar:
             task = bar.add_task("generate (server)", total=len(todo), tokens=0, note="")
             counts.update(generate_via_server(cfg, todo, sink, settings, special, bar, task))
@@ -269,6 +272,7 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
         sampling = settings["sampling"]
         chunk = gc.batch_size if backend == "transformers" else max(gc.batch_size, 64)
         todo.sort(key=lambda r: len(str(r["messages"])))
+        timer = Timer()
         with JsonlAppender(out_path) as sink, progress() as bar:
             task = bar.add_task(f"generate ({backend})", total=len(todo), tokens=0, note="")
             for start in range(0, len(todo), chunk):
@@ -291,7 +295,8 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
                     counts["completion_tokens"] += len(c)
                 bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])
     if todo:
-        counts["seconds"] = round(timer.seconds, 1)
+        counts["startup_seconds"] = round(stage_timer.seconds - timer.seconds, 2)
+        counts["seconds"] = round(timer.seconds, 3)
         counts["tokens_per_s"] = round(counts["completion_tokens"] / max(timer.seconds, 1e-9), 1)
     # totals over the whole file (a resumed run reports the file, not just this call)
     total = Counter()

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -261,12 +262,32 @@ def locate_target(cfg: TargetConfig) -> dict:
 
 
 def load_tokenizer(cfg: TargetConfig):
-    """The target's tokenizer (with its chat template), loaded without touching a model hub."""
+    """The target's tokenizer (with its chat template), loaded without touching a model hub.
+
+    A GGUF tokenizer is rebuilt from the GGUF once (about 7 s for SmolLM2) and kept as a
+    tokenizer folder under :func:`cache_dir` keyed by the GGUF file's fingerprint (size and
+    first/last MiB); later loads read that folder (well under a second)."""
     from transformers import AutoTokenizer
 
     loc = locate_target(cfg)
-    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
-    return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+    if not loc["gguf_file"]:
+        return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download)
+    cached = cache_dir() / "tokenizers" / _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])[:16]
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception:   # a damaged cache entry: rebuild it below
+            pass
+    tok = AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, gguf_file=loc["gguf_file"])
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(tmp)
+        if cached.exists():
+            shutil.rmtree(cached)
+        os.replace(tmp, cached)
+    except OSError:   # a read-only cache: fine, just slower next time
+        pass
+    return tok
 
 
 def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> Target:
