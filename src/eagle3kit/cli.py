@@ -92,12 +92,14 @@ def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
 
 @app.command()
 @_guard
-def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
-    """Turn conversations into a token shard with loss masks (tokens.safetensors)."""
+def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+             show: int = typer.Option(0, "--show", min=0, help="print N samples with supervised tokens highlighted"),
+             strict: bool = typer.Option(False, "--strict", help="any self-check mismatch is an error (nothing written)")):
+    """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
     from .tokenize import run_tokenize
 
-    cfg, run = _setup(config, run_dir)
-    _show("tokenize", run_tokenize(cfg, run))
+    cfg, run = _setup(config, run_dir, {"tokenize": _some(strict=strict or None)})
+    _show("tokenize", run_tokenize(cfg, run, show=show))
 
 
 @app.command()

@@ -129,9 +129,26 @@ class GenerateConfig(_Strict):
     seed: int = 0
 
 
+class SuperviseConfig(_Strict):
+    """Which emitted tokens are supervised; template-inserted tokens (role headers, default system
+    prompts, an empty think block the model did not write, trailers) never are."""
+
+    reasoning: bool = True
+    think_markers: bool = True
+    end_of_turn: bool = True
+
+
 class TokenizeConfig(_Strict):
+    """How conversations become training sequences (see :mod:`eagle3kit.templates`)."""
+
     max_length: int = Field(default=2048, gt=1)
     drop_truncated: bool = False
+    multi_turn: Literal["per_turn", "one_sequence"] = "per_turn"
+    supervise: SuperviseConfig = SuperviseConfig()
+    think_layout: Literal["auto", "newline", "compact"] = Field(
+        default="auto", description="whitespace around reasoning when rebuilding from text (newline: R1/Qwen3; compact: Kimi/V3.1)")
+    self_check_rows: int = Field(default=1000, ge=0, description="rows compared with an independent render (seeded sample)")
+    strict: bool = False
 
 
 class VocabConfig(_Strict):

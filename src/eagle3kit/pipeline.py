@@ -108,7 +108,7 @@ def run_all(cfg: Config) -> dict:
     if _fresh(run, "tokenize", key, "tokens.safetensors"):
         console.print("tokenize: up to date")
     else:
-        run_tokenize(cfg, run, target.tokenizer)
+        run_tokenize(cfg, run, target.tokenizer, target.end_of_turn_ids())
         _mark(run, "tokenize", key)
     key = stage_key(cfg.vocab, sha256_tensors(run / "tokens.safetensors"))
     if _fresh(run, "vocab", key, "vocab.safetensors"):

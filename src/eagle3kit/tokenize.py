@@ -1,21 +1,30 @@
 """Stage ``tokenize``: conversations → token shard (``input_ids``, ``loss_mask``).
 
-Per row: prompt ids = the target's chat template over the prompt messages with
-``add_generation_prompt=True`` and the row's recorded template flags; completion ids = exactly
-the ids the target emitted (``completion_ids``), or, for rows from a source that returned only
-text, ``content`` tokenized plus the end-of-turn token. Loss mask = 1 on completion tokens only
-(the one-position shift of DESIGN.md §4 is applied in training, not here).
+Samples are built by :mod:`eagle3kit.templates`: prompt ids = the target's chat template over the
+conversation so far with ``add_generation_prompt=True`` and the row's recorded template flags;
+completion ids = the ids the target emitted (``completion_ids``) when the row has them, else the
+emission rebuilt from the text (think markers as the tokenizer's special ids). Multi-turn rows
+give one sample per assistant turn (``tokenize.multi_turn: per_turn``) or one sequence with every
+assistant turn supervised (``one_sequence``). Loss mask = 1 on the tokens the model emitted
+(``tokenize.supervise`` can leave out reasoning, think markers or end-of-turn); the one-position
+shift of DESIGN.md §4 is applied in training, not here.
 
 Dropped and counted: empty completions (C25), prompts that reach ``max_length`` (the assistant
-turn would start past it, C25), and — with ``tokenize.drop_truncated`` — rows cut at the
-generation limit. Kept truncated rows end without an end-of-turn token. Sequences longer than
-``max_length`` are cut to it.
+turn would start past it, C25), rows the template cannot render consistently, flagged server rows
+(C02, C04, C06), and — with ``tokenize.drop_truncated`` — rows cut at the generation limit. Kept
+truncated rows end without an end-of-turn token. Sequences longer than ``max_length`` are cut.
+
+Self-check (not circular): up to ``tokenize.self_check_rows`` rows are compared with the
+tokenizer's own full-conversation render (:func:`eagle3kit.templates.self_check`), their returned
+prompt ids with the render, and their returned completion ids with the text rebuild; the counts go
+to the report and ``--strict`` turns a mismatch into an error.
 
 Shard (``tokens.safetensors``): ``input_ids`` int32 [total], ``loss_mask`` uint8 [total],
-``offsets`` int64 [rows + 1] (row i is ``[offsets[i], offsets[i+1])``).
+``offsets`` int64 [samples + 1] (sample i is ``[offsets[i], offsets[i+1])``).
 """
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -23,34 +32,42 @@ import torch
 from safetensors.torch import save_file
 
 from .config import Config
-from .generate import render_prompt_ids
 from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
+from .templates import MaskRule, Sample, TemplateError, ThinkSpec, build_samples, self_check
 
 
-def build_sample(tokenizer, row: dict, eot_id: int, max_length: int) -> tuple[list[int], list[int], str | None, bool]:
-    """One conversation row → (input_ids, loss_mask, drop_reason or None, prompt_mismatch).
+def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], max_length: int, mode: str = "per_turn",
+                    rule: MaskRule | None = None) -> tuple[list[Sample], str | None]:
+    """One conversation row → (samples cut to ``max_length``, drop reason or None).
 
-    ``prompt_mismatch`` is True when the row carries ``prompt_ids`` that differ from this
-    render (the tokenizer or template changed since generation).
+    Drop reasons: ``empty_completion`` (C25), ``prompt_reaches_max_length`` (C25; the turn would
+    start past the limit), ``reasoning_without_think_tokens`` (a text-only reasoning row for a
+    tokenizer without think special tokens), ``template_error`` (the template cannot render the
+    turn consistently).
     """
-    flags = row.get("template_flags") or {}
-    prompt = render_prompt_ids(tokenizer, row["messages"], flags)
-    mismatch = row.get("prompt_ids") is not None and list(row["prompt_ids"]) != prompt
-    if row.get("completion_ids") is not None:
-        completion = [int(t) for t in row["completion_ids"]]
-    else:
-        content = row.get("content") or ""
-        completion = tokenizer(content, add_special_tokens=False)["input_ids"] if content else []
-        if completion and row.get("finish_reason") != "length":
-            completion = completion + [eot_id]
-    body = [t for t in completion if t != eot_id]
-    if not body or (row.get("content") is not None and not str(row["content"]).strip()):
-        return [], [], "empty_completion", mismatch
-    if len(prompt) >= max_length - 1:
-        return [], [], "prompt_reaches_max_length", mismatch
-    ids = (prompt + completion)[:max_length]
-    mask = ([0] * len(prompt) + [1] * len(completion))[:max_length]
-    return ids, mask, None, mismatch
+    content = row.get("content")
+    if "content" in row and (content is None or not str(content).strip()) and not row.get("tool_calls"):
+        return [], "empty_completion"
+    if row.get("reasoning") and row.get("completion_ids") is None and spec.close_id is None:
+        return [], "reasoning_without_think_tokens"   # the tokenizer has no <think>/</think> to rebuild with
+    try:
+        samples = build_samples(tokenizer, row, spec, eot_ids, mode, rule)
+    except TemplateError:
+        return [], "template_error"
+    eot = set(eot_ids)
+    kept = []
+    for s in samples:
+        body = [t for t in s.ids[s.prompt_len:] if t not in eot]
+        if not body:
+            continue
+        if s.prompt_len >= max_length - 1:
+            continue
+        s.ids, s.mask = s.ids[:max_length], s.mask[:max_length]
+        kept.append(s)
+    if not kept:
+        return [], "prompt_reaches_max_length" if samples and all(s.prompt_len >= max_length - 1 for s in samples) \
+            else "empty_completion"
+    return kept, None
 
 
 def untrainable_reason(row: dict) -> str | None:
@@ -61,11 +78,8 @@ def untrainable_reason(row: dict) -> str | None:
     for flag in UNTRAINABLE_FLAGS:
         if flag in flags:
             return flag
-    if row.get("reasoning") is not None:
-        if row.get("finish_reason") == "length":
-            return "truncated_reasoning"
-        if row.get("completion_ids") is None:
-            return "reasoning_without_token_ids"   # rebuilding the think markers is issue 4
+    if row.get("reasoning") is not None and row.get("finish_reason") == "length":
+        return "truncated_reasoning"
     return None
 
 
@@ -94,19 +108,35 @@ def load_shard(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(ids[off[i]:off[i + 1]], mask[off[i]:off[i + 1]]) for i in range(len(off) - 1)]
 
 
-def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_id: int | None = None) -> dict:
-    """Tokenize ``conversations.jsonl`` into ``tokens.safetensors``; returns stage counts."""
-    from .target import load_tokenizer, tokenizer_hash
+def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | None = None, strict: bool | None = None,
+                 show: int = 0) -> dict:
+    """Tokenize ``conversations.jsonl`` into ``tokens.safetensors``; returns stage counts.
 
+    Args:
+        eot_ids: end-of-turn ids (default: the tokenizer's EOS).
+        strict: a self-check mismatch raises (default ``tokenize.strict``).
+        show: print this many samples with their supervised tokens highlighted.
+
+    Raises:
+        DataError: a row that is not a conversation, ids outside the vocabulary, or (strict) a
+            self-check mismatch, naming the line.
+    """
+    from .target import load_tokenizer, tokenizer_hash
+    from .templates import think_spec
+
+    tc = cfg.tokenize
+    strict = tc.strict if strict is None else strict
     src = run.require("conversations.jsonl", "generate")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
-    if eot_id is None:
-        eot_id = int(tok.eos_token_id)
+    eot_ids = list(eot_ids) if eot_ids is not None else [int(tok.eos_token_id)]
+    spec = think_spec(tok, None if tc.think_layout == "auto" else tc.think_layout)
+    rule = MaskRule(**tc.supervise.model_dump())
     counts: Counter = Counter()
-    samples = []
+    samples: list[Sample] = []
     prompts_path = run / "prompts.jsonl"
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
     V = len(tok)
+    rows = []
     for n, row in read_jsonl(src):
         counts["rows_in"] += 1
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
@@ -122,25 +152,68 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_id: int | None = 
         if bad:
             raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the tokenizer's [0, {V}); "
                             "the row comes from another tokenizer or is corrupt")
-        if cfg.tokenize.drop_truncated and row.get("finish_reason") == "length":
+        if tc.drop_truncated and row.get("finish_reason") == "length":
             counts["dropped_truncated"] += 1
             continue
-        ids, mask, reason, mismatch = build_sample(tok, row, eot_id, cfg.tokenize.max_length)
-        counts["prompt_render_mismatch"] += mismatch
+        got, reason = samples_for_row(tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule)
         if reason:
             counts[f"dropped_{reason}"] += 1
             continue
+        rows.append((n, row, got))
+        counts["rows_kept"] += 1
         counts["truncated_kept"] += row.get("finish_reason") == "length"
-        counts["cut_at_max_length"] += len(row.get("prompt_ids") or []) + len(row.get("completion_ids") or []) > len(ids)
-        samples.append((ids, mask))
-        counts["tokens"] += len(ids)
-        counts["supervised_tokens"] += sum(mask)
-    counts["rows_kept"] = len(samples)
-    counts["truncated_kept_share"] = round(counts["truncated_kept"] / max(len(samples), 1), 4)
+        for s in got:
+            full_len = s.prompt_len + sum(len(p.ids) for p in s.pieces)
+            counts["cut_at_max_length"] += full_len > len(s.ids)
+            counts["tokens"] += len(s.ids)
+            counts["supervised_tokens"] += sum(s.mask)
+            samples.append(s)
+    counts["samples"] = len(samples)
+    counts["truncated_kept_share"] = round(counts["truncated_kept"] / max(counts["rows_kept"], 1), 4)
+    checked = _self_check_rows(tok, rows, spec, eot_ids, tc.self_check_rows, rule, counts, src)
+    if strict and checked:
+        raise DataError(f"tokenize --strict: {len(checked)} self-check mismatch(es) in {src.name} at line(s) "
+                        f"{', '.join(checked[:10])}; nothing was written. Compare those rows' ids with their text "
+                        "(`eagle3kit tokenize --show N`), fix the template flags or the rows")
+    if show:
+        from .ui import show_samples
+
+        show_samples(tok, samples[:show])
     out = run / "tokens.safetensors"
-    save_shard(out, samples, {"tokenizer_sha256": tokenizer_hash(tok)})
+    save_shard(out, [(s.ids, s.mask) for s in samples], {"tokenizer_sha256": tokenizer_hash(tok)})
     res = {k: v for k, v in counts.items()}
     run.record_stage("tokenize", {"conversations.jsonl": sha256_file(src), "tokenizer": tokenizer_hash(tok),
-                                  "max_length": cfg.tokenize.max_length}, res, {"tokens.safetensors": sha256_tensors(out)})
+                                  "max_length": tc.max_length, "multi_turn": tc.multi_turn,
+                                  "supervise": tc.supervise.model_dump(), "think_layout": spec.layout},
+                     res, {"tokens.safetensors": sha256_tensors(out)})
     run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
     return res
+
+
+def _self_check_rows(tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit: int, rule: MaskRule, counts: Counter,
+                     src) -> list[str]:
+    """Self-check a seeded sample of ``limit`` kept rows (all when fewer); fills ``counts`` and
+    returns the line of each mismatch (``"12"``, or ``"12 (returned prompt ids)"``)."""
+    pick = rows if len(rows) <= limit else random.Random(0).sample(rows, limit)
+    bad: list[str] = []
+    counts.update({"selfcheck_rows": 0, "selfcheck_mismatch": 0, "selfcheck_retokenized": 0,
+                   "selfcheck_returned_prompt_mismatch": 0, "selfcheck_rebuild_differs_from_returned": 0})
+    for n, row, got in pick:
+        counts["selfcheck_rows"] += 1
+        where = str(n)
+        verdicts = [self_check(tok, row, s, spec, eot_ids) for s in got]
+        if "mismatch" in verdicts:
+            counts["selfcheck_mismatch"] += 1
+            bad.append(where)
+        elif "retokenized" in verdicts:
+            counts["selfcheck_retokenized"] += 1
+        last = got[-1]
+        if last.returned_ids and row.get("prompt_ids") is not None:
+            if list(row["prompt_ids"]) != last.ids[:last.prompt_len]:
+                counts["selfcheck_returned_prompt_mismatch"] += 1
+                bad.append(where + " (returned prompt ids)")
+            text_row = {k: v for k, v in row.items() if k != "completion_ids"}
+            (rebuilt,) = [s for s in build_samples(tok, text_row, spec, eot_ids, "per_turn", rule) if s.turn == last.turn]
+            if rebuilt.ids[rebuilt.prompt_len:] != [int(t) for t in row["completion_ids"]]:
+                counts["selfcheck_rebuild_differs_from_returned"] += 1
+    return bad

@@ -47,3 +47,30 @@ class Timer:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
+
+
+_PIECE_STYLE = {"content": "bold green", "reasoning": "bold cyan", "think_marker": "bold magenta",
+                "end_of_turn": "bold yellow", "tool_calls": "bold blue", "template": "dim red"}
+
+
+def show_samples(tokenizer, samples) -> None:
+    """Print samples for a person to look at: the prompt dim, supervised pieces coloured by kind
+    (content green, reasoning cyan, think markers magenta, end-of-turn yellow, tool calls blue),
+    unsupervised completion pieces (a template-inserted empty think block) dim red; special
+    tokens shown as written, with ``⟦id⟧`` after each marker so look-alike text stands out."""
+    out = Console()
+    for n, s in enumerate(samples):
+        t = Text(f"── sample {n} (turn {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
+                 f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n", style="bold")
+        prompt = s.ids[:s.prompt_len]
+        for tid, m in zip(prompt, s.mask[:s.prompt_len]):
+            t.append(tokenizer.decode([tid]), style="bold green" if m else "dim")
+        for p in s.pieces:
+            style = _PIECE_STYLE.get(p.kind, "") if p.supervised else "dim red"
+            text = tokenizer.decode(p.ids)
+            if p.kind in ("think_marker", "end_of_turn", "template"):
+                text += "⟦" + ",".join(map(str, p.ids)) + "⟧"
+            t.append(text, style=style)
+        out.print(t)
+        out.print(Text("legend: prompt dim · content green · reasoning cyan · think markers magenta · end-of-turn yellow · "
+                       "tool calls blue · not supervised dim red", style="italic") if n == len(samples) - 1 else "")

