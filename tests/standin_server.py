@@ -5,7 +5,12 @@ thread. What it answers is chosen by the last user message:
 * ``fail400`` → HTTP 400;  ``flaky429:KEY`` → HTTP 429 on the first request for KEY, then a reply;
 * ``http500:KEY`` → HTTP 500 once; ``stall:KEY`` → the first reply waits 3 s; ``drop:KEY`` → the
   first reply's connection is cut mid-body;
+* ``raw:NAME`` → a malformed 200 reply (``choices_empty``, ``content_list``, ``html``, ``broken_json``,
+  ``no_finish``, ``ids_text``), or ``raw:401`` (echoing the Authorization header back, as some
+  proxies do) / ``raw:404`` (unknown model);
 * anything else → a plain reply without reasoning, echoing the prompt.
+
+``/v1/models`` lists one model, ``stand-in``.
 
 ``/v1/completions`` (Magpie) answers a prompt by the request's seed: attempt ``i = seed mod
 1000003`` gets "Explain topic i//2 in detail" (so pairs are duplicates), but every 5th attempt is
@@ -20,6 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from fastapi import Request   # module level: FastAPI resolves the string annotations against module globals
+
 from eagle3kit.engines import free_port
 
 SHAPES = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
@@ -29,7 +36,7 @@ class StandInServer:
     def __init__(self):
         import uvicorn
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
         self.hits: Counter = Counter()
         app = FastAPI()
@@ -38,11 +45,18 @@ class StandInServer:
         def version():
             return {"version": "stand-in-0"}
 
+        @app.get("/v1/models")
+        def models():
+            return {"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": "test"}]}
+
         self.completions: list[dict] = []
 
         @app.post("/v1/completions")
         async def completions(body: dict):
             self.completions.append(body)
+            if body["prompt"] == "NULL":   # a broken server: text null
+                return {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                        "choices": [{"index": 0, "text": None, "finish_reason": "stop", "logprobs": None}]}
             i = body["seed"] % 1_000_003
             text, finish = f"Explain topic {i // 2} in detail, please.", "stop"
             if i % 5 == 4:
@@ -54,9 +68,11 @@ class StandInServer:
                     "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}}
 
         @app.post("/v1/chat/completions")
-        async def chat(body: dict):
+        async def chat(body: dict, request: Request):
             text = body["messages"][-1]["content"]
             self.hits[text] += 1
+            if text.startswith("raw:"):
+                return self._raw(text[4:], body, request)
             if text == "fail400":
                 return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error"}}, status_code=400)
             if text.startswith("stall") and self.hits[text] == 1:
@@ -97,6 +113,25 @@ class StandInServer:
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
+        def _raw(name, body, request):
+            base = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"]}
+            ok = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "fine"}}
+            if name == "401":
+                return JSONResponse({"error": {"message": f"Incorrect API key provided: {request.headers.get('authorization')}"}},
+                                    status_code=401)
+            if name == "404":
+                return JSONResponse({"error": {"message": f"The model `{body['model']}` does not exist."}}, status_code=404)
+            if name == "html":
+                return HTMLResponse("<html><body>proxy login</body></html>")
+            if name == "broken_json":
+                return Response('{"id": "x", "choices": [', media_type="application/json")
+            bodies = {"choices_empty": {**base, "choices": []},
+                      "content_list": {**base, "choices": [{**ok, "message": {"role": "assistant", "content": [{"type": "text"}]}}]},
+                      "no_finish": {**base, "choices": [{**ok, "finish_reason": None}]},
+                      "ids_text": {**base, "choices": [{**ok, "token_ids": "1,2,3"}]}}
+            return bodies[name]
+
+        self._raw = _raw
         self._stream = _stream
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"

@@ -180,7 +180,7 @@ def test_rows_from_other_settings_or_other_prompts_never_reach_training(tiny_run
     c2 = cfg.model_copy(deep=True)
     c2.run_dir = str(other.path)
     c2.generate.max_new_tokens = 16                       # other sampling settings: refuse to mix
-    with pytest.raises(ConfigError, match="another sampling"):
+    with pytest.raises(ConfigError, match=r"other settings — sampling: .*max_new_tokens.: 32.* but now .*max_new_tokens.: 16"):
         run_generate(c2, other)
     # the prompt set shrinks: old conversations stay on disk but are not tokenized ...
     rows = (other / "prompts.jsonl").read_text().splitlines()

@@ -134,3 +134,16 @@ def test_template_reasoning_key(template, key):
     from eagle3kit.reasoning import template_reasoning_key
 
     assert template_reasoning_key(template) == key
+
+
+def test_streamed_tool_calls_without_an_index_are_split_by_id():
+    """Found by an adversarial review: a server that omits `index` had two calls merged into one."""
+    def chunk(**tc):
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [tc]}, "finish_reason": None}]}
+
+    chunks = [chunk(id="a", function={"name": "f", "arguments": "{\"x\""}), chunk(function={"arguments": ": 1}"}),
+              chunk(id="b", function={"name": "g", "arguments": "{}"}),
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+    r = parse_stream(chunks)
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in r.tool_calls] == \
+        [("a", "f", '{"x": 1}'), ("b", "g", "{}")]

@@ -25,8 +25,8 @@ def _run(tmp_path, server, texts, **gen):
     write_jsonl(run / "prompts.jsonl", rows)
     cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tmp_path)),   # no local tokenizer: C06 check skipped
                  prompts=PromptsConfig(heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="openai", base_url=server.url, model="stand-in", concurrency=4,
-                                         max_retries=2, **gen))
+                 generate=GenerateConfig(**{"backend": "openai", "base_url": server.url, "model": "stand-in", "concurrency": 4,
+                                            "max_retries": 2, **gen}))
     return cfg, run
 
 
@@ -51,9 +51,10 @@ def test_429_is_retried_and_a_400_row_does_not_stop_the_others(tmp_path, server)
     counts = run_generate(cfg, run)
     assert counts["generated"] == 3 and counts["failed"] == 1 and counts["failed_400"] == 1
     assert server.hits["flaky429:a"] == 2
-    # the failed row is simply missing: a rerun sends only it, and duplicates nothing
-    again = run_generate(cfg, run)
-    assert again["already_done"] == 3 and again["failed"] == 1
+    # the failed row is simply missing: a rerun sends only it, duplicates nothing, and says loudly
+    # (exit code 2 from the CLI) that this time nothing at all came back
+    with pytest.raises(ConfigError, match="all 1 requests failed"):
+        run_generate(cfg, run)
     ids = [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")]
     assert len(ids) == len(set(ids)) == 3
 
@@ -187,3 +188,92 @@ def test_magpie_synthesis_through_the_completions_endpoint_resumes_by_attempt(tm
     resent = {b["seed"] - 3 * 1_000_003 for b in server.completions}
     assert counts2["rows_kept"] == 10 and not resent & set(sent)
     assert [r["messages"][0]["content"] for _, r in read_jsonl(run / "prompts.jsonl")][:6] == texts
+
+
+def test_malformed_replies_fail_their_row_only_and_never_jam_a_rerun(tmp_path, server):
+    """Found by an adversarial review: one nonsense 200 reply used to crash the stage on every rerun."""
+    bad = ["raw:choices_empty", "raw:content_list", "raw:html", "raw:broken_json", "raw:ids_text"]
+    cfg, run = _run(tmp_path, server, bad + ["raw:no_finish", "fine question"], max_retries=0)
+    counts = run_generate(cfg, run)
+    assert counts["generated"] == 2 and counts["failed"] == 5 and counts["failed_malformed_reply"] == 5
+    rows = {r["messages"][0]["content"]: r for _, r in read_jsonl(run / "conversations.jsonl")}
+    assert rows["raw:no_finish"]["flags"] == ["no_finish_reason"]          # stored, but never a training turn
+    with pytest.raises(ConfigError, match="all 5 requests failed"):
+        run_generate(cfg, run)                                                # the rerun retries only the 5, cleanly
+
+
+def test_a_refused_key_stops_at_once_and_the_key_never_reaches_the_console(tmp_path, server, monkeypatch, capfd):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRET-123")
+    cfg, run = _run(tmp_path, server, ["raw:401"] + [f"q{i}" for i in range(30)], concurrency=1)
+    with pytest.raises(ConfigError) as e:
+        run_generate(cfg, run)
+    assert "HTTP 401" in str(e.value) and "sk-SECRET-123" not in str(e.value) and "***" in str(e.value)
+    out = capfd.readouterr()
+    assert "sk-SECRET-123" not in out.out + out.err
+    assert sum(1 for _ in read_jsonl(run / "conversations.jsonl")) < 30       # stopped, did not send every row
+
+
+@pytest.mark.parametrize("url,model,needle", [
+    ("{root}", "stand-in", "must be the API root, which for vLLM and SGLang ends in /v1"),
+    ("{root}/v1", "no-such-model", "serves ['stand-in'], not generate.model 'no-such-model'"),
+    ("{root}/v1/chat/completions", "stand-in", "names an endpoint"),
+    ("127.0.0.1:9/v1", "stand-in", "is not an http(s) URL"),
+    ("http://127.0.0.1:9/v1", "stand-in", "cannot reach the server"),
+])
+def test_server_is_checked_before_any_row_is_sent(tmp_path, server, url, model, needle):
+    cfg, run = _run(tmp_path, server, ["q"])
+    cfg.generate.base_url = url.format(root=server.url[: -len("/v1")])
+    cfg.generate.model = model
+    with pytest.raises(ConfigError) as e:
+        run_generate(cfg, run)
+    assert needle in str(e.value)
+    assert not (run / "conversations.jsonl").exists() or not (run / "conversations.jsonl").read_text()
+
+
+def test_two_generate_processes_on_one_run_dir_are_refused(tmp_path, server):
+    from eagle3kit.rundir import DataError
+
+    cfg, run = _run(tmp_path, server, ["q"])
+    with run.lock("generate"):
+        with pytest.raises(DataError, match="another `eagle3kit generate`"):
+            run_generate(cfg, run)
+    assert run_generate(cfg, run)["generated"] == 1                           # free again once released
+
+
+def test_rows_from_other_template_flags_are_not_mixed_and_a_refused_command_keeps_the_stored_config(tmp_path, server):
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    cfg, run = _run(tmp_path, server, ["q1", "q2"])
+    run_generate(cfg, run)
+    cfg.generate.template_flags = {"enable_thinking": True}
+    with pytest.raises(ConfigError, match=r"template_flags: \{\} \(line 1, 2 rows\) but now \{'enable_thinking': True\}"):
+        run_generate(cfg, run)
+    # through the CLI: the refused command does not rewrite config.yaml
+    (run / "config.yaml").write_text(f"run_dir: {run.path}\ntarget: {{model: {tmp_path}}}\ngenerate: {{backend: openai, "
+                                     f"base_url: '{server.url}', model: stand-in}}\n")
+    before = (run / "config.yaml").read_text()
+    other = tmp_path / "other.yaml"
+    other.write_text(before.replace("model: stand-in}", "model: stand-in, max_new_tokens: 7}"))
+    res = CliRunner().invoke(app, ["generate", "-c", str(other)])
+    assert res.exit_code == 2 and "sampling" in res.output
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_base_url_with_an_in_process_backend_is_a_contradiction():
+    with pytest.raises(ValueError, match="ignore the server"):
+        GenerateConfig(backend="transformers", base_url="http://x/v1", model="m")
+    assert GenerateConfig(base_url="http://x/v1", model="m").backend == "openai"
+
+
+def test_magpie_replies_without_text_are_failed_attempts_not_logged(tmp_path, server):
+    from eagle3kit.prompts import run_prompts
+
+    run = RunDir(tmp_path / "run")
+    cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tmp_path)),
+                 prompts=PromptsConfig(synthesize=3, heldout_fraction=0.0, magpie_prefix="NULL"),
+                 generate=GenerateConfig(backend="openai", base_url=server.url, model="stand-in", max_retries=0))
+    with pytest.raises(ConfigError, match="answered none of"):
+        run_prompts(cfg, run)
+    assert (run / "magpie_attempts.jsonl").read_text() == ""      # nothing logged that could jam a rerun

@@ -24,8 +24,9 @@ RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides
 
 def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None, first_stage: bool = False):
     """Config for a stage: ``--config``, else ``<run-dir>/config.yaml``, else the built-in defaults;
-    CLI flags are merged in and validated like the file. The config used is written back to
-    ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir`` alone uses it too."""
+    CLI flags are merged in and validated like the file. Once the stage has succeeded, the config
+    it used is written to ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir``
+    alone uses it too (a refused or failed command leaves the stored config as it was)."""
     from .config import dump_config
 
     over = {k: v for k, v in (overrides or {}).items() if v not in (None, {})}
@@ -38,8 +39,11 @@ def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | No
         raise FileNotFoundError(f"run directory {cfg.run_dir} does not exist: start with `eagle3kit prompts` "
                                 "(or `eagle3kit run`), or pass the --run-dir of an earlier run")
     run = RunDir(cfg.run_dir)
-    (run / "config.yaml").write_text(dump_config(cfg))
+    _PENDING.append((run / "config.yaml", dump_config(cfg)))
     return cfg, run
+
+
+_PENDING: list[tuple[Path, str]] = []   # config.yaml to write once the running command succeeds
 
 
 def _some(**kw) -> dict:
@@ -54,10 +58,15 @@ def _guard(fn):
         from .export import ExportError
 
         try:
-            return fn(*a, **kw)
+            out = fn(*a, **kw)
+            for path, text in _PENDING:
+                path.write_text(text)
+            return out
         except (ConfigError, DataError, ExportError, FileNotFoundError, FileExistsError) as e:
             console.print(f"[bold red]error:[/] {e}")
             raise typer.Exit(2)
+        finally:
+            _PENDING.clear()
     return wrapper
 
 
@@ -98,8 +107,8 @@ def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
     """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
     from .tokenize import run_tokenize
 
-    cfg, run = _setup(config, run_dir, {"tokenize": _some(strict=strict or None)})
-    _show("tokenize", run_tokenize(cfg, run, show=show))
+    cfg, run = _setup(config, run_dir)
+    _show("tokenize", run_tokenize(cfg, run, strict=strict or None, show=show))
 
 
 @app.command()

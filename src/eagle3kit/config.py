@@ -128,6 +128,15 @@ class GenerateConfig(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _server(self):
+        if self.base_url and self.backend == "auto":
+            self.backend = "openai"          # a server was named: use it
+        elif self.base_url and self.backend in ("transformers", "vllm"):
+            raise ValueError(f"base_url is set but backend is {self.backend!r}, which runs the target in-process and would "
+                             "ignore the server; set backend: openai, or drop base_url")
+        return self
+
 
 class SuperviseConfig(_Strict):
     """Which emitted tokens are supervised; template-inserted tokens (role headers, default system

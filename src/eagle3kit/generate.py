@@ -192,12 +192,18 @@ def check_backend(backend: str, asked: str, target: Target) -> str:
 
 
 def generation_settings(cfg: Config) -> dict:
-    """What a conversation row depends on: the target and the sampling settings. Rows made with
-    other settings are never mixed into a run (see :func:`existing_rows`)."""
+    """What a conversation row depends on: the target, the served model name (server backend),
+    the template flags and the sampling settings. Rows made with other settings are never mixed
+    into a run (see :func:`existing_rows`)."""
     gc = cfg.generate
     return {"target": cfg.target.model,
+            "served_model": gc.model if gc.backend == "openai" else None,
+            "template_flags": dict(gc.template_flags),
             "sampling": {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens,
                          "seed": gc.seed if gc.temperature > 0 else None}}
+
+
+SETTING_KEYS = ("target", "served_model", "template_flags", "sampling")
 
 
 def existing_rows(path, settings: dict) -> set[str]:
@@ -213,20 +219,41 @@ def existing_rows(path, settings: dict) -> set[str]:
 
     if not path.exists():
         return set()
-    ids, other = set(), Counter()
+    ids, other, first = set(), Counter(), {}
     for n, r in read_jsonl(path):
         if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(r.get("messages"), list):
             raise DataError(f"{path}:{n}: not a conversation row (needs 'id' and 'messages'); fix or delete that line")
-        for key in ("target", "sampling"):
+        for key in SETTING_KEYS:
             if key in r and r[key] != settings[key]:
                 other[key] += 1
+                first.setdefault(key, (n, r[key]))
         ids.add(r["id"])
     if other:
-        raise ConfigError(
-            f"{path} holds rows generated with another {' and '.join(sorted(other))} "
-            f"(now: {settings}); move the file away or use a new run_dir: mixing them would train on both"
-        )
+        was = "; ".join(f"{k}: {first[k][1]!r} (line {first[k][0]}, {other[k]} rows) but now {settings[k]!r}" for k in sorted(other))
+        raise ConfigError(f"{path} holds rows generated with other settings — {was}. Move the file away or use a new "
+                          "run_dir (mixing them would train on both), or go back to the settings it was made with")
     return ids
+
+
+def read_prompt_rows(path) -> list[dict]:
+    """The rows of ``prompts.jsonl``, each checked: an object with a string ``id`` and ``messages``,
+    a list of ``{role, content: str}``.
+
+    Raises:
+        DataError: a row that is not (names the line; the file is written by the prompts stage).
+    """
+    from .rundir import DataError
+
+    rows = []
+    for n, r in read_jsonl(path):
+        ok = isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("messages"), list) and r["messages"] \
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in r["messages"])
+        if not ok:
+            raise DataError(f"{path}:{n}: not a prompt row ({{'id': str, 'messages': [{{'role', 'content': str}}, ...]}}); "
+                            "prompts.jsonl is written by `eagle3kit prompts`: rerun it rather than editing the file")
+        rows.append(r)
+    return rows
 
 
 def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
@@ -237,9 +264,14 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
     startup_seconds (loading the target or tokenizer, probing the server), tokens_per_s
     (completion tokens / seconds).
     """
+    with run.lock("generate"):
+        return _run_generate(cfg, run, target)
+
+
+def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     gc = cfg.generate
     prompts_path = run.require("prompts.jsonl", "prompts")
-    rows = [r for _, r in read_jsonl(prompts_path)]
+    rows = read_prompt_rows(prompts_path)
     out_path = run / "conversations.jsonl"
     torn = repair_torn_tail(out_path)
     if torn:
@@ -269,7 +301,6 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
         backend = check_backend(backend, gc.backend, target)
         tok = target.tokenizer
         eot = set(target.end_of_turn_ids())
-        sampling = settings["sampling"]
         chunk = gc.batch_size if backend == "transformers" else max(gc.batch_size, 64)
         todo.sort(key=lambda r: len(str(r["messages"])))
         timer = Timer()
@@ -277,7 +308,7 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
             task = bar.add_task(f"generate ({backend})", total=len(todo), tokens=0, note="")
             for start in range(0, len(todo), chunk):
                 batch = todo[start:start + chunk]
-                pids = [render_prompt_ids(tok, r["messages"]) for r in batch]
+                pids = [render_prompt_ids(tok, r["messages"], gc.template_flags) for r in batch]
                 outs = generate_completions(target, pids, gc.max_new_tokens, backend, gc.temperature, gc.top_p, gc.seed + start)
                 for r, p, c in zip(batch, pids, outs):
                     finish = "stop" if c and c[-1] in eot else "length"
@@ -290,7 +321,7 @@ def run_generate(cfg: Config, run: RunDir, target: Target | None = None) -> dict
                         "id": r["id"], "messages": r["messages"], "source": r.get("source"), "category": r.get("category"),
                         "prompt_ids": p, "completion_ids": c, "content": content, "reasoning": None,
                         "finish_reason": finish, "usage": {"prompt_tokens": len(p), "completion_tokens": len(c)},
-                        "template_flags": {}, "backend": backend, "sampling": sampling, "target": settings["target"],
+                        "template_flags": dict(gc.template_flags), "backend": backend, **settings,
                     })
                     counts["completion_tokens"] += len(c)
                 bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])

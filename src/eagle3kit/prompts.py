@@ -144,7 +144,15 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
             if bad_rows is not None:
                 bad_rows.append({"path": src.path, "line": n, "reason": "empty prompt (the user text is blank)"})
             continue
-        out.append({"id": prompt_id(msgs), "messages": msgs, "source": src.label, "category": cat})
+        try:
+            pid = prompt_id(msgs)
+        except UnicodeEncodeError:
+            if bad_rows is None:
+                raise DataError(f"{where}: the text holds a lone surrogate (invalid Unicode); fix or drop that row") from None
+            bad_rows.append({"path": src.path, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"})
+            dropped["malformed"] += 1
+            continue
+        out.append({"id": pid, "messages": msgs, "source": src.label, "category": cat})
         if src.limit is not None and len(out) >= src.limit:
             break
     if bad_rows is not None:
@@ -314,14 +322,17 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
             target = load_target(cfg.target)
         rows = synthesize(target, pc.synthesize, pc.synthesize_max_tokens, pc.seed, cfg.generate.batch_size)
         inputs["magpie"] = {"target": cfg.target.model, "n": pc.synthesize, "seed": pc.seed}
-        if len(rows) < pc.synthesize:
-            counts["synthesize_shortfall"] = pc.synthesize - len(rows)
+    if not pc.sources and len(rows) < pc.synthesize:
+        counts["synthesize_shortfall"] = pc.synthesize - len(rows)
     counts["rows_in"] = len(rows)
     if bad is not None:
         report_bad_rows(bad, run / "prompts_rejected.jsonl")
-    if not rows:
-        raise DataError("the prompts stage produced 0 prompts (" + (", ".join(f"{s.path}" for s in pc.sources) or "synthesis")
+    if not rows and pc.sources:
+        raise DataError("the prompts stage produced 0 prompts (" + ", ".join(f"{s.path}" for s in pc.sources)
                         + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")
+    if not rows:
+        raise DataError(f"Magpie synthesis produced 0 usable prompts ({dict(counts) or 'no attempts'}): the target never "
+                        "ended a user turn within prompts.synthesize_max_tokens; raise it, or give prompt files")
     rows, ndup = dedupe(rows)
     counts["dropped_duplicate"] = ndup
     heldout: list[dict] = []

@@ -22,8 +22,9 @@ from typing import Any, Iterable
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 REASONING_KEYS = ("reasoning", "reasoning_content")
-# flags that keep a reply out of training as it is (C02 disagreeing fields, C04 cut block, C06 special token)
-UNTRAINABLE_FLAGS = ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning")
+# flags that keep a reply out of training as it is (C02 disagreeing fields, C04 cut block, C06 special token,
+# a reply without finish_reason that may be incomplete)
+UNTRAINABLE_FLAGS = ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning", "no_finish_reason")
 
 
 @dataclass
@@ -178,8 +179,12 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
             if isinstance(piece, str):
                 parts[key].append(piece)
         for tc in _get(delta, "tool_calls") or []:
-            slot = calls.setdefault(_get(tc, "index") or 0, {"id": None, "type": "function",
-                                                             "function": {"name": None, "arguments": ""}})
+            index = _get(tc, "index")
+            if index is None:   # a server that omits the index: a new id starts a new call
+                index = max(calls, default=0)
+                if _get(tc, "id") and calls.get(index, {}).get("id") not in (None, _get(tc, "id")):
+                    index += 1
+            slot = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
             slot["id"] = _get(tc, "id") or slot["id"]
             fn = _get(tc, "function")
             slot["function"]["name"] = _get(fn, "name") or slot["function"]["name"]
