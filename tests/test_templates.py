@@ -179,3 +179,17 @@ def test_self_check_catches_what_a_circular_check_would_miss(toks):
     split = [tok.convert_tokens_to_ids(c) for c in ["h", "ello"]] + tok(" there", add_special_tokens=False)["input_ids"] + [2]
     assert tok.decode(split) == "hello there<|im_end|>"
     assert self_check(tok, row, variant(s.ids[:s.prompt_len] + split), spec, [2]) == "retokenized"
+
+
+def test_self_check_accepts_a_cut_reply_ending_inside_a_character(toks):
+    """Found on real vLLM rows: a reply cut at the token limit can end with part of a multi-byte
+    character; the server's text drops it, the returned ids keep it. Not a mismatch."""
+    tok = toks["smollm2"]
+    ids = tok("ok 🦜", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids[:-1]).endswith("\ufffd")                      # the emoji spans several byte tokens
+    row = {"messages": [{"role": "user", "content": "hi"}], "content": "ok", "finish_reason": "length",
+           "completion_ids": ids[:-1]}
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id])
+    assert s.ids[s.prompt_len:] == ids[:-1]
+    assert self_check(tok, row, s, think_spec(tok), [tok.eos_token_id]) == "retokenized"
+    assert self_check(tok, dict(row, finish_reason="stop"), s, think_spec(tok), [tok.eos_token_id]) == "mismatch"

@@ -51,6 +51,11 @@ def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, sm
     assert [r["prompt_ids"] for r in rows] == prompts      # the server rendered the target's own template
     ref = transformers_generate(smollm2_target, prompts, 32)
     assert [r["completion_ids"] for r in rows] == ref       # and emitted exactly the target's greedy tokens
+    # issue 4: on real SmolLM2 conversations the self-check finds no mismatch
+    from eagle3kit.tokenize import run_tokenize
+
+    tc = run_tokenize(cfg, run, tok, smollm2_target.end_of_turn_ids())
+    assert tc["selfcheck_rows"] == 8 and tc["selfcheck_mismatch"] == 0 and tc["selfcheck_returned_prompt_mismatch"] == 0
 
 
 def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_target, tmp_path):

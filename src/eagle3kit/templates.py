@@ -433,7 +433,8 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     for a reply cut at the token limit, an end-of-turn token.
 
     Returns ``ok``, ``retokenized`` (same text, other ids: the model emitted a non-canonical
-    tokenization, which the sample keeps) or ``mismatch``.
+    tokenization, which the sample keeps; or a reply cut inside a multi-byte character, whose
+    stored text lacks the partial character) or ``mismatch``.
     """
     from .reasoning import template_reasoning_key
 
@@ -465,6 +466,8 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     if fits(a, b, rest_ids):
         return "ok"
     ta, tb = tokenizer.decode(a), tokenizer.decode(b)
+    if cut:   # a reply cut at the limit may end inside a character, which the server's text drops
+        ta = ta.rstrip("\ufffd").rstrip()
     if tb.startswith(ta):
         rest = tb[len(ta):]
         for s in (tokenizer.convert_ids_to_tokens(t) for t in eot):

@@ -57,20 +57,33 @@ def show_samples(tokenizer, samples) -> None:
     """Print samples for a person to look at: the prompt dim, supervised pieces coloured by kind
     (content green, reasoning cyan, think markers magenta, end-of-turn yellow, tool calls blue),
     unsupervised completion pieces (a template-inserted empty think block) dim red; special
-    tokens shown as written, with ``⟦id⟧`` after each marker so look-alike text stands out."""
-    out = Console()
+    tokens shown as written, with ``⟦id⟧`` after each marker so look-alike text stands out.
+    Without colour (a pipe, a file) supervised stretches are wrapped in ``«…»`` and unsupervised
+    completion pieces in ``‹…›``."""
+    out = Console(soft_wrap=True)
+    plain = out.color_system is None
     for n, s in enumerate(samples):
         t = Text(f"── sample {n} (turn {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
                  f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n", style="bold")
-        prompt = s.ids[:s.prompt_len]
-        for tid, m in zip(prompt, s.mask[:s.prompt_len]):
-            t.append(tokenizer.decode([tid]), style="bold green" if m else "dim")
+        runs: list[tuple[str, str, bool]] = []   # (text, style, supervised)
+        for tid, m in zip(s.ids[:s.prompt_len], s.mask[:s.prompt_len]):
+            runs.append((tokenizer.decode([tid]), "bold green" if m else "dim", bool(m)))
         for p in s.pieces:
-            style = _PIECE_STYLE.get(p.kind, "") if p.supervised else "dim red"
             text = tokenizer.decode(p.ids)
             if p.kind in ("think_marker", "end_of_turn", "template"):
                 text += "⟦" + ",".join(map(str, p.ids)) + "⟧"
+            runs.append((text, _PIECE_STYLE.get(p.kind, "") if p.supervised else "dim red", p.supervised))
+        prev = False
+        for i, (text, style, sup) in enumerate(runs):
+            if plain and sup and not prev:
+                t.append("«")
+            if plain and not sup and i >= s.prompt_len and style == "dim red":
+                text = "‹" + text + "›"
             t.append(text, style=style)
+            if plain and sup and (i + 1 == len(runs) or not runs[i + 1][2]):
+                t.append("»")
+            prev = sup
         out.print(t)
-        out.print(Text("legend: prompt dim · content green · reasoning cyan · think markers magenta · end-of-turn yellow · "
-                       "tool calls blue · not supervised dim red", style="italic") if n == len(samples) - 1 else "")
+    out.print(Text("legend: prompt dim · content green · reasoning cyan · think markers magenta · end-of-turn yellow · "
+                   "tool calls blue · not supervised dim red" + (" · «supervised» ‹not supervised›" if plain else ""),
+                   style="italic"))
