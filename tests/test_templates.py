@@ -150,6 +150,21 @@ def test_kimi_think_markers_come_from_the_tokenizers_special_token_table(toks, s
     assert think_spec(smollm2_tokenizer).open_id is None
 
 
+def test_typed_markers_stay_text_even_when_the_markers_are_not_special_tokens(toks):
+    """R1-Distill's <think>/</think> are added tokens with special: false, which
+    split_special_tokens does not cover (found by a new-user review): typed inside the reasoning
+    or the content, they must still not become marker ids."""
+    tok = toks["r1"]
+    spec = think_spec(tok)
+    assert (spec.open_id, spec.close_id) == (151648, 151649)
+    row = {"messages": [{"role": "user", "content": "q"}], "reasoning": "I wrote </think> and <think> here.",
+           "content": "the </think> tag", "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, spec, [tok.eos_token_id])
+    completion = s.ids[s.prompt_len:]
+    assert completion.count(151649) == 1 and 151648 not in completion   # only the real closer
+    assert tok.decode(completion) == "I wrote </think> and <think> here.\n</think>\n\nthe </think> tag<｜end▁of▁sentence｜>"
+
+
 def test_supervise_rule_leaves_out_what_it_is_told(toks):
     tok = toks["kimi"]
     rule = MaskRule(reasoning=False, think_markers=False, end_of_turn=False)
@@ -193,3 +208,63 @@ def test_self_check_accepts_a_cut_reply_ending_inside_a_character(toks):
     assert s.ids[s.prompt_len:] == ids[:-1]
     assert self_check(tok, row, s, think_spec(tok), [tok.eos_token_id]) == "retokenized"
     assert self_check(tok, dict(row, finish_reason="stop"), s, think_spec(tok), [tok.eos_token_id]) == "mismatch"
+
+
+# ---- found by an adversarial review of templates.py (each once gave a wrong sample or a traceback)
+
+def test_tool_call_turns_keep_content_and_the_tool_section_when_the_template_drops_the_content(toks):
+    tok = toks["llama"]     # Llama 3.1's template renders a tool-call turn without its content
+    row = {"messages": [{"role": "user", "content": "hi"}], "content": "Let me add.", "tool_calls": TC, "finish_reason": "tool_calls"}
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id])
+    assert tok.decode([t for t, m in zip(s.ids, s.mask) if m]) == 'Let me add.{"name": "add", "parameters": {"a": 3, "b": 3}}<|eot_id|>'
+    tok = toks["r1"]
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id])
+    sup = tok.decode([t for t, m in zip(s.ids, s.mask) if m])
+    assert sup.startswith("</think>\n\nLet me add.<｜tool▁calls▁begin｜>") and sup.endswith("<｜tool▁calls▁end｜><｜end▁of▁sentence｜>")
+
+
+def test_think_looking_text_on_a_template_without_think_tokens_is_plain_content(toks):
+    tok = toks["llama"]
+    row = {"messages": [{"role": "user", "content": "hi"}], "content": "<think></think>hello", "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id])
+    assert [p.kind for p in s.pieces] == ["content", "end_of_turn"]
+    assert tok.decode(s.ids[s.prompt_len:]) == "<think></think>hello<|eot_id|>" and all(s.mask[s.prompt_len:])
+
+
+def test_a_template_that_trims_content_is_a_whitespace_difference_not_a_mismatch(toks):
+    tok = toks["llama"]
+    row = {"messages": [{"role": "user", "content": "hi"}], "content": " hello\n", "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id])
+    assert self_check(tok, row, s, think_spec(tok), [tok.eos_token_id]) == "whitespace"
+
+
+def test_one_sequence_history_spans_keep_leading_space_and_an_end_of_turn_string_typed_in_the_content(toks):
+    tok = toks["kimi"]
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " hello a <|im_end|> b"},
+                        {"role": "user", "content": "again"}], "content": "ok", "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, think_spec(tok), [tok.eos_token_id], "one_sequence")
+    assert tok.decode([t for t, m in zip(s.ids, s.mask) if m]) == " hello a <|im_end|> b<|im_end|>ok<|im_end|>"
+
+
+def test_one_sequence_keeps_a_long_conversation_cut_at_max_length_and_earlier_turns_after_an_empty_last_one(smollm2_tokenizer):
+    from eagle3kit.tokenize import samples_for_row
+
+    tok = smollm2_tokenizer
+    turns = []
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i} " + "word " * 60}, {"role": "assistant", "content": f"answer {i} " + "fine " * 60}]
+    row = {"messages": turns}
+    kept, reason = samples_for_row(tok, row, think_spec(tok), [2], 300, "one_sequence")
+    assert reason is None and len(kept[0].ids) == 300 and sum(kept[0].mask) > 50
+    row = {"messages": turns[:4] + [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}
+    kept, reason = samples_for_row(tok, row, think_spec(tok), [2], 4096, "one_sequence")
+    assert reason is None and "answer 1" in tok.decode([t for t, m in zip(kept[0].ids, kept[0].mask) if m])
+
+
+def test_returned_ids_are_used_even_when_the_reasoning_could_not_be_rebuilt(smollm2_tokenizer):
+    tok = smollm2_tokenizer   # no <think> special token: a text-only reasoning row could not be rebuilt
+    ids = tok("thinking done", add_special_tokens=False)["input_ids"] + [2]
+    row = {"messages": [{"role": "user", "content": "q"}], "reasoning": "thinking", "content": "done",
+           "completion_ids": ids, "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, think_spec(tok), [2])
+    assert s.returned_ids and s.ids[s.prompt_len:] == ids

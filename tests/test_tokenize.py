@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 
 from eagle3kit.config import Config, TokenizeConfig
 from eagle3kit.generate import render_prompt_ids
@@ -92,4 +94,64 @@ def test_self_check_counts_show_and_strict_through_the_cli(tmp_path, smollm2_tok
     (run / "tokens.safetensors").unlink()
     res = CliRunner().invoke(app, ["tokenize", "-r", str(run.path), "--strict"])
     assert res.exit_code == 2 and "1 self-check mismatch" in " ".join(res.output.split())
-    assert "conversations.jsonl at line(s) 4;" in " ".join(res.output.split()) and not (run / "tokens.safetensors").exists()
+    assert "(1 against the template's render, 0 returned prompt ids) at line(s) 4;" in " ".join(res.output.split()) and not (run / "tokens.safetensors").exists()
+
+
+def test_zero_samples_is_an_error_that_names_why_and_keeps_the_old_shard(tmp_path, smollm2_tokenizer):
+    """Found by a new-user review: conversations whose ids are not in the run's prompts.jsonl used
+    to give an empty shard, exit 0, replacing the previous one."""
+    from eagle3kit.rundir import DataError, write_jsonl
+
+    tok = smollm2_tokenizer
+    run = RunDir(tmp_path)
+    write_jsonl(run / "conversations.jsonl", [_row(tok, "q one", "a one")])
+    cfg = Config(run_dir=str(tmp_path))
+    run_tokenize(cfg, run, tok, [EOT])
+    before = (run / "tokens.safetensors").read_bytes()
+    write_jsonl(run / "prompts.jsonl", [{"id": "other", "messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(DataError, match=r"0 training samples .*not_in_prompts 1.*not in this run's prompts.jsonl"):
+        run_tokenize(cfg, run, tok, [EOT])
+    assert (run / "tokens.safetensors").read_bytes() == before
+
+
+def test_one_sequence_applies_the_supervise_rule_to_earlier_turns_too(smollm2_tokenizer):
+    from eagle3kit.templates import MaskRule, build_samples
+
+    tok = smollm2_tokenizer
+    row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."},
+                        {"role": "user", "content": "3+3?"}], "content": "6.", "finish_reason": "stop"}
+    (s,) = build_samples(tok, row, think_spec(tok), [EOT], "one_sequence", MaskRule(end_of_turn=False))
+    assert tok.decode([t for t, m in zip(s.ids, s.mask) if m]) == "4.6."
+    (s,) = build_samples(tok, row, think_spec(tok), [EOT], "one_sequence")
+    assert tok.decode([t for t, m in zip(s.ids, s.mask) if m]) == "4.<|im_end|>6.<|im_end|>"
+
+
+def test_malformed_conversation_rows_and_templates_that_refuse_a_chat_are_named_not_tracebacks(tmp_path, smollm2_tokenizer):
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.rundir import write_jsonl
+
+    tok = smollm2_tokenizer
+    run = RunDir(tmp_path / "run")
+    (run / "config.yaml").write_text(f"run_dir: {run.path}\n")
+    for bad, needle in [({"messages": [{"role": "user", "content": "q"}], "content": 42}, "'content' is a int"),
+                        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}], "content": "a"},
+                         "content is a list"),
+                        ({"messages": ["hi"], "content": "a"}, "string 'role'"),
+                        ({"messages": [{"role": "user", "content": "q"}], "content": "a", "template_flags": "x"}, "template_flags"),
+                        ({"messages": [{"role": "user", "content": "q"}], "content": "a", "completion_ids": [True, 2]},
+                         "integer token ids")]:
+        write_jsonl(run / "conversations.jsonl", [_row(tok, "fine", "fine"), bad])
+        res = CliRunner().invoke(app, ["tokenize", "-r", str(run.path)])
+        out = res.output.replace("\n", "")
+        assert res.exit_code == 2 and "conversations.jsonl:2" in out and needle in " ".join(res.output.split())
+    # a chat the template itself refuses is dropped, counted and named by line, not a traceback
+    import copy
+
+    tok = copy.deepcopy(tok)     # never touch the session's shared tokenizer
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('must start with user') }}{% endif %}" + tok.chat_template
+    write_jsonl(run / "conversations.jsonl", [_row(tok, "fine", "fine"),
+                                             {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}])
+    counts = run_tokenize(Config(run_dir=str(run.path)), run, tok, [EOT])
+    assert counts["dropped_template_error"] == 1 and counts["rows_kept"] == 1

@@ -110,9 +110,36 @@ def encode_template(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
+_PLAIN: dict[int, object] = {}
+
+
+def _plain_backend(tokenizer):
+    """A copy of a fast tokenizer's backend in which every added token — special or not — is
+    encoded as the text it spells (DeepSeek-R1-Distill's ``<think>`` is an added token with
+    ``special: false``, which ``split_special_tokens`` alone would still turn into the marker)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    key = id(tokenizer)
+    if key not in _PLAIN:
+        data = json.loads(tokenizer.backend_tokenizer.to_str())
+        for a in data.get("added_tokens", []):
+            a["special"] = True
+        plain = Tokenizer.from_str(json.dumps(data))
+        plain.encode_special_tokens = True
+        _PLAIN[key] = plain
+    return _PLAIN[key]
+
+
 def encode_model_text(tokenizer, text: str) -> list[int]:
-    """Ids of text the model wrote: a special-token string inside it stays plain text."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if text else []
+    """Ids of text the model wrote: a marker or any other added-token string inside it stays
+    plain text (never the marker's id)."""
+    if not text:
+        return []
+    if getattr(tokenizer, "is_fast", False) and any(t in text for t in tokenizer.get_added_vocab()):
+        return list(_plain_backend(tokenizer).encode(text, add_special_tokens=False).ids)
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def wants_argument_objects(chat_template: str | None) -> bool:
@@ -138,6 +165,18 @@ def _argument_objects(calls: list[dict]) -> list[dict]:
     return out
 
 
+def _argument_strings(calls: list[dict]) -> list[dict]:
+    import json
+
+    out = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if not isinstance(fn.get("arguments"), str):
+            fn["arguments"] = json.dumps(fn.get("arguments"), ensure_ascii=False)
+        out.append({**c, "function": fn})
+    return out
+
+
 def history_message(msg: dict, reads: str, argument_objects: bool = False) -> dict:
     """An assistant message as history for the template: reasoning under the key it reads, tool-call
     arguments as objects when the template wants them (:func:`wants_argument_objects`)."""
@@ -147,8 +186,8 @@ def history_message(msg: dict, reads: str, argument_objects: bool = False) -> di
     out = {k: v for k, v in msg.items() if k not in ("reasoning", "reasoning_content")}
     if out.get("tool_calls") and not out.get("content"):
         out["content"] = None   # the OpenAI form of a tool-call-only turn (R1's template renders "" as a 2nd turn)
-    if out.get("tool_calls") and argument_objects:
-        out["tool_calls"] = _argument_objects(out["tool_calls"])
+    if out.get("tool_calls"):
+        out["tool_calls"] = _argument_objects(out["tool_calls"]) if argument_objects else _argument_strings(out["tool_calls"])
     if reasoning:
         for k in (("reasoning", "reasoning_content") if reads == "both" else (reads,)):
             out[k] = reasoning
@@ -167,6 +206,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 _TEMPLATE_THINK = re.compile(r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + r")\s*")
+_TEMPLATE_THINK_SPAN = re.compile(r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + ")")
 _MARKERS_ONLY = re.compile(r"\s|" + re.escape(THINK_OPEN) + "|" + re.escape(THINK_CLOSE))
 
 
@@ -224,14 +264,14 @@ def rebuild_completion(
     plain["content"] = plain.get("content") or ("" if not plain.get("tool_calls") else None)
     gen_tail, tail = _turn_form(tokenizer, history, plain, flags, tools)
     opened = gen_tail.rstrip().endswith(THINK_OPEN) or (not gen_tail and gen.rstrip().endswith(THINK_OPEN))
-    m = _TEMPLATE_THINK.match(tail)
-    template_think = m.group(0) if m else ""
-    body = tail[len(template_think):]
     eot_strs = [tokenizer.convert_ids_to_tokens(i) for i in eot_ids]
-    ends = [(body.find(s), s) for s in eot_strs if s and body.find(s) >= 0]
-    if ends:
-        at, s = min(ends)
-        body = body[:at + len(s)]
+    template_think, body = _split_turn(tail, plain["content"], spec, eot_strs)
+    body_without_content = None
+    if plain["content"] and plain["content"] not in body:
+        # the template rewrites or ignores the content (Llama's tool-call turns, R1's cut after a
+        # typed "</think>"): the model's text, then what the template renders without it
+        _, tail0 = _turn_form(tokenizer, history, {**plain, "content": None if plain.get("tool_calls") else ""}, flags, tools)
+        body_without_content = _split_turn(tail0, "", spec, eot_strs)[1]
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
     if reasoning and gen.rstrip().endswith(THINK_CLOSE):
         raise TemplateError("the reply has reasoning but the generation prompt already closed the think block (the "
@@ -257,11 +297,31 @@ def rebuild_completion(
     elif template_think.strip():
         # an empty block (or a lone closer) the template inserts around a reply without reasoning (C09)
         pieces.append(Piece(encode_template(tokenizer, template_think), False, "template"))
-    pieces.extend(_body_pieces(tokenizer, body, plain["content"], eot_strs, rule, truncated))
+    pieces.extend(_body_pieces(tokenizer, body, plain["content"], eot_strs, rule, truncated, body_without_content))
     return gen, [p for p in pieces if p.ids]
 
 
-def _body_pieces(tokenizer, body: str, content: str, eot_strs: list[str], rule: MaskRule, truncated: bool) -> list[Piece]:
+def _split_turn(tail: str, content: str | None, spec: ThinkSpec, eot_strs: list[str]) -> tuple[str, str]:
+    """(the think block the template put before the turn, the turn up to and including its
+    end-of-turn). A leading block counts as the template's only when the tokenizer has think
+    markers and the model's content does not itself start with that text."""
+    m = _TEMPLATE_THINK.match(tail)
+    think = m.group(0) if m and spec.close_id is not None else ""
+    if think and content and tail.lstrip().startswith(content.lstrip()[:max(1, len(think.strip()))]):
+        think = ""
+    body = tail[len(think):]
+    ends = [(body.find(x), x) for x in eot_strs if x and body.find(x) >= 0]
+    if ends:
+        at, x = min(ends)
+        if content and x in content:   # the content itself spells the end-of-turn string: cut after it
+            at2 = body.find(x, body.find(content) + len(content)) if content in body else -1
+            at = at2 if at2 >= 0 else at
+        body = body[:at + len(x)]
+    return think, body
+
+
+def _body_pieces(tokenizer, body: str, content: str | None, eot_strs: list[str], rule: MaskRule, truncated: bool,
+                 body_without_content: str | None = None) -> list[Piece]:
     """Content (model text), then whatever the template renders after it (tool-call sections,
     their special tokens real), then the end-of-turn token."""
     eot = next((s for s in eot_strs if s and body.endswith(s)), None)
@@ -271,6 +331,13 @@ def _body_pieces(tokenizer, body: str, content: str, eot_strs: list[str], rule: 
     if at >= 0:
         before, after = body[:at], body[at + len(content):]
         pieces = [Piece(encode_model_text(tokenizer, before + content), True, "content")]
+    elif content:   # the template rewrote the content: keep the model's text, then the rest as rendered without it
+        lead = body[: len(body) - len(body.lstrip())]
+        pieces, after = [Piece(encode_model_text(tokenizer, lead + content), True, "content")], ""
+        if body_without_content:
+            rest = body_without_content
+            e = next((x for x in eot_strs if x and rest.endswith(x)), None)
+            after = (rest[: -len(e)] if e else rest).strip()
     else:
         after = body
         pieces = []
@@ -334,21 +401,40 @@ class Sample:
     returned_ids: bool
 
 
-def _turn_spans(tokenizer, conv_h: list[dict], upto: int, prompt: str, flags, eot_strs, tools) -> list[tuple[int, int]]:
+def _turn_spans(tokenizer, conv_h: list[dict], upto: int, prompt: str, flags, eot_strs, tools,
+                has_think: bool) -> list[tuple[int, int]]:
     """Character spans of the earlier assistant turns inside the rendered ``prompt`` (the turns
-    as the template renders history), without a template-inserted think block."""
+    as the template renders history), without a template-inserted think block: a turn starts
+    where the render of the history before it (with the generation prompt) leaves the prompt and
+    ends at the last end-of-turn string before the render of the history through it does."""
     spans = []
     for j, m in enumerate(conv_h[:upto]):
         if m.get("role") != "assistant":
             continue
-        gen_j = render(tokenizer, conv_h[:j], flags, True, tools)
-        start = _common_prefix(gen_j, prompt)
-        mt = _TEMPLATE_THINK.match(prompt, start)
-        if mt:   # an empty block or a lone closer the template renders for history: not the model's
-            start = mt.end()
-        ends = [prompt.find(s, start) + len(s) for s in eot_strs if s and prompt.find(s, start) >= 0]
-        spans.append((start, min(ends) if ends else len(prompt)))
+        start = _common_prefix(render(tokenizer, conv_h[:j], flags, True, tools), prompt)
+        stop = _common_prefix(render(tokenizer, conv_h[: j + 1], flags, False, tools), prompt)
+        mt = _TEMPLATE_THINK_SPAN.match(prompt, start) if has_think else None
+        content = m.get("content") or ""
+        if mt and not prompt[start:].lstrip().startswith(content.lstrip()[:max(1, len(mt.group(0).strip()))] if content else "\0"):
+            start = mt.end()   # an empty block or a lone closer the template renders for history: not the model's
+        ends = [prompt.rfind(x, start, stop) + len(x) for x in eot_strs if x and prompt.rfind(x, start, stop) >= 0]
+        spans.append((start, max(ends) if ends else stop))
     return spans
+
+
+def _apply_rule(ids: list[int], mask: list[int], spec: ThinkSpec, eot_ids: list[int], rule: MaskRule) -> list[int]:
+    """The mask rule on earlier turns inside a one-sequence prompt: drop end-of-turn tokens, think
+    markers and the reasoning between them from the supervised spans when the rule says so."""
+    out, inside, eot = list(mask), False, set(eot_ids)
+    for k, t in enumerate(ids):
+        if t == spec.open_id or t == spec.close_id:
+            inside = t == spec.open_id
+            out[k] &= int(rule.think_markers)
+        elif inside:
+            out[k] &= int(rule.reasoning)
+        elif t in eot:
+            out[k] &= int(rule.end_of_turn)
+    return out
 
 
 def build_samples(
@@ -380,20 +466,23 @@ def build_samples(
     for i in turns:
         last = i == len(conv) - 1 and "content" in row
         truncated = last and row.get("finish_reason") == "length"
-        gen, pieces = rebuild_completion(tokenizer, conv_h[:i], {**conv_h[i], "reasoning": conv[i].get(
-            "reasoning_content", conv[i].get("reasoning"))}, flags, spec, eot_ids, rule, truncated, tools)
         returned = last and row.get("completion_ids") is not None
-        if returned:
-            opened = gen.rstrip().endswith(THINK_OPEN)
-            pieces = classify_returned([int(t) for t in row["completion_ids"]], spec, eot_ids, opened, rule)
+        if returned:   # the engine's ids are the emission: nothing to rebuild
+            gen = render(tokenizer, conv_h[:i], flags, True, tools)
+            pieces = classify_returned([int(t) for t in row["completion_ids"]], spec, eot_ids,
+                                       gen.rstrip().endswith(THINK_OPEN), rule)
+        else:
+            gen, pieces = rebuild_completion(tokenizer, conv_h[:i], {**conv_h[i], "reasoning": conv[i].get(
+                "reasoning_content", conv[i].get("reasoning"))}, flags, spec, eot_ids, rule, truncated, tools)
         prompt_ids = encode_template(tokenizer, gen)
         prompt_mask = [0] * len(prompt_ids)
         if mode == "one_sequence":
             eot_strs = [tokenizer.convert_ids_to_tokens(t) for t in eot_ids]
-            spans = _turn_spans(tokenizer, conv_h, i, gen, flags, eot_strs, tools)
+            spans = _turn_spans(tokenizer, conv_h, i, gen, flags, eot_strs, tools, spec.close_id is not None)
             enc = tokenizer(gen, add_special_tokens=False, return_offsets_mapping=True)
             prompt_ids = list(enc["input_ids"])
             prompt_mask = [int(b > a and any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]]
+            prompt_mask = _apply_rule(prompt_ids, prompt_mask, spec, eot_ids, rule)
         ids = prompt_ids + [t for p in pieces for t in p.ids]
         mask = prompt_mask + [int(p.supervised) for p in pieces for _ in p.ids]
         out.append(Sample(ids, mask, i, len(prompt_ids), pieces, returned))
@@ -434,7 +523,12 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
 
     Returns ``ok``, ``retokenized`` (same text, other ids: the model emitted a non-canonical
     tokenization, which the sample keeps; or a reply cut inside a multi-byte character, whose
-    stored text lacks the partial character) or ``mismatch``.
+    stored text lacks the partial character), ``whitespace`` (the texts differ only in whitespace:
+    a template that trims the content) or ``mismatch``.
+
+    Rows without returned ids are checked only against the template (the sample was built from the
+    same template): that catches rebuild faults (markers, end-of-turn, tool sections, history), not
+    wrong template flags or a prompt the server changed — those show only in returned prompt ids.
     """
     from .reasoning import template_reasoning_key
 
@@ -469,10 +563,15 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     if cut:   # a reply cut at the limit may end inside a character, which the server's text drops
         ta = ta.rstrip("\ufffd").rstrip()
     if tb.startswith(ta):
-        rest = tb[len(ta):]
+        rest = tb[len(ta):].lstrip() if cut else tb[len(ta):]
         for s in (tokenizer.convert_ids_to_tokens(t) for t in eot):
             if cut and rest.startswith(s):
                 rest = rest[len(s):]
         if not rest.strip():
             return "retokenized"
+    squeeze = re.compile(r"\s+")
+    na, nb = squeeze.sub("", ta), squeeze.sub("", tb)
+    if nb.startswith(na) and (nb[len(na):] == "" or (cut and any(nb[len(na):] == squeeze.sub("", tokenizer.convert_ids_to_tokens(t))
+                                                                   for t in eot))):
+        return "whitespace"   # the template trims or adds whitespace at the turn's edges (Llama's `| trim`)
     return "mismatch"

@@ -33,7 +33,42 @@ from safetensors.torch import save_file
 
 from .config import Config
 from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
-from .templates import MaskRule, Sample, TemplateError, ThinkSpec, build_samples, self_check
+from .templates import MaskRule, Sample, ThinkSpec, build_samples, self_check
+
+
+TEMPLATE_ERRORS: list[str] = []   # why the last rows were dropped as template_error (reported by run_tokenize)
+
+
+def check_row(row, where: str) -> None:
+    """A conversation row's structure, before any template sees it.
+
+    Raises:
+        DataError: naming ``where`` (file:line) and the field: ``messages`` not a list of
+            ``{role: str, content: str | null}`` objects, ``content``/``reasoning`` not strings,
+            ``template_flags`` not an object, ``tools``/``tool_calls`` not lists, ids not ints.
+    """
+    def bad(what: str) -> DataError:
+        return DataError(f"{where}: {what}; fix or delete that line")
+
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        raise bad("not a conversation row (needs 'messages', a list)")
+    for m in row["messages"]:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"each message needs a string 'role', got {str(m)[:60]!r}")
+        if m.get("content") is not None and not isinstance(m["content"], str):
+            raise bad(f"a {m['role']} message's content is a {type(m['content']).__name__}; only text content can be trained on")
+    for key in ("content", "reasoning"):
+        if row.get(key) is not None and not isinstance(row[key], str):
+            raise bad(f"'{key}' is a {type(row[key]).__name__}, not a string")
+    if not isinstance(row.get("template_flags") or {}, dict):
+        raise bad("'template_flags' must be an object of template keyword arguments")
+    for key in ("tools", "tool_calls"):
+        if row.get(key) is not None and not isinstance(row[key], list):
+            raise bad(f"'{key}' must be a list")
+    for key in ("completion_ids", "prompt_ids"):
+        ids = row.get(key)
+        if ids is not None and (not isinstance(ids, list) or not all(type(t) is int for t in ids)):
+            raise bad(f"'{key}' must be a list of integer token ids")
 
 
 def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], max_length: int, mode: str = "per_turn",
@@ -41,7 +76,8 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
     """One conversation row → (samples cut to ``max_length``, drop reason or None).
 
     Drop reasons: ``empty_completion`` (C25), ``prompt_reaches_max_length`` (C25; the turn would
-    start past the limit), ``reasoning_without_think_tokens`` (a text-only reasoning row for a
+    start past the limit), ``no_assistant_turn`` (a finished conversation with nothing to
+    supervise), ``reasoning_without_think_tokens`` (a text-only reasoning row for a
     tokenizer without think special tokens), ``template_error`` (the template cannot render the
     turn consistently).
     """
@@ -50,19 +86,20 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
         return [], "empty_completion"
     if row.get("reasoning") and row.get("completion_ids") is None and spec.close_id is None:
         return [], "reasoning_without_think_tokens"   # the tokenizer has no <think>/</think> to rebuild with
+    if "content" not in row and not any(isinstance(m, dict) and m.get("role") == "assistant" for m in row["messages"]):
+        return [], "no_assistant_turn"
     try:
         samples = build_samples(tokenizer, row, spec, eot_ids, mode, rule)
-    except TemplateError:
+    except Exception as e:   # TemplateError, or the template itself refusing this chat (raise_exception, undefined)
+        TEMPLATE_ERRORS.append(f"{type(e).__name__}: {str(e)[:160]}")
         return [], "template_error"
     eot = set(eot_ids)
     kept = []
     for s in samples:
-        body = [t for t in s.ids[s.prompt_len:] if t not in eot]
-        if not body:
-            continue
-        if s.prompt_len >= max_length - 1:
-            continue
-        s.ids, s.mask = s.ids[:max_length], s.mask[:max_length]
+        ids, mask = s.ids[:max_length], s.mask[:max_length]
+        if not any(m and t not in eot for t, m in zip(ids, mask)):
+            continue   # nothing but end-of-turn tokens supervised within the limit
+        s.ids, s.mask = ids, mask
         kept.append(s)
     if not kept:
         return [], "prompt_reaches_max_length" if samples and all(s.prompt_len >= max_length - 1 for s in samples) \
@@ -137,10 +174,11 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
     V = len(tok)
     rows = []
+    TEMPLATE_ERRORS.clear()
+    template_lines: list[int] = []
     for n, row in read_jsonl(src):
         counts["rows_in"] += 1
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise DataError(f"{src}:{n}: not a conversation row (needs 'messages'); fix or delete that line")
+        check_row(row, f"{src}:{n}")
         if current is not None and row.get("id") not in current:
             counts["dropped_not_in_prompts"] += 1   # generated for an earlier prompt set: never trained on
             continue
@@ -148,7 +186,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         if unfit:
             counts[f"dropped_{unfit}"] += 1
             continue
-        bad = [t for t in row.get("completion_ids") or [] if not isinstance(t, int) or not 0 <= t < V]
+        bad = [t for t in row.get("completion_ids") or [] if not 0 <= t < V]
         if bad:
             raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the tokenizer's [0, {V}); "
                             "the row comes from another tokenizer or is corrupt")
@@ -158,6 +196,8 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         got, reason = samples_for_row(tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule)
         if reason:
             counts[f"dropped_{reason}"] += 1
+            if reason == "template_error":
+                template_lines.append(n)
             continue
         rows.append((n, row, got))
         counts["rows_kept"] += 1
@@ -168,13 +208,31 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
             counts["tokens"] += len(s.ids)
             counts["supervised_tokens"] += sum(s.mask)
             samples.append(s)
+    if template_lines:
+        from .ui import console
+
+        console.print(f"[yellow]tokenize: the chat template could not render {len(template_lines)} row(s) of {src.name} "
+                      f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {TEMPLATE_ERRORS[0]}")
+    counts["rows_kept"] += 0   # present (0) even when every row was dropped
     counts["samples"] = len(samples)
+    if not samples:
+        why = ", ".join(f"{k[8:]} {v}" for k, v in counts.items() if k.startswith("dropped_")) or "no rows"
+        hint = (" — the rows' ids are not in this run's prompts.jsonl (tokenize trains only on the current prompts); "
+                "delete or regenerate prompts.jsonl" if counts["dropped_not_in_prompts"] else "")
+        raise DataError(f"tokenize: 0 training samples from {counts['rows_in']} rows of {src} (dropped: {why}){hint}; "
+                        "the previous tokens.safetensors is left as it was")
     counts["truncated_kept_share"] = round(counts["truncated_kept"] / max(counts["rows_kept"], 1), 4)
     checked = _self_check_rows(tok, rows, spec, eot_ids, tc.self_check_rows, rule, counts, src)
-    if strict and checked:
-        raise DataError(f"tokenize --strict: {len(checked)} self-check mismatch(es) in {src.name} at line(s) "
-                        f"{', '.join(checked[:10])}; nothing was written. Compare those rows' ids with their text "
-                        "(`eagle3kit tokenize --show N`), fix the template flags or the rows")
+    if checked:
+        what = (f"{len(checked)} self-check mismatch(es) in {src.name} ({counts['selfcheck_mismatch']} against the "
+                f"template's render, {counts['selfcheck_returned_prompt_mismatch']} returned prompt ids) at line(s) "
+                f"{', '.join(checked[:10])}{' …' if len(checked) > 10 else ''}")
+        if strict:
+            raise DataError(f"tokenize --strict: {what}; nothing was written. Compare those rows' ids with their text "
+                            "(`eagle3kit tokenize --show N`), fix the template flags or the rows")
+        from .ui import console
+
+        console.print(f"[yellow]tokenize: {what}; their samples are kept as built (`--strict` refuses them)")
     if show:
         from .ui import show_samples
 
@@ -196,7 +254,7 @@ def _self_check_rows(tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit
     returns the line of each mismatch (``"12"``, or ``"12 (returned prompt ids)"``)."""
     pick = rows if len(rows) <= limit else random.Random(0).sample(rows, limit)
     bad: list[str] = []
-    counts.update({"selfcheck_rows": 0, "selfcheck_mismatch": 0, "selfcheck_retokenized": 0,
+    counts.update({"selfcheck_rows": 0, "selfcheck_mismatch": 0, "selfcheck_retokenized": 0, "selfcheck_whitespace_only": 0,
                    "selfcheck_returned_prompt_mismatch": 0, "selfcheck_rebuild_differs_from_returned": 0})
     for n, row, got in pick:
         counts["selfcheck_rows"] += 1
@@ -207,6 +265,8 @@ def _self_check_rows(tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit
             bad.append(where)
         elif "retokenized" in verdicts:
             counts["selfcheck_retokenized"] += 1
+        elif "whitespace" in verdicts:
+            counts["selfcheck_whitespace_only"] += 1
         last = got[-1]
         if last.returned_ids and row.get("prompt_ids") is not None:
             if list(row["prompt_ids"]) != last.ids[:last.prompt_len]:

@@ -63,7 +63,7 @@ def show_samples(tokenizer, samples) -> None:
     out = Console(soft_wrap=True)
     plain = out.color_system is None
     for n, s in enumerate(samples):
-        t = Text(f"── sample {n} (turn {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
+        t = Text(f"── sample {n} (ends at message {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
                  f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n", style="bold")
         runs: list[tuple[str, str, bool]] = []   # (text, style, supervised)
         for tid, m in zip(s.ids[:s.prompt_len], s.mask[:s.prompt_len]):
