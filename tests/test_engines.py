@@ -21,3 +21,38 @@ def test_vllm_backend_gives_the_same_greedy_tokens_as_transformers(smollm2_targe
     assert vl == hf
     assert all(0 < len(x) <= 24 for x in vl)
     assert (tmp_path / "fp32").is_dir()
+
+
+# Recorded from vLLM 0.32 (CPU build) serving SmolLM2 with our drafter, /metrics after 5 GSM8K
+# questions (a real server's text, trimmed to the spec-decode lines and their headers).
+RECORDED_METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="smollm2"} 177.0
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="smollm2"} 531.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="smollm2"} 141.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="0"} 75.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="1"} 41.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm2",position="2"} 25.0
+"""
+
+
+def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
+    import httpx
+
+    from eagle3kit.engines import spec_decode_counters, spec_decode_delta
+
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text=RECORDED_METRICS))
+    now = spec_decode_counters("http://x")
+    assert (now["drafts"], now["draft_tokens"], now["accepted"]) == (177, 531, 141)
+    assert now["per_position"] == {0: 75, 1: 41, 2: 25}
+    zero = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
+    d = spec_decode_delta(zero, now)
+    assert d["tau"] == 1 + 141 / 177 and d["acceptance_rate"] == 141 / 531
+    assert d["per_position_acceptance"] == [75 / 177, 41 / 177, 25 / 177]
+    assert spec_decode_delta(now, now)["drafts"] == 0

@@ -69,3 +69,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SPEC_METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def spec_decode_counters(url: str, timeout: float = 10.0) -> dict:
+    """vLLM's speculative-decoding counters now, from ``GET {url}/metrics`` (Prometheus text,
+    parsed with ``prometheus_client``): ``{"drafts", "draft_tokens", "accepted", "per_position":
+    {k: accepted at position k}}``, summed over engines (DESIGN.md §6). Counts (floats as served)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout).text
+    out: dict = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in SPEC_METRICS:
+                out[SPEC_METRICS[s.name]] += s.value
+            elif s.name == PER_POSITION_METRIC:
+                k = int(s.labels["position"])
+                out["per_position"][k] = out["per_position"].get(k, 0.0) + s.value
+    return out
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict:
+    """Acceptance over a run from two :func:`spec_decode_counters` readings (DESIGN.md §6): τ =
+    1 + accepted / drafts (bonus token counted, pooled), acceptance rate = accepted / draft
+    tokens, cumulative per-position a_k = accepted at position k / drafts."""
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    per = [after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0) for k in sorted(after["per_position"])]
+    drafts = d["drafts"] or float("nan")
+    return {**{k: int(v) for k, v in d.items()}, "tau": 1 + d["accepted"] / drafts,
+            "acceptance_rate": d["accepted"] / (d["draft_tokens"] or float("nan")),
+            "per_position_acceptance": [p / drafts for p in per], "per_position_kind": "cumulative a_k"}
