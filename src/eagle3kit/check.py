@@ -1,0 +1,224 @@
+"""``eagle3kit check``: every fault in an exported drafter that would cost a server start, found in
+seconds, each with its fix (DESIGN.md §3, §5; field cases C27–C32).
+
+Reads ``config.json`` and the safetensors header (shapes only; ``d2t``/``t2d`` values are
+loaded to check their invariants) and the target's config; never loads the target's weights.
+Checked: the drafter generation (an EAGLE-1 head given as EAGLE-3, inferred from shapes), every
+tensor an engine creates (missing ones would be created empty), stray tensors, widths (``fc``
+input = 3 × target hidden), vocab sizes and the ``d2t``/``t2d`` invariants, ``lm_head`` rows,
+tied embeddings, aux ids (present, in range, in both conventions, equal to the ids the features
+were trained on, and for SGLang what it will really capture on this target family), max
+positions against the serving length, rope settings against the target, text fields nested in
+``text_config``, and whether the installed vLLM implements EAGLE-3 for the target's class.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .config import TargetConfig
+
+# SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
+# "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
+# reads them verbatim when the largest id equals N (else adds 1).
+SGLANG_AUX_RULE = {"deepseek_v2": "if_first_is_1", "deepseek_v3": "if_first_is_1", "kimi_k2": "if_first_is_1",
+                   "kimi_k25": "if_first_is_1", "glm4_moe_lite": "if_first_is_1", "gpt_oss": "verbatim_if_max_is_n"}
+
+
+@dataclass
+class Finding:
+    """One fault: ``code`` (stable name), ``message`` (what is wrong, with both values), ``fix``,
+    ``severity`` (``error``: the server would fail or run a broken drafter; ``warning``)."""
+
+    code: str
+    message: str
+    fix: str
+    severity: str = "error"
+
+
+def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> list[int]:
+    """The HF indices SGLang will capture for ``eagle_config`` ids on a target of ``model_type``
+    (DESIGN.md §3)."""
+    rule = SGLANG_AUX_RULE.get(model_type, "always")
+    if rule == "if_first_is_1" and config_ids and config_ids[0] != 1:
+        return list(config_ids)
+    if rule == "verbatim_if_max_is_n" and config_ids and max(config_ids) == num_layers:
+        return list(config_ids)
+    return [i + 1 for i in config_ids]
+
+
+def _target_text_config(target: TargetConfig):
+    from transformers import AutoConfig
+
+    from .target import locate_target
+
+    loc = locate_target(target)
+    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    cfg = AutoConfig.from_pretrained(loc["path"], local_files_only=not target.allow_download, **kw)
+    return cfg, getattr(cfg, "text_config", None) or cfg
+
+
+def _vllm_supports_eagle3(architectures: list[str]) -> bool | None:
+    """Whether the installed vLLM's model class for ``architectures`` implements EAGLE-3
+    (``SupportsEagle3``), or None when vLLM is not installed or the class is unknown."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+    except Exception:
+        return None
+    for arch in architectures or []:
+        try:
+            cls = ModelRegistry._try_load_model_cls(arch)
+        except Exception:
+            cls = None
+        if cls is not None:
+            return bool(supports_eagle3(cls))
+    return None
+
+
+def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "vllm", engine_version: str | None = None,
+                  max_model_len: int | None = None) -> list[Finding]:
+    """All findings for serving ``drafter_dir`` beside ``target`` on ``engine``; empty = servable.
+
+    Raises:
+        ConfigError: the target cannot be located (names it).
+    """
+    from safetensors import safe_open
+
+    from .export import required_shapes
+    from .target import rope_settings
+
+    d = Path(drafter_dir)
+    out: list[Finding] = []
+    cfg_path, st_path = d / "config.json", d / "model.safetensors"
+    for p in (cfg_path, st_path):
+        if not p.is_file():
+            out.append(Finding("missing_file", f"{p} does not exist", "export the drafter with `eagle3kit export`"))
+    if out:
+        return out
+    try:
+        dc = json.loads(cfg_path.read_text())
+        with safe_open(str(st_path), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
+    except Exception as e:
+        return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
+    tcfg, tc = _target_text_config(target)
+    H_t, V, N = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
+
+    if "text_config" in dc:
+        out.append(Finding("nested_text_config", "config.json nests its fields in text_config; engines read the top level",
+                           "export again (eagle3kit writes a flat Llama-style config)"))
+    fc = shapes.get("fc.weight")
+    H = int(dc.get("hidden_size", 0))
+    if (fc is not None and fc[1] == 2 * fc[0]) or ("draft_vocab_size" not in dc and "lm_head.weight" not in shapes):
+        out.append(Finding("eagle1_head", f"an EAGLE-1 style head (fc {list(fc) if fc else None}, no draft_vocab_size / "
+                           "lm_head) given as EAGLE-3", "serve it with method 'eagle', or train an EAGLE-3 drafter"))
+        return out
+    if int(dc.get("target_hidden_size", H)) != H_t:
+        out.append(Finding("target_hidden_size", f"target_hidden_size {dc.get('target_hidden_size', H)} but the target's "
+                           f"hidden size is {H_t}", "train the drafter for this target"))
+    if fc is not None and fc[1] != 3 * H_t:
+        out.append(Finding("fc_width", f"fc.weight takes {fc[1]} inputs, not 3 × {H_t} = {3 * H_t} (three aux layers of "
+                           "the target)", "train the drafter for this target"))
+    if int(dc.get("vocab_size", -1)) != V:
+        out.append(Finding("vocab_size", f"vocab_size {dc.get('vocab_size')} but the target's vocabulary has {V} ids",
+                           "train the drafter for this target"))
+    from .drafter import DrafterConfig
+
+    try:
+        want = required_shapes(DrafterConfig(
+            hidden_size=H, intermediate_size=int(dc["intermediate_size"]), num_attention_heads=int(dc["num_attention_heads"]),
+            num_key_value_heads=int(dc["num_key_value_heads"]), head_dim=int(dc.get("head_dim") or H // int(dc["num_attention_heads"])),
+            rms_norm_eps=float(dc.get("rms_norm_eps", 1e-6)), vocab_size=V, draft_vocab_size=int(dc["draft_vocab_size"]),
+            target_hidden_size=H_t, aux_layer_ids=list(dc.get("eagle_aux_hidden_state_layer_ids") or [])))
+    except KeyError as e:
+        return out + [Finding("config_key", f"config.json lacks {e.args[0]!r}", "export again with `eagle3kit export`")]
+    Vd = int(dc["draft_vocab_size"])
+    missing = [k for k in want if k not in shapes]
+    if missing:
+        out.append(Finding("missing_tensor", f"the engine would create these empty: {missing}",
+                           "export again; never serve a drafter with missing weights (it loads, then accepts nothing)"))
+    bad = [f"{k} {list(shapes[k])} ≠ {list(s)}" for k, s in want.items() if k in shapes and shapes[k] != s]
+    if bad:
+        out.append(Finding("tensor_shape", "shapes that do not fit the config: " + "; ".join(bad), "export again"))
+    allowed = set(want) | {"d2t", "t2d"}
+    stray = [k for k in shapes if k not in allowed]
+    if stray:
+        out.append(Finding("stray_tensor", f"tensors no engine expects: {stray[:8]}",
+                           "export with `eagle3kit export` (no `model.` prefix, no embed_tokens for a drafter as wide as its target)"))
+    if Vd < V:
+        if "d2t" not in maps:
+            out.append(Finding("missing_d2t", f"draft_vocab_size {Vd} < vocab_size {V} but there is no d2t: the engine would "
+                               "map draft ids to the wrong tokens", "export again"))
+        else:
+            from .vocab import check_maps
+
+            try:
+                check_maps(maps["d2t"], maps.get("t2d"), V)
+            except Exception as e:
+                out.append(Finding("vocab_maps", str(e), "rebuild the vocab and export again"))
+            if maps["d2t"].numel() != Vd:
+                out.append(Finding("d2t_length", f"d2t has {maps['d2t'].numel()} entries, draft_vocab_size {Vd}", "export again"))
+    if dc.get("tie_word_embeddings"):
+        out.append(Finding("tied_embeddings", "tie_word_embeddings is true: the engine would use the embedding as lm_head",
+                           "set tie_word_embeddings false (the drafter's lm_head is [Vd, H])"))
+    mpe = int(dc.get("max_position_embeddings", 0))
+    if max_model_len and mpe < max_model_len:
+        out.append(Finding("max_positions", f"max_position_embeddings {mpe} < the serving length {max_model_len}",
+                           "export again (it copies the target's) or serve with a shorter --max-model-len"))
+    rope = rope_settings(tc)
+    if float(dc.get("rope_theta", rope["rope_theta"])) != float(rope["rope_theta"]) or \
+            (dc.get("rope_scaling") or None) != (rope.get("rope_scaling") or None):
+        out.append(Finding("rope", f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
+                           f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
+    out += _check_aux(dc, N, tcfg, tc, engine)
+    if engine == "vllm":
+        archs = list(getattr(tcfg, "architectures", None) or [])
+        if not archs:   # a GGUF config names no class: the causal-LM class of its model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(tcfg, "model_type", ""), "")]
+        ok = _vllm_supports_eagle3(archs)
+        if ok is False:
+            out.append(Finding("engine_support", f"the installed vLLM's class for {archs} does not implement "
+                               "EAGLE-3 (SupportsEagle3)", "use a vLLM version that supports this target family"))
+        elif ok is None:
+            out.append(Finding("engine_support", f"EAGLE-3 support of vLLM {engine_version or ''} for {archs} "
+                               "not checked (vLLM not installed here, or the class is unknown to it)",
+                               "run check where the serving vLLM is installed", "warning"))
+    return out
+
+
+def _check_aux(dc: dict, N: int, tcfg, tc, engine: str) -> list[Finding]:
+    out: list[Finding] = []
+    ids = dc.get("eagle_aux_hidden_state_layer_ids")
+    nested = (dc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return [Finding("aux_ids_missing", "config.json has no eagle_aux_hidden_state_layer_ids: the engine would pick "
+                        "its default layers, not the ones the drafter was trained on", "export again")]
+    if sorted(set(ids)) != list(ids) or min(ids) < 1 or max(ids) > N - 1:
+        out.append(Finding("aux_ids_range", f"aux ids {ids} must be distinct, ascending, inside [1, {N - 1}] (HF index)",
+                           "export again with the ids the drafter was trained on"))
+    trained = ((dc.get("eagle3kit") or {}).get("aux_layer_ids") or {}).get("ids")
+    if trained and list(trained) != list(ids):
+        out.append(Finding("aux_ids_trained", f"config aux ids {ids} but the features were trained on {trained}",
+                           f"set eagle_aux_hidden_state_layer_ids to {trained}"))
+    if nested is not None and [i + 1 for i in nested] != list(ids):
+        out.append(Finding("aux_ids_conventions", f"eagle_config ids {nested} (output of layer j) do not equal the top-level "
+                           f"{ids} (HF index) minus 1", f"set eagle_config.eagle_aux_hidden_state_layer_ids to {[i - 1 for i in ids]}"))
+    if engine == "sglang":
+        cfg_ids = list(nested) if nested is not None else [i - 1 for i in ids]
+        got = sglang_captured(cfg_ids, str(getattr(tc, "model_type", getattr(tcfg, "model_type", ""))), N)
+        want = list(trained or ids)
+        if got != want:
+            out.append(Finding("aux_ids_sglang", f"SGLang will capture HF layers {got} on this {tc.model_type} target, not {want}",
+                               "export ids that SGLang's rule for this family maps to the trained layers"))
+    return out
+
+
+def findings_json(findings: list[Finding]) -> str:
+    """The findings as JSON (``--json``): ``{"ok": bool, "findings": [...]}``."""
+    return json.dumps({"ok": not any(f.severity == "error" for f in findings), "findings": [asdict(f) for f in findings]},
+                      indent=2)
