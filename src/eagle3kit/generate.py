@@ -99,13 +99,32 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     folder = export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16])
     from vllm import LLM
 
+    release_vllm_engine()   # one engine per process: the old one's teardown would break a new one's groups
     llm = LLM(
         model=str(folder), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
         kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
     )
-    _VLLM.clear()
     _VLLM[key] = llm
     return llm
+
+
+def release_vllm_engine() -> None:
+    """Shut down the cached in-process engine and vLLM's process-wide parallel state, so that a
+    later :func:`vllm_engine` for another target starts clean (no-op when none is cached)."""
+    if not _VLLM:
+        return
+    import gc
+
+    old = _VLLM.pop(next(iter(_VLLM)))
+    try:
+        old.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del old
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
 
 
 def vllm_version() -> str | None:
