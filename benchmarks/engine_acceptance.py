@@ -13,7 +13,6 @@ Prints one table and writes benchmarks/results/engine_acceptance.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.config import PromptSource, TargetConfig
-from eagle3kit.engines import VLLMServer, free_port, spec_decode_counters, spec_decode_delta
+from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
 from eagle3kit.evaluate import greedy_continuations, simulate
 from eagle3kit.export import load_exported
 from eagle3kit.generate import render_prompt_ids
@@ -31,24 +30,6 @@ from eagle3kit.target import cache_dir, export_fp32_folder, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "chats" / "gsm8k_train.jsonl"
-
-
-async def serve(url: str, rows: list[dict], max_tokens: int, concurrency: int = 4) -> list[list[int]]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=600)
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(r):
-        async with sem:
-            resp = await client.chat.completions.create(model="smollm2", messages=r["messages"], max_tokens=max_tokens,
-                                                        temperature=0.0, extra_body={"return_token_ids": True})
-            return list(resp.choices[0].model_extra["token_ids"])
-
-    try:
-        return list(await asyncio.gather(*(one(r) for r in rows)))
-    finally:
-        await client.close()
 
 
 def main() -> None:
@@ -69,7 +50,7 @@ def main() -> None:
         srv = VLLMServer(folder, free_port(), work / f"vllm-{name}.log", extra_args=extra).start(wait_s=400)
         try:
             before = spec_decode_counters(srv.url) if name == "eagle3" else None
-            outs[name] = asyncio.run(serve(srv.url, rows, args.max_tokens))
+            outs[name] = served_token_ids(srv.url, rows, args.max_tokens)
             if name == "eagle3":
                 counters = spec_decode_delta(before, spec_decode_counters(srv.url))
         finally:

@@ -4,7 +4,6 @@ CI (240 GSM8K questions, 64 tokens each, TTT 3, 12 epochs: about 6 minutes on 2 
 questions (the last 80 of gsm8k_train.jsonl, never trained on): τ from vLLM's own counters is
 within 10% of τ from `eagle3kit evaluate` on the same prompts and token limit, and vLLM's outputs
 with speculation equal its outputs without."""
-import asyncio
 import importlib.util
 import json
 
@@ -12,7 +11,7 @@ import pytest
 
 from conftest import GSM8K
 from eagle3kit.config import PromptSource, load_config
-from eagle3kit.engines import VLLMServer, free_port, spec_decode_counters, spec_decode_delta
+from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
 from eagle3kit.prompts import read_source
 from eagle3kit.rundir import RunDir
 
@@ -44,24 +43,6 @@ def trained(tmp_path_factory):
     return RunDir(d / "run")
 
 
-async def _serve(url, rows, max_tokens):
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=600)
-    sem = asyncio.Semaphore(4)
-
-    async def one(r):
-        async with sem:
-            resp = await client.chat.completions.create(model="smollm2", messages=r["messages"], max_tokens=max_tokens,
-                                                        temperature=0.0, extra_body={"return_token_ids": True})
-            return list(resp.choices[0].model_extra["token_ids"])
-
-    try:
-        return list(await asyncio.gather(*(one(r) for r in rows)))
-    finally:
-        await client.close()
-
-
 def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, smollm2_target, tmp_path):
     from eagle3kit.target import export_fp32_folder
 
@@ -75,7 +56,7 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
         srv = VLLMServer(folder, free_port(), tmp_path / f"{name}.log", extra_args=extra).start(wait_s=300)
         try:
             before = spec_decode_counters(srv.url)
-            outs[name] = asyncio.run(_serve(srv.url, rows, 64))
+            outs[name] = served_token_ids(srv.url, rows, 64)
             got = spec_decode_delta(before, spec_decode_counters(srv.url)) if name == "eagle3" else None
         finally:
             srv.kill()
@@ -128,7 +109,7 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_pat
     srv = VLLMServer(tmp_path / "target", free_port(), tmp_path / "vllm.log", extra_args=["--speculative-config", spec]).start(wait_s=300)
     try:
         before = spec_decode_counters(srv.url)
-        outs = asyncio.run(_serve(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6))
+        outs = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
         got = spec_decode_delta(before, spec_decode_counters(srv.url))
     finally:
         srv.kill()

@@ -51,12 +51,12 @@ def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> 
 def _target_text_config(target: TargetConfig):
     from transformers import AutoConfig
 
-    from .target import locate_target
+    from .target import locate_target, text_config
 
     loc = locate_target(target)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
     cfg = AutoConfig.from_pretrained(loc["path"], local_files_only=not target.allow_download, **kw)
-    return cfg, getattr(cfg, "text_config", None) or cfg
+    return cfg, text_config(cfg)
 
 
 def _vllm_supports_eagle3(architectures: list[str]) -> bool | None:

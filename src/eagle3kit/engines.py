@@ -105,3 +105,29 @@ def spec_decode_delta(before: dict, after: dict) -> dict:
     return {**{k: int(v) for k, v in d.items()}, "tau": 1 + d["accepted"] / drafts,
             "acceptance_rate": d["accepted"] / (d["draft_tokens"] or float("nan")),
             "per_position_acceptance": [p / drafts for p in per], "per_position_kind": "cumulative a_k"}
+
+
+def served_token_ids(url: str, rows: list[dict], max_tokens: int, model: str = "smollm2", concurrency: int = 4) -> list[list[int]]:
+    """Greedy chat completions for ``rows`` (each with ``messages``) from the server at ``url``
+    (its root), ``concurrency`` at a time; returns each reply's token ids (vLLM's
+    ``return_token_ids``), in the order of ``rows``."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def run() -> list[list[int]]:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=600)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(r):
+            async with sem:
+                resp = await client.chat.completions.create(model=model, messages=r["messages"], max_tokens=max_tokens,
+                                                            temperature=0.0, extra_body={"return_token_ids": True})
+                return list(resp.choices[0].model_extra["token_ids"])
+
+        try:
+            return list(await asyncio.gather(*(one(r) for r in rows)))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

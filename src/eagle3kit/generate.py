@@ -340,7 +340,7 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
                         "id": r["id"], "messages": r["messages"], "source": r.get("source"), "category": r.get("category"),
                         "prompt_ids": p, "completion_ids": c, "content": content, "reasoning": None,
                         "finish_reason": finish, "usage": {"prompt_tokens": len(p), "completion_tokens": len(c)},
-                        "template_flags": dict(gc.template_flags), "backend": backend, **settings,
+                        "backend": backend, **settings,
                     })
                     counts["completion_tokens"] += len(c)
                 bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])

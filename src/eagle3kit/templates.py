@@ -150,29 +150,22 @@ def wants_argument_objects(chat_template: str | None) -> bool:
     return bool(re.search(r"arguments\s*\|\s*tojson", t)) and not re.search(r"arguments'?\]?\s+is\s+string", t)
 
 
-def _argument_objects(calls: list[dict]) -> list[dict]:
+def _tool_arguments(calls: list[dict], as_objects: bool) -> list[dict]:
+    """Tool calls with their arguments as JSON objects (``as_objects``) or as JSON strings; an
+    argument string that is not JSON stays a string."""
     import json
 
     out = []
     for c in calls:
         fn = dict(c.get("function") or {})
-        if isinstance(fn.get("arguments"), str):
+        args = fn.get("arguments")
+        if as_objects and isinstance(args, str):
             try:
-                fn["arguments"] = json.loads(fn["arguments"])
+                fn["arguments"] = json.loads(args)
             except json.JSONDecodeError:
                 pass
-        out.append({**c, "function": fn})
-    return out
-
-
-def _argument_strings(calls: list[dict]) -> list[dict]:
-    import json
-
-    out = []
-    for c in calls:
-        fn = dict(c.get("function") or {})
-        if not isinstance(fn.get("arguments"), str):
-            fn["arguments"] = json.dumps(fn.get("arguments"), ensure_ascii=False)
+        elif not as_objects and not isinstance(args, str):
+            fn["arguments"] = json.dumps(args, ensure_ascii=False)
         out.append({**c, "function": fn})
     return out
 
@@ -187,7 +180,7 @@ def history_message(msg: dict, reads: str, argument_objects: bool = False) -> di
     if out.get("tool_calls") and not out.get("content"):
         out["content"] = None   # the OpenAI form of a tool-call-only turn (R1's template renders "" as a 2nd turn)
     if out.get("tool_calls"):
-        out["tool_calls"] = _argument_objects(out["tool_calls"]) if argument_objects else _argument_strings(out["tool_calls"])
+        out["tool_calls"] = _tool_arguments(out["tool_calls"], argument_objects)
     if reasoning:
         for k in (("reasoning", "reasoning_content") if reads == "both" else (reads,)):
             out[k] = reasoning
@@ -205,8 +198,10 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-_TEMPLATE_THINK = re.compile(r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + r")\s*")
-_TEMPLATE_THINK_SPAN = re.compile(r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + ")")
+# an empty think block or a lone closer a template renders around a turn; _SPAN without the trailing whitespace
+_TEMPLATE_THINK_SPAN_PATTERN = r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + ")"
+_TEMPLATE_THINK = re.compile(_TEMPLATE_THINK_SPAN_PATTERN + r"\s*")
+_TEMPLATE_THINK_SPAN = re.compile(_TEMPLATE_THINK_SPAN_PATTERN)
 _MARKERS_ONLY = re.compile(r"\s|" + re.escape(THINK_OPEN) + "|" + re.escape(THINK_CLOSE))
 
 

@@ -36,9 +36,6 @@ from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
 from .templates import MaskRule, Sample, ThinkSpec, build_samples, self_check
 
 
-TEMPLATE_ERRORS: list[str] = []   # why the last rows were dropped as template_error (reported by run_tokenize)
-
-
 def check_row(row, where: str) -> None:
     """A conversation row's structure, before any template sees it.
 
@@ -72,8 +69,9 @@ def check_row(row, where: str) -> None:
 
 
 def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], max_length: int, mode: str = "per_turn",
-                    rule: MaskRule | None = None) -> tuple[list[Sample], str | None]:
-    """One conversation row → (samples cut to ``max_length``, drop reason or None).
+                    rule: MaskRule | None = None, errors: list | None = None) -> tuple[list[Sample], str | None]:
+    """One conversation row → (samples cut to ``max_length``, drop reason or None). With
+    ``errors`` (a list), the template's own message for a ``template_error`` is appended to it.
 
     Drop reasons: ``empty_completion`` (C25), ``prompt_reaches_max_length`` (C25; the turn would
     start past the limit), ``no_assistant_turn`` (a finished conversation with nothing to
@@ -91,7 +89,8 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
     try:
         samples = build_samples(tokenizer, row, spec, eot_ids, mode, rule)
     except Exception as e:   # TemplateError, or the template itself refusing this chat (raise_exception, undefined)
-        TEMPLATE_ERRORS.append(f"{type(e).__name__}: {str(e)[:160]}")
+        if errors is not None:
+            errors.append(f"{type(e).__name__}: {str(e)[:160]}")
         return [], "template_error"
     eot = set(eot_ids)
     kept = []
@@ -174,8 +173,8 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
     V = len(tok)
     rows = []
-    TEMPLATE_ERRORS.clear()
     template_lines: list[int] = []
+    template_errors: list[str] = []
     for n, row in read_jsonl(src):
         counts["rows_in"] += 1
         check_row(row, f"{src}:{n}")
@@ -193,7 +192,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         if tc.drop_truncated and row.get("finish_reason") == "length":
             counts["dropped_truncated"] += 1
             continue
-        got, reason = samples_for_row(tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule)
+        got, reason = samples_for_row(tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule, template_errors)
         if reason:
             counts[f"dropped_{reason}"] += 1
             if reason == "template_error":
@@ -212,7 +211,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         from .ui import console
 
         console.print(f"[yellow]tokenize: the chat template could not render {len(template_lines)} row(s) of {src.name} "
-                      f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {TEMPLATE_ERRORS[0]}")
+                      f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {template_errors[0]}")
     counts["rows_kept"] += 0   # present (0) even when every row was dropped
     counts["samples"] = len(samples)
     if not samples:
