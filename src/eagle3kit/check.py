@@ -48,17 +48,6 @@ def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> 
     return [i + 1 for i in config_ids]
 
 
-def _target_text_config(target: TargetConfig):
-    from transformers import AutoConfig
-
-    from .target import locate_target, text_config
-
-    loc = locate_target(target)
-    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
-    cfg = AutoConfig.from_pretrained(loc["path"], local_files_only=not target.allow_download, **kw)
-    return cfg, text_config(cfg)
-
-
 def _vllm_supports_eagle3(architectures: list[str]) -> bool | None:
     """Whether the installed vLLM's model class for ``architectures`` implements EAGLE-3
     (``SupportsEagle3``), or None when vLLM is not installed or the class is unknown."""
@@ -104,7 +93,9 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
             maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
     except Exception as e:
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
-    tcfg, tc = _target_text_config(target)
+    from .target import load_target_config, target_architectures
+
+    tcfg, tc = load_target_config(target)
     H_t, V, N = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
 
     if "text_config" in dc:
@@ -175,11 +166,7 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
                            f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
     out += _check_aux(dc, N, tcfg, tc, engine)
     if engine == "vllm":
-        archs = list(getattr(tcfg, "architectures", None) or [])
-        if not archs:   # a GGUF config names no class: the causal-LM class of its model type
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(tcfg, "model_type", ""), "")]
+        archs = target_architectures(tcfg)
         ok = _vllm_supports_eagle3(archs)
         if ok is False:
             out.append(Finding("engine_support", f"the installed vLLM's class for {archs} does not implement "

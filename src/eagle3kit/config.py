@@ -185,6 +185,8 @@ class TrainConfig(_Strict):
     feature_cache: bool = True
     device: str = "auto"
     seed: int = 0
+    init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
+                                  "reads) instead of random weights; lm_head rows are matched by target token id")
 
 
 class EvaluateConfig(_Strict):

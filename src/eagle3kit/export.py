@@ -7,6 +7,10 @@ Tensor names (no ``model.`` prefix): ``fc.weight [H, 3·Ht]``,
 ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [Vd, H]``, and only
 when Vd < V: ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V]. Never ``embed_tokens`` (the drafter
 borrows the target's; this version only builds drafters as wide as their target).
+
+``--format speculators`` writes vLLM's speculators layout instead (DESIGN.md §5): the same tensors
+with ``layers.0.`` in place of ``midlayer.``, and a config with ``speculators_model_type "eagle3"``,
+``transformer_layer_config`` and ``speculators_config``.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from safetensors.torch import save_file
 from . import __version__
 from .config import Config
 from .drafter import DrafterConfig, Eagle3Drafter
-from .rundir import RunDir, load_safetensors, set_aside, sha256_tensors
-from .vocab import DraftVocab, check_maps
+from .rundir import RunDir, set_aside, sha256_tensors
+from .vocab import check_maps
 
 
 class ExportError(ValueError):
@@ -111,16 +115,48 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
     return cfg
 
 
-def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict | None = None,
-                   dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
-    """Write ``config.json`` + ``model.safetensors``, after :func:`validate_tensors`.
+FORMATS = ("dual", "speculators")
+SPECULATORS_LAYER_PREFIX = "layers.0."     # speculators (and vLLM internally) name the decoder layer so
 
-    Raises:
-        ExportError: invalid tensors; FileExistsError: ``out_dir`` holds a drafter and not ``overwrite``.
+
+def speculators_config(c: DrafterConfig, torch_dtype: str, verifier: dict, num_speculative_tokens: int = 3,
+                       provenance: dict | None = None) -> dict:
+    """``config.json`` for vLLM's speculators layout (DESIGN.md §5): no top-level ``model_type``;
+    ``transformer_layer_config`` holds the Llama layer; aux ids top-level in vLLM numbering (HF
+    index); ``norm_before_residual: false`` written out (vLLM assumes true when it is missing).
+
+    Args:
+        verifier: ``{"name_or_path": str, "architectures": [str]}`` — the target.
+        num_speculative_tokens: K of the default greedy proposal method.
     """
-    out = Path(out_dir)
-    if (out / "model.safetensors").exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds a drafter; pass --overwrite to replace it")
+    dual = engine_config(c, torch_dtype)
+    layer = {k: dual[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
+                                  "max_position_embeddings", "vocab_size", "num_hidden_layers", "tie_word_embeddings",
+                                  "attention_bias", "mlp_bias", "torch_dtype")}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **layer},
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "torch_dtype": torch_dtype,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+        },
+        "eagle3kit": {**dual["eagle3kit"], "aux_layer_ids_convention": "HF output_hidden_states index (= vLLM)",
+                      **(provenance or {})},
+    }
+
+
+def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's engine tensors in the dual-engine naming, validated (:func:`validate_tensors`):
+    weights in ``dtype`` (default: the drafter's), ``d2t`` int64 and ``t2d`` bool only when Vd < V."""
     c = drafter.config
     state = drafter.state_dict()
     dtype = dtype or drafter.fc.weight.dtype
@@ -129,75 +165,98 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
         tensors["d2t"] = state["d2t"].cpu().to(torch.int64).contiguous()
         tensors["t2d"] = state["t2d"].cpu().to(torch.bool).contiguous()
     validate_tensors(tensors, c)
-    cfg = engine_config(c, str(dtype).replace("torch.", ""), provenance)
+    return tensors
+
+
+def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict | None = None,
+                   dtype: torch.dtype | None = None, overwrite: bool = False, fmt: str = "dual",
+                   verifier: dict | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in ``fmt`` (``dual``: vLLM + SGLang;
+    ``speculators``: vLLM's speculators layout, which needs ``verifier``), after
+    :func:`validate_tensors`. Weights are cast to ``dtype`` (default: the drafter's).
+
+    Raises:
+        ExportError: invalid tensors or format; FileExistsError: ``out_dir`` holds a drafter and not ``overwrite``.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"export format {fmt!r} is not one of {FORMATS}")
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and not overwrite:
+        raise FileExistsError(f"{out} already holds a drafter; pass --overwrite to replace it")
+    tensors = drafter_tensors(drafter, dtype)
+    dtype_name = str(tensors["fc.weight"].dtype).replace("torch.", "")
+    if fmt == "speculators":
+        if not verifier:
+            raise ExportError("the speculators format names its verifier (the target): pass verifier=")
+        tensors = {k.replace("midlayer.", SPECULATORS_LAYER_PREFIX): v for k, v in tensors.items()}
+        cfg = speculators_config(drafter.config, dtype_name, verifier, num_speculative_tokens, provenance)
+    else:
+        cfg = engine_config(drafter.config, dtype_name, provenance)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
 
-def config_from_engine_json(cfg: dict) -> DrafterConfig:
-    """Rebuild a :class:`DrafterConfig` from an exported ``config.json``."""
-    try:
-        return DrafterConfig(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            rms_norm_eps=cfg["rms_norm_eps"], vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg.get("draft_vocab_size", cfg["vocab_size"]),
-            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
-            aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            hidden_act=cfg.get("hidden_act", "silu"),
-        )
-    except KeyError as e:
-        raise ExportError(f"config.json lacks {e.args[0]!r}") from None
+def load_exported(folder: str | Path, device="cpu", target=None) -> Eagle3Drafter:
+    """Load a drafter folder strictly: eagle3kit's dual-engine or speculators export, or any layout
+    :mod:`eagle3kit.importer` reads (``target``, a TargetConfig, is needed only for a source that
+    names no aux ids). Weights keep their stored dtype.
 
+    Raises:
+        FileNotFoundError: no config.json / weights; ExportError: as :func:`eagle3kit.importer.read_drafter`."""
+    from .importer import read_drafter
 
-def load_exported(folder: str | Path, device="cpu") -> Eagle3Drafter:
-    """Load an exported drafter folder strictly (validated like at export)."""
-    folder = Path(folder)
-    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
-        raise FileNotFoundError(f"{folder}: expected config.json and model.safetensors (run `eagle3kit export`)")
-    c = config_from_engine_json(json.loads((folder / "config.json").read_text()))
-    tensors = load_safetensors(folder / "model.safetensors", "re-export the drafter")
-    try:
-        validate_tensors(tensors, c)
-    except ExportError as e:
-        raise ExportError(f"{folder} is not a valid drafter: {str(e).split(':', 1)[1].strip()}") from None
-    d = Eagle3Drafter(c)
-    if "d2t" not in tensors:
-        d.set_vocab(DraftVocab.full(c.vocab_size))
-    d.load_state_dict(tensors, strict=False)
-    dtype = tensors["fc.weight"].dtype
-    return d.to(device=device, dtype=dtype)
+    return read_drafter(folder, target=target).drafter.to(device)
 
 
 def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir: str | None = None,
-               overwrite: bool = False, set_aside_existing: bool = False) -> dict:
-    """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or ``out_dir``).
+               overwrite: bool = False, set_aside_existing: bool = False, fmt: str = "dual") -> dict:
+    """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or
+    ``out_dir``; ``<run>/drafter-speculators`` for ``fmt="speculators"``).
 
-    A folder that already holds the same checkpoint's export is left as it is; another drafter
-    there is refused (FileExistsError) unless ``overwrite``, or moved to ``<out>.prev-N`` with
-    ``set_aside_existing`` (what ``eagle3kit run`` does)."""
+    A folder that already holds the same checkpoint's export in the same format is left as it is;
+    another drafter there is refused (FileExistsError) unless ``overwrite``, or moved to
+    ``<out>.prev-N`` with ``set_aside_existing`` (what ``eagle3kit run`` does)."""
+    from .target import load_target_config, locate_target, target_architectures
     from .train import checkpoint_provenance, load_drafter_checkpoint
     from .ui import console
 
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
-    drafter = load_drafter_checkpoint(src)
-    prov = checkpoint_provenance(src)          # what this checkpoint was trained with, not what the run dir says
-    prov["checkpoint_sha256"] = sha256_tensors(src)
-    out = Path(out_dir or (run / "drafter"))
+    if src.is_dir():        # a drafter folder (any layout eagle3kit imports): re-export it
+        from .importer import read_drafter
+
+        imp = read_drafter(src, target=cfg.target)
+        drafter, prov = imp.drafter, dict(imp.provenance)
+    else:
+        drafter = load_drafter_checkpoint(src)
+        prov = checkpoint_provenance(src)      # what this checkpoint was trained with, not what the run dir says
+        prov["checkpoint_sha256"] = sha256_tensors(src)
+    out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
     if (out / "config.json").exists() and not overwrite:
-        old = (json.loads((out / "config.json").read_text()).get("eagle3kit") or {}).get("checkpoint_sha256")
-        if old == prov["checkpoint_sha256"]:
-            res = {"path": str(out), "up_to_date": True}
-            run.record_stage("export", {"checkpoint": prov["checkpoint_sha256"]}, res)
+        old_cfg = json.loads((out / "config.json").read_text())
+        same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
+        if same_fmt and prov.get("checkpoint_sha256") and \
+                (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == prov["checkpoint_sha256"]:
+            res = {"path": str(out), "format": fmt, "up_to_date": True}
+            run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res)
             return res
         if set_aside_existing:
             console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
-    out = export_drafter(drafter, out, prov, overwrite=overwrite)
-    res = {"path": str(out), "model_sha256": sha256_tensors(out / "model.safetensors"),
+    verifier = None
+    if fmt == "speculators":
+        tcfg, _ = load_target_config(cfg.target)
+        loc = locate_target(cfg.target)
+        verifier = {"name_or_path": loc["path"], "architectures": target_architectures(tcfg)}
+    out = export_drafter(drafter, out, prov, overwrite=overwrite, fmt=fmt, verifier=verifier,
+                         num_speculative_tokens=cfg.evaluate.k)
+    res = {"path": str(out), "format": fmt, "model_sha256": sha256_tensors(out / "model.safetensors"),
            "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
-    run.record_stage("export", {"checkpoint": prov["checkpoint_sha256"]}, res)
+    run.record_stage(_stage(fmt), {"checkpoint": prov.get("checkpoint_sha256") or str(src)}, res)
     return res
+
+
+def _stage(fmt: str) -> str:
+    return "export" if fmt == "dual" else f"export-{fmt}"

@@ -44,16 +44,22 @@ def sha256_tensors(path: str | Path) -> str:
     """SHA-256 of a safetensors file's *content*: tensor names, dtypes, shapes, bytes and
     metadata in sorted order. (The file bytes are not stable: safetensors writes its metadata
     map in arbitrary order.)"""
-    import torch
     from safetensors import safe_open
 
-    h = hashlib.sha256()
     with safe_open(str(path), "pt") as f:
-        h.update(json.dumps(sorted((f.metadata() or {}).items())).encode())
-        for name in sorted(f.keys()):
-            t = f.get_tensor(name)
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return sha256_state({name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {})
+
+
+def sha256_state(tensors: dict, metadata: dict | None = None) -> str:
+    """SHA-256 of named tensors (names, dtypes, shapes, bytes, sorted by name) and ``metadata``."""
+    import torch
+
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted((metadata or {}).items())).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -261,6 +261,29 @@ def locate_target(cfg: TargetConfig) -> dict:
     return {"model": cfg.model, "path": cfg.model, "gguf_file": cfg.gguf_file}
 
 
+def load_target_config(cfg: TargetConfig):
+    """The target's ``(config, text_config)`` without loading weights (a GGUF's header only).
+
+    Raises:
+        ConfigError: the target cannot be located (see :func:`locate_target`)."""
+    from transformers import AutoConfig
+
+    loc = locate_target(cfg)
+    kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+    return config, text_config(config)
+
+
+def target_architectures(config) -> list[str]:
+    """The target's model classes; a GGUF config names none, so the causal-LM class of its model type."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), "")]
+    return [a for a in archs if a]
+
+
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (with its chat template), loaded without touching a model hub.
 

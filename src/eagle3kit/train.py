@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
-from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_tensors
+from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_state, sha256_tensors
 from .target import Target, pick_device, resolve_aux_layer_ids, target_features, teacher_logits
 from .tokenize import load_shard
 from .ui import Timer, console, progress
@@ -200,6 +200,45 @@ def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int) -> Eagl
     return d
 
 
+def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) -> dict:
+    """Start ``drafter`` (freshly built for this run) from the weights of the drafter in ``folder``
+    (any layout :func:`eagle3kit.importer.read_drafter` reads): every tensor is copied, except
+    ``lm_head`` rows, which are matched by target token id (row of draft id i ↔ target id
+    i + d2t[i]) so a source with another draft vocabulary still lends every token both share.
+
+    Returns:
+        ``{"init_from", "init_from_sha256", "lm_head_rows_copied", "lm_head_rows"}``.
+    Raises:
+        ConfigError: the source's widths, target vocabulary or aux layer ids differ from this run's
+        (naming both values and the setting to change)."""
+    from .importer import read_drafter
+
+    src = read_drafter(folder, target=target_cfg).drafter
+    a, b = src.config, drafter.config
+    if list(a.aux_layer_ids) != list(b.aux_layer_ids):
+        raise ConfigError(f"train.init_from {folder} reads aux layers {a.aux_layer_ids} but this run trains on "
+                          f"{b.aux_layer_ids}; set target.aux_layer_ids: {a.aux_layer_ids}")
+    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "target_hidden_size", "vocab_size")
+    bad = [f"{f} {getattr(a, f)} ≠ {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
+    if bad:
+        raise ConfigError(f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}")
+    state = src.state_dict()
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for k, v in state.items():
+            if k not in ("d2t", "t2d", "lm_head.weight"):
+                own[k].copy_(v.to(own[k].dtype))
+        row_of = torch.full((b.vocab_size,), -1, dtype=torch.int64)
+        row_of[torch.arange(a.draft_vocab_size) + src.d2t.cpu()] = torch.arange(a.draft_vocab_size)
+        j = row_of[torch.arange(b.draft_vocab_size) + drafter.d2t.cpu()]
+        hit = j >= 0
+        drafter.lm_head.weight[hit.to(drafter.lm_head.weight.device)] = \
+            src.lm_head.weight[j[hit]].to(drafter.lm_head.weight.dtype).to(drafter.lm_head.weight.device)
+    return {"init_from": str(folder), "init_from_sha256": sha256_state(state), "lm_head_rows_copied": int(hit.sum()),
+            "lm_head_rows": b.draft_vocab_size}
+
+
 def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict) -> None:
     """Drafter weights (+ d2t/t2d) as safetensors with the drafter config in the metadata."""
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -280,7 +319,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint")},
                   "tokenizer_sha256": tok_hash, "draft_vocab_sha256": inputs["vocab"],
                   "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)}}
-    drafter = build_drafter(target, vocab, aux_ids, tc.seed).to(device)
+    drafter = build_drafter(target, vocab, aux_ids, tc.seed)
+    init = init_from_drafter(drafter, tc.init_from, cfg.target) if tc.init_from else None
+    if init:
+        inputs["init_from"] = provenance["init_from"] = init["init_from_sha256"]
+        console.print(f"train: starting from {tc.init_from} ({init['lm_head_rows_copied']} of {init['lm_head_rows']} "
+                      "lm_head rows shared by target id; the rest start fresh)")
+    drafter = drafter.to(device)
     draft_ids = vocab.ids.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     batches_per_epoch = len(length_batches([s.ids.numel() for s in train], tc.tokens_per_step, False, rng))
@@ -379,6 +424,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         "epochs": tc.epochs, "ttt_steps": tc.ttt_steps, "train_samples": len(train), "val_samples": len(val),
         "history": history, "last_step": last_stats,
     }
+    if init:
+        result.update({k: init[k] for k in ("init_from", "lm_head_rows_copied")})
     if trained_tokens:
         result["tokens_per_s"] = round(trained_tokens / timer.seconds, 1)
     run.record_stage("train", inputs, result, {"best.safetensors": sha256_tensors(ckpt / "best.safetensors")})

@@ -79,6 +79,9 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> 
         if t2d.numel() != vocab_size:
             raise DataError(f"t2d has {t2d.numel()} entries but the target vocabulary has {vocab_size}")
         nz = t2d.nonzero().flatten()
+        if nz.numel() == d2t.numel() and torch.equal(nz, d2t.long()) and bool(d2t.any()):
+            raise DataError("d2t holds the target ids themselves, not offsets (target id = draft id + d2t[draft id]); "
+                            "store d2t = ids − arange(Vd)")
         if nz.numel() != tid.numel() or not torch.equal(nz, tid):
             raise DataError(f"t2d marks {nz.numel()} ids but d2t maps {tid.numel()}, or they differ; rebuild the vocab")
 

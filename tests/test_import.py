@@ -1,0 +1,197 @@
+"""`import` and `export --format speculators` (issue 5, point 3; C26): foreign layouts built from
+one of our drafters import strictly to the same tensors, export → import → export is the identity,
+and every variant eagle3kit cannot serve exactly is refused by name."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from eagle3kit.cli import app
+from eagle3kit.config import ConfigError, TargetConfig
+from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.export import export_drafter
+from eagle3kit.importer import DrafterImportError, read_drafter, run_import
+from eagle3kit.vocab import DraftVocab
+from foreign_layouts import write_layout
+
+
+@pytest.fixture(scope="module")
+def source(tiny_target_dir, tmp_path_factory):
+    """A bf16 drafter for the tiny 8-layer target (H 64, V 49152, Vd 512, aux = default [2, 4, 5]),
+    exported in the dual layout, with random (not initial) weights everywhere."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    torch.manual_seed(3)
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_()
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7 + 3, vocab_size=tc.vocab_size))
+    prov = {"aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": [2, 4, 5]}, "checkpoint_sha256": "abc"}
+    return export_drafter(d, tmp_path_factory.mktemp("src") / "drafter", provenance=prov, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return TargetConfig(model=str(tiny_target_dir))
+
+
+def embedding(tiny_target_dir):
+    return load_file(str(tiny_target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+
+
+def same_tensors(drafter, folder):
+    """The imported drafter's tensors equal the dual export's, bit for bit (dtype included)."""
+    want = load_file(str(folder / "model.safetensors"))
+    got = drafter.state_dict()
+    return set(want) <= set(got) and all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items())
+
+
+@pytest.mark.parametrize("layout,detected", [("eagle", "eagle"), ("specforge", "specforge"), ("speculators", "speculators"),
+                                             ("modelopt", "modelopt"), ("modelopt_raw", "modelopt")])
+def test_each_foreign_layout_imports_strictly_to_the_same_tensors(source, target, tiny_target_dir, tmp_path, layout, detected):
+    src = write_layout(source, tmp_path / layout, layout, embed=embedding(tiny_target_dir))
+    imp = read_drafter(src, target=target)
+    assert imp.layout == detected
+    assert imp.drafter.config.aux_layer_ids == [2, 4, 5]          # converted to HF indices (ModelOpt/SpecForge: j + 1)
+    assert imp.drafter.config.max_position_embeddings == 4096      # the target's, not SafeAILab's stale 2048
+    assert same_tensors(imp.drafter, source)                       # t2d synthesized for ModelOpt equals the real one
+    if layout == "speculators":
+        assert any("embed_tokens" in n for n in imp.notes)
+    if layout == "modelopt":
+        assert "synthesized t2d from d2t" in imp.notes
+
+
+@pytest.mark.parametrize("naming", ["midlayer", "layers0"])
+def test_c26_layers0_and_midlayer_naming_load_strictly_and_save_the_source_tensors(source, target, tmp_path, naming):
+    src = source if naming == "midlayer" else write_layout(source, tmp_path / "l0", "layers0")
+    res = run_import(src, tmp_path / "out", target)
+    assert res["layout"] == "eagle3kit" and res["dtype"] == "bfloat16"
+    a, b = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_import_export_is_the_identity_in_both_formats(source, target, tmp_path):
+    imp = read_drafter(source, target=target)
+    again = export_drafter(imp.drafter, tmp_path / "again", imp.provenance)
+    assert json.loads((again / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    a, b = load_file(str(source / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    spec = export_drafter(imp.drafter, tmp_path / "spec", imp.provenance, fmt="speculators",
+                          verifier={"name_or_path": "t", "architectures": ["LlamaForCausalLM"]})
+    back = read_drafter(spec, target=target)
+    assert back.layout == "speculators" and same_tensors(back.drafter, source)
+    third = export_drafter(back.drafter, tmp_path / "third", back.provenance)
+    assert json.loads((third / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+
+
+def test_speculators_export_has_every_key_of_design_section_5(source, target, tmp_path):
+    d = read_drafter(source, target=target)
+    out = export_drafter(d.drafter, tmp_path / "spec", d.provenance, fmt="speculators", num_speculative_tokens=3,
+                         verifier={"name_or_path": "/models/t", "architectures": ["LlamaForCausalLM"]})
+    cfg = json.loads((out / "config.json").read_text())
+    assert "model_type" not in cfg and cfg["speculators_model_type"] == "eagle3"
+    assert cfg["transformer_layer_config"]["model_type"] == "llama"
+    assert cfg["draft_vocab_size"] == 512 and cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["speculators_config"] == {
+        "algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        "default_proposal_method": "greedy", "verifier": {"name_or_path": "/models/t", "architectures": ["LlamaForCausalLM"]}}
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig   # what vLLM makes of it
+
+    pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg)))
+    assert pre["norm_before_residual"] is False and pre["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert SpeculatorsConfig.extract_vllm_speculative_config(cfg) == {"method": "eagle3", "num_speculative_tokens": 3}
+
+
+def edit(source, tmp_path, tensors=None, config=None):
+    out = tmp_path / "v"
+    out.mkdir()
+    t = load_file(str(source / "model.safetensors"))
+    c = json.loads((source / "config.json").read_text())
+    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config(c) if config else c))
+    return out
+
+
+@pytest.mark.parametrize("name,tensors,config,words", [
+    ("missing fc", lambda t: {k: v for k, v in t.items() if k != "fc.weight"}, None, "missing ['fc.weight']"),
+    ("stray key", lambda t: {**t, "midlayer.self_attn.q_proj.bias": torch.zeros(4)}, None,
+     "unexpected ['midlayer.self_attn.q_proj.bias']"),
+    ("second layer", lambda t: {**{k.replace("midlayer.", "layers.0."): v for k, v in t.items()},
+                                "layers.1.mlp.up_proj.weight": torch.zeros(2, 2)}, None, "more than one decoder layer"),
+    ("misshapen", lambda t: {**t, "norm.weight": torch.ones(65)}, None, "norm.weight [65] ≠ [64]"),
+    ("ids not offsets", lambda t: {**t, "d2t": torch.arange(512) * 7 + 3}, None, "offsets"),
+    ("norm_before_residual", None, lambda c: {**c, "norm_before_residual": True}, "norm_before_residual: true"),
+    ("fc_norm", None, lambda c: {**c, "fc_norm": True}, "fc_norm: true"),
+])
+def test_what_cannot_load_exactly_is_refused_by_name(source, target, tmp_path, name, tensors, config, words):
+    bad = edit(source, tmp_path, tensors, config)
+    with pytest.raises(DrafterImportError, match=None) as e:
+        read_drafter(bad, target=target)
+    assert words in str(e.value), str(e.value)
+
+
+def test_speculators_without_norm_before_residual_is_refused_as_vllm_would_read_it_true(source, target, tmp_path):
+    src = write_layout(source, tmp_path / "s", "speculators", embed=torch.zeros(49152, 64))
+    c = json.loads((src / "config.json").read_text())
+    del c["norm_before_residual"]
+    (src / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DrafterImportError, match="norm_before_residual: true"):
+        read_drafter(src, target=target)
+
+
+def test_a_source_without_ids_needs_the_target_and_another_target_is_refused(source, tmp_path, smollm2_tokenizer):
+    src = write_layout(source, tmp_path / "e", "eagle")
+    with pytest.raises(DrafterImportError, match="give --target"):
+        read_drafter(src)
+    from conftest import build_tiny_llama
+
+    other = tmp_path / "other"
+    build_tiny_llama(8, hidden_size=32, intermediate_size=64, head_dim=8).save_pretrained(other)
+    with pytest.raises(DrafterImportError, match="another target.*hidden size 64 ≠ the target's 32"):
+        read_drafter(source, target=TargetConfig(model=str(other)))
+
+
+def test_the_import_command_converts_reports_and_checks(source, tiny_target_dir, tmp_path):
+    src = write_layout(source, tmp_path / "mo", "modelopt")
+    res = CliRunner().invoke(app, ["import", str(src), "--out", str(tmp_path / "out"), "--target", str(tiny_target_dir)])
+    assert res.exit_code == 0, res.output
+    assert "aux ids [1, 3, 4] (output of layer j, modelopt) → HF indices [2, 4, 5]" in res.output
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["eagle3kit"]["imported_from"]["layout"] == "modelopt"
+    again = CliRunner().invoke(app, ["import", str(src), "--out", str(tmp_path / "out"), "--target", str(tiny_target_dir)])
+    assert again.exit_code == 2 and "--overwrite" in again.output                # never overwrites unasked
+    with pytest.raises(ConfigError, match="must differ"):
+        run_import(src, src, TargetConfig(model=str(tiny_target_dir)))
+
+
+def test_init_from_copies_weights_and_matches_lm_head_rows_by_target_id(source, target, tiny_target_dir):
+    from transformers import AutoConfig
+
+    from eagle3kit.train import init_from_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    torch.manual_seed(0)
+    fresh = Eagle3Drafter(DrafterConfig.from_target(tc, 256, [2, 4, 5]))
+    fresh.set_vocab(DraftVocab(ids=torch.arange(256) * 14 + 3, vocab_size=tc.vocab_size))   # every other source token
+    before = fresh.lm_head.weight.detach().clone()
+    rep = init_from_drafter(fresh, source, target)
+    src = read_drafter(source, target=target).drafter
+    assert rep["lm_head_rows_copied"] == 256
+    assert torch.equal(fresh.fc.weight, src.fc.weight.float())
+    assert torch.equal(fresh.lm_head.weight[5], src.lm_head.weight[10].float())   # target id 73 = draft 5 here, 10 there
+    fresh.set_vocab(DraftVocab(ids=torch.arange(256) * 7 + 4, vocab_size=tc.vocab_size))    # no token in common
+    fresh.lm_head.weight.data.copy_(before)
+    assert init_from_drafter(fresh, source, target)["lm_head_rows_copied"] == 0
+    assert torch.equal(fresh.lm_head.weight, before)
+    wrong = Eagle3Drafter(DrafterConfig.from_target(tc, 256, [1, 4, 5]))
+    with pytest.raises(ConfigError, match=r"reads aux layers \[2, 4, 5\] but this run trains on \[1, 4, 5\]"):
+        init_from_drafter(wrong, source, target)
