@@ -169,8 +169,9 @@ def test_the_import_command_converts_reports_and_checks(source, tiny_target_dir,
     assert cfg["eagle3kit"]["imported_from"]["layout"] == "modelopt"
     again = CliRunner().invoke(app, ["import", str(src), "--out", str(tmp_path / "out"), "--target", str(tiny_target_dir)])
     assert again.exit_code == 2 and "--overwrite" in again.output                # never overwrites unasked
-    with pytest.raises(ConfigError, match="must differ"):
-        run_import(src, src, TargetConfig(model=str(tiny_target_dir)))
+    for out in (src, tiny_target_dir):                                            # never into the source or the target
+        with pytest.raises(ConfigError, match="import never writes into either"):
+            run_import(src, out, TargetConfig(model=str(tiny_target_dir)), overwrite=True)
 
 
 def test_init_from_copies_weights_and_matches_lm_head_rows_by_target_id(source, target, tiny_target_dir):
@@ -195,3 +196,104 @@ def test_init_from_copies_weights_and_matches_lm_head_rows_by_target_id(source, 
     wrong = Eagle3Drafter(DrafterConfig.from_target(tc, 256, [1, 4, 5]))
     with pytest.raises(ConfigError, match=r"reads aux layers \[2, 4, 5\] but this run trains on \[1, 4, 5\]"):
         init_from_drafter(wrong, source, target)
+
+
+def test_a_folder_holding_another_tools_drafter_is_never_mixed_or_lost(source, target, tmp_path):
+    theirs = write_layout(source, tmp_path / "theirs", "eagle")
+    before = (theirs / "config.json").read_text()
+    with pytest.raises(FileExistsError, match="not empty"):
+        run_import(source, theirs, target)
+    assert (theirs / "config.json").read_text() == before and not (theirs / "model.safetensors").exists()
+    run_import(source, theirs, target, overwrite=True)                          # asked: the old folder is moved aside
+    assert (tmp_path / "theirs.prev-1" / "config.json").read_text() == before
+    assert sorted(p.name for p in theirs.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: [1, 2, 3], "top level must be a JSON object"),
+    (lambda c: {**c, "hidden_size": "sixty-four"}, "hidden_size: Input should be a valid integer"),
+    (lambda c: {**c, "hidden_size": 64.9}, "hidden_size: Input should be a valid integer"),
+    (lambda c: {**c, "rms_norm_eps": "tiny"}, "rms_norm_eps"),
+    (lambda c: {**c, "vocab_size": None}, "vocab_size"),
+    (lambda c: {**c, "draft_vocab_size": 0}, "draft_vocab_size: Input should be greater than 0"),
+    (lambda c: {**c, "hidden_act": "gelu"}, "hidden_act: Input should be 'silu'"),
+    (lambda c: {**c, "norm_before_residual": "false"}, "norm_before_residual: Input should be a valid boolean"),
+    (lambda c: {**c, "eagle_aux_hidden_state_layer_ids": "245"}, "eagle_aux_hidden_state_layer_ids"),
+    (lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [2, 4], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}},
+     "exactly 3 aux layers"),
+    (lambda c: {**c, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, None, 4]}}, "must be a list of ints"),
+    (lambda c: {**c, "rope_theta": 500000.0}, "differs from the target's"),
+    (lambda c: {**c, "draft_vocab_size": 60000}, "exceeds vocab_size"),
+])
+def test_a_malformed_config_is_refused_by_field_in_import_and_check(source, target, tiny_target_dir, tmp_path, change, words):
+    from eagle3kit.check import check_drafter
+
+    bad = edit(source, tmp_path, config=change)
+    with pytest.raises(DrafterImportError) as e:
+        read_drafter(bad, target=target)
+    assert words in str(e.value), str(e.value)
+    found = [f for f in check_drafter(bad, target) if f.severity == "error"]      # never a traceback, never "servable"
+    assert found, words
+    res = CliRunner().invoke(app, ["import", str(bad), "--out", str(tmp_path / "o"), "--target", str(tiny_target_dir)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "o").exists()                                           # nothing written
+
+
+def test_an_explicit_layout_that_would_drop_the_sources_ids_is_refused(source, target, tmp_path):
+    src = write_layout(source, tmp_path / "sf", "specforge")
+    with pytest.raises(DrafterImportError, match="would be lost"):
+        read_drafter(src, layout="eagle", target=target)
+    with pytest.raises(DrafterImportError, match="not in the speculators layout"):
+        read_drafter(src, layout="speculators", target=target)
+
+
+@pytest.mark.parametrize("name,make,words", [
+    ("bin holds a list", lambda d: torch.save([torch.ones(1)], d / "pytorch_model.bin"), "not a name → tensor dict"),
+    ("bin holds a step counter", lambda d: torch.save({**torch.load(d / "pytorch_model.bin", weights_only=True), "step": 1},
+                                                      d / "pytorch_model.bin"), "not named tensors"),
+])
+def test_a_pytorch_bin_that_is_not_a_plain_state_dict(source, target, tmp_path, name, make, words):
+    src = write_layout(source, tmp_path / "e", "eagle")
+    make(src)
+    with pytest.raises(DrafterImportError, match=words):
+        read_drafter(src, target=target)
+
+
+def test_shards_are_read_by_their_weight_map_only(source, target, tmp_path):
+    src = write_layout(source, tmp_path / "sf", "specforge")
+    index = src / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    for wmap, words in (({**good["weight_map"], "fc.weight": "../x.safetensors"}, "not a file name"),
+                        ({k: v for k, v in good["weight_map"].items() if k != "fc.weight"}, "maps elsewhere or not at all"),
+                        ({**good["weight_map"], "norm.weight": "model-00009-of-00002.safetensors"}, "which is missing")):
+        index.write_text(json.dumps({"weight_map": wmap}))
+        with pytest.raises(DrafterImportError, match=words):
+            read_drafter(src, target=target)
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(DrafterImportError, match="weight_map"):
+        read_drafter(src, target=target)
+
+
+@pytest.mark.parametrize("change,words,code", [
+    (lambda t: {**t, "fc.weight": t["fc.weight"].to(torch.int32)}, "floating-point", "weight_dtype"),
+    (lambda t: {**t, "fc.weight": t["fc.weight"] * float("nan")}, "non-finite", None),
+    (lambda t: {**t, "d2t": t["d2t"].double()}, "1-D an integer tensor", "vocab_map_dtype"),
+])
+def test_weights_of_the_wrong_kind(source, target, tmp_path, change, words, code):
+    from eagle3kit.check import check_drafter
+
+    bad = edit(source, tmp_path, tensors=change)
+    with pytest.raises(DrafterImportError, match=words):
+        read_drafter(bad, target=target)
+    if code:
+        assert code in [f.code for f in check_drafter(bad, target)]
+
+
+def test_check_finds_an_aux_id_count_that_does_not_fit_fc_and_a_bad_engine_version(source, tiny_target_dir, tmp_path):
+    from eagle3kit.check import check_drafter
+
+    bad = edit(source, tmp_path, config=lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [2, 4],
+                                                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}})
+    assert "aux_ids_count" in [f.code for f in check_drafter(bad, TargetConfig(model=str(tiny_target_dir)))]
+    res = CliRunner().invoke(app, ["check", str(source), "--target", str(tiny_target_dir), "--engine-version", "banana"])
+    assert res.exit_code == 2 and "not a version" in res.output

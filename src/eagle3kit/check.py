@@ -87,12 +87,22 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     if out:
         return out
     try:
-        dc = json.loads(cfg_path.read_text())
+        dc = json.loads(cfg_path.read_text(encoding="utf-8"))
         with safe_open(str(st_path), "pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
             maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
     except Exception as e:
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
+    from .importer import DrafterImportError, drafter_fields
+
+    try:
+        fields, _ = drafter_fields(dc, str(cfg_path))
+    except DrafterImportError as e:
+        return [Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")]
+    if "speculators_model_type" in dc:      # vLLM's speculators layout: layers.0.* is the one decoder layer
+        shapes = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in shapes.items()}
+        dtypes = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in dtypes.items()}
     from .target import load_target_config, target_architectures
 
     tcfg, tc = load_target_config(target)
@@ -102,31 +112,41 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         out.append(Finding("nested_text_config", "config.json nests its fields in text_config; engines read the top level",
                            "export again (eagle3kit writes a flat Llama-style config)"))
     fc = shapes.get("fc.weight")
-    H = int(dc.get("hidden_size", 0))
-    if (fc is not None and fc[1] == 2 * fc[0]) or ("draft_vocab_size" not in dc and "lm_head.weight" not in shapes):
+    H = fields.hidden_size
+    if (fc is not None and fc[1] == 2 * fc[0]) or (fields.draft_vocab_size is None and "lm_head.weight" not in shapes):
         out.append(Finding("eagle1_head", f"an EAGLE-1 style head (fc {list(fc) if fc else None}, no draft_vocab_size / "
                            "lm_head) given as EAGLE-3", "serve it with method 'eagle', or train an EAGLE-3 drafter"))
         return out
-    if int(dc.get("target_hidden_size", H)) != H_t:
-        out.append(Finding("target_hidden_size", f"target_hidden_size {dc.get('target_hidden_size', H)} but the target's "
+    if (fields.target_hidden_size or H) != H_t:
+        out.append(Finding("target_hidden_size", f"target_hidden_size {fields.target_hidden_size or H} but the target's "
                            f"hidden size is {H_t}", "train the drafter for this target"))
     if fc is not None and fc[1] != 3 * H_t:
         out.append(Finding("fc_width", f"fc.weight takes {fc[1]} inputs, not 3 × {H_t} = {3 * H_t} (three aux layers of "
                            "the target)", "train the drafter for this target"))
-    if int(dc.get("vocab_size", -1)) != V:
-        out.append(Finding("vocab_size", f"vocab_size {dc.get('vocab_size')} but the target's vocabulary has {V} ids",
+    if fields.vocab_size != V:
+        out.append(Finding("vocab_size", f"vocab_size {fields.vocab_size} but the target's vocabulary has {V} ids",
                            "train the drafter for this target"))
     from .drafter import DrafterConfig
 
-    try:
-        want = required_shapes(DrafterConfig(
-            hidden_size=H, intermediate_size=int(dc["intermediate_size"]), num_attention_heads=int(dc["num_attention_heads"]),
-            num_key_value_heads=int(dc["num_key_value_heads"]), head_dim=int(dc.get("head_dim") or H // int(dc["num_attention_heads"])),
-            rms_norm_eps=float(dc.get("rms_norm_eps", 1e-6)), vocab_size=V, draft_vocab_size=int(dc["draft_vocab_size"]),
-            target_hidden_size=H_t, aux_layer_ids=list(dc.get("eagle_aux_hidden_state_layer_ids") or [])))
-    except KeyError as e:
-        return out + [Finding("config_key", f"config.json lacks {e.args[0]!r}", "export again with `eagle3kit export`")]
-    Vd = int(dc["draft_vocab_size"])
+    if fields.draft_vocab_size is None:
+        return out + [Finding("config_key", "config.json lacks draft_vocab_size (engines would assume the full vocabulary)",
+                              "export again with `eagle3kit export`")]
+    heads = fields.num_attention_heads
+    want = required_shapes(DrafterConfig(
+        hidden_size=H, intermediate_size=fields.intermediate_size, num_attention_heads=heads,
+        num_key_value_heads=fields.num_key_value_heads or heads, head_dim=fields.head_dim or max(1, H // heads),
+        rms_norm_eps=float(fields.rms_norm_eps), vocab_size=V, draft_vocab_size=fields.draft_vocab_size,
+        target_hidden_size=H_t, aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or [])))
+    Vd = fields.draft_vocab_size
+    ids = fields.eagle_aux_hidden_state_layer_ids or []
+    if fc is not None and ids and len(ids) * H_t != fc[1]:
+        out.append(Finding("aux_ids_count", f"{len(ids)} aux ids {ids} but fc.weight takes {fc[1]} = {fc[1] / H_t:g} × "
+                           f"{H_t} inputs: vLLM sizes fc as len(ids) × target hidden and would fail to load it",
+                           "give exactly the 3 ids the drafter was trained on"))
+    floats = {dtypes[k] for k in want if k in dtypes}
+    if any(not t.startswith(("F", "BF")) for t in floats):
+        out.append(Finding("weight_dtype", f"weights stored as {sorted(floats)}; engines need one floating-point dtype",
+                           "export again"))
     missing = [k for k in want if k not in shapes]
     if missing:
         out.append(Finding("missing_tensor", f"the engine would create these empty: {missing}",
@@ -139,7 +159,15 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     if stray:
         out.append(Finding("stray_tensor", f"tensors no engine expects: {stray[:8]}",
                            "export with `eagle3kit export` (no `model.` prefix, no embed_tokens for a drafter as wide as its target)"))
-    if Vd < V:
+    if Vd >= V and "d2t" in maps:
+        out.append(Finding("stray_d2t", f"draft_vocab_size {Vd} = vocab_size {V} but the folder holds d2t: vLLM creates no "
+                           "d2t parameter for a full draft vocabulary and fails to load it", "export again (no maps for a full vocabulary)"))
+    for k, want_dtype in (("d2t", "torch.int64"), ("t2d", "torch.bool")):
+        if k in maps and (str(maps[k].dtype) != want_dtype or maps[k].dim() != 1):
+            out.append(Finding("vocab_map_dtype", f"{k} is {maps[k].dtype} of shape {list(maps[k].shape)}; engines read a 1-D "
+                               f"{want_dtype.replace('torch.', '')}", "export again"))
+            maps.pop(k)
+    if Vd < V and not ("d2t" in shapes and "d2t" not in maps):     # (a d2t of the wrong dtype is reported above)
         if "d2t" not in maps:
             out.append(Finding("missing_d2t", f"draft_vocab_size {Vd} < vocab_size {V} but there is no d2t: the engine would "
                                "map draft ids to the wrong tokens", "export again"))
@@ -155,16 +183,19 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     if dc.get("tie_word_embeddings"):
         out.append(Finding("tied_embeddings", "tie_word_embeddings is true: the engine would use the embedding as lm_head",
                            "set tie_word_embeddings false (the drafter's lm_head is [Vd, H])"))
-    mpe = int(dc.get("max_position_embeddings", 0))
+    mpe = fields.max_position_embeddings or 0
     if max_model_len and mpe < max_model_len:
         out.append(Finding("max_positions", f"max_position_embeddings {mpe} < the serving length {max_model_len}",
                            "export again (it copies the target's) or serve with a shorter --max-model-len"))
     rope = rope_settings(tc)
-    if float(dc.get("rope_theta", rope["rope_theta"])) != float(rope["rope_theta"]) or \
+    if float(fields.rope_theta or rope["rope_theta"]) != float(rope["rope_theta"]) or \
             (dc.get("rope_scaling") or None) != (rope.get("rope_scaling") or None):
         out.append(Finding("rope", f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
                            f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
     out += _check_aux(dc, N, tcfg, tc, engine)
+    if engine == "sglang" and engine_version:
+        out.append(Finding("engine_support", f"SGLang {engine_version}: eagle3kit has no table of SGLang releases; the "
+                           "per-family aux-id rule checked is SGLang 0.5.23's", "check that release's notes", "warning"))
     if engine == "vllm":
         out += _vllm_support(target_architectures(tcfg), str(getattr(tc, "model_type", "") or getattr(tcfg, "model_type", "")),
                              engine_version)
@@ -267,7 +298,8 @@ def _check_aux(dc: dict, N: int, tcfg, tc, engine: str) -> list[Finding]:
     if sorted(set(ids)) != list(ids) or min(ids) < 1 or max(ids) > N - 1:
         out.append(Finding("aux_ids_range", f"aux ids {ids} must be distinct, ascending, inside [1, {N - 1}] (HF index)",
                            "export again with the ids the drafter was trained on"))
-    trained = ((dc.get("eagle3kit") or {}).get("aux_layer_ids") or {}).get("ids")
+    block = dc.get("eagle3kit") if isinstance(dc.get("eagle3kit"), dict) else {}
+    trained = block.get("aux_layer_ids", {}).get("ids") if isinstance(block.get("aux_layer_ids"), dict) else None
     if trained and list(trained) != list(ids):
         out.append(Finding("aux_ids_trained", f"config aux ids {ids} but the features were trained on {trained}",
                            f"set eagle_aux_hidden_state_layer_ids to {trained}"))

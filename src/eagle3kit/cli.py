@@ -62,7 +62,7 @@ def _guard(fn):
             for path, text in _PENDING:
                 path.write_text(text)
             return out
-        except (ConfigError, DataError, ExportError, FileNotFoundError, FileExistsError) as e:
+        except (ConfigError, DataError, ExportError, OSError) as e:
             console.print(f"[bold red]error:[/] {e}")
             raise typer.Exit(2)
         finally:
@@ -129,7 +129,7 @@ def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
     """Train the EAGLE-3 drafter with training-time test (resumes after the last finished epoch)."""
     from .train import run_train
 
-    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from else None)})
+    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None)})
     _show("train", run_train(cfg, run))
 
 
@@ -214,6 +214,14 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
     if engine not in ("vllm", "sglang"):
         console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
         raise typer.Exit(2)
+    if engine_version is not None:
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            Version(engine_version)
+        except InvalidVersion:
+            console.print(f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)")
+            raise typer.Exit(2)
     try:
         found = check_drafter(drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len)
     except (ConfigError, DataError) as e:

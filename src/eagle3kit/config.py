@@ -188,6 +188,13 @@ class TrainConfig(_Strict):
     init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
                                   "reads) instead of random weights; lm_head rows are matched by target token id")
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_folder(cls, v):
+        if v is not None and (not str(v).strip() or not (Path(v) / "config.json").is_file()):
+            raise ValueError(f"train.init_from {v!r} must be a drafter folder holding config.json")
+        return v
+
 
 class EvaluateConfig(_Strict):
     mode: Literal["simulate", "decode"] = "simulate"

@@ -136,12 +136,13 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
     """Run the reference decoder on every prompt; compare with target-only greedy; τ pooled.
 
     Returns dict with ``stats`` (pooled), ``greedy_identical`` (all prompts matched),
-    ``mismatches`` (first divergence of each mismatching prompt) and the reference outputs.
+    ``mismatches`` (first divergence of each mismatching prompt), ``outputs`` (the speculative
+    decoder's token ids) and ``references`` (target-only greedy token ids).
     """
     from .decoder import first_divergence, greedy_generate, speculative_generate
 
     pooled = AcceptanceStats(k)
-    mismatches, refs = [], []
+    mismatches, refs, outs = [], [], []
     with progress() as bar:
         task = bar.add_task("reference decode", total=len(prompts), tokens=0, note="")
         n = 0
@@ -149,12 +150,13 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
             res = speculative_generate(target, drafter, p, max_new_tokens, k)
             ref = greedy_generate(target, p, max_new_tokens)
             refs.append(ref)
+            outs.append(res.tokens)
             pooled.merge(res.stats)
             if res.tokens != ref:
                 mismatches.append({"prompt_index": i, **(first_divergence(target, p, res.tokens, ref) or {})})
             n += len(res.tokens)
             bar.update(task, advance=1, tokens=n, note=f"τ {pooled.tau:.2f}")
-    return {"stats": pooled, "greedy_identical": not mismatches, "mismatches": mismatches, "references": refs}
+    return {"stats": pooled, "greedy_identical": not mismatches, "mismatches": mismatches, "outputs": outs, "references": refs}
 
 
 def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafter:

@@ -15,6 +15,8 @@ with ``layers.0.`` in place of ``midlayer.``, and a config with ``speculators_mo
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -181,8 +183,7 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
     if fmt not in FORMATS:
         raise ExportError(f"export format {fmt!r} is not one of {FORMATS}")
     out = Path(out_dir)
-    if (out / "model.safetensors").exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds a drafter; pass --overwrite to replace it")
+    check_out_dir(out, overwrite)
     c = drafter.config
     if c.hidden_size != c.target_hidden_size:
         raise ExportError(f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
@@ -197,9 +198,48 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
         cfg = speculators_config(drafter.config, dtype_name, verifier, num_speculative_tokens, provenance)
     else:
         cfg = engine_config(drafter.config, dtype_name, provenance)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return commit_out_dir(tmp, out)
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an output folder that is a file, or that holds anything (another drafter, another
+    tool's files) unless ``overwrite`` — and even then :func:`commit_out_dir` moves the old folder
+    to ``<out>.prev-N`` instead of mixing files or deleting them.
+
+    Raises:
+        ExportError: ``out`` is not a folder; FileExistsError: ``out`` is not empty and not ``overwrite``."""
+    try:
+        resolved = out.resolve()
+        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"--out {out} cannot be used: {e}") from None
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a folder")
+    for parent in resolved.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ExportError(f"--out {out}: {parent} is a file, not a folder")
+    if held and not overwrite:
+        raise FileExistsError(f"{out} is not empty (it holds {', '.join(held[:4])}); pass --overwrite to move it to "
+                              "<out>.prev-N and write a new one, or give another --out")
+
+
+def commit_out_dir(tmp: Path, out: Path) -> Path:
+    """Move the finished folder ``tmp`` to ``out``; an existing non-empty ``out`` (allowed by
+    :func:`check_out_dir`) is first moved to ``<out>.prev-N``. Returns ``out``."""
+    from .ui import console
+
+    if out.is_dir() and any(out.iterdir()):
+        console.print(f"[yellow]{out} held files; moved them to {set_aside(out)}")
+    elif out.is_dir():
+        out.rmdir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
     return out
 
 
@@ -240,16 +280,23 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
         prov = checkpoint_provenance(src)      # what this checkpoint was trained with, not what the run dir says
         prov["checkpoint_sha256"] = sha256_tensors(src)
     out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
-    if (out / "config.json").exists() and not overwrite:
-        old_cfg = json.loads((out / "config.json").read_text())
+    if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
+        raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
+    old_cfg = None
+    if (out / "config.json").is_file() and not overwrite:
+        try:
+            old_cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            old_cfg = None
+    if isinstance(old_cfg, dict):
         same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
         if same_fmt and prov.get("checkpoint_sha256") and \
                 (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == prov["checkpoint_sha256"]:
             res = {"path": str(out), "format": fmt, "up_to_date": True}
             run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res)
             return res
-        if set_aside_existing:
-            console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
+    if set_aside_existing and out.is_dir() and any(out.iterdir()):
+        console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
     verifier = None
     if fmt == "speculators":
         tcfg, _ = load_target_config(cfg.target)

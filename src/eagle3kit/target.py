@@ -270,7 +270,11 @@ def load_target_config(cfg: TargetConfig):
 
     loc = locate_target(cfg)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
-    config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+    try:
+        config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
+                          "give a model folder with a valid config.json (or a GGUF file)") from None
     return config, text_config(config)
 
 
