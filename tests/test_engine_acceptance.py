@@ -6,6 +6,7 @@ within 10% of τ from `eagle3kit evaluate` on the same prompts and token limit, 
 with speculation equal its outputs without."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
 def test_the_speculators_export_serves_in_vllm_with_the_same_acceptance(served):
     ids, got = served["speculators"]
     _, dual = served["eagle3"]
-    cfg = json.loads((served["folders"]["speculators"] / "config.json").read_text())
+    cfg = json.loads((Path(served["folders"]["speculators"]) / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and "model_type" not in cfg
     print(f"speculators layout: τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}); dual layout {dual['tau']:.4f}")
     assert (got["drafts"], got["accepted"]) == (dual["drafts"], dual["accepted"])   # the same weights, the same run
@@ -117,17 +118,35 @@ def test_the_speculators_export_serves_in_vllm_with_the_same_acceptance(served):
 
 
 @pytest.mark.parametrize("name,code", [("no_fc", "missing_tensor"), ("no_d2t", "missing_d2t")])
-def test_control_check_refuses_a_broken_export_and_vllm_forced_through_collapses(served, name, code):
+def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lower_tau(served, trained, smollm2_target,
+                                                                                        name, code):
+    """`check` refuses the export without fc.weight or without d2t (exit 1). Forced through,
+    vLLM starts, serves it without a word and zero-fills what is missing: its τ equals the τ
+    eagle3kit's simulate computes for the drafter with that tensor zeroed. Without fc the
+    acceptance per draft falls by more than half. Without d2t it falls less here, because
+    SmolLM2's BPE ids are ordered by frequency: the draft ids whose offset is 0 (the first 955
+    of 2048) carry most drafts; the constructed pair below shows the collapse."""
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
+    from eagle3kit.evaluate import simulate
+    from eagle3kit.export import load_exported
+    from eagle3kit.generate import render_prompt_ids
 
     res = CliRunner().invoke(app, ["check", str(served["folders"][name]), "--json"])
     assert res.exit_code == 1 and code in res.output                      # refused before any server starts
     _, got = served[name]
     good = served["eagle3"][1]["tau"]
-    print(f"{name}: vLLM τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs {good:.4f} for the whole export")
-    assert got["tau"] < 1.05 < good                                        # it loaded, and accepts (almost) nothing
+    drafter = load_exported(trained / "drafter").eval()
+    with torch.no_grad():
+        (drafter.fc.weight if name == "no_fc" else drafter.d2t).zero_()
+    prompts = [render_prompt_ids(smollm2_target.tokenizer, r["messages"]) for r in served["rows"]]
+    predicted, _ = simulate(drafter, smollm2_target, prompts, served["plain"][0], 3, torch.device("cpu"))
+    print(f"{name}: vLLM τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}); eagle3kit's simulate with it zeroed "
+          f"{predicted.tau:.4f}; the whole export {good:.4f}")
+    assert abs(got["tau"] / predicted.tau - 1) <= 0.02 and got["tau"] < good
+    if name == "no_fc":
+        assert got["tau"] - 1 < 0.5 * (good - 1)
 
 
 def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_the_same_tau(trained, smollm2_target, tmp_path):
@@ -160,11 +179,15 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
 def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_path, smollm2_tokenizer):
     """A tiny 8-layer Llama whose layers add nothing (o_proj and down_proj zero, embeddings tied)
     repeats its last token; a drafter whose fc passes the third aux state (= that token's
-    embedding) through and whose lm_head is the target's embedding predicts the same token. Every
-    draft is accepted: with K = 3 and max_tokens = 1 + 4·6, each request takes 6 verify steps of 3
-    accepted drafts + 1 bonus token, so vLLM must count drafts = 6 per request, accepted = 18,
-    τ = 4 exactly; eagle3kit's simulate must say the same."""
-    import torch
+    embedding) through and whose lm_head holds the target's embedding rows of a 512-token draft
+    vocabulary (ids 1, 2, the repeated token — at draft id 2, offset ≠ 0 — and the top 509 ids)
+    predicts the same token. Every draft is accepted: with K = 3 and max_tokens = 1 + 4·6, each
+    request takes 6 verify steps of 3 accepted drafts + 1 bonus token, so vLLM must count
+    drafts = 6 per request, accepted = 18, τ = 4 exactly (which also shows vLLM applies the d2t
+    offsets); eagle3kit's simulate must say the same. Controls, forced through although `check`
+    refuses them: without d2t every draft maps to the wrong token and without fc the drafter sees
+    nothing: vLLM must accept nothing, τ = 1 exactly."""
+    from safetensors.torch import load_file, save_file
 
     from conftest import build_tiny_llama
     from eagle3kit.check import check_drafter
@@ -186,28 +209,49 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_pat
     m.generation_config.eos_token_id = 2
     m.save_pretrained(tmp_path / "target")
     smollm2_tokenizer.save_pretrained(tmp_path / "target")
-    d = Eagle3Drafter(DrafterConfig.from_target(m.config, m.config.vocab_size, [2, 4, 5]))
+    questions = ["hello", "what is 2+2?", "tell me a story"]
+    prompts = [render_prompt_ids(smollm2_tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    V = m.config.vocab_size
+    keep = {1, 2} | {p[-1] for p in prompts}
+    ids = torch.tensor(sorted(keep | set(range(V - (512 - len(keep)), V))))
+    assert len(ids) == 512 and all(int(ids[i]) != i for i in (2,))          # the repeated token has a non-zero offset
+    d = Eagle3Drafter(DrafterConfig.from_target(m.config, 512, [2, 4, 5]))
     with torch.no_grad():
         d.fc.weight.zero_()
         d.fc.weight[:, 2 * H:] = torch.eye(H)
         d.midlayer.self_attn.o_proj.weight.zero_()
         d.midlayer.mlp.down_proj.weight.zero_()
-        d.lm_head.weight.copy_(m.model.embed_tokens.weight)
-    d.set_vocab(DraftVocab.full(m.config.vocab_size))
-    drafter = export_drafter(d, tmp_path / "drafter")
-    assert [f.code for f in check_drafter(drafter, TargetConfig(model=str(tmp_path / "target"))) if f.severity == "error"] == []
-    questions = ["hello", "what is 2+2?", "tell me a story"]
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    srv = VLLMServer(tmp_path / "target", free_port(), tmp_path / "vllm.log", extra_args=["--speculative-config", spec]).start(wait_s=300)
-    try:
-        before = spec_decode_counters(srv.url)
-        outs = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
-        got = spec_decode_delta(before, spec_decode_counters(srv.url))
-    finally:
-        srv.kill()
-    assert all(len(o) == 25 and len(set(o)) == 1 for o in outs)           # the target repeats one token
-    assert (got["drafts"], got["draft_tokens"], got["accepted"]) == (3 * 6, 3 * 6 * 3, 3 * 6 * 3) and got["tau"] == 4.0
-    target = load_target(TargetConfig(model=str(tmp_path / "target")), device="cpu")
-    prompts = [render_prompt_ids(smollm2_tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    stats, _ = simulate(load_exported(drafter).eval(), target, prompts, outs, 3, torch.device("cpu"))
+        d.lm_head.weight.copy_(m.model.embed_tokens.weight[ids])
+    d.set_vocab(DraftVocab(ids=ids, vocab_size=V))
+    whole = export_drafter(d, tmp_path / "drafter")
+    target_cfg = TargetConfig(model=str(tmp_path / "target"))
+    assert [f.code for f in check_drafter(whole, target_cfg) if f.severity == "error"] == []
+    folders = {"whole": whole}
+    for drop in ("d2t", "fc.weight"):
+        f = tmp_path / f"without-{drop}"
+        f.mkdir()
+        save_file({k: v for k, v in load_file(str(whole / "model.safetensors")).items() if k != drop}, str(f / "model.safetensors"))
+        (f / "config.json").write_text((whole / "config.json").read_text())
+        assert [x for x in check_drafter(f, target_cfg) if x.severity == "error"]           # check refuses it
+        folders[drop] = f
+    got, outs = {}, {}
+    for name, folder in folders.items():
+        spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
+        srv = VLLMServer(tmp_path / "target", free_port(), tmp_path / f"{name}.log", extra_args=["--speculative-config", spec])
+        srv.start(wait_s=300)
+        try:
+            before = spec_decode_counters(srv.url)
+            outs[name] = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
+            got[name] = spec_decode_delta(before, spec_decode_counters(srv.url))
+        finally:
+            srv.kill()
+    print({k: (v["drafts"], v["accepted"], v["tau"]) for k, v in got.items()})
+    assert all(len(o) == 25 and set(o) == {p[-1]} for o, p in zip(outs["whole"], prompts))   # repeats its last token
+    g = got["whole"]
+    assert (g["drafts"], g["draft_tokens"], g["accepted"]) == (3 * 6, 3 * 6 * 3, 3 * 6 * 3) and g["tau"] == 4.0
+    for name in ("d2t", "fc.weight"):
+        assert got[name]["accepted"] == 0 and got[name]["drafts"] > 0 and got[name]["tau"] == 1.0, name
+        assert outs[name] == outs["whole"]                                       # lossless, only slower
+    target = load_target(target_cfg, device="cpu")
+    stats, _ = simulate(load_exported(whole).eval(), target, prompts, outs["whole"], 3, torch.device("cpu"))
     assert stats.tau == 4.0 and stats.drafts == 18
