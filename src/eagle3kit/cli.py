@@ -123,13 +123,28 @@ def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
 
 @app.command()
 @_guard
+def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
+            dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (default) or fp8 (e4m3, per-token scale)"),
+            teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
+            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>)")):
+    """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
+    from .extract import run_extract
+
+    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher)})
+    _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
+
+
+@app.command()
+@_guard
 def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
           init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from this drafter folder (eagle3kit, "
-                                                   "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)")):
+                                                   "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)"),
+          features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards")):
     """Train the EAGLE-3 drafter with training-time test (resumes after the last finished epoch)."""
     from .train import run_train
 
-    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None)})
+    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None,
+                                                       features=str(features) if features is not None else None)})
     _show("train", run_train(cfg, run))
 
 

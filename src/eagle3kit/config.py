@@ -171,6 +171,32 @@ class VocabConfig(_Strict):
         return v
 
 
+class ExtractConfig(_Strict):
+    dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="bf16, or float8 e4m3 with a per-token scale")
+    teacher: str = Field(default="last", description="last (the final hidden state) or topk:K (K largest draft-vocab logits)")
+    shard_tokens: int = Field(default=1 << 20, gt=0, description="tokens per shard (whole samples)")
+    batch_samples: int = Field(default=8, gt=0, description="samples per target forward")
+    device: str = "auto"
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher(cls, v):
+        parse_teacher(v)
+        return v
+
+
+def parse_teacher(spec: str) -> int | None:
+    """``extract.teacher``: ``last`` → None; ``topk:K`` → K (K ≥ 1). Raises ConfigError otherwise."""
+    import re
+
+    if spec == "last":
+        return None
+    m = re.fullmatch(r"topk:(\d+)", spec)
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"extract.teacher {spec!r} must be 'last' or 'topk:K' with K ≥ 1 (for example topk:16)")
+    return int(m.group(1))
+
+
 class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1)
     step_weight: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k")
@@ -185,6 +211,8 @@ class TrainConfig(_Strict):
     feature_cache: bool = True
     device: str = "auto"
     seed: int = 0
+    features: str | None = Field(default=None, description="train from the feature shards in this folder "
+                                 "(`eagle3kit extract`) instead of running the target")
     init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
                                   "reads) instead of random weights; lm_head rows are matched by target token id")
 
@@ -218,6 +246,7 @@ class Config(_Strict):
     generate: GenerateConfig = GenerateConfig()
     tokenize: TokenizeConfig = TokenizeConfig()
     vocab: VocabConfig = VocabConfig()
+    extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
 

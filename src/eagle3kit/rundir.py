@@ -188,6 +188,14 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
     return n
 
 
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file; DataError naming the file when it is not UTF-8 JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not readable JSON ({e}); restore it or remove it") from None
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Write JSON atomically (temp file + rename)."""
     path = Path(path)

@@ -43,13 +43,17 @@ class Sample:
     """One training sequence and (when cached) its target features.
 
     ids int64 [T]; mask bool [T] (completion tokens); aux [T, 3·Ht]; last [T, Ht] post-norm;
-    argmax int64 [T] target full-vocabulary argmax at each position."""
+    argmax int64 [T] target full-vocabulary argmax at each position; or, from top-K features,
+    ``topk_values``/``topk_ids``/``top1_in_draft`` in place of ``last``/``argmax``."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     aux: torch.Tensor | None = None
     last: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
+    topk_values: torch.Tensor | None = None     # [T, K] fp32 teacher logits (features extracted with topk:K)
+    topk_ids: torch.Tensor | None = None        # [T, K] int64 draft ids
+    top1_in_draft: torch.Tensor | None = None   # [T] bool: the target's top-1 is in the draft vocabulary
 
 
 def length_batches(lengths: list[int], tokens_per_batch: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
@@ -122,8 +126,13 @@ def make_batch(samples: list[Sample], idx: list[int], steps: int, device) -> dic
            "positions": torch.arange(T, device=device)[None].expand(B, T)}
     if ss[0].aux is not None:
         out["aux"] = _pad([s.aux for s in ss]).to(device)
-        out["last"] = _pad([s.last for s in ss]).to(device)
-        out["argmax"] = _pad([s.argmax for s in ss]).to(device)
+        if ss[0].topk_ids is not None:
+            out["topk_values"] = _pad([s.topk_values for s in ss]).to(device)
+            out["topk_ids"] = _pad([s.topk_ids for s in ss]).to(device)
+            out["top1_in_draft"] = _pad([s.top1_in_draft for s in ss], False).to(device)
+        else:
+            out["last"] = _pad([s.last for s in ss]).to(device)
+            out["argmax"] = _pad([s.argmax for s in ss]).to(device)
     return out
 
 
@@ -149,14 +158,22 @@ def ttt_loss(
     in_draft = drafter.t2d
     total = outs[0].new_zeros(())
     stats = {"loss": [], "acc": [], "n": []}
+    topk = "topk_ids" in batch
     for k in range(steps):
         nxt = k + 1
-        sup = batch["sup"][k] & in_draft[shift(batch["argmax"], nxt)]
+        if topk:
+            sup = batch["sup"][k] & shift(batch["top1_in_draft"], nxt)
+        else:
+            sup = batch["sup"][k] & in_draft[shift(batch["argmax"], nxt)]
         n = int(sup.sum())
         if n == 0:
             stats["loss"].append(0.0), stats["acc"].append(0.0), stats["n"].append(0)
             continue
-        teacher = torch.softmax(teacher_logits(target, shift(batch["last"], nxt)[sup], draft_ids), dim=-1)
+        if topk:        # the target's softmax over its K largest draft-vocab logits, 0 elsewhere
+            vals = torch.softmax(shift(batch["topk_values"], nxt)[sup].float(), dim=-1)
+            teacher = torch.zeros(n, draft_ids.numel(), device=vals.device).scatter_(1, shift(batch["topk_ids"], nxt)[sup], vals)
+        else:
+            teacher = torch.softmax(teacher_logits(target, shift(batch["last"], nxt)[sup], draft_ids), dim=-1)
         logq = torch.log_softmax(drafter.logits(outs[k][sup]).float(), dim=-1)
         ce = -(teacher * logq).sum() / n
         total = total + (step_weight ** k) * ce
@@ -302,7 +319,16 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                               "rerun `eagle3kit tokenize` and `eagle3kit vocab` for this target")
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     rows = load_shard(shard)
-    samples = [Sample(ids, mask) for ids, mask in rows if mask[1:].any()]
+    all_samples = [Sample(ids, mask) for ids, mask in rows]
+    features = None
+    if tc.features:         # extracted features: fill every sample now (the shards index all of them)
+        from .extract import load_features
+
+        features = load_features(tc.features, all_samples, {
+            "tokens": sha256_tensors(shard), "aux_layer_ids": list(aux_ids),
+            "target": target.source.get("weights_fingerprint") or target.source.get("model"),
+            "vocab": sha256_tensors(vocab_path)}, target, device)
+    samples = [s for s in all_samples if s.mask[1:].any()]
     if not samples:
         raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
     rng = random.Random(tc.seed)
@@ -315,6 +341,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     ckpt.mkdir(exist_ok=True)
     inputs = {"tokens": sha256_tensors(shard), "vocab": sha256_tensors(vocab_path), "aux_layer_ids": list(aux_ids),
               "train_config": sha256_json(tc.model_dump(mode="json")), "target": target.source.get("weights_fingerprint")}
+    if features is not None:
+        inputs["features"] = sha256_json(features)
 
     provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint")},
                   "tokenizer_sha256": tok_hash, "draft_vocab_sha256": inputs["vocab"],
@@ -358,7 +386,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     if start_epoch >= tc.epochs:
         console.print("[green]train: all epochs already done")
     timer = Timer()
-    if start_epoch < tc.epochs and tc.feature_cache:
+    cached = tc.feature_cache or features is not None
+    if start_epoch < tc.epochs and tc.feature_cache and features is None:
         compute_features(target, samples, aux_ids, tc.tokens_per_step, device, device)
     log = open(run / "train_log.jsonl", "a")
     step = start_epoch * batches_per_epoch
@@ -371,7 +400,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         with progress() as bar:
             task = bar.add_task(f"train epoch {epoch + 1}/{tc.epochs}", total=len(batches), tokens=0, note="")
             for b in batches:
-                if not tc.feature_cache:
+                if not cached:
                     compute_features(target, [train[i] for i in b], aux_ids, tc.tokens_per_step, device, device)
                 batch = make_batch(train, b, tc.ttt_steps, device)
                 loss, st = ttt_loss(drafter, target, batch, draft_ids, tc.ttt_steps, tc.step_weight)
@@ -385,7 +414,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                 ntok = int(batch["key_mask"].sum())
                 trained_tokens += ntok
                 ep_tokens += ntok
-                if not tc.feature_cache:
+                if not cached:
                     for i in b:
                         train[i].aux = train[i].last = train[i].argmax = None
                 rec = {"step": step, "epoch": epoch + 1, "loss": round(float(loss.detach()), 5), "lr": sched.get_last_lr()[0],

@@ -1,0 +1,141 @@
+"""`extract` and `train --features` (issue 6): feature shards in bf16, fp8 and top-K; the bytes per
+token of each; a kill mid-way resumes to the same shards; refusal when the disk is too small or
+the folder was made from other inputs; and training from shards gives the online loss on the same
+batch (within the storage precision)."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3kit.config import ConfigError, load_config
+from eagle3kit.extract import bytes_per_token, dequantize_fp8, load_features, quantize_fp8, run_extract
+from eagle3kit.rundir import RunDir, sha256_tensors
+from eagle3kit.tokenize import save_shard
+from eagle3kit.train import Sample, build_drafter, compute_features, make_batch, ttt_loss
+from eagle3kit.vocab import DraftVocab, save_vocab
+
+V, VD = 49152, 256
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_target):
+    """A run dir holding a token shard (12 samples of 9–30 tokens, prompt then completion) and a
+    256-token draft vocabulary, for the tiny 8-layer Llama target."""
+    d = tmp_path_factory.mktemp("extract")
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(12):
+        n = 9 + (i * 7) % 22
+        ids = torch.randint(3, 2000, (n,), generator=g).tolist()
+        samples.append((ids, [0] * 4 + [1] * (n - 4)))
+    save_shard(d / "tokens.safetensors", samples)
+    online = [Sample(torch.tensor(i), torch.tensor(m, dtype=torch.bool)) for i, m in samples]
+    compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
+    top1 = sorted({int(t) for s in online for t in s.argmax})[: VD // 2]      # half the draft vocab: the target's picks
+    rest = [i for i in range(3, V, 97) if i not in top1][: VD - len(top1)]
+    save_vocab(d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=V), {})
+    return RunDir(d)
+
+
+def draft_vocab(run):
+    from eagle3kit.vocab import load_vocab
+
+    return load_vocab(run / "vocab.safetensors")[0]
+
+
+def cfg_for(run, tiny_target_dir, **extract):
+    (run / "c.yaml").write_text(f"run_dir: {run.path}\ntarget: {{model: {tiny_target_dir}, dtype: float32}}\n"
+                                f"vocab: {{draft_vocab_size: {VD}}}\n")
+    cfg = load_config(run / "c.yaml")
+    for k, v in extract.items():
+        setattr(cfg.extract, k, v)
+    return cfg
+
+
+def test_fp8_round_trip_is_within_e4m3_precision():
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    q, s = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (50, 3)
+    y = dequantize_fp8(q, s, torch.float32)
+    assert ((y - x).abs() <= 0.0625 * x.abs().amax(-1, keepdim=True)).all()        # 3 mantissa bits: ≤ 2^-4 of the row max
+
+
+@pytest.mark.parametrize("dtype,teacher", [("bf16", "last"), ("fp8", "last"), ("bf16", "topk:8"), ("fp8", "topk:8")])
+def test_bytes_per_token_of_each_option(run, tiny_target, tiny_target_dir, tmp_path, dtype, teacher):
+    cfg = cfg_for(run, tiny_target_dir, dtype=dtype, teacher=teacher)
+    res = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
+    H = 64
+    want = {("bf16", "last"): 8 * H, ("fp8", "last"): 4 * H + 16, ("bf16", "topk:8"): 6 * H + 8 * 4 + 1,
+            ("fp8", "topk:8"): 3 * H + 12 + 8 * 4 + 1}[(dtype, teacher)]
+    assert res["bytes_per_token"] == want == bytes_per_token(H, dtype, 8 if "topk" in teacher else None, VD)
+    t = load_file(str(tmp_path / "f" / "shard-00000.safetensors"))
+    stored = sum(v.numel() * v.element_size() for k, v in t.items() if k != "offsets")
+    assert stored == want * res["tokens"]                                                   # what the file really holds
+
+
+def test_a_killed_extract_resumes_to_the_same_shards(run, tiny_target, tiny_target_dir, tmp_path):
+    cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
+    whole = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "whole"))
+    assert whole["shards"] > 3 and whole["samples"] == 12
+    part = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "part"), stop_after_shards=2)   # "killed"
+    assert part["shards"] == 2
+    (tmp_path / "part" / "shard-00002.safetensors.tmp").write_bytes(b"torn")                # a half-written shard
+    done = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "part"))
+    assert done["shards"] == whole["shards"] and done["tokens"] == whole["tokens"]
+    for i in range(whole["shards"]):
+        name = f"shard-{i:05d}.safetensors"
+        assert sha256_tensors(tmp_path / "part" / name) == sha256_tensors(tmp_path / "whole" / name)
+
+
+def test_refusals_other_inputs_and_too_little_disk(run, tiny_target, tiny_target_dir, tmp_path, monkeypatch):
+    cfg = cfg_for(run, tiny_target_dir)
+    run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match="other inputs.*changed: dtype"):
+        run_extract(cfg_for(run, tiny_target_dir, dtype="fp8"), run, tiny_target, out_dir=str(tmp_path / "f"))
+    import collections
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(10, 10, 1000))
+    with pytest.raises(ConfigError, match=r"needs about [\d,]+ bytes but .* has 1,000 free"):
+        run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "g"))
+    assert not list((tmp_path / "g").glob("shard-*"))
+
+
+@pytest.mark.parametrize("dtype,teacher,tol", [("bf16", "last", 0.02), ("fp8", "last", 0.1), ("bf16", f"topk:{VD}", 0.02)])
+def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_target, tiny_target_dir, tmp_path,
+                                                                      dtype, teacher, tol):
+    from eagle3kit.tokenize import load_shard
+
+    cfg = cfg_for(run, tiny_target_dir, dtype=dtype, teacher=teacher)
+    run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
+    rows = load_shard(run / "tokens.safetensors")
+    vocab = draft_vocab(run)
+    online = [Sample(i, m) for i, m in rows]
+    compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
+    stored = [Sample(i, m) for i, m in rows]
+    load_features(tmp_path / "f", stored, {"tokens": sha256_tensors(run / "tokens.safetensors"), "aux_layer_ids": [2, 4, 5]},
+                  tiny_target, torch.device("cpu"))
+    d = build_drafter(tiny_target, vocab, (2, 4, 5), seed=0).double()
+    with torch.no_grad():
+        d.lm_head.weight.mul_(30)          # a peaked drafter: its loss depends on the teacher, not only on log Vd
+    losses = []
+    for samples in (online, stored):
+        batch = make_batch(samples, list(range(12)), 3, torch.device("cpu"))
+        loss, st = ttt_loss(d, tiny_target, batch, vocab.ids, 3, 0.8)
+        losses.append((float(loss), st["n"]))
+    print(dtype, teacher, losses)
+    n_on, n_st = losses[0][1][0], losses[1][1][0]
+    assert n_on > 20 and abs(n_st - n_on) <= 0.05 * n_on           # (nearly) the same supervised positions
+    assert abs(losses[1][0] / losses[0][0] - 1) <= tol
+
+
+def test_features_from_other_inputs_are_refused(run, tiny_target, tiny_target_dir, tmp_path):
+    from eagle3kit.tokenize import load_shard
+
+    cfg = cfg_for(run, tiny_target_dir)
+    run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
+    samples = [Sample(i, m) for i, m in load_shard(run / "tokens.safetensors")]
+    with pytest.raises(ConfigError, match=r"aux_layer_ids: features \[2, 4, 5\], this run \[1, 4, 5\]"):
+        load_features(tmp_path / "f", samples, {"aux_layer_ids": [1, 4, 5]}, tiny_target, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="holds 12 samples of 11"):
+        load_features(tmp_path / "f", samples[:11], {}, tiny_target, torch.device("cpu"))
