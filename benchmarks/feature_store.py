@@ -1,0 +1,138 @@
+"""What do fp8 and top-K feature shards cost in acceptance, and what do they save in bytes?
+
+For one run directory (conversations already generated), this tokenizes and builds the draft
+vocabulary, then for each storage option — bf16 (the 8·H baseline), fp8, bf16 + top-K teacher,
+fp8 + top-K teacher — runs `extract` once and trains a drafter from the shards for each seed
+(same data order per seed across options), and measures τ (K = 3, simulate mode, greedy chain)
+on MT-bench first turns and held-out GSM8K questions (the last 80 of gsm8k_train.jsonl), with
+the target's greedy continuations computed once and shared by every drafter. Resumable: a
+finished extraction, drafter or evaluation is not redone, so the work can be split over calls
+(``--budget-s`` stops before starting a training that would not finish in time). Prints one
+table and writes benchmarks/results/feature_store.json.
+
+    python benchmarks/feature_store.py --run RUN_DIR --shared ../shared [--seeds 0 1] [--topk 16]
+        [--epochs 8] [--ttt 3] [--budget-s 540]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    from eagle3kit.config import PromptSource, load_config
+    from eagle3kit.evaluate import greedy_continuations, simulate
+    from eagle3kit.export import export_drafter
+    from eagle3kit.extract import run_extract
+    from eagle3kit.generate import render_prompt_ids
+    from eagle3kit.prompts import read_source
+    from eagle3kit.rundir import RunDir
+    from eagle3kit.target import load_target, pick_device
+    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.train import load_drafter_checkpoint, run_train
+    from eagle3kit.ui import print_table
+    from eagle3kit.vocab import run_vocab
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--shared", required=True, help="the shared data folder (holds data/prompts/mt_bench.jsonl …)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--eval-tokens", type=int, default=256)
+    ap.add_argument("--eval-prompts", type=int, default=None, help="cap per set (smoke runs)")
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "feature_store.json"))
+    args = ap.parse_args()
+    start = time.perf_counter()
+    run = RunDir(args.run)
+    cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
+    device = pick_device("auto")
+    target = load_target(cfg.target, device=device)
+    if not (run / "tokens.safetensors").exists():
+        run_tokenize(cfg, run, tokenizer=target.tokenizer)
+        run_vocab(cfg, run, tokenizer=target.tokenizer)
+    state_path = run / "feature_store_state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"extract": {}, "train": {}, "tau": {}}
+    options = [("bf16", "last"), ("fp8", "last"), ("bf16", f"topk:{args.topk}"), ("fp8", f"topk:{args.topk}")]
+    for dtype, teacher in options:
+        key = f"{dtype}-{teacher}"
+        if key not in state["extract"]:
+            cfg.extract.dtype, cfg.extract.teacher = dtype, teacher
+            state["extract"][key] = run_extract(cfg, run, target)
+            state_path.write_text(json.dumps(state, indent=2))
+    train_s = [v["seconds"] for v in state["train"].values()]
+    for seed in args.seeds:
+        for dtype, teacher in options:
+            key = f"{dtype}-{teacher}"
+            name = f"{key}-seed{seed}"
+            if name in state["train"]:
+                continue
+            if train_s and time.perf_counter() - start + 1.2 * max(train_s) > args.budget_s:
+                print(f"budget: stopping before {name}; run again to continue")
+                state_path.write_text(json.dumps(state, indent=2))
+                return
+            vdir = run / "variants" / name
+            vdir.mkdir(parents=True, exist_ok=True)
+            for f in ("tokens.safetensors", "vocab.safetensors"):
+                if not (vdir / f).exists():
+                    shutil.copy(run / f, vdir / f)
+            vcfg = cfg.model_copy(deep=True)
+            vcfg.run_dir = str(vdir)
+            vcfg.train.features, vcfg.train.seed = state["extract"][key]["path"], seed
+            vcfg.train.epochs, vcfg.train.ttt_steps = args.epochs, args.ttt
+            t = time.perf_counter()
+            res = run_train(vcfg, RunDir(vdir), target=target)
+            train_s.append(time.perf_counter() - t)
+            export_drafter(load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True)
+            state["train"][name] = {"seconds": round(train_s[-1], 1), "tokens_per_s": res.get("tokens_per_s"),
+                                    "best_val_tau": res.get("best_val_tau")}
+            state_path.write_text(json.dumps(state, indent=2))
+    sets = {"mt_bench": PromptSource(path=f"{args.shared}/data/prompts/mt_bench.jsonl", name="mt_bench"),
+            "gsm8k_heldout": PromptSource(path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80, name="gsm8k_heldout")}
+    conts_path = run / "feature_store_continuations.json"
+    conts = json.loads(conts_path.read_text()) if conts_path.exists() else {}
+    prompts = {}
+    for sname, src in sets.items():
+        rows, _ = read_source(src)
+        rows = rows[: args.eval_prompts] if args.eval_prompts else rows
+        prompts[sname] = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows]   # first turns
+        if sname not in conts:
+            conts[sname] = greedy_continuations(target, prompts[sname], args.eval_tokens, "transformers", 160)
+            conts_path.write_text(json.dumps(conts))
+    from eagle3kit.export import load_exported
+
+    for name in state["train"]:
+        if name in state["tau"]:
+            continue
+        d = load_exported(run / "variants" / name / "drafter", device=device).eval().to(target.dtype)
+        state["tau"][name] = {s: round(simulate(d, target, prompts[s], conts[s], 3, device)[0].tau, 4) for s in sets}
+        state_path.write_text(json.dumps(state, indent=2))
+    base = state["extract"]["bf16-last"]["bytes_per_token"]
+    rows, table = [], []
+    for dtype, teacher in options:
+        key = f"{dtype}-{teacher}"
+        taus = {s: [state["tau"].get(f"{key}-seed{sd}", {}).get(s) for sd in args.seeds] for s in sets}
+        bpt = state["extract"][key]["bytes_per_token"]
+        rows.append({"option": key, "bytes_per_token": bpt, "share_of_bf16": round(bpt / base, 4),
+                     "bytes": state["extract"][key]["bytes"], "tau": taus, "seeds": args.seeds})
+        table.append((key, f"{bpt} B/token ({bpt / base:.1%}); " + "; ".join(f"{s} τ {taus[s]}" for s in sets)))
+    out = {"machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+           "target": cfg.target.model, "tokens": state["extract"]["bf16-last"]["tokens"], "epochs": args.epochs,
+           "ttt_steps": args.ttt, "k": 3, "eval_tokens": args.eval_tokens, "options": rows, "train": state["train"],
+           "sets": {s: len(prompts[s]) for s in sets}}
+    print_table("feature store: bytes per token and τ (K=3, simulate)", table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
