@@ -60,6 +60,8 @@ class TargetConfig(_Strict):
     gguf_file: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     device: str = "auto"
+    device_map: str | None = Field(default=None, description="shard a big target over this machine's GPUs "
+                                   "(transformers/accelerate device_map, e.g. auto); device is then ignored")
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
     allow_download: bool = False

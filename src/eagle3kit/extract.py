@@ -85,7 +85,57 @@ def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, t
         t2d = torch.zeros(target.vocab_size, dtype=torch.bool, device=top1.device)
         t2d[draft_ids] = True
         out["top1_in_draft"] = t2d[top1]
-    return {k: v.cpu().contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+class HostCopier:
+    """Copies packed feature tensors to host memory on a background thread (on its own CUDA
+    stream, after the producing stream's work), so the target's next forward runs meanwhile.
+
+    ``put`` takes a dict of tensors on any device; ``close`` waits and returns the host copies in
+    order. At most ``max_pending`` dicts wait (their device memory stays allocated until copied).
+    """
+
+    def __init__(self, max_pending: int = 16):
+        import queue
+        import threading
+
+        self._q: queue.Queue = queue.Queue(max_pending)
+        self._out: list[dict] = []
+        self._err: BaseException | None = None
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def put(self, item: dict[str, torch.Tensor]) -> None:
+        ev = None
+        if self._stream is not None and any(v.is_cuda for v in item.values()):
+            ev = torch.cuda.Event()
+            ev.record()
+        self._q.put((item, ev))
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            item, ev = job
+            try:
+                if ev is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(ev)
+                        self._out.append({k: v.to("cpu") for k, v in item.items()})
+                else:
+                    self._out.append({k: v.cpu() for k, v in item.items()})
+            except BaseException as e:      # re-raised in close()
+                self._err = e
+
+    def close(self) -> list[dict]:
+        self._q.put(None)
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
 
 
 def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None) -> dict:
@@ -157,7 +207,7 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
             while j < len(rows) and (j == i or n + lengths[j] <= ec.shard_tokens):
                 n += lengths[j]
                 j += 1
-            packed: list[dict] = []
+            copier = HostCopier()
             for a in range(i, j, max(1, ec.batch_samples)):
                 b_rows = rows[a:min(j, a + ec.batch_samples)]
                 ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
@@ -165,7 +215,8 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
                 aux, last = target_features(target, ids, am, aux_ids)
                 for k, r in enumerate(b_rows):
                     T = r[0].numel()
-                    packed.append(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids))
+                    copier.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids))
+            packed = copier.close()
             shard = {key: torch.cat([p[key] for p in packed]) for key in packed[0]}
             shard["offsets"] = torch.tensor([0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64)
             name = f"shard-{len(index['shards']):05d}.safetensors"

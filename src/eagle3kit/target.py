@@ -331,10 +331,14 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     dev = pick_device(str(device) if device is not None else cfg.device)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
     tok = load_tokenizer(cfg)
+    if cfg.device_map:
+        kw["device_map"] = cfg.device_map       # layers spread over the GPUs; accelerate moves activations
     model = AutoModelForCausalLM.from_pretrained(
         loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, **kw
     )
-    model.to(dev).eval()
+    if not cfg.device_map:
+        model.to(dev)
+    model.eval()
     model.requires_grad_(False)
     source = dict(loc)
     if loc["gguf_file"]:
