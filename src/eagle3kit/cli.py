@@ -175,15 +175,15 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
                layout: str = typer.Option("auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"),
                overwrite: bool = typer.Option(False, help="replace a drafter already in --out")):
     """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
-    from .check import check_drafter, installed_vllm
+    from .engines import installed_vllm
     from .importer import run_import
 
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
     res = run_import(source, out, tcfg, layout, overwrite)
     for note in res.pop("notes"):
         console.print(f"  {note}")
+    found = res.pop("findings")         # check ran before anything was written
     _show("import", res)
-    found = check_drafter(out, tcfg)       # import ran it before writing; printed here for the record
     print_findings(found)
     console.print(f"[bold]check: servable on vllm ({installed_vllm() or 'not installed'})[/]: {out}")
 
@@ -222,19 +222,15 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
           max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1),
           as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
-    from .check import check_drafter, findings_json, installed_vllm
+    from .check import check_drafter, findings_json, parse_version
+    from .engines import installed_vllm
 
     if engine not in ("vllm", "sglang"):
         console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
         raise typer.Exit(2)
-    if engine_version is not None:
-        from packaging.version import InvalidVersion, Version
-
-        try:
-            Version(engine_version)
-        except InvalidVersion:
-            console.print(f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)")
-            raise typer.Exit(2)
+    if engine_version is not None and parse_version(engine_version) is None:
+        console.print(f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)")
+        raise typer.Exit(2)
     try:
         found = check_drafter(drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len)
     except (ConfigError, DataError) as e:

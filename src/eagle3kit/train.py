@@ -32,7 +32,7 @@ from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
 from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_state, sha256_tensors
-from .target import Target, pick_device, resolve_aux_layer_ids, target_features, teacher_logits
+from .target import Target, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits
 from .tokenize import load_shard
 from .ui import Timer, console, progress
 from .vocab import DraftVocab, load_vocab
@@ -95,7 +95,7 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
                 n = samples[i].ids.numel()
                 s = samples[i]
                 s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
-                s.argmax = torch.cat([teacher_logits(target, c).argmax(-1) for c in last[j, :n].split(1024)]).to(store_device)
+                s.argmax = teacher_argmax(target, last[j, :n]).to(store_device)
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
 
@@ -320,14 +320,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     rows = load_shard(shard)
     all_samples = [Sample(ids, mask) for ids, mask in rows]
+    tokens_sha, vocab_sha = sha256_tensors(shard), sha256_tensors(vocab_path)
     features = None
     if tc.features:         # extracted features: fill every sample now (the shards index all of them)
-        from .extract import load_features
+        from .extract import feature_inputs, load_features
 
-        features = load_features(tc.features, all_samples, {
-            "tokens": sha256_tensors(shard), "aux_layer_ids": list(aux_ids),
-            "target": target.source.get("weights_fingerprint") or target.source.get("model"),
-            "vocab": sha256_tensors(vocab_path)}, target, device)
+        features = load_features(tc.features, all_samples, feature_inputs(tokens_sha, aux_ids, target, vocab_sha),
+                                 target, device)
     samples = [s for s in all_samples if s.mask[1:].any()]
     if not samples:
         raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
@@ -339,7 +338,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     train = [samples[i] for i in order[n_val:]]
     ckpt = run / "checkpoints"
     ckpt.mkdir(exist_ok=True)
-    inputs = {"tokens": sha256_tensors(shard), "vocab": sha256_tensors(vocab_path), "aux_layer_ids": list(aux_ids),
+    inputs = {"tokens": tokens_sha, "vocab": vocab_sha, "aux_layer_ids": list(aux_ids),
               "train_config": sha256_json(tc.model_dump(mode="json")), "target": target.source.get("weights_fingerprint")}
     if features is not None:
         inputs["features"] = sha256_json(features)
