@@ -82,7 +82,7 @@ def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, t
         vals, idx = logits.topk(min(topk, logits.shape[-1]), dim=-1)
         out["topk_values"] = vals.to(torch.bfloat16)
         out["topk_ids"] = idx.to(torch.int16 if logits.shape[-1] <= 32767 else torch.int32)
-        out["top1_in_draft"] = in_draft[teacher_argmax(target, last)]
+        out["top1_in_draft"] = in_draft[teacher_argmax(target, last).to(in_draft.device)].to(last.device)
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -409,8 +409,10 @@ def target_features(
     parts = target.parts
     with capture_layer_inputs(parts.layers, aux_ids) as store:
         out = parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    aux = torch.cat([store[i] for i in aux_ids], dim=-1)
-    return aux, out.last_hidden_state
+    last = out.last_hidden_state
+    # under a device_map the aux layers may sit on other GPUs than the final norm: gather on last's
+    aux = torch.cat([store[i].to(last.device) for i in aux_ids], dim=-1)
+    return aux, last
 
 
 def teacher_logits(target: Target, last: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -419,16 +421,25 @@ def teacher_logits(target: Target, last: torch.Tensor, vocab_ids: torch.Tensor |
     Args:
         last: [..., Ht] post-norm state from :func:`target_features`.
         vocab_ids: int64 [Vd] target ids to keep (the draft vocabulary), or None for all V.
-    Returns: float32 [..., Vd or V].
+    Returns: float32 [..., Vd or V] on ``last``'s device (the product is taken on the lm_head's,
+    which under a ``device_map`` may be another GPU).
     """
     w = target.parts.lm_head.weight
     if vocab_ids is not None:
-        w = w[vocab_ids.to(w.device)]
-    out = last.to(w.dtype) @ w.T
+        vocab_ids = vocab_ids.to(w.device)
+        w = w[vocab_ids]
+    out = last.to(w.device, w.dtype) @ w.T
     bias = getattr(target.parts.lm_head, "bias", None)
     if bias is not None:
         out = out + (bias if vocab_ids is None else bias[vocab_ids])
-    return out.float()
+    return out.float().to(last.device)
+
+
+def embed_tokens(target: Target, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The target's (frozen) token embedding of ``ids`` int64 [...] → [..., Ht] on ``like``'s
+    device and in its dtype, wherever the embedding lives (another GPU under a ``device_map``)."""
+    emb = target.parts.embed
+    return emb(ids.to(emb.weight.device)).to(like.device, like.dtype)
 
 
 def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
