@@ -27,12 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from eagle3kit.config import PromptSource, load_config
-    from eagle3kit.evaluate import greedy_continuations, simulate
+    from common import heldout_tau
+
+    from eagle3kit.config import load_config
     from eagle3kit.export import export_drafter
     from eagle3kit.extract import run_extract
-    from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.prompts import read_source
     from eagle3kit.rundir import RunDir
     from eagle3kit.target import load_target, pick_device
     from eagle3kit.tokenize import run_tokenize
@@ -96,26 +95,13 @@ def main() -> None:
             state["train"][name] = {"seconds": round(train_s[-1], 1), "tokens_per_s": res.get("tokens_per_s"),
                                     "best_val_tau": res.get("best_val_tau")}
             state_path.write_text(json.dumps(state, indent=2))
-    sets = {"mt_bench": PromptSource(path=f"{args.shared}/data/prompts/mt_bench.jsonl", name="mt_bench"),
-            "gsm8k_heldout": PromptSource(path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80, name="gsm8k_heldout")}
-    conts_path = run / "feature_store_continuations.json"
-    conts = json.loads(conts_path.read_text()) if conts_path.exists() else {}
-    prompts = {}
-    for sname, src in sets.items():
-        rows, _ = read_source(src)
-        rows = rows[: args.eval_prompts] if args.eval_prompts else rows
-        prompts[sname] = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows]   # first turns
-        if sname not in conts:
-            conts[sname] = greedy_continuations(target, prompts[sname], args.eval_tokens, "transformers", 160)
-            conts_path.write_text(json.dumps(conts))
-    from eagle3kit.export import load_exported
-
-    for name in state["train"]:
-        if name in state["tau"]:
-            continue
-        d = load_exported(run / "variants" / name / "drafter", device=device).eval().to(target.dtype)
-        state["tau"][name] = {s: round(simulate(d, target, prompts[s], conts[s], 3, device)[0].tau, 4) for s in sets}
+    def keep(name, res):
+        state["tau"][name] = res
         state_path.write_text(json.dumps(state, indent=2))
+
+    state["tau"], n_prompts = heldout_tau(run, target, args.shared, {n: run / "variants" / n / "drafter" for n in state["train"]},
+                                          device, args.eval_tokens, args.eval_prompts, state["tau"], keep)
+    sets = list(n_prompts)
     base = state["extract"]["bf16-last"]["bytes_per_token"]
     rows, table = [], []
     for dtype, teacher in options:
@@ -128,7 +114,7 @@ def main() -> None:
     out = {"machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "target": cfg.target.model, "tokens": state["extract"]["bf16-last"]["tokens"], "epochs": args.epochs,
            "ttt_steps": args.ttt, "k": 3, "eval_tokens": args.eval_tokens, "options": rows, "train": state["train"],
-           "sets": {s: len(prompts[s]) for s in sets}}
+           "sets": n_prompts}
     print_table("feature store: bytes per token and τ (K=3, simulate)", table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -139,3 +139,126 @@ def test_features_from_other_inputs_are_refused(run, tiny_target, tiny_target_di
         load_features(tmp_path / "f", samples, {"aux_layer_ids": [1, 4, 5]}, tiny_target, torch.device("cpu"))
     with pytest.raises(ConfigError, match="holds 12 samples of 11"):
         load_features(tmp_path / "f", samples[:11], {}, tiny_target, torch.device("cpu"))
+
+
+# ---- bad inputs (an attacker's findings): every one stops with a message naming the file and the fix
+def _samples(run):
+    from eagle3kit.tokenize import load_shard
+
+    return [Sample(i, m) for i, m in load_shard(run / "tokens.safetensors")]
+
+
+def _load(folder, run, tiny_target):
+    return load_features(folder, _samples(run), {}, tiny_target, torch.device("cpu"))
+
+
+def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tiny_target, tiny_target_dir, tmp_path):
+    from eagle3kit.rundir import DataError
+
+    cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
+    f = tmp_path / "f"
+    run_extract(cfg, run, tiny_target, out_dir=str(f))
+    want = sha256_tensors(f / "shard-00002.safetensors")
+    data = (f / "shard-00002.safetensors").read_bytes()
+    (f / "shard-00002.safetensors").write_bytes(data[: len(data) // 2])            # truncated
+    with pytest.raises(DataError, match=r"shard-00002.safetensors is damaged .*rerun `eagle3kit extract --out"):
+        _load(f, run, tiny_target)
+    (f / ".tmpWtbFAY").write_bytes(b"x" * 100)                                       # safetensors' own partial write
+    again = run_extract(cfg, run, tiny_target, out_dir=str(f))
+    assert again["samples"] == 12 and sha256_tensors(f / "shard-00002.safetensors") == want
+    assert not (f / ".tmpWtbFAY").exists()
+    (f / "shard-00003.safetensors").unlink()
+    with pytest.raises(DataError, match="shard-00003.safetensors is missing"):
+        _load(f, run, tiny_target)
+    run_extract(cfg, run, tiny_target, out_dir=str(f))
+    _load(f, run, tiny_target)                                                        # whole again
+    assert oct((f / "shard-00003.safetensors").stat().st_mode & 0o777) == "0o644"
+
+
+def test_a_shard_from_another_run_or_an_edited_index_is_refused(run, tiny_target, tiny_target_dir, tmp_path):
+    import json
+
+    from eagle3kit.rundir import DataError
+
+    cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
+    f = tmp_path / "f"
+    run_extract(cfg, run, tiny_target, out_dir=str(f))
+    other = RunDir(tmp_path / "other")                     # the same lengths, other tokens
+    from eagle3kit.tokenize import load_shard
+
+    save_shard(other / "tokens.safetensors", [((ids + 1).tolist(), m.int().tolist()) for ids, m in load_shard(run / "tokens.safetensors")])
+    shutil.copy(run / "vocab.safetensors", other / "vocab.safetensors")
+    g = tmp_path / "g"
+    run_extract(cfg_for(other, tiny_target_dir, shard_tokens=60), other, tiny_target, out_dir=str(g))
+    shutil.copy(g / "shard-00001.safetensors", f / "shard-00001.safetensors")
+    with pytest.raises(DataError, match="shard-00001.safetensors was made from other inputs"):
+        _load(f, run, tiny_target)
+    index = json.loads((f / "index.json").read_text())
+    for bad, msg in (({}, "not an eagle3kit feature index"), ([], "not an eagle3kit feature index"),
+                     ({**index, "shards": [{**index["shards"][0], "file": "../../evil.safetensors"}] + index["shards"][1:]},
+                      "not a shard-NNNNN.safetensors file"),
+                     ({**index, "shards": index["shards"][:1] + index["shards"]}, "starts at sample 0, the entries before it end at")):
+        (f / "index.json").write_text(json.dumps(bad))
+        with pytest.raises(DataError, match=msg):
+            _load(f, run, tiny_target)
+        with pytest.raises(DataError, match=msg):
+            run_extract(cfg, run, tiny_target, out_dir=str(f))
+
+
+def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(run, tiny_target, tiny_target_dir, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagle3kit.rundir import DataError
+
+    cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
+    f = tmp_path / "f"
+    run_extract(cfg, run, tiny_target, out_dir=str(f))
+    p = f / "shard-00001.safetensors"
+    with safe_open(str(p), "pt") as h:
+        meta = h.metadata()
+    t = load_file(str(p))
+    t["aux"][3, 1, 7] = float("nan")
+    save_file(t, str(p), metadata=meta)
+    with pytest.raises(DataError, match="shard-00001.safetensors holds NaN or inf"):
+        _load(f, run, tiny_target)
+    layer = tiny_target.parts.layers[3].mlp.down_proj.weight
+    keep = layer.detach().clone()
+    try:
+        with torch.no_grad():
+            layer[0, 0] = float("inf")
+        with pytest.raises(DataError, match=r"not finite \(NaN or inf\) in samples 0…"):
+            run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "g"))
+    finally:
+        with torch.no_grad():
+            layer.copy_(keep)
+
+
+def test_option_and_folder_refusals(run, tiny_target, tiny_target_dir, tmp_path):
+    from eagle3kit.rundir import DataError, folder_lock
+
+    with pytest.raises(ConfigError, match=rf"topk:1000 asks for more logits than the draft vocabulary holds \({VD}\)"):
+        run_extract(cfg_for(run, tiny_target_dir, teacher="topk:1000"), run, tiny_target, out_dir=str(tmp_path / "k"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="afile is a file; give a folder"):
+        run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "afile"))
+    (tmp_path / "busy").mkdir()
+    with folder_lock(tmp_path / "busy", "extract", "give another --out"):
+        with pytest.raises(DataError, match=r"another `eagle3kit extract` \(pid \d+\) is writing"):
+            run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "busy"))
+    with pytest.raises(ConfigError, match="is not a folder"):
+        load_features(tmp_path / "nope", _samples(run), {}, tiny_target, torch.device("cpu"))
+    empty = RunDir(tmp_path / "empty")
+    save_shard(empty / "tokens.safetensors", [])
+    with pytest.raises(DataError, match="holds no samples"):
+        run_extract(cfg_for(empty, tiny_target_dir), empty, tiny_target, out_dir=str(tmp_path / "e"))
+
+
+def test_a_target_with_only_pickled_weights_is_refused(tmp_path):
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import locate_target
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match=r"only pickled weights \(\*.bin\); eagle3kit loads weights from safetensors or GGUF"):
+        locate_target(TargetConfig(model=str(tmp_path)))

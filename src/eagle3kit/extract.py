@@ -1,27 +1,13 @@
 """Stage ``extract``: the target's features for training, computed once and stored as safetensors
-shards, so that ``train --features DIR`` never runs the target again.
+shards, so that ``train --features DIR`` never runs the target again. The format (what a token
+costs in each option, what a shard records about itself) is :mod:`eagle3kit.features`.
 
-Per token, a shard holds the three aux states (HF indices, DESIGN.md §3) and what the teacher
-needs:
-
-=============  ===============================================  =========================
-option         stored per token                                 bytes per token
-=============  ===============================================  =========================
-bf16 (default) aux [3, Ht] bf16 + last [Ht] bf16 (post-norm)    8·Ht (the baseline)
-fp8            aux [3, Ht] + last [Ht] float8 e4m3, one fp32     4·Ht + 16
-               scale per token and state (amax / 448)
-topk:K         aux as above + the target's K largest logits     aux + K·(2 + 2 or 4) + 1
-               over the draft vocabulary (bf16 values, int16/
-               int32 draft ids) + whether the target's top-1 is
-               in the draft vocabulary (bool)
-=============  ===============================================  =========================
-
-Shards (``shard-NNNNN.safetensors``) hold whole samples, ``offsets`` [S+1] int64 marking them;
-``index.json`` lists the finished shards and the inputs they were made from (token shard, aux
-ids, target weights, draft vocabulary, options). Each shard is written to a temporary name and
-renamed, then the index is rewritten atomically: after a kill, a rerun skips the finished shards.
-Before starting, the projected bytes are compared with the free disk and the stage refuses to
-start when they do not fit.
+Each shard is written to a temporary name and renamed, then the index is rewritten atomically:
+after a kill, a rerun skips the finished shards; a rerun also checks every listed shard (present,
+readable, made from these inputs and these samples) and re-extracts from the first one that is
+not. Before starting, the projected bytes are compared with the free disk and the stage refuses
+to start when they do not fit. The folder is locked while a stage writes to it. Hidden states
+that are not finite (a float16 target overflowing, say) stop the stage, naming the sample.
 """
 from __future__ import annotations
 
@@ -30,35 +16,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import Config, ConfigError, parse_teacher
-from .rundir import RunDir, read_json, sha256_tensors, write_json
+from .features import (  # noqa: F401  (re-exported: the format's readers live with it)
+    FP8_MAX, bytes_per_token, dequantize_fp8, load_features, quantize_fp8, read_index, shard_metadata, shard_problem)
+from .rundir import DataError, RunDir, folder_lock, sha256_tensors, write_json
 from .target import Target, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits
 from .ui import Timer, console, progress
-
-FP8_MAX = 448.0          # largest finite float8 e4m3fn value
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row float8 e4m3 quantization: x [..., D] → (q float8_e4m3fn [..., D], scale float32 [...])
-    with x ≈ q · scale, scale = amax(|x|) / 448 per row (rows of zeros get scale 1)."""
-    amax = x.float().abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8` in ``dtype``."""
-    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
-
-
-def bytes_per_token(hidden: int, dtype: str, topk: int | None, draft_vocab_size: int) -> int:
-    """Bytes a token takes in a shard for these options (the table in the module docstring)."""
-    state = hidden * 2 if dtype == "bf16" else hidden + 4
-    teacher = state if topk is None else topk * (2 + (2 if draft_vocab_size <= 32767 else 4)) + 1
-    return 3 * state + teacher
 
 
 def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, target: Target,
@@ -147,18 +112,43 @@ def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None)
             "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
 
 
+def _write_shard(out: Path, name: str, shard: dict, metadata: dict) -> None:
+    """``shard`` → ``out/name`` through a temporary name (readable by everyone, like index.json).
+
+    Raises:
+        DataError: the write failed (disk full, read-only folder), naming the file; finished
+        shards stay, and a rerun resumes."""
+    tmp = out / (name + ".tmp")
+    try:
+        save_file(shard, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out / name)
+    except Exception as e:  # OSError, SafetensorError
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"could not write {out / name} ({e}); free disk or give another --out — the "
+                        "finished shards are kept and a rerun resumes after them") from None
+
+
+def _stale_temporaries(out: Path) -> list[Path]:
+    """Partial writes a killed extract left in ``out`` (ours, ``*.safetensors.tmp``, and
+    safetensors' own ``.tmp*``)."""
+    return [p for p in out.iterdir() if p.is_file() and (p.name.endswith(".safetensors.tmp") or p.name.startswith(".tmp"))]
+
+
 def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir: str | None = None,
                 stop_after_shards: int | None = None) -> dict:
     """Extract features for every sample of ``tokens.safetensors`` into ``out_dir`` (default
-    ``<run>/features-<dtype>-<teacher>``); resumes after the last finished shard.
+    ``<run>/features-<dtype>-<teacher>``); resumes after the last good shard.
 
     Args:
         stop_after_shards: stop after writing this many new shards (tests use it to emulate a kill).
     Returns:
         ``{"path", "shards", "samples", "tokens", "bytes_per_token", "bytes", "tokens_per_s"}``.
     Raises:
-        ConfigError: bad teacher spec, a folder made from other inputs, or not enough free disk
-        (both numbers named).
+        ConfigError: bad teacher spec (K above the draft vocabulary too), an ``--out`` that is a
+            file, a folder made from other inputs, or not enough free disk (both numbers named).
+        DataError: no samples, another extract writing to the same folder, a malformed index,
+            non-finite hidden states (naming the sample), a failed write.
     """
     from .target import load_target, pick_device
     from .tokenize import load_shard
@@ -166,32 +156,61 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
 
     ec = cfg.extract
     topk = parse_teacher(ec.teacher)
-    rows = load_shard(run.require("tokens.safetensors", "tokenize"))
-    if target is None:
-        target = load_target(cfg.target, device=pick_device(ec.device))
-    aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
+    tokens_path = run.require("tokens.safetensors", "tokenize")
+    rows = load_shard(tokens_path)
+    if not rows:
+        raise DataError(f"{tokens_path} holds no samples; rerun `eagle3kit tokenize` (see its report for what was dropped)")
     draft_ids = in_draft = None
     if topk is not None:
         vocab, _ = load_vocab(run.require("vocab.safetensors", "vocab"), expected_size=cfg.vocab.draft_vocab_size)
-        draft_ids, in_draft = vocab.ids.to(target.device), vocab.t2d.to(target.device)
+        if topk > vocab.size:
+            raise ConfigError(f"extract.teacher topk:{topk} asks for more logits than the draft vocabulary holds "
+                              f"({vocab.size}); choose K ≤ {vocab.size} (16 is plenty)")
     tag = f"{ec.dtype}-{ec.teacher.replace(':', '')}"
     out = Path(out_dir or run / f"features-{tag}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder (new, or one `eagle3kit extract` wrote)")
+    index = read_index(out) if out.is_dir() else None
+    if index is None and out.is_dir() and any(p.name != ".extract.lock" for p in out.iterdir()):
+        raise ConfigError(f"{out} is not empty and holds no index.json; give another --out")
+    if target is None:
+        target = load_target(cfg.target, device=pick_device(ec.device))
+    if topk is not None:
+        draft_ids, in_draft = vocab.ids.to(target.device), vocab.t2d.to(target.device)
+    aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     inputs = _inputs(cfg, run, target, aux_ids, topk)
-    index_path = out / "index.json"
-    index = read_json(index_path) if index_path.is_file() else None
-    if index is not None and index.get("inputs") != inputs:
-        changed = sorted(k for k in set(inputs) | set(index.get("inputs", {})) if inputs.get(k) != index["inputs"].get(k))
+    if index is not None and index["inputs"] != inputs:
+        changed = sorted(k for k in set(inputs) | set(index["inputs"]) if inputs.get(k) != index["inputs"].get(k))
         raise ConfigError(f"{out} holds features made from other inputs (changed: {', '.join(changed)}); "
                           "give another --out, or move that folder away")
-    if index is None:
-        if out.exists() and any(out.iterdir()):
-            raise ConfigError(f"{out} is not empty and holds no index.json; give another --out")
-        index = {"inputs": inputs, "shards": []}
+    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "extract", "give another --out"):
+        return _extract_into(out, index or {"inputs": inputs, "shards": []}, rows, cfg, run, target, aux_ids, topk,
+                             draft_ids, in_draft, tag, stop_after_shards)
+
+
+def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, target: Target, aux_ids, topk,
+                  draft_ids, in_draft, tag: str, stop_after_shards: int | None) -> dict:
+    """The body of :func:`run_extract`, holding the folder's lock."""
+    ec = cfg.extract
+    inputs = index["inputs"]
+    index_path = out / "index.json"
+    for stale in _stale_temporaries(out):
+        console.print(f"[yellow]extract: removing {stale.name}, a partial write of a killed extract")
+        stale.unlink()
+    for k, entry in enumerate(index["shards"]):       # resume only after shards that are whole and ours
+        problem = shard_problem(out, entry, inputs, rows)
+        if problem:
+            console.print(f"[yellow]extract: {entry['file']} {problem}; re-extracting from sample {entry['first_sample']}")
+            index["shards"] = index["shards"][:k]
+            write_json(index_path, index)
+            break
     done = sum(s["samples"] for s in index["shards"])
+    if done > len(rows):
+        raise DataError(f"{index_path} lists {done} samples but the run has {len(rows)}; move {out} away and rerun")
     lengths = [ids.numel() for ids, _ in rows]
     left_tokens = sum(lengths[done:])
     bpt = bytes_per_token(target.hidden_size, ec.dtype, topk, int(draft_ids.numel()) if draft_ids is not None else 0)
-    out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     need = bpt * left_tokens + 4096 * (1 + left_tokens // max(ec.shard_tokens, 1))
     console.print(f"extract: {len(rows) - done} samples, {left_tokens:,} tokens × {bpt:,} bytes ({ec.dtype}, teacher "
@@ -211,20 +230,25 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
                 j += 1
             buf.reset()
             buf.reserve(n)
+            finite = []                                  # one flag per batch, read once the shard is done
             for a in range(i, j, max(1, ec.batch_samples)):
                 b_rows = rows[a:min(j, a + ec.batch_samples)]
                 ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
                 am = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r[0]) for r in b_rows], batch_first=True).to(target.device)
                 aux, last = target_features(target, ids, am, aux_ids)
+                finite.append((a, torch.isfinite(aux).all() & torch.isfinite(last).all()))     # no sync here
                 for k, r in enumerate(b_rows):
                     T = r[0].numel()
                     buf.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids, in_draft))
+            bad = [a for a, ok in finite if not bool(ok)]
+            if bad:
+                raise DataError(f"the target's hidden states are not finite (NaN or inf) in samples {bad[0]}…"
+                                f"{min(j, bad[0] + ec.batch_samples) - 1}; check target.dtype (float16 overflows on "
+                                "some models: use bfloat16 or float32); the finished shards are kept")
             shard = dict(buf.take())
             shard["offsets"] = torch.tensor([0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64)
             name = f"shard-{len(index['shards']):05d}.safetensors"
-            tmp = out / (name + ".tmp")
-            save_file(shard, str(tmp), metadata={"first_sample": str(i)})
-            os.replace(tmp, out / name)
+            _write_shard(out, name, shard, shard_metadata(i, rows[i:j], inputs))
             index["shards"].append({"file": name, "first_sample": i, "samples": j - i, "tokens": n})
             write_json(index_path, index)
             new_tokens += n
@@ -241,47 +265,3 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
     if res["samples"] == len(rows):
         run.record_stage(f"extract-{tag}", inputs, res)
     return res
-
-
-def load_features(folder: str | Path, samples: list, expect: dict, target: Target, device) -> dict:
-    """Fill ``aux`` and the teacher fields of every :class:`~eagle3kit.train.Sample` from the
-    shards in ``folder`` (dequantized to the target's dtype, on ``device``).
-
-    ``expect`` holds the inputs the training run would use (tokens hash, aux ids, target); a
-    mismatch is a ConfigError naming the field. Returns the index's ``inputs``.
-    """
-    folder = Path(folder)
-    index_path = folder / "index.json"
-    if not index_path.is_file():
-        raise ConfigError(f"{folder} holds no index.json: run `eagle3kit extract` first")
-    index = read_json(index_path)
-    inputs = index["inputs"]
-    bad = [f"{k}: features {inputs.get(k)!r}, this run {v!r}" for k, v in expect.items()
-           if inputs.get(k) != v and not (k == "vocab" and k not in inputs)]      # only top-K features depend on the vocab
-    if bad:
-        raise ConfigError(f"{folder} was extracted from other inputs ({'; '.join(bad)}); rerun `eagle3kit extract`")
-    if sum(s["samples"] for s in index["shards"]) != len(samples):
-        raise ConfigError(f"{folder} holds {sum(s['samples'] for s in index['shards'])} samples of {len(samples)}: "
-                          "rerun `eagle3kit extract` to finish it")
-    dt = target.dtype
-    for s in index["shards"]:
-        t = load_file(str(folder / s["file"]))
-        off = t["offsets"].tolist()
-        for k in range(s["samples"]):
-            a, b = off[k], off[k + 1]
-            smp = samples[s["first_sample"] + k]
-            if b - a != smp.ids.numel():
-                raise ConfigError(f"{folder / s['file']}: sample {s['first_sample'] + k} has {b - a} tokens, the token "
-                                  f"shard {smp.ids.numel()}; rerun `eagle3kit extract`")
-            aux = t["aux"][a:b] if "aux_scale" not in t else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b], dt)
-            smp.aux = aux.to(dt).reshape(b - a, -1).to(device)
-            if "topk_ids" in t:
-                smp.topk_values = t["topk_values"][a:b].float().to(device)
-                smp.topk_ids = t["topk_ids"][a:b].long().to(device)
-                smp.top1_in_draft = t["top1_in_draft"][a:b].to(device)
-                smp.last = smp.argmax = None
-            else:
-                last = t["last"][a:b] if "last_scale" not in t else dequantize_fp8(t["last"][a:b], t["last_scale"][a:b], dt)
-                smp.last = last.to(dt).to(device)
-                smp.argmax = teacher_argmax(target, smp.last)
-    return inputs

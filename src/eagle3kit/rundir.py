@@ -27,6 +27,34 @@ class DataError(ValueError):
     """Bad input data; the message names the file, the line and the fix."""
 
 
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, stage: str, alternative: str) -> Iterator[None]:
+    """Hold ``folder/.<stage>.lock`` (``flock``) for the duration; the lock dies with its
+    process, so nothing is left to clean up after a kill.
+
+    Raises:
+        DataError: another process holds it (names its pid, and ``alternative``).
+    """
+    import fcntl
+
+    folder = Path(folder)
+    fd = os.open(folder / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise DataError(f"another `eagle3kit {stage}` (pid {other or '?'}) is writing to {folder}; wait for it to "
+                        f"finish, or {alternative}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -279,32 +307,11 @@ class RunDir:
         write_json(self.path / "report.json", r)
         return r
 
-    @contextlib.contextmanager
-    def lock(self, stage: str) -> Iterator[None]:
-        """Hold ``.<stage>.lock`` (``flock``) while a stage appends to this run, so two processes
-        never write the same files (two ``generate`` runs would otherwise each send and append
-        the same rows). The lock dies with its process; nothing to clean up after a kill.
-
-        Raises:
-            DataError: another process holds it (names its pid).
-        """
-        import fcntl
-
-        fd = os.open(self.path / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = os.read(fd, 32).decode(errors="replace").strip()
-            os.close(fd)
-            raise DataError(f"another `eagle3kit {stage}` (pid {other or '?'}) is writing to {self.path}; wait for it to "
-                            "finish, or use another run_dir") from None
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+    def lock(self, stage: str):
+        """Hold ``.<stage>.lock`` while a stage appends to this run, so two processes never write
+        the same files (two ``generate`` runs would otherwise each send and append the same rows).
+        See :func:`folder_lock`."""
+        return folder_lock(self.path, stage, "use another run_dir")
 
     def require(self, name: str, stage_hint: str) -> Path:
         """Path of a previous stage's output, or a FileNotFoundError naming the stage to run."""

@@ -229,14 +229,20 @@ def smollm2_gguf_path() -> Path:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def _file_fingerprint(path: Path) -> str:
-    """Cheap identity of a weights file: size + mtime + hash of the first and last MiB."""
-    st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}".encode())
+def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64) -> str:
+    """Identity of a weights file: SHA-256 of its size and bytes — all of them for files up to
+    ``whole_below`` bytes (512 MiB), else of ``blocks`` 1-MiB blocks spread evenly over the file
+    (a cheap identity for 100 GB targets: an edit between two blocks goes unseen)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}".encode())
     with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, st.st_size - (1 << 20)))
-        h.update(f.read(1 << 20))
+        if size <= whole_below:
+            while block := f.read(1 << 20):
+                h.update(block)
+        else:
+            for k in range(blocks):
+                f.seek((size - (1 << 20)) * k // (blocks - 1))
+                h.update(f.read(1 << 20))
     return h.hexdigest()
 
 
@@ -252,6 +258,10 @@ def locate_target(cfg: TargetConfig) -> dict:
     if p.exists():
         if not p.is_dir():
             raise ConfigError(f"target.model {cfg.model!r} is a file; give the folder that holds it (and gguf_file for a GGUF)")
+        if not cfg.gguf_file and not any(p.glob("*.safetensors")) and any(p.glob("*.bin")):
+            raise ConfigError(f"target.model {cfg.model!r} holds only pickled weights (*.bin); eagle3kit loads weights "
+                              "from safetensors or GGUF only: convert them once with transformers "
+                              "(from_pretrained(...).save_pretrained(folder), which writes safetensors)")
         return {"model": cfg.model, "path": str(p.resolve()), "gguf_file": cfg.gguf_file}
     if not cfg.allow_download:
         raise ConfigError(
