@@ -217,6 +217,22 @@ class TrainConfig(_Strict):
                                  "(`eagle3kit extract`) instead of running the target")
     init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
                                   "reads) instead of random weights; lm_head rows are matched by target token id")
+    attention: Literal["auto", "reference", "flex"] = Field(
+        default="auto", description="TTT attention: flex (block-mask flex attention, compiled; the GPU path) or "
+        "reference (dense, readable); auto: flex on CUDA, reference elsewhere")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="bf16: autocast over fp32 master weights; auto: bf16 on CUDA, fp32 elsewhere")
+    loss_chunk: int | None = Field(default=None, ge=0, description="positions per checkpointed chunk of the "
+                                   "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere")
+    pack_length: int = Field(default=0, ge=0, description="pack samples into rows of this many tokens (each keeps "
+                             "its own positions and attends only to itself); 0: one sample per row")
+    checkpoint_every: int = Field(default=0, ge=0, description="also save a resumable checkpoint every this many "
+                                  "steps (0: at the end of each epoch only)")
+    compile: bool = Field(default=False, description="also torch.compile the drafter layer's norms, concatenation "
+                          "and MLP (flex attention is compiled regardless)")
+    tensorboard: bool = Field(default=True, description="log to <run>/tensorboard")
+    wandb_project: str | None = Field(default=None, description="also log to this Weights & Biases project "
+                                      "(pip install wandb)")
 
     @field_validator("init_from")
     @classmethod

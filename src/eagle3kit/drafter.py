@@ -117,6 +117,55 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
+_FLEX: dict = {}
+
+
+def _flex_kernels(device: torch.device):
+    """(flex_attention, create_block_mask) — compiled on CUDA, eager elsewhere (flex's unfused
+    reference, which materializes the scores: fine for the small shapes of CPU tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if device.type != "cuda":
+        return flex_attention, create_block_mask
+    if "cuda" not in _FLEX:
+        # shapes change with the batch's length and the TTT step (keys T·(k+1)): after the first
+        # change torch.compile recompiles once with symbolic sizes; the higher limit is a margin
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _FLEX["cuda"] = torch.compile(flex_attention)
+    return _FLEX["cuda"], create_block_mask
+
+
+def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor],
+                       doc: torch.Tensor | None = None) -> torch.Tensor:
+    """TTT attention of step k = len(keys) − 1 through flex attention.
+
+    Args:
+        q: [B, nh, T, d] (rotary applied); keys/vals: per step 0..k, [B, nkv, T, d].
+        doc: int64 [B, T] sequence ids of a packed row, or None.
+    Returns:
+        [B, nh, T, d]: position t attends to step-0 keys at positions ≤ t (of its own sequence)
+        and to the step-1..k keys of position t itself — the same function as the dense reference
+        in :meth:`Eagle3Drafter.ttt_forward` (EAGLE-3's training-time test, Li et al. 2025, §3.2).
+    """
+    B, _, T, _ = q.shape
+    flex, create_block_mask = _flex_kernels(q.device)
+    if torch.is_autocast_enabled(q.device.type):      # rotary promotes q/k to fp32: attend in the autocast dtype
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, keys, vals = q.to(dt), [k.to(dt) for k in keys], [v.to(dt) for v in vals]
+
+    def mask_mod(b, h, qi, ki):
+        seg = ki // T
+        j = ki - seg * T
+        causal = (seg == 0) & (j <= qi)
+        if doc is not None:
+            causal = causal & (doc[b, qi] == doc[b, j])
+        return causal | ((seg > 0) & (j == qi))
+
+    block = create_block_mask(mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device)
+    return flex(q, torch.cat(keys, dim=2), torch.cat(vals, dim=2), block_mask=block,
+                enable_gqa=q.shape[1] != keys[0].shape[1])
+
+
 class DraftKVCache:
     """Position-indexed KV cache for one drafter layer: ``k``/``v`` [B, kv_heads, max_len, d].
     Writing position p overwrites slot p; a query at position q sees slots ≤ q."""
@@ -204,6 +253,12 @@ class Eagle3Drafter(nn.Module):
             if isinstance(mod, nn.Linear):
                 nn.init.normal_(mod.weight, std=0.02)
 
+    def compile_layer(self) -> None:
+        """Compile the decoder layer's norm/concat and residual/MLP pieces with ``torch.compile``
+        (fuses the element-wise work around the matmuls; the attention has its own kernel)."""
+        self.midlayer.attn_input = torch.compile(self.midlayer.attn_input, dynamic=False)
+        self.midlayer.finish = torch.compile(self.midlayer.finish, dynamic=False)
+
     def set_vocab(self, vocab) -> None:
         """Install the draft vocabulary's maps (a :class:`eagle3kit.vocab.DraftVocab`)."""
         self.d2t.copy_(vocab.d2t)
@@ -218,16 +273,30 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(prenorm))
 
     # ---- training-time test -------------------------------------------------------------
+    def forward(self, *args, **kwargs) -> list[torch.Tensor]:
+        """:meth:`ttt_forward` (the module's forward, so DistributedDataParallel sees the training call)."""
+        return self.ttt_forward(*args, **kwargs)
+
     def ttt_forward(
-        self, aux: torch.Tensor, embeds: list[torch.Tensor], positions: torch.Tensor, key_mask: torch.Tensor | None = None
+        self, aux: torch.Tensor, embeds: list[torch.Tensor], positions: torch.Tensor, key_mask: torch.Tensor | None = None,
+        doc: torch.Tensor | None = None, attention: str = "reference",
     ) -> list[torch.Tensor]:
         """Unroll ``len(embeds)`` TTT steps over whole sequences.
 
         Args:
             aux: [B, T, 3·Ht] target aux states at positions 0..T−1.
             embeds: per step k, [B, T, H] target-embedding of x_{t+k+1} at position t (zeros past the end).
-            positions: int64 [B, T] rotary position of each row's token t (0-based; ``arange(T)``).
+            positions: int64 [B, T] rotary position of each token within its own sequence
+                (``arange(T)`` per row; restarting at 0 at each sequence of a packed row).
             key_mask: bool [B, T], False at padding (right padding).
+            doc: int64 [B, T] which sequence of a packed row each token belongs to (None: one per row);
+                a token attends only to earlier tokens of its own sequence.
+            attention: ``"reference"`` — dense [T, T] scores plus one diagonal score per earlier
+                step, readable, any device; ``"flex"`` — the same function through
+                ``torch.nn.attention.flex_attention`` over the concatenated keys [step 0 | step 1 | …]
+                with a block mask (causal in the step-0 block, the diagonal in the others), so no
+                [T, T·steps] mask or score matrix exists; compiled on CUDA (on CPU it runs flex's
+                unfused reference, for tests).
 
         Returns:
             list over steps of pre-norm outputs [B, T, H]; logits via :meth:`logits`.
@@ -235,30 +304,35 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         hidden = self.fc(aux)
         B, T, _ = hidden.shape
-        causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
-        allowed = causal[None] if key_mask is None else causal[None] & key_mask[:, None, :]
+        if attention == "reference":
+            allowed = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()[None]
+            if key_mask is not None:
+                allowed = allowed & key_mask[:, None, :]
+            if doc is not None:
+                allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+        elif attention != "flex":
+            raise ValueError(f"attention must be 'reference' or 'flex', not {attention!r}")
         scale = 1.0 / math.sqrt(attn.d)
-        k0 = v0 = None
-        diag_k: list[torch.Tensor] = []
-        diag_v: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
         outs = []
         for k, emb in enumerate(embeds):
             x = self.midlayer.attn_input(hidden, emb)
             cos, sin = self.rotary(x, positions + k)
             q, kk, vv = attn.qkv(x, cos, sin)
-            kk, vv = attn.expand(kk), attn.expand(vv)
-            if k == 0:
-                k0, v0 = kk, vv
+            keys.append(kk)
+            vals.append(vv)
+            if attention == "flex":
+                o = flex_ttt_attention(q, keys, vals, doc)
             else:
-                diag_k.append(kk)
-                diag_v.append(vv)
-            s0 = (q @ k0.transpose(-1, -2)) * scale                                  # [B, nh, T, T]
-            s0 = s0.masked_fill(~allowed[:, None], float("-inf"))
-            sd = [((q * dk).sum(-1, keepdim=True)) * scale for dk in diag_k]        # each [B, nh, T, 1]
-            p = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
-            o = p[..., :T] @ v0
-            for j, dv in enumerate(diag_v):
-                o = o + p[..., T + j: T + j + 1] * dv
+                k0, v0 = attn.expand(keys[0]), attn.expand(vals[0])
+                s0 = (q @ k0.transpose(-1, -2)) * scale                                  # [B, nh, T, T]
+                s0 = s0.masked_fill(~allowed[:, None], float("-inf"))
+                sd = [((q * attn.expand(dk)).sum(-1, keepdim=True)) * scale for dk in keys[1:]]   # each [B, nh, T, 1]
+                p = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
+                o = p[..., :T] @ v0
+                for j, dv in enumerate(vals[1:]):
+                    o = o + p[..., T + j: T + j + 1] * attn.expand(dv)
             hidden = self.midlayer.finish(attn.out(o), hidden)
             outs.append(hidden)
         return outs

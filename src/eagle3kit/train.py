@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import Config, ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
-from .rundir import RunDir, load_safetensors, set_aside, sha256_json, sha256_state, sha256_tensors
-from .target import Target, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits
+from .checkpoints import (_set_aside, checkpoint_provenance, init_from_drafter, load_drafter_checkpoint,  # noqa: F401
+                          save_drafter_checkpoint)
+from .rundir import RunDir, sha256_json, sha256_tensors
+from .trainlog import TrainLog
+from .target import Target, embed_tokens, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax
 from .tokenize import load_shard
+from .ttt import implied_tau, ttt_loss
 from .ui import Timer, console, progress
 from .vocab import DraftVocab, load_vocab
 
@@ -100,18 +105,54 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
             bar.update(task, advance=len(b), tokens=done_tokens)
 
 
-def make_batch(samples: list[Sample], idx: list[int], steps: int, device) -> dict:
+def packed_batches(lengths: list[int], tokens_per_step: int, row_len: int, shuffle: bool,
+                   rng: random.Random) -> list[list[list[int]]]:
+    """Sequence packing: samples placed first-fit by decreasing length into rows of at most
+    ``row_len`` tokens (a longer sample gets a row of its own), rows grouped
+    ``max(1, tokens_per_step // row_len)`` to a batch. Returns batches of rows of sample indices."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max(0, row_len - lengths[i]))
+    per = max(1, tokens_per_step // row_len)
+    if shuffle:
+        rng.shuffle(rows)
+    return [rows[a:a + per] for a in range(0, len(rows), per)]
+
+
+def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
     """Pad a batch and build per-step shifted tokens and masks.
 
+    ``idx``: one sample index per row, or per row a list of sample indices packed into that row
+    (each keeps its own rotary positions from 0 and attends only to itself; the batch then holds
+    ``doc`` [B, T], the sequence each token belongs to, −1 at padding).
+
     Returns dict with ``ids`` [B, T], ``aux`` [B, T, 3Ht], ``last`` [B, T, Ht], ``argmax`` [B, T],
-    ``key_mask`` [B, T] and per step k ``tok[k]`` [B, T] (x_{t+k+1}, 0 past the end) and
-    ``sup[k]`` [B, T] (input token is a completion token, DESIGN.md §4).
+    ``key_mask`` [B, T], ``positions`` [B, T] and per step k ``tok[k]`` [B, T] (x_{t+k+1}, 0 past
+    the end of its sequence) and ``sup[k]`` [B, T] (that token is a completion token of the same
+    sequence, DESIGN.md §4).
     """
-    ss = [samples[i] for i in idx]
-    ids = _pad([s.ids for s in ss]).to(device)
-    mask = _pad([s.mask for s in ss], False).to(device)
-    key_mask = _pad([torch.ones(s.ids.numel(), dtype=torch.bool) for s in ss], False).to(device)
+    rows = [[i] if isinstance(i, int) else list(i) for i in idx]
+    packed = any(len(r) > 1 for r in rows)
+
+    def rowcat(get, value=0):
+        return _pad([torch.cat([get(samples[i]) for i in r]) for r in rows], value).to(device)
+
+    ids = rowcat(lambda s: s.ids)
+    mask = rowcat(lambda s: s.mask, False)
+    key_mask = rowcat(lambda s: torch.ones(s.ids.numel(), dtype=torch.bool), False)
+    positions = rowcat(lambda s: torch.arange(s.ids.numel()))
     B, T = ids.shape
+    doc = None
+    if packed:
+        doc = _pad([torch.cat([torch.full((samples[i].ids.numel(),), j) for j, i in enumerate(r)]) for r in rows], -1).to(device)
     tok, sup = [], []
     for k in range(steps):
         sh = k + 1
@@ -120,75 +161,26 @@ def make_batch(samples: list[Sample], idx: list[int], steps: int, device) -> dic
         if sh < T:
             t_k[:, : T - sh] = ids[:, sh:]
             m_k[:, : T - sh] = mask[:, sh:]
+            if doc is not None:
+                same = doc[:, sh:] == doc[:, : T - sh]
+                m_k[:, : T - sh] &= same
+                t_k[:, : T - sh] *= same
         tok.append(t_k)
         sup.append(m_k)
-    out = {"ids": ids, "key_mask": key_mask, "tok": tok, "sup": sup,
-           "positions": torch.arange(T, device=device)[None].expand(B, T)}
-    if ss[0].aux is not None:
-        out["aux"] = _pad([s.aux for s in ss]).to(device)
-        if ss[0].topk_ids is not None:
-            out["topk_values"] = _pad([s.topk_values for s in ss]).to(device)
-            out["topk_ids"] = _pad([s.topk_ids for s in ss]).to(device)
-            out["top1_in_draft"] = _pad([s.top1_in_draft for s in ss], False).to(device)
+    out = {"ids": ids, "key_mask": key_mask, "tok": tok, "sup": sup, "positions": positions}
+    if doc is not None:
+        out["doc"] = doc
+    first = samples[rows[0][0]]
+    if first.aux is not None:
+        out["aux"] = rowcat(lambda s: s.aux)
+        if first.topk_ids is not None:
+            out["topk_values"] = rowcat(lambda s: s.topk_values)
+            out["topk_ids"] = rowcat(lambda s: s.topk_ids)
+            out["top1_in_draft"] = rowcat(lambda s: s.top1_in_draft, False)
         else:
-            out["last"] = _pad([s.last for s in ss]).to(device)
-            out["argmax"] = _pad([s.argmax for s in ss]).to(device)
+            out["last"] = rowcat(lambda s: s.last)
+            out["argmax"] = rowcat(lambda s: s.argmax)
     return out
-
-
-def shift(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x[:, t + k] at t (zero-filled past the end), for [B, T, ...] tensors."""
-    out = torch.zeros_like(x)
-    if k < x.shape[1]:
-        out[:, : x.shape[1] - k] = x[:, k:]
-    return out
-
-
-def ttt_loss(
-    drafter: Eagle3Drafter, target: Target, batch: dict, draft_ids: torch.Tensor, steps: int, step_weight: float
-) -> tuple[torch.Tensor, dict]:
-    """The EAGLE-3 TTT loss on one batch (see module docstring).
-
-    ``draft_ids``: int64 [Vd] target ids of the draft vocabulary. Returns (loss scalar, stats)
-    where stats holds per step ``loss``, ``acc`` (top-1 agreement) and ``n`` (supervised positions).
-    """
-    embed = target.parts.embed
-    embeds = [embed(t).to(drafter.fc.weight.dtype) for t in batch["tok"]]
-    outs = drafter.ttt_forward(batch["aux"].to(drafter.fc.weight.dtype), embeds, batch["positions"], batch["key_mask"])
-    in_draft = drafter.t2d
-    total = outs[0].new_zeros(())
-    stats = {"loss": [], "acc": [], "n": []}
-    topk = "topk_ids" in batch
-    for k in range(steps):
-        nxt = k + 1
-        if topk:
-            sup = batch["sup"][k] & shift(batch["top1_in_draft"], nxt)
-        else:
-            sup = batch["sup"][k] & in_draft[shift(batch["argmax"], nxt)]
-        n = int(sup.sum())
-        if n == 0:
-            stats["loss"].append(0.0), stats["acc"].append(0.0), stats["n"].append(0)
-            continue
-        if topk:        # the target's softmax over its K largest draft-vocab logits, 0 elsewhere
-            vals = torch.softmax(shift(batch["topk_values"], nxt)[sup].float(), dim=-1)
-            teacher = torch.zeros(n, draft_ids.numel(), device=vals.device).scatter_(1, shift(batch["topk_ids"], nxt)[sup], vals)
-        else:
-            teacher = torch.softmax(teacher_logits(target, shift(batch["last"], nxt)[sup], draft_ids), dim=-1)
-        logq = torch.log_softmax(drafter.logits(outs[k][sup]).float(), dim=-1)
-        ce = -(teacher * logq).sum() / n
-        total = total + (step_weight ** k) * ce
-        acc = (logq.argmax(-1) == teacher.argmax(-1)).float().mean()
-        stats["loss"].append(float(ce.detach())), stats["acc"].append(float(acc)), stats["n"].append(n)
-    return total, stats
-
-
-def implied_tau(acc: list[float]) -> float:
-    """1 + Σ_k Π_{j≤k} acc_j: the acceptance length per-step top-1 agreement implies (chain, greedy)."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
 
 
 @torch.no_grad()
@@ -199,7 +191,7 @@ def simulate_samples(drafter: Eagle3Drafter, target: Target, samples: list[Sampl
     drafter.eval()
     for s in samples:
         b = make_batch([s], [0], k, device)
-        embeds = [target.parts.embed(t).to(drafter.fc.weight.dtype) for t in b["tok"]]
+        embeds = [embed_tokens(target, t, drafter.fc.weight) for t in b["tok"]]
         outs = drafter.ttt_forward(b["aux"].to(drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
         draft = torch.stack([drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1).cpu()
         runs = match_runs(draft, s.ids.cpu())
@@ -217,90 +209,93 @@ def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int) -> Eagl
     return d
 
 
-def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) -> dict:
-    """Start ``drafter`` (freshly built for this run) from the weights of the drafter in ``folder``
-    (any layout :func:`eagle3kit.importer.read_drafter` reads): every tensor is copied, except
-    ``lm_head`` rows, which are matched by target token id (row of draft id i ↔ target id
-    i + d2t[i]) so a source with another draft vocabulary still lends every token both share.
+def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict, world=None):
+    """One optimizer step on one batch: the TTT loss (:func:`eagle3kit.ttt.ttt_loss`) under bf16
+    autocast when ``speed["bf16"]``, backward, gradient clipping to ``tc.grad_clip``, AdamW.
 
+    Args:
+        model: the drafter, or the drafter in DistributedDataParallel.
+        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``).
+        speed: ``{"attention", "bf16", "loss_chunk"}`` (see :func:`_resolve_speed`).
+        world: the :class:`~eagle3kit.distributed.World`; no step is taken when no process had a
+            supervised position (every process still calls backward, as DDP needs).
     Returns:
-        ``{"init_from", "init_from_sha256", "lm_head_rows_copied", "lm_head_rows"}``.
-    Raises:
-        ConfigError: the source's widths, target vocabulary or aux layer ids differ from this run's
-        (naming both values and the setting to change)."""
-    from .importer import read_drafter
-
-    src = read_drafter(folder, target=target_cfg).drafter
-    a, b = src.config, drafter.config
-    if list(a.aux_layer_ids) != list(b.aux_layer_ids):
-        raise ConfigError(f"train.init_from {folder} reads aux layers {a.aux_layer_ids} but this run trains on "
-                          f"{b.aux_layer_ids}; set target.aux_layer_ids: {a.aux_layer_ids}")
-    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "target_hidden_size", "vocab_size")
-    bad = [f"{f} {getattr(a, f)} ≠ {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
-    if bad:
-        raise ConfigError(f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}")
-    state = src.state_dict()
-    own = drafter.state_dict()
-    with torch.no_grad():
-        for k, v in state.items():
-            if k not in ("d2t", "t2d", "lm_head.weight"):
-                own[k].copy_(v.to(own[k].dtype))
-        row_of = torch.full((b.vocab_size,), -1, dtype=torch.int64)
-        row_of[torch.arange(a.draft_vocab_size) + src.d2t.cpu()] = torch.arange(a.draft_vocab_size)
-        j = row_of[torch.arange(b.draft_vocab_size) + drafter.d2t.cpu()]
-        hit = j >= 0
-        drafter.lm_head.weight[hit.to(drafter.lm_head.weight.device)] = \
-            src.lm_head.weight[j[hit]].to(drafter.lm_head.weight.dtype).to(drafter.lm_head.weight.device)
-    return {"init_from": str(folder), "init_from_sha256": sha256_state(state), "lm_head_rows_copied": int(hit.sum()),
-            "lm_head_rows": b.draft_vocab_size}
+        (loss scalar, per-step stats of :func:`eagle3kit.ttt.ttt_loss`).
+    """
+    drafter = getattr(model, "module", model)
+    with torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
+        loss, st = ttt_loss(model, target, batch, draft_ids, tc.ttt_steps, tc.step_weight,
+                            attention=speed["attention"], loss_chunk=speed["loss_chunk"])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    n = float(sum(st["n"]))
+    if (world.sum_floats([n])[0] if world is not None else n) > 0:
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+        opt.step()
+    return loss, st
 
 
-def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict) -> None:
-    """Drafter weights (+ d2t/t2d) as safetensors with the drafter config in the metadata."""
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, str(path), metadata={"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
+_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project"}   # settings that do not change what is trained
 
 
-def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
-    """Inverse of :func:`save_drafter_checkpoint` (strict: no missing or unexpected key)."""
-    from safetensors import safe_open
-
-    tensors = load_safetensors(path, "give a checkpoint written by `eagle3kit train` (checkpoints/*.safetensors)")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if "drafter_config" not in meta:
-        raise ConfigError(f"{path}: not an eagle3kit drafter checkpoint (no drafter_config metadata)")
-    d = Eagle3Drafter(DrafterConfig(**json.loads(meta["drafter_config"])))
-    missing, unexpected = d.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"{path}: drafter checkpoint is incomplete or foreign (missing {missing[:4]}, unexpected {unexpected[:4]})")
-    return d.to(device)
+def _resolve_speed(tc, device: torch.device) -> dict:
+    """The fast-path settings for ``device``: flex attention, bf16 autocast and a chunked loss on
+    CUDA; the readable reference (dense attention, fp32, unchunked loss) elsewhere."""
+    cuda = device.type == "cuda"
+    return {"attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
+            "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
+            "loss_chunk": tc.loss_chunk if tc.loss_chunk is not None else (4096 if cuda else 0)}
 
 
-def checkpoint_provenance(path: Path) -> dict:
-    """The provenance ``run_train`` stored in a checkpoint (target, tokenizer, vocab, aux ids)."""
-    from safetensors import safe_open
+def _epoch_batches(train: list[Sample], tc, epoch: int) -> list:
+    """This epoch's batches (seeded by ``train.seed`` + epoch: the same on every run and resume)."""
+    lengths = [s.ids.numel() for s in train]
+    rng = random.Random(tc.seed + epoch)
+    if tc.pack_length:
+        return packed_batches(lengths, tc.tokens_per_step, tc.pack_length, True, rng)
+    return length_batches(lengths, tc.tokens_per_step, True, rng)
 
-    with safe_open(str(path), "pt") as f:
-        return json.loads((f.metadata() or {}).get("provenance", "{}"))
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
 
 
-def _set_aside(ckpt: Path, log: Path) -> Path:
-    """Move a previous run's checkpoints (and its log) to ``checkpoints.prev-N``; never delete them."""
-    dest = set_aside(ckpt)
-    if log.exists():
-        log.rename(dest / log.name)
-    ckpt.mkdir()
-    return dest
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop log records past ``last_step`` (steps a killed run logged after its last checkpoint;
+    the resumed run logs them again)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    tmp.replace(path)
 
 
 def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
-    """Train the drafter; writes ``checkpoints/`` and ``train_log.jsonl``; returns the report section."""
+    """Train the drafter; writes ``checkpoints/``, ``train_log.jsonl`` and ``tensorboard/``; returns
+    the report section.
+
+    Under ``torchrun`` (see :mod:`eagle3kit.distributed`) every process trains on its own share of
+    the training samples with the drafter in DistributedDataParallel; rank 0 validates, writes
+    checkpoints, the log and the report. Resume: ``checkpoints/last.safetensors`` +
+    ``train_state.pt`` (optimizer, scheduler, data position within the epoch, RNG state) written
+    at the end of every epoch and every ``train.checkpoint_every`` steps; a rerun with the same
+    inputs continues from there and logs the same loss curve an uninterrupted run would.
+
+    Raises:
+        ConfigError: missing stage outputs, a vocabulary or tokenizer made for another target, no
+        supervised tokens.
+    """
+    from .distributed import init_world
     from .target import load_target
 
     tc = cfg.train
-    device = pick_device(tc.device)
+    world = init_world(pick_device(tc.device))
+    device = world.device
+    speed = _resolve_speed(tc, device)
     shard = run.require("tokens.safetensors", "tokenize")
     vocab_path = run.require("vocab.safetensors", "vocab")
     vocab, vocab_meta = load_vocab(vocab_path, expected_size=cfg.vocab.draft_vocab_size)
@@ -334,12 +329,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_val = max(1, round(len(samples) * tc.val_fraction)) if tc.val_fraction > 0 and len(samples) > 1 else 0
-    val = [samples[i] for i in order[:n_val]]
-    train = [samples[i] for i in order[n_val:]]
+    val = [samples[i] for i in order[:n_val]] if world.main else []
+    train = [samples[i] for i in order[n_val:]][world.rank::world.size]      # this process's share
     ckpt = run / "checkpoints"
     ckpt.mkdir(exist_ok=True)
     inputs = {"tokens": tokens_sha, "vocab": vocab_sha, "aux_layer_ids": list(aux_ids),
-              "train_config": sha256_json(tc.model_dump(mode="json")), "target": target.source.get("weights_fingerprint")}
+              "train_config": sha256_json(tc.model_dump(mode="json", exclude=_LOGISTICS)),
+              "target": target.source.get("weights_fingerprint"), "world_size": world.size}
     if features is not None:
         inputs["features"] = sha256_json(features)
 
@@ -351,12 +347,17 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     if init:
         inputs["init_from"] = provenance["init_from"] = init["init_from_sha256"]
         fresh = init["lm_head_rows"] - init["lm_head_rows_copied"]
-        console.print(f"train: starting from {tc.init_from} ({init['lm_head_rows_copied']} of {init['lm_head_rows']} "
-                      "lm_head rows shared by target id" + (f"; {fresh} start fresh)" if fresh else ")"))
+        if world.main:
+            console.print(f"train: starting from {tc.init_from} ({init['lm_head_rows_copied']} of {init['lm_head_rows']} "
+                          "lm_head rows shared by target id" + (f"; {fresh} start fresh)" if fresh else ")"))
     drafter = drafter.to(device)
+    if tc.compile:
+        drafter.compile_layer()
+    model = world.wrap(drafter)
     draft_ids = vocab.ids.to(device)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    batches_per_epoch = len(length_batches([s.ids.numel() for s in train], tc.tokens_per_step, False, rng))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
+                            fused=device.type == "cuda")
+    batches_per_epoch = world.min_int(len(_epoch_batches(train, tc, 0)))   # every process takes as many steps
     total_steps = batches_per_epoch * tc.epochs
     warmup = max(1, math.ceil(tc.warmup_ratio * total_steps))
 
@@ -366,97 +367,131 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    start_epoch, history, best = 0, [], {"val_tau": -1.0, "epoch": -1}
+    start_epoch, start_batch, history, best = 0, 0, [], {"val_tau": -1.0, "epoch": -1}
+    acc_state = None
     state_path = ckpt / "train_state.pt"
+    log_path = run / "train_log.jsonl"
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
         if st.get("inputs") == inputs and (ckpt / "last.safetensors").exists():
-            drafter.load_state_dict(load_file(str(ckpt / "last.safetensors")), strict=True)  # resume
+            drafter.load_state_dict(load_file(str(ckpt / "last.safetensors"), device=str(device)), strict=True)  # resume
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
-            start_epoch, history, best = st["epoch"] + 1, json.loads(st["history"]), json.loads(st["best"])
-            torch.set_rng_state(st["torch_rng"])  # batch order is seeded per epoch; the split is seeded once
-            console.print(f"[green]train: resuming after epoch {st['epoch'] + 1} of {tc.epochs}")
+            start_epoch, start_batch = st["next_epoch"], st["next_batch"]
+            history, best = json.loads(st["history"]), json.loads(st["best"])
+            acc_state = st["epoch_sums"][world.rank] if st.get("epoch_sums") else None
+            torch.set_rng_state(st["rng"]["torch"])
+            random.setstate(tuple(st["rng"]["python"]) if isinstance(st["rng"]["python"], list) else st["rng"]["python"])
+            if "cuda" in st["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(st["rng"]["cuda"])
+            if world.main:
+                _truncate_log(log_path, start_epoch * batches_per_epoch + start_batch)
+                console.print(f"[green]train: resuming at epoch {start_epoch + 1} of {tc.epochs}, "
+                              f"step {start_batch} of {batches_per_epoch}")
         else:
-            changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
-            changed = changed or ["last.safetensors missing"]
-            keep = _set_aside(ckpt, run / "train_log.jsonl")
-            console.print(f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
-                          f"moved them to {keep} and starting fresh")
-    if start_epoch >= tc.epochs:
+            world.barrier()
+            if world.main:
+                changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
+                changed = changed or ["last.safetensors missing"]
+                keep = _set_aside(ckpt, log_path)
+                console.print(f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
+                              f"moved them to {keep} and starting fresh")
+            world.barrier()
+    if start_epoch >= tc.epochs and world.main:
         console.print("[green]train: all epochs already done")
     timer = Timer()
     cached = tc.feature_cache or features is not None
     if start_epoch < tc.epochs and tc.feature_cache and features is None:
-        compute_features(target, samples, aux_ids, tc.tokens_per_step, device, device)
-    log = open(run / "train_log.jsonl", "a")
-    step = start_epoch * batches_per_epoch
-    trained_tokens = 0
+        compute_features(target, train + val, aux_ids, tc.tokens_per_step, device, device)
+    logger = TrainLog(run, tc, world.main, dict(speed, world_size=world.size))
+    stop_after = int(os.environ.get("EAGLE3KIT_STOP_AFTER_STEPS", "0"))   # tests: emulate a kill after this many steps
+    step = start_epoch * batches_per_epoch + start_batch
+    trained_tokens, steps_run = 0, 0
     last_stats: dict = {}
+
+    def save(next_epoch: int, next_batch: int, sums) -> None:
+        sums = world.gather_floats(sums) if sums is not None else None     # each process's running epoch sums
+        if world.main:
+            meta = {"epoch": next_epoch, "step": step, "provenance": json.dumps(provenance)}
+            save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta)
+            torch.save({"inputs": inputs, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "next_epoch": next_epoch, "next_batch": next_batch, "epoch_sums": sums,
+                        "history": json.dumps(history), "best": json.dumps(best), "rng": _rng_state()}, state_path)
+        world.barrier()
+
     for epoch in range(start_epoch, tc.epochs):
         drafter.train()
-        batches = length_batches([s.ids.numel() for s in train], tc.tokens_per_step, True, random.Random(tc.seed + epoch))
-        ep_loss, ep_acc0, ep_n, ep_tokens = 0.0, 0.0, 0, 0
-        with progress() as bar:
-            task = bar.add_task(f"train epoch {epoch + 1}/{tc.epochs}", total=len(batches), tokens=0, note="")
-            for b in batches:
+        batches = _epoch_batches(train, tc, epoch)[:batches_per_epoch]
+        first = start_batch if epoch == start_epoch else 0
+        sums = acc_state if (epoch == start_epoch and acc_state) else [0.0, 0.0, 0, 0]   # loss·n, acc0·n, n, tokens
+        with progress(disable=not world.main) as bar:
+            task = bar.add_task(f"train epoch {epoch + 1}/{tc.epochs}", total=len(batches), completed=first,
+                                tokens=0, note="")
+            for j in range(first, len(batches)):
+                b = batches[j]
+                idx = [i for r in b for i in (r if isinstance(r, list) else [r])]
                 if not cached:
-                    compute_features(target, [train[i] for i in b], aux_ids, tc.tokens_per_step, device, device)
+                    compute_features(target, [train[i] for i in idx], aux_ids, tc.tokens_per_step, device, device)
                 batch = make_batch(train, b, tc.ttt_steps, device)
-                loss, st = ttt_loss(drafter, target, batch, draft_ids, tc.ttt_steps, tc.step_weight)
-                opt.zero_grad(set_to_none=True)
-                if loss.requires_grad:
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-                    opt.step()
+                loss, st = train_step(model, opt, target, batch, draft_ids, tc, speed, world)
                 sched.step()
                 step += 1
-                ntok = int(batch["key_mask"].sum())
+                steps_run += 1
+                ntok = int(batch["key_mask"].sum()) * world.size
                 trained_tokens += ntok
-                ep_tokens += ntok
                 if not cached:
-                    for i in b:
+                    for i in idx:
                         train[i].aux = train[i].last = train[i].argmax = None
                 rec = {"step": step, "epoch": epoch + 1, "loss": round(float(loss.detach()), 5), "lr": sched.get_last_lr()[0],
                        "acc": [round(a, 4) for a in st["acc"]], "n": st["n"], "implied_tau": round(implied_tau(st["acc"]), 4),
                        "tokens": ntok}
-                log.write(json.dumps(rec) + "\n")
+                logger.step(rec, trained_tokens / max(timer.seconds, 1e-9))
                 if st["n"][0]:  # a batch with no supervised token adds nothing (no fake 0 in the mean)
-                    ep_loss += float(loss.detach()) * st["n"][0]
-                    ep_acc0 += st["acc"][0] * st["n"][0]
-                    ep_n += st["n"][0]
+                    sums = [sums[0] + float(loss.detach()) * st["n"][0], sums[1] + st["acc"][0] * st["n"][0],
+                            sums[2] + st["n"][0], sums[3]]
+                sums[3] += ntok
                 last_stats = rec
-                bar.update(task, advance=1, tokens=ep_tokens,
+                bar.update(task, advance=1, tokens=sums[3],
                            note=f"batch: loss {float(loss.detach()):.2f} acc0 {st['acc'][0]:.2f}")
-        log.flush()
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and j + 1 < len(batches):
+                    logger.flush()
+                    save(epoch, j + 1, sums)
+                if stop_after and steps_run >= stop_after:
+                    logger.close()
+                    raise SystemExit(f"train: stopped after {steps_run} steps (EAGLE3KIT_STOP_AFTER_STEPS)")
+        ep_loss, ep_acc0, ep_n, _ = world.sum_floats(sums)
         val_stats = simulate_samples(drafter, target, val, cfg.evaluate.k, device) if val else None
         epoch_rec = {"epoch": epoch + 1, "train_loss": round(ep_loss / max(ep_n, 1), 5),
                      "train_step0_accuracy": round(ep_acc0 / max(ep_n, 1), 4),
                      "val_tau": round(val_stats.tau, 4) if val_stats else None}
         history.append(epoch_rec)
-        console.print(f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  step-0 acc {epoch_rec['train_step0_accuracy']:.3f}"
-                      + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else ""))
-        meta = {"epoch": epoch + 1, "provenance": json.dumps(provenance)}
-        save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta)
+        logger.epoch(epoch_rec, step)
+        if world.main:
+            console.print(f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  step-0 acc "
+                          f"{epoch_rec['train_step0_accuracy']:.3f}"
+                          + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else ""))
         score = val_stats.tau if val_stats else -epoch_rec["train_loss"]
         if score > best["val_tau"]:
             best = {"val_tau": score, "epoch": epoch + 1}
-            save_drafter_checkpoint(drafter, ckpt / "best.safetensors", meta)
-        torch.save({"inputs": inputs, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "epoch": epoch,
-                    "history": json.dumps(history), "best": json.dumps(best), "torch_rng": torch.get_rng_state()},
-                   state_path)
-    log.close()
+            if world.main:
+                save_drafter_checkpoint(drafter, ckpt / "best.safetensors",
+                                        {"epoch": epoch + 1, "provenance": json.dumps(provenance)})
+        save(epoch + 1, 0, None)
+    logger.close()
     final = history[-1] if history else {}
     result = {
         "final_loss": final.get("train_loss"), "step0_accuracy": final.get("train_step0_accuracy"),
-        "best_epoch": best["epoch"], "best_val_tau": round(best["val_tau"], 4) if val else None,
-        "epochs": tc.epochs, "ttt_steps": tc.ttt_steps, "train_samples": len(train), "val_samples": len(val),
-        "history": history, "last_step": last_stats,
+        "best_epoch": best["epoch"], "best_val_tau": round(best["val_tau"], 4) if n_val else None,
+        "epochs": tc.epochs, "ttt_steps": tc.ttt_steps, "train_samples": len(samples) - n_val, "val_samples": n_val,
+        "history": history, "last_step": last_stats, "processes": world.size,
+        "attention": speed["attention"], "precision": "bf16" if speed["bf16"] else "fp32", "loss_chunk": speed["loss_chunk"],
     }
     if init:
         result.update({k: init[k] for k in ("init_from", "lm_head_rows_copied")})
     if trained_tokens:
         result["tokens_per_s"] = round(trained_tokens / timer.seconds, 1)
-    run.record_stage("train", inputs, result, {"best.safetensors": sha256_tensors(ckpt / "best.safetensors")})
-    run.update_manifest(aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)})
+    if world.main:
+        run.record_stage("train", inputs, result, {"best.safetensors": sha256_tensors(ckpt / "best.safetensors")})
+        run.update_manifest(aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)})
+    world.barrier()
     return result

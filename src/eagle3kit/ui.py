@@ -19,12 +19,13 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{rate:,.0f} tok/s", style="cyan")
 
 
-def progress() -> Progress:
-    """A progress display: description, bar, done/total, tokens/s (task field ``tokens``), elapsed, ETA."""
+def progress(disable: bool = False) -> Progress:
+    """A progress display: description, bar, done/total, tokens/s (task field ``tokens``), elapsed, ETA
+    (``disable``: show nothing, for the non-main processes of a distributed run)."""
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), _TokensPerSecond(),
         TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=console, transient=False,
+        console=console, transient=False, disable=disable,
     )
 
 

@@ -1,0 +1,79 @@
+"""Where ``train`` logs: ``<run>/train_log.jsonl`` (one record a step, the source of truth),
+TensorBoard (``<run>/tensorboard``) and, when asked, Weights & Biases. Only the main process logs."""
+from __future__ import annotations
+
+import json
+
+from .config import ConfigError
+
+
+class TrainLog:
+    """Per-step and per-epoch records to every sink the run's config turns on.
+
+    Args:
+        run: the run directory; tc: the ``train`` config section; main: whether this process logs;
+        settings: extra facts written once (attention path, precision, processes).
+    Raises:
+        ConfigError: ``train.wandb_project`` is set but wandb is not installed.
+    """
+
+    def __init__(self, run, tc, main: bool, settings: dict):
+        self.main = main
+        self.file = self.tb = self.wandb = None
+        if not main:
+            return
+        self.file = open(run / "train_log.jsonl", "a")
+        if tc.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run / "tensorboard"))
+            self.tb.add_text("settings", json.dumps(settings))
+        if tc.wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ConfigError("train.wandb_project is set but wandb is not installed; "
+                                  "pip install 'eagle3kit[wandb]' or unset train.wandb_project") from e
+            self.wandb = wandb.init(project=tc.wandb_project, dir=str(run), config={**tc.model_dump(mode="json"), **settings})
+
+    def step(self, rec: dict, tokens_per_s: float) -> None:
+        """One optimizer step's record (``step``, ``loss``, ``lr``, ``acc`` per TTT step, ``implied_tau`` …)."""
+        if not self.main:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        scalars = {"train/loss": rec["loss"], "train/lr": rec["lr"], "train/implied_tau": rec["implied_tau"],
+                   "train/tokens_per_s": tokens_per_s, **{f"train/acc_step{k}": a for k, a in enumerate(rec["acc"])}}
+        if self.tb:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, rec["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=rec["step"])
+
+    def epoch(self, rec: dict, step: int) -> None:
+        """One epoch's summary (``train_loss``, ``train_step0_accuracy``, ``val_tau``)."""
+        if not self.main:
+            return
+        scalars = {f"epoch/{k}": v for k, v in rec.items() if k != "epoch" and v is not None}
+        if self.tb:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.file:
+            self.file.flush()
+        if self.tb:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.file = None
+        if self.tb:
+            self.tb.close()
+            self.tb = None
+        if self.wandb:
+            self.wandb.finish()
+            self.wandb = None

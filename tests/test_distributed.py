@@ -1,0 +1,86 @@
+"""`train` under torchrun (issue 7): two CPU processes (gloo) with a DistributedDataParallel
+drafter, a run killed mid-epoch and resumed from its step checkpoint logs exactly the loss curve of
+an uninterrupted run; TensorBoard events are written. Each launch is a real
+``python -m torch.distributed.run --nproc-per-node 2 -m eagle3kit train``."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle3kit.rundir import RunDir
+from eagle3kit.tokenize import save_shard
+from eagle3kit.vocab import DraftVocab, save_vocab
+
+STEPS_BEFORE_KILL = 5
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, tiny_target):
+    """tokens + a 256-token draft vocabulary for the tiny 8-layer target: 24 samples of 10–30
+    tokens; the draft vocabulary holds the target's own top-1 picks, so most positions train."""
+    from eagle3kit.train import Sample, compute_features
+
+    d = tmp_path_factory.mktemp("dist-base")
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(24):
+        n = 10 + (i * 13) % 21
+        samples.append((torch.randint(3, 2000, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4)))
+    save_shard(d / "tokens.safetensors", samples)
+    online = [Sample(torch.tensor(i), torch.tensor(m, dtype=torch.bool)) for i, m in samples]
+    compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
+    top1 = sorted({int(t) for s in online for t in s.argmax})[:256]
+    rest = [i for i in range(3, 49152, 97) if i not in top1][: 256 - len(top1)]
+    save_vocab(d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=49152), {})
+    return d
+
+
+def _launch(run_dir, target_dir, stop_after: int | None = None) -> subprocess.CompletedProcess:
+    cfg = run_dir / "c.yaml"
+    cfg.write_text(f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
+                   "vocab: {draft_vocab_size: 256}\n"
+                   "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
+                   "val_fraction: 0.1, device: cpu}\nevaluate: {k: 2}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
+    if stop_after:
+        env["EAGLE3KIT_STOP_AFTER_STEPS"] = str(stop_after)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "eagle3kit", "train", "-c", str(cfg)], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _log(run_dir) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, tmp_path, tiny_target_dir):
+    runs = {}
+    for name in ("whole", "killed"):
+        d = tmp_path / name
+        shutil.copytree(base_run, d)
+        runs[name] = d
+    whole = _launch(runs["whole"], tiny_target_dir)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _launch(runs["killed"], tiny_target_dir, stop_after=STEPS_BEFORE_KILL)
+    assert killed.returncode != 0 and "stopped after 5 steps" in killed.stderr, killed.stderr[-3000:]
+    assert len(_log(runs["killed"])) == STEPS_BEFORE_KILL              # step 5 was logged, then the "kill"
+    resumed = _launch(runs["killed"], tiny_target_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at epoch 1 of 2, step 3 of" in " ".join(resumed.stderr.split())   # last checkpoint: step 3
+    a, b = _log(runs["whole"]), _log(runs["killed"])
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, len(a) + 1))
+    assert len(a) >= 2 * STEPS_BEFORE_KILL                             # the curve goes on well past the kill
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]           # the same curve, to the logged digit
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
+    assert a[-1]["loss"] < a[0]["loss"]
+    report = json.loads((runs["whole"] / "report.json").read_text())["train"]
+    assert report["processes"] == 2 and report["attention"] == "reference" and report["precision"] == "fp32"
+    assert report == json.loads((runs["killed"] / "report.json").read_text())["train"] | {
+        "tokens_per_s": report.get("tokens_per_s")}
+    assert any(f.name.startswith("events.out.tfevents") for f in (runs["whole"] / "tensorboard").iterdir())
+    assert RunDir(runs["whole"]).path.joinpath("checkpoints/best.safetensors").exists()

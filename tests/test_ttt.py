@@ -1,0 +1,97 @@
+"""The GPU formulation of training-time test against the readable reference, on the CPU:
+flex attention with a block mask vs dense TTT attention, the chunked loss vs the unchunked one,
+packed rows vs one sample per row."""
+import random
+import warnings
+
+import pytest
+import torch
+
+from eagle3kit.train import Sample, make_batch, packed_batches
+from eagle3kit.ttt import ttt_loss
+from test_drafter import V, tiny_drafter, tiny_target
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+def _samples(target, lengths, seed=0):
+    from eagle3kit.target import target_features, teacher_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, V, (n,), generator=g)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 3:] = True
+        aux, last = target_features(target, ids[None], None, (1, 2, 3))
+        out.append(Sample(ids, mask, aux[0], last[0], teacher_argmax(target, last[0])))
+    return out
+
+
+@torch.no_grad()
+def test_flex_attention_gives_the_reference_outputs_at_every_ttt_step():
+    """GQA (4 query heads, 2 kv heads), 4 TTT steps, right padding: every real position's output
+    of every step agrees with the dense reference (flex's unfused CPU path, float64)."""
+    d = tiny_drafter()
+    t = tiny_target()
+    b = make_batch(_samples(t, [19, 33]), [0, 1], 4, "cpu")
+    embeds = [t.parts.embed(x).to(torch.float64) for x in b["tok"]]
+    ref = d.ttt_forward(b["aux"], embeds, b["positions"], b["key_mask"])
+    flex = d.ttt_forward(b["aux"], embeds, b["positions"], b["key_mask"], attention="flex")
+    real = b["key_mask"]
+    for r, f in zip(ref, flex):
+        assert torch.allclose(r[real], f[real], atol=1e-6, rtol=1e-6)
+    # and the function differs from plain causal attention over one step (so the test can fail)
+    assert not torch.allclose(ref[3][real], d.ttt_forward(b["aux"], embeds[3:], b["positions"], b["key_mask"])[0][real])
+
+
+@pytest.mark.parametrize("attention", ["reference", "flex"])
+@torch.no_grad()
+def test_a_packed_row_gives_each_sample_what_it_gets_alone(attention):
+    d = tiny_drafter()
+    t = tiny_target()
+    ss = _samples(t, [11, 17, 6], seed=1)
+    packed = make_batch(ss, [[0, 1, 2]], 3, "cpu")
+    assert packed["positions"][0].tolist() == list(range(11)) + list(range(17)) + list(range(6))
+    emb = [t.parts.embed(x).to(torch.float64) for x in packed["tok"]]
+    outs = d.ttt_forward(packed["aux"], emb, packed["positions"], packed["key_mask"], doc=packed["doc"], attention=attention)
+    start = 0
+    for j, s in enumerate(ss):
+        alone = make_batch(ss, [j], 3, "cpu")
+        assert torch.equal(packed["tok"][2][0, start:start + len(s.ids)], alone["tok"][2][0])   # no token from the next sample
+        assert torch.equal(packed["sup"][2][0, start:start + len(s.ids)], alone["sup"][2][0])
+        emb1 = [t.parts.embed(x).to(torch.float64) for x in alone["tok"]]
+        ref = d.ttt_forward(alone["aux"], emb1, alone["positions"], alone["key_mask"])
+        for k in range(3):
+            assert torch.allclose(outs[k][0, start:start + len(s.ids)], ref[k][0], atol=1e-6), (j, k)
+        start += len(s.ids)
+    loss_p, st_p = ttt_loss(d, t, packed, torch.arange(V), 3, 0.8)
+    assert sum(st_p["n"]) == sum(sum(make_batch(ss, [j], 3, "cpu")["sup"][k].sum().item() for k in range(3)) for j in range(3))
+
+
+def test_chunked_loss_equals_the_unchunked_loss_and_gradients():
+    t = tiny_target()
+    b = make_batch(_samples(t, [23, 30], seed=2), [0, 1], 3, "cpu")
+    grads = []
+    for chunk in (0, 7):
+        d = tiny_drafter(vd=48)
+        loss, st = ttt_loss(d, t, b, d.d2t + torch.arange(48), 3, 0.8, loss_chunk=chunk)
+        loss.backward()
+        grads.append((float(loss.detach()), st["acc"], {k: p.grad.clone() for k, p in d.named_parameters()}))
+    (l0, a0, g0), (l1, a1, g1) = grads
+    assert l0 == pytest.approx(l1, rel=1e-6)          # the loss is taken in fp32
+    assert a0 == a1
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7), k
+    assert any(g0[k].abs().sum() > 0 for k in g0)
+
+
+def test_packing_fills_rows_and_keeps_every_sample_once():
+    lengths = [5, 9, 3, 7, 12, 2, 8, 30]
+    batches = packed_batches(lengths, tokens_per_step=32, row_len=16, shuffle=True, rng=random.Random(0))
+    rows = [r for b in batches for r in b]
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 16 for r in rows if len(r) > 1)
+    assert [r for r in rows if 7 in r] == [[7]]                  # longer than a row: a row of its own
+    assert all(len(b) <= 2 for b in batches)                     # 32 tokens a step = 2 rows of 16
+    assert sorted(sorted(lengths[i] for i in r) for r in rows) == [[2, 5, 8], [3, 12], [7, 9], [30]]   # first fit, decreasing
