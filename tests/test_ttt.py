@@ -95,3 +95,15 @@ def test_packing_fills_rows_and_keeps_every_sample_once():
     assert [r for r in rows if 7 in r] == [[7]]                  # longer than a row: a row of its own
     assert all(len(b) <= 2 for b in batches)                     # 32 tokens a step = 2 rows of 16
     assert sorted(sorted(lengths[i] for i in r) for r in rows) == [[2, 5, 8], [3, 12], [7, 9], [30]]   # first fit, decreasing
+
+
+def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
+    from eagle3kit.config import ConfigError, TrainConfig
+    from eagle3kit.train import _resolve_speed
+
+    assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {"attention": "flex", "bf16": True, "loss_chunk": 4096}
+    assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {"attention": "reference", "bf16": False, "loss_chunk": 0}
+    assert _resolve_speed(TrainConfig(attention="reference", precision="fp32", loss_chunk=0), torch.device("cuda", 0)) == \
+        {"attention": "reference", "bf16": False, "loss_chunk": 0}
+    with pytest.raises(ConfigError, match="flex needs a CUDA device"):
+        _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))

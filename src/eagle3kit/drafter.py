@@ -118,6 +118,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 _FLEX: dict = {}
+_BLOCK_MASKS: dict = {}     # (T, steps so far, device) → BlockMask of unpacked rows
 
 
 def _flex_kernels(device: torch.device):
@@ -161,7 +162,14 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[tor
             causal = causal & (doc[b, qi] == doc[b, j])
         return causal | ((seg > 0) & (j == qi))
 
-    block = create_block_mask(mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device)
+    key = (T, len(keys), str(q.device))
+    block = _BLOCK_MASKS.get(key) if doc is None else None     # without packing the mask depends on (T, step) only
+    if block is None:
+        block = create_block_mask(mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device)
+        if doc is None:
+            if len(_BLOCK_MASKS) >= 256:
+                _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+            _BLOCK_MASKS[key] = block
     return flex(q, torch.cat(keys, dim=2), torch.cat(vals, dim=2), block_mask=block,
                 enable_gqa=q.shape[1] != keys[0].shape[1])
 

@@ -242,6 +242,9 @@ def _resolve_speed(tc, device: torch.device) -> dict:
     """The fast-path settings for ``device``: flex attention, bf16 autocast and a chunked loss on
     CUDA; the readable reference (dense attention, fp32, unchunked loss) elsewhere."""
     cuda = device.type == "cuda"
+    if tc.attention == "flex" and not cuda:
+        raise ConfigError(f"train.attention: flex needs a CUDA device (flex attention has no backward pass on "
+                          f"{device.type}); use attention: auto or reference here")
     return {"attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
             "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
             "loss_chunk": tc.loss_chunk if tc.loss_chunk is not None else (4096 if cuda else 0)}
