@@ -141,3 +141,18 @@ def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
     cfg.write_text(cfg.read_text().replace("heldout_fraction: 0\n", "heldout_fraction: 0\n  on_bad_row: error\n"))
     res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
     assert res.exit_code == 2 and "mixed.jsonl:2: not valid JSON" in " ".join(res.output.split())
+
+
+def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, monkeypatch):
+    import eagle3kit.extract
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3kit.extract, "run_extract", interrupted)
+    (tmp_path / "run").mkdir()
+    res = CliRunner().invoke(app, ["extract", "--run-dir", str(tmp_path / "run"), "--shard-tokens", "4096"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 130
+    assert "interrupted: `eagle3kit extract` keeps what it finished" in out and "run the same command again to resume" in out
+    assert not (tmp_path / "run" / "config.yaml").exists()          # an interrupted command stores no config

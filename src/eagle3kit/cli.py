@@ -65,6 +65,10 @@ def _guard(fn):
         except (ConfigError, DataError, ExportError, OSError) as e:
             console.print(f"[bold red]error:[/] {e}")
             raise typer.Exit(2)
+        except KeyboardInterrupt:
+            console.print(f"[yellow]interrupted: `eagle3kit {fn.__name__}` keeps what it finished (appended rows, "
+                          "written shards, checkpoints); run the same command again to resume")
+            raise typer.Exit(130)
         finally:
             _PENDING.clear()
     return wrapper
@@ -126,11 +130,13 @@ def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
 def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
             dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (default) or fp8 (e4m3, per-token scale)"),
             teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
+            shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="tokens per shard (default 1,048,576); "
+                                                       "a killed extract resumes after the last whole shard"),
             out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>)")):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
     from .extract import run_extract
 
-    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher)})
+    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens)})
     _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
 
 
@@ -139,12 +145,14 @@ def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
 def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
           init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from this drafter folder (eagle3kit, "
                                                    "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)"),
-          features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards")):
-    """Train the EAGLE-3 drafter with training-time test (resumes after the last finished epoch)."""
+          features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
+          epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)")):
+    """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
     from .train import run_train
 
     cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None,
-                                                       features=str(features) if features is not None else None)})
+                                                       features=str(features) if features is not None else None,
+                                                       epochs=epochs)})
     _show("train", run_train(cfg, run))
 
 

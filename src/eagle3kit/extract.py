@@ -213,6 +213,8 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
     bpt = bytes_per_token(target.hidden_size, ec.dtype, topk, int(draft_ids.numel()) if draft_ids is not None else 0)
     free = shutil.disk_usage(out).free
     need = bpt * left_tokens + 4096 * (1 + left_tokens // max(ec.shard_tokens, 1))
+    if done == len(rows):
+        console.print(f"extract: {out} is complete ({done} samples in {len(index['shards'])} shards); nothing to do")
     console.print(f"extract: {len(rows) - done} samples, {left_tokens:,} tokens × {bpt:,} bytes ({ec.dtype}, teacher "
                   f"{ec.teacher}) = {need / 1e9:.3f} GB projected; {free / 1e9:.1f} GB free")
     if need > free:
@@ -240,6 +242,7 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
                 for k, r in enumerate(b_rows):
                     T = r[0].numel()
                     buf.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids, in_draft))
+                bar.update(task, advance=len(b_rows), tokens=new_tokens + buf.n)
             bad = [a for a, ok in finite if not bool(ok)]
             if bad:
                 raise DataError(f"the target's hidden states are not finite (NaN or inf) in samples {bad[0]}…"
@@ -253,7 +256,6 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
             write_json(index_path, index)
             new_tokens += n
             new_shards += 1
-            bar.update(task, advance=j - i, tokens=new_tokens)
             i = j
             if stop_after_shards is not None and new_shards >= stop_after_shards and i < len(rows):
                 break

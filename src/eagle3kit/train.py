@@ -235,7 +235,9 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
     return loss, st
 
 
-_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project"}   # settings that do not change what is trained
+# settings left out of the train-config hash: logistics that do not change what is trained, and
+# inputs hashed on their own (the features' and the init drafter's content, not their paths)
+_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from"}
 
 
 def _resolve_speed(tc, device: torch.device) -> dict:
@@ -325,6 +327,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
 
         features = load_features(tc.features, all_samples, feature_inputs(tokens_sha, aux_ids, target, vocab_sha),
                                  target, device)
+        if world.main:
+            console.print(f"train: features from {tc.features} ({features.get('dtype')}, teacher {features.get('teacher')}); "
+                          "the target runs only for validation")
     samples = [s for s in all_samples if s.mask[1:].any()]
     if not samples:
         raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
