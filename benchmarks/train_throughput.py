@@ -25,7 +25,7 @@ S: TTT steps; A: attention FLOPs per token, causal, 2·n_layers·n_heads·head_d
 target's forward and 3·2·n_heads·head_dim·T·S for the drafter's step-0 attention (forward and
 backward; the diagonal terms of steps ≥ 1 are negligible); R: the bf16 matmul rate measured in
 the same run (8192³ torch.matmul). Under ``torchrun`` every rank runs the fast path on its own
-GPU with its own target replica and a DistributedDataParallel drafter; tokens/s is the sum over
+GPU with its own target replica and a DistributedDataParallel (``--parallel fsdp``: FSDP2) drafter; tokens/s is the sum over
 ranks and, with ``--single JSON`` (a one-GPU result), the scaling efficiency is printed.
 
 Prints one table and writes benchmarks/results/train_throughput.json (key ``mfu``).
@@ -73,6 +73,7 @@ def main() -> None:
     from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.target import Target, resolve_parts, target_features, teacher_argmax
     from eagle3kit.config import TrainConfig
+    from eagle3kit.distributed import World
     from eagle3kit.train import Sample, make_batch, train_step
     from eagle3kit.ui import print_table
 
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="a small model and few tokens (a smoke run of the script)")
     ap.add_argument("--compile", action="store_true", help="also measure the fast path with the drafter layer compiled")
+    ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="under torchrun: DDP or FSDP2 drafter")
     ap.add_argument("--single", help="a one-GPU result JSON: print the scaling efficiency against it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_throughput.json"))
     args = ap.parse_args()
@@ -144,9 +146,7 @@ def main() -> None:
         fast = path.startswith("fast")
         speed = {"attention": "flex", "bf16": True, "loss_chunk": args.loss_chunk} if fast else \
             {"attention": "reference", "bf16": False, "loss_chunk": 0}
-        model_ = drafter
-        if world > 1:
-            model_ = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[dev.index])
+        model_ = World(rank, world, dev).wrap(drafter, args.parallel)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
         losses, sup = [], []
         torch.cuda.reset_peak_memory_stats(dev)
@@ -212,7 +212,7 @@ def main() -> None:
         "machine": f"{world} × {torch.cuda.get_device_name(dev)}", "torch": torch.__version__,
         "python": platform.python_version(), "gpus": world,
         "target": "Llama-3.1-8B shape, random bf16" if not args.tiny else "tiny Llama (smoke)",
-        "seq": T, "batch_per_gpu": B, "ttt_steps": S, "draft_vocab": vd, "drafter_hidden": cfg.hidden_size,
+        "parallel": args.parallel if world > 1 else None, "seq": T, "batch_per_gpu": B, "ttt_steps": S, "draft_vocab": vd, "drafter_hidden": cfg.hidden_size,
         "p_target": p_target, "p_drafter": p_drafter, "attention_flops_per_token": attn,
         "flops_per_token": flops_per_token, "matmul_tflops_measured": round(rate / 1e12, 1),
         "formula": "MFU = (2*P_target + 3*2*P_drafter*S + A) * tokens_per_s / (R * gpus)",

@@ -1,6 +1,7 @@
-"""`train` under torchrun (issue 7): two CPU processes (gloo) with a DistributedDataParallel
-drafter, a run killed mid-epoch and resumed from its step checkpoint logs exactly the loss curve of
-an uninterrupted run; TensorBoard events are written. Each launch is a real
+"""`train` under torchrun (issue 7): two CPU processes (gloo) with a DistributedDataParallel or an
+FSDP2-sharded drafter, a run killed mid-epoch and resumed from its step checkpoint logs exactly the
+loss curve of an uninterrupted run, and the two parallel modes train alike; TensorBoard events are
+written. Each launch is a real
 ``python -m torch.distributed.run --nproc-per-node 2 -m eagle3kit train``."""
 import json
 import os
@@ -39,12 +40,12 @@ def base_run(tmp_path_factory, tiny_target):
     return d
 
 
-def _launch(run_dir, target_dir, stop_after: int | None = None) -> subprocess.CompletedProcess:
+def _launch(run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp") -> subprocess.CompletedProcess:
     cfg = run_dir / "c.yaml"
     cfg.write_text(f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
                    "vocab: {draft_vocab_size: 256}\n"
                    "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
-                   "val_fraction: 0.1, device: cpu}\nevaluate: {k: 2}\n")
+                   f"val_fraction: 0.1, device: cpu, parallel: {parallel}}}\nevaluate: {{k: 2}}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
     if stop_after:
@@ -58,18 +59,22 @@ def _log(run_dir) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, tmp_path, tiny_target_dir):
+CURVES: dict = {}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, tmp_path, tiny_target_dir, parallel):
     runs = {}
     for name in ("whole", "killed"):
         d = tmp_path / name
         shutil.copytree(base_run, d)
         runs[name] = d
-    whole = _launch(runs["whole"], tiny_target_dir)
+    whole = _launch(runs["whole"], tiny_target_dir, parallel=parallel)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = _launch(runs["killed"], tiny_target_dir, stop_after=STEPS_BEFORE_KILL)
+    killed = _launch(runs["killed"], tiny_target_dir, stop_after=STEPS_BEFORE_KILL, parallel=parallel)
     assert killed.returncode != 0 and "stopped after 5 steps" in killed.stderr, killed.stderr[-3000:]
     assert len(_log(runs["killed"])) == STEPS_BEFORE_KILL              # step 5 was logged, then the "kill"
-    resumed = _launch(runs["killed"], tiny_target_dir)
+    resumed = _launch(runs["killed"], tiny_target_dir, parallel=parallel)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at epoch 1 of 2, step 3 of" in " ".join(resumed.stderr.split())   # last checkpoint: step 3
     a, b = _log(runs["whole"]), _log(runs["killed"])
@@ -84,3 +89,6 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, t
         "tokens_per_s": report.get("tokens_per_s")}
     assert any(f.name.startswith("events.out.tfevents") for f in (runs["whole"] / "tensorboard").iterdir())
     assert RunDir(runs["whole"]).path.joinpath("checkpoints/best.safetensors").exists()
+    CURVES[parallel] = [r["loss"] for r in a]
+    if parallel == "fsdp" and "ddp" in CURVES:           # sharded or replicated: the same training
+        assert CURVES["fsdp"] == pytest.approx(CURVES["ddp"], rel=1e-4)

@@ -52,9 +52,11 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
             "lm_head_rows": b.draft_vocab_size}
 
 
-def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict) -> None:
-    """Drafter weights (+ d2t/t2d) as safetensors with the drafter config in the metadata."""
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, state: dict | None = None) -> None:
+    """Drafter weights (+ d2t/t2d) as safetensors with the drafter config in the metadata
+    (``state``: the whole state dict when the drafter itself is sharded, see
+    :func:`eagle3kit.distributed.full_state`)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
     save_file(state, str(path), metadata={"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
 
 

@@ -226,6 +226,9 @@ class TrainConfig(_Strict):
                                    "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere")
     pack_length: int = Field(default=0, ge=0, description="pack samples into rows of this many tokens (each keeps "
                              "its own positions and attends only to itself); 0: one sample per row")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        default="ddp", description="under torchrun: ddp (DistributedDataParallel, replicated drafter) or fsdp "
+        "(FSDP2, drafter weights, gradients and optimizer state sharded over the processes)")
     checkpoint_every: int = Field(default=0, ge=0, description="also save a resumable checkpoint every this many "
                                   "steps (0: at the end of each epoch only)")
     compile: bool = Field(default=False, description="also torch.compile the drafter layer's norms, concatenation "

@@ -8,7 +8,7 @@ Launch::
 
 Each process takes GPU ``LOCAL_RANK`` (NCCL), or the CPU (gloo) when the run's device is the CPU;
 the target is replicated, one copy per process, and the drafter is wrapped in
-DistributedDataParallel.
+DistributedDataParallel (``train.parallel: ddp``) or sharded with FSDP2 (``fsdp``).
 """
 from __future__ import annotations
 
@@ -61,12 +61,45 @@ class World:
         dist.all_gather(out, t)
         return [o.tolist() for o in out]
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` in DistributedDataParallel over this world (itself on a world of one)."""
+    def wrap(self, module: torch.nn.Module, parallel: str = "ddp") -> torch.nn.Module:
+        """``module`` data-parallel over this world (itself on a world of one).
+
+        ``parallel``: ``"ddp"`` — DistributedDataParallel (replicated weights, all-reduced
+        gradients; returns the wrapper); ``"fsdp"`` — FSDP2 ``fully_shard`` (weights, gradients
+        and optimizer state sharded over the processes; shards ``module`` in place and returns it).
+        """
         if self.size == 1:
+            return module
+        if parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module, mesh=init_device_mesh(self.device.type, (self.size,)))
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def full_state(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """The whole (unsharded, on the CPU) model state and optimizer state, keyed by parameter
+    name, whether ``module`` is plain, in DDP or sharded by FSDP2 — a collective under FSDP2:
+    every process must call it (torch.distributed.checkpoint.state_dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(module, options=opts)
+    return model, (get_optimizer_state_dict(module, opt, options=opts) if opt is not None else None)
+
+
+def load_full_state(module: torch.nn.Module, model: dict, opt: torch.optim.Optimizer | None = None,
+                    opt_state: dict | None = None) -> None:
+    """Inverse of :func:`full_state` (every process passes the whole state; each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, strict=True)
+    set_model_state_dict(module, model, options=opts)
+    if opt is not None and opt_state is not None:
+        set_optimizer_state_dict(module, opt, optim_state_dict=opt_state, options=opts)
 
 
 def init_world(device: torch.device) -> World:

@@ -192,7 +192,7 @@ def simulate_samples(drafter: Eagle3Drafter, target: Target, samples: list[Sampl
     for s in samples:
         b = make_batch([s], [0], k, device)
         embeds = [embed_tokens(target, t, drafter.fc.weight) for t in b["tok"]]
-        outs = drafter.ttt_forward(b["aux"].to(drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
+        outs = drafter(b["aux"].to(drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])   # forward: FSDP hooks
         draft = torch.stack([drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1).cpu()
         runs = match_runs(draft, s.ids.cpu())
         first = int(s.mask.long().argmax())
@@ -237,7 +237,7 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
 
 # settings left out of the train-config hash: logistics that do not change what is trained, and
 # inputs hashed on their own (the features' and the init drafter's content, not their paths)
-_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from"}
+_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from", "parallel"}
 
 
 def _resolve_speed(tc, device: torch.device) -> dict:
@@ -294,7 +294,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         ConfigError: missing stage outputs, a vocabulary or tokenizer made for another target, no
         supervised tokens.
     """
-    from .distributed import init_world
+    from .distributed import full_state, init_world, load_full_state
     from .target import load_target
 
     tc = cfg.train
@@ -337,7 +337,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     order = list(range(len(samples)))
     rng.shuffle(order)
     n_val = max(1, round(len(samples) * tc.val_fraction)) if tc.val_fraction > 0 and len(samples) > 1 else 0
-    val = [samples[i] for i in order[:n_val]] if world.main else []
+    val = [samples[i] for i in order[:n_val]] if world.main or tc.parallel == "fsdp" else []   # FSDP: all validate
     train = [samples[i] for i in order[n_val:]][world.rank::world.size]      # this process's share
     ckpt = run / "checkpoints"
     ckpt.mkdir(exist_ok=True)
@@ -361,7 +361,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     drafter = drafter.to(device)
     if tc.compile:
         drafter.compile_layer()
-    model = world.wrap(drafter)
+    model = world.wrap(drafter, tc.parallel)
     draft_ids = vocab.ids.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                             fused=device.type == "cuda")
@@ -382,8 +382,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
         if st.get("inputs") == inputs and (ckpt / "last.safetensors").exists():
-            drafter.load_state_dict(load_file(str(ckpt / "last.safetensors"), device=str(device)), strict=True)  # resume
-            opt.load_state_dict(st["optimizer"])
+            load_full_state(drafter, load_file(str(ckpt / "last.safetensors")), opt, st["optimizer"])   # resume
             sched.load_state_dict(st["scheduler"])
             start_epoch, start_batch = st["next_epoch"], st["next_batch"]
             history, best = json.loads(st["history"]), json.loads(st["best"])
@@ -419,10 +418,11 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
 
     def save(next_epoch: int, next_batch: int, sums) -> None:
         sums = world.gather_floats(sums) if sums is not None else None     # each process's running epoch sums
+        model_state, opt_state = full_state(drafter, opt)                  # collective under FSDP
         if world.main:
             meta = {"epoch": next_epoch, "step": step, "provenance": json.dumps(provenance)}
-            save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta)
-            torch.save({"inputs": inputs, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta, model_state)
+            torch.save({"inputs": inputs, "optimizer": opt_state, "scheduler": sched.state_dict(),
                         "next_epoch": next_epoch, "next_batch": next_batch, "epoch_sums": sums,
                         "history": json.dumps(history), "best": json.dumps(best), "rng": _rng_state()}, state_path)
         world.barrier()
@@ -479,11 +479,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                           f"{epoch_rec['train_step0_accuracy']:.3f}"
                           + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else ""))
         score = val_stats.tau if val_stats else -epoch_rec["train_loss"]
+        score = world.sum_floats([score if world.main else 0.0])[0]       # rank 0's verdict, on every process
         if score > best["val_tau"]:
             best = {"val_tau": score, "epoch": epoch + 1}
+            model_state, _ = full_state(drafter)
             if world.main:
                 save_drafter_checkpoint(drafter, ckpt / "best.safetensors",
-                                        {"epoch": epoch + 1, "provenance": json.dumps(provenance)})
+                                        {"epoch": epoch + 1, "provenance": json.dumps(provenance)}, model_state)
         save(epoch + 1, 0, None)
     logger.close()
     final = history[-1] if history else {}
