@@ -40,12 +40,17 @@ def base_run(tmp_path_factory, tiny_target):
     return d
 
 
-def _launch(run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp") -> subprocess.CompletedProcess:
+def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
     cfg = run_dir / "c.yaml"
     cfg.write_text(f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
                    "vocab: {draft_vocab_size: 256}\n"
                    "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
                    f"val_fraction: 0.1, device: cpu, parallel: {parallel}}}\nevaluate: {{k: 2}}\n")
+    return cfg
+
+
+def _launch(run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp") -> subprocess.CompletedProcess:
+    cfg = _write_cfg(run_dir, target_dir, parallel)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
     if stop_after:
@@ -92,3 +97,37 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, t
     CURVES[parallel] = [r["loss"] for r in a]
     if parallel == "fsdp" and "ddp" in CURVES:           # sharded or replicated: the same training
         assert CURVES["fsdp"] == pytest.approx(CURVES["ddp"], rel=1e-4)
+
+
+def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_files(base_run, tmp_path, tiny_target_dir,
+                                                                                  monkeypatch):
+    """Changing a setting that does not change what is trained keeps the progress; weights and
+    state from different steps (a kill between the two writes) are set aside, naming why; the log
+    never holds a step twice; a finished run's report is kept as it was."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3kit.config import load_config
+    from eagle3kit.train import run_train
+    from eagle3kit.ui import console
+
+    d = tmp_path / "one"
+    shutil.copytree(base_run, d)
+    cfg = load_config(_write_cfg(d, tiny_target_dir))
+    monkeypatch.setenv("EAGLE3KIT_STOP_AFTER_STEPS", "5")
+    with pytest.raises(SystemExit):
+        run_train(cfg, RunDir(d))                                   # checkpoint at step 3, "killed" after step 5
+    cfg.train.loss_chunk, cfg.train.tensorboard = 7, False          # logistics changed: progress kept
+    with pytest.raises(SystemExit):
+        run_train(cfg, RunDir(d))                                   # resumes at 3, stops after 8
+    assert not (d / "checkpoints.prev-1").exists()
+    assert [r["step"] for r in _log(d)] == list(range(1, 9))
+    last = d / "checkpoints/last.safetensors"
+    save_file(load_file(str(last)), str(last), metadata={"step": "1"})   # weights from another step than the state
+    monkeypatch.delenv("EAGLE3KIT_STOP_AFTER_STEPS")
+    with console.capture() as cap:
+        res = run_train(cfg, RunDir(d))
+    assert "from another step than train_state.pt" in " ".join(cap.get().split())
+    assert (d / "checkpoints.prev-1" / "train_log.jsonl").exists()
+    assert [r["step"] for r in _log(d)] == list(range(1, len(_log(d)) + 1)) and len(_log(d)) > 8
+    again = run_train(cfg, RunDir(d))                               # all done: the report is kept as it was
+    assert again["last_step"] == res["last_step"] and again["tokens_per_s"] == res["tokens_per_s"]

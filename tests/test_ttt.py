@@ -107,3 +107,26 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
         {"attention": "reference", "bf16": False, "loss_chunk": 0}
     with pytest.raises(ConfigError, match="flex needs a CUDA device"):
         _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
+
+
+def test_padding_in_packed_rows_keeps_every_gradient_finite():
+    """A packed batch whose second row is shorter (padding, doc −1, no real key to attend to) used
+    to give NaN in every weight through the dense path's all-masked softmax rows."""
+    t = tiny_target()
+    ss = _samples(t, [12, 9, 7], seed=3)
+    d = tiny_drafter()
+    b = make_batch(ss, [[0, 1], [2]], 2, "cpu")
+    assert (b["doc"][1] == -1).any()                                   # the second row is padded
+    loss, st = ttt_loss(d, t, b, torch.arange(V), 2, 0.8)
+    loss.backward()
+    assert torch.isfinite(loss) and sum(st["n"]) > 0
+    assert all(torch.isfinite(p.grad).all() for p in d.parameters())
+
+
+def test_packed_batches_stay_within_the_token_budget_when_samples_outgrow_a_row():
+    lengths = [10 + (i * 7) % 21 for i in range(30)]
+    batches = packed_batches(lengths, tokens_per_step=64, row_len=5, shuffle=True, rng=random.Random(1))
+    for b in batches:
+        widest = max(sum(lengths[i] for i in r) for r in b)
+        assert len(b) == 1 or len(b) * widest <= 64
+    assert sorted(i for b in batches for r in b for i in r) == list(range(30))

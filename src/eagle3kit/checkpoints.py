@@ -3,6 +3,7 @@ in the metadata), reading them back strictly, and starting a run from another dr
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -57,7 +58,9 @@ def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, stat
     (``state``: the whole state dict when the drafter itself is sharded, see
     :func:`eagle3kit.distributed.full_state`)."""
     state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
-    save_file(state, str(path), metadata={"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
+    tmp = Path(path).with_name(Path(path).name + ".tmp")         # written whole, then renamed: a kill never leaves half
+    save_file(state, str(tmp), metadata={"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
+    os.replace(tmp, path)
 
 
 def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
@@ -85,9 +88,13 @@ def checkpoint_provenance(path: Path) -> dict:
 
 
 def _set_aside(ckpt: Path, log: Path) -> Path:
-    """Move a previous run's checkpoints (and its log) to ``checkpoints.prev-N``; never delete them."""
+    """Move a previous run's checkpoints (and its log and TensorBoard events) to ``checkpoints.prev-N``;
+    never delete them."""
     dest = set_aside(ckpt)
     if log.exists():
         log.rename(dest / log.name)
+    tb = log.parent / "tensorboard"
+    if tb.exists():
+        tb.rename(dest / tb.name)
     ckpt.mkdir()
     return dest

@@ -6,6 +6,7 @@ the command with exit code 2 and a message naming the thing and the fix.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -59,11 +60,14 @@ def _guard(fn):
 
         try:
             out = fn(*a, **kw)
-            for path, text in _PENDING:
-                path.write_text(text)
+            if int(os.environ.get("RANK", "0")) == 0:      # under torchrun only rank 0 stores the config
+                for path, text in _PENDING:
+                    path.write_text(text)
             return out
         except (ConfigError, DataError, ExportError, OSError) as e:
-            console.print(f"[bold red]error:[/] {e}")
+            from rich.markup import escape
+
+            console.print(f"[bold red]error:[/] {escape(str(e))}")     # brackets in the message are text, not markup
             raise typer.Exit(2)
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted: `eagle3kit {fn.__name__}` keeps what it finished (appended rows, "
@@ -75,6 +79,8 @@ def _guard(fn):
 
 
 def _show(title: str, values: dict) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:              # under torchrun rank 0 reports
+        return
     print_table(title, [(k, v) for k, v in values.items() if not isinstance(v, (dict, list))])
 
 

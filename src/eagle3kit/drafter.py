@@ -264,8 +264,9 @@ class Eagle3Drafter(nn.Module):
     def compile_layer(self) -> None:
         """Compile the decoder layer's norm/concat and residual/MLP pieces with ``torch.compile``
         (fuses the element-wise work around the matmuls; the attention has its own kernel)."""
-        self.midlayer.attn_input = torch.compile(self.midlayer.attn_input, dynamic=False)
-        self.midlayer.finish = torch.compile(self.midlayer.finish, dynamic=False)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.midlayer.attn_input = torch.compile(self.midlayer.attn_input)    # symbolic sizes after the first change
+        self.midlayer.finish = torch.compile(self.midlayer.finish)
 
     def set_vocab(self, vocab) -> None:
         """Install the draft vocabulary's maps (a :class:`eagle3kit.vocab.DraftVocab`)."""
@@ -318,6 +319,9 @@ class Eagle3Drafter(nn.Module):
                 allowed = allowed & key_mask[:, None, :]
             if doc is not None:
                 allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+            # every position may attend to itself: a padding query has no other key, and an all-masked row
+            # would give NaN (which reaches every weight through the backward pass)
+            allowed = allowed | torch.eye(T, dtype=torch.bool, device=hidden.device)[None]
         elif attention != "flex":
             raise ValueError(f"attention must be 'reference' or 'flex', not {attention!r}")
         scale = 1.0 / math.sqrt(attn.d)

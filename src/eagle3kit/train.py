@@ -23,13 +23,13 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from .config import Config, ConfigError
+from .rundir import DataError
 from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
 from .checkpoints import (_set_aside, checkpoint_provenance, init_from_drafter, load_drafter_checkpoint,  # noqa: F401
@@ -38,50 +38,10 @@ from .rundir import RunDir, sha256_json, sha256_tensors
 from .trainlog import TrainLog
 from .target import Target, embed_tokens, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax
 from .tokenize import load_shard
+from .batches import Sample, _pad, length_batches, make_batch, packed_batches  # noqa: F401
 from .ttt import implied_tau, ttt_loss
 from .ui import Timer, console, progress
 from .vocab import DraftVocab, load_vocab
-
-
-@dataclass
-class Sample:
-    """One training sequence and (when cached) its target features.
-
-    ids int64 [T]; mask bool [T] (completion tokens); aux [T, 3·Ht]; last [T, Ht] post-norm;
-    argmax int64 [T] target full-vocabulary argmax at each position; or, from top-K features,
-    ``topk_values``/``topk_ids``/``top1_in_draft`` in place of ``last``/``argmax``."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    aux: torch.Tensor | None = None
-    last: torch.Tensor | None = None
-    argmax: torch.Tensor | None = None
-    topk_values: torch.Tensor | None = None     # [T, K] fp32 teacher logits (features extracted with topk:K)
-    topk_ids: torch.Tensor | None = None        # [T, K] int64 draft ids
-    top1_in_draft: torch.Tensor | None = None   # [T] bool: the target's top-1 is in the draft vocabulary
-
-
-def length_batches(lengths: list[int], tokens_per_batch: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
-    """Group sample indices by similar length so that B · T_max ≤ ``tokens_per_batch`` (a longer
-    sample forms a batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        m = max(cur_max, lengths[i])
-        if cur and m * (len(cur) + 1) > tokens_per_batch:
-            batches.append(cur)
-            cur, m = [], lengths[i]
-        cur.append(i)
-        cur_max = m
-    if cur:
-        batches.append(cur)
-    if shuffle:
-        rng.shuffle(batches)
-    return batches
-
-
-def _pad(seqs: list[torch.Tensor], value=0) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
 @torch.no_grad()
@@ -103,84 +63,6 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
                 s.argmax = teacher_argmax(target, last[j, :n]).to(store_device)
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
-
-
-def packed_batches(lengths: list[int], tokens_per_step: int, row_len: int, shuffle: bool,
-                   rng: random.Random) -> list[list[list[int]]]:
-    """Sequence packing: samples placed first-fit by decreasing length into rows of at most
-    ``row_len`` tokens (a longer sample gets a row of its own), rows grouped
-    ``max(1, tokens_per_step // row_len)`` to a batch. Returns batches of rows of sample indices."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max(0, row_len - lengths[i]))
-    per = max(1, tokens_per_step // row_len)
-    if shuffle:
-        rng.shuffle(rows)
-    return [rows[a:a + per] for a in range(0, len(rows), per)]
-
-
-def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
-    """Pad a batch and build per-step shifted tokens and masks.
-
-    ``idx``: one sample index per row, or per row a list of sample indices packed into that row
-    (each keeps its own rotary positions from 0 and attends only to itself; the batch then holds
-    ``doc`` [B, T], the sequence each token belongs to, −1 at padding).
-
-    Returns dict with ``ids`` [B, T], ``aux`` [B, T, 3Ht], ``last`` [B, T, Ht], ``argmax`` [B, T],
-    ``key_mask`` [B, T], ``positions`` [B, T] and per step k ``tok[k]`` [B, T] (x_{t+k+1}, 0 past
-    the end of its sequence) and ``sup[k]`` [B, T] (that token is a completion token of the same
-    sequence, DESIGN.md §4).
-    """
-    rows = [[i] if isinstance(i, int) else list(i) for i in idx]
-    packed = any(len(r) > 1 for r in rows)
-
-    def rowcat(get, value=0):
-        return _pad([torch.cat([get(samples[i]) for i in r]) for r in rows], value).to(device)
-
-    ids = rowcat(lambda s: s.ids)
-    mask = rowcat(lambda s: s.mask, False)
-    key_mask = rowcat(lambda s: torch.ones(s.ids.numel(), dtype=torch.bool), False)
-    positions = rowcat(lambda s: torch.arange(s.ids.numel()))
-    B, T = ids.shape
-    doc = None
-    if packed:
-        doc = _pad([torch.cat([torch.full((samples[i].ids.numel(),), j) for j, i in enumerate(r)]) for r in rows], -1).to(device)
-    tok, sup = [], []
-    for k in range(steps):
-        sh = k + 1
-        t_k = torch.zeros_like(ids)
-        m_k = torch.zeros_like(mask)
-        if sh < T:
-            t_k[:, : T - sh] = ids[:, sh:]
-            m_k[:, : T - sh] = mask[:, sh:]
-            if doc is not None:
-                same = doc[:, sh:] == doc[:, : T - sh]
-                m_k[:, : T - sh] &= same
-                t_k[:, : T - sh] *= same
-        tok.append(t_k)
-        sup.append(m_k)
-    out = {"ids": ids, "key_mask": key_mask, "tok": tok, "sup": sup, "positions": positions}
-    if doc is not None:
-        out["doc"] = doc
-    first = samples[rows[0][0]]
-    if first.aux is not None:
-        out["aux"] = rowcat(lambda s: s.aux)
-        if first.topk_ids is not None:
-            out["topk_values"] = rowcat(lambda s: s.topk_values)
-            out["topk_ids"] = rowcat(lambda s: s.topk_ids)
-            out["top1_in_draft"] = rowcat(lambda s: s.top1_in_draft, False)
-        else:
-            out["last"] = rowcat(lambda s: s.last)
-            out["argmax"] = rowcat(lambda s: s.argmax)
-    return out
 
 
 @torch.no_grad()
@@ -237,7 +119,8 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
 
 # settings left out of the train-config hash: logistics that do not change what is trained, and
 # inputs hashed on their own (the features' and the init drafter's content, not their paths)
-_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from", "parallel"}
+_LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from", "parallel", "compile",
+              "loss_chunk", "attention", "precision", "device"}
 
 
 def _resolve_speed(tc, device: torch.device) -> dict:
@@ -298,6 +181,12 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     from .target import load_target
 
     tc = cfg.train
+    if tc.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("train.wandb_project is set but wandb is not installed; pip install 'eagle3kit[wandb]' "
+                              "or unset train.wandb_project")
     world = init_world(pick_device(tc.device))
     device = world.device
     speed = _resolve_speed(tc, device)
@@ -381,7 +270,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     log_path = run / "train_log.jsonl"
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
-        if st.get("inputs") == inputs and (ckpt / "last.safetensors").exists():
+        from safetensors import safe_open
+
+        weights_step = None
+        if (ckpt / "last.safetensors").exists():
+            with safe_open(str(ckpt / "last.safetensors"), "pt") as f:
+                weights_step = (f.metadata() or {}).get("step")
+        if st.get("inputs") == inputs and weights_step is not None and weights_step == str(st.get("step")):
             load_full_state(drafter, load_file(str(ckpt / "last.safetensors")), opt, st["optimizer"])   # resume
             sched.load_state_dict(st["scheduler"])
             start_epoch, start_batch = st["next_epoch"], st["next_batch"]
@@ -391,7 +286,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             random.setstate(tuple(st["rng"]["python"]) if isinstance(st["rng"]["python"], list) else st["rng"]["python"])
             if "cuda" in st["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(st["rng"]["cuda"])
-            if world.main:
+            if world.main and start_epoch < tc.epochs:
                 _truncate_log(log_path, start_epoch * batches_per_epoch + start_batch)
                 console.print(f"[green]train: resuming at epoch {start_epoch + 1} of {tc.epochs}, "
                               f"step {start_batch} of {batches_per_epoch}")
@@ -399,18 +294,30 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             world.barrier()
             if world.main:
                 changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
-                changed = changed or ["last.safetensors missing"]
+                if "train_config" in changed and st.get("train_config"):
+                    old_tc, new_tc = json.loads(st["train_config"]), tc.model_dump(mode="json", exclude=_LOGISTICS)
+                    changed.remove("train_config")
+                    changed += [f"train.{k}" for k in sorted(set(old_tc) | set(new_tc)) if old_tc.get(k) != new_tc.get(k)]
+                if not changed:
+                    changed = ["last.safetensors is missing or from another step than train_state.pt (a kill during a save)"]
                 keep = _set_aside(ckpt, log_path)
                 console.print(f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
                               f"moved them to {keep} and starting fresh")
             world.barrier()
-    if start_epoch >= tc.epochs and world.main:
-        console.print("[green]train: all epochs already done")
+    if start_epoch >= tc.epochs:
+        if world.main:
+            console.print("[green]train: all epochs already done")
+        done = run.report.get("train")
+        if done:
+            return done
+    if start_epoch == 0 and start_batch == 0 and world.main:
+        _truncate_log(log_path, 0)       # steps a run killed before its first checkpoint logged: they are redone
     timer = Timer()
     cached = tc.feature_cache or features is not None
     if start_epoch < tc.epochs and tc.feature_cache and features is None:
         compute_features(target, train + val, aux_ids, tc.tokens_per_step, device, device)
-    logger = TrainLog(run, tc, world.main, dict(speed, world_size=world.size))
+    logger = TrainLog(run, tc, world.main, dict(speed, world_size=world.size),
+                      purge_step=start_epoch * batches_per_epoch + start_batch)
     stop_after = int(os.environ.get("EAGLE3KIT_STOP_AFTER_STEPS", "0"))   # tests: emulate a kill after this many steps
     step = start_epoch * batches_per_epoch + start_batch
     trained_tokens, steps_run = 0, 0
@@ -422,9 +329,12 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         if world.main:
             meta = {"epoch": next_epoch, "step": step, "provenance": json.dumps(provenance)}
             save_drafter_checkpoint(drafter, ckpt / "last.safetensors", meta, model_state)
-            torch.save({"inputs": inputs, "optimizer": opt_state, "scheduler": sched.state_dict(),
+            tmp = state_path.with_name(state_path.name + ".tmp")          # whole, then renamed
+            torch.save({"inputs": inputs, "optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
                         "next_epoch": next_epoch, "next_batch": next_batch, "epoch_sums": sums,
-                        "history": json.dumps(history), "best": json.dumps(best), "rng": _rng_state()}, state_path)
+                        "train_config": json.dumps(tc.model_dump(mode="json", exclude=_LOGISTICS)),
+                        "history": json.dumps(history), "best": json.dumps(best), "rng": _rng_state()}, tmp)
+            os.replace(tmp, state_path)
         world.barrier()
 
     for epoch in range(start_epoch, tc.epochs):
@@ -445,7 +355,11 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                 sched.step()
                 step += 1
                 steps_run += 1
-                ntok = int(batch["key_mask"].sum()) * world.size
+                if not torch.isfinite(loss.detach()):
+                    raise DataError(f"train: the loss is {float(loss.detach())} at step {step} (epoch {epoch + 1}); nothing "
+                                    "after the last checkpoint is kept. Lower train.lr, or check the features "
+                                    "(`eagle3kit extract` refuses non-finite ones) and target.dtype")
+                ntok = int(world.sum_floats([float(batch["key_mask"].sum())])[0])     # over every process
                 trained_tokens += ntok
                 if not cached:
                     for i in idx:

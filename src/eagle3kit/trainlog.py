@@ -12,12 +12,13 @@ class TrainLog:
 
     Args:
         run: the run directory; tc: the ``train`` config section; main: whether this process logs;
-        settings: extra facts written once (attention path, precision, processes).
+        settings: extra facts written once (attention path, precision, processes);
+        purge_step: the step a resumed run continues after (later TensorBoard events are dropped).
     Raises:
         ConfigError: ``train.wandb_project`` is set but wandb is not installed.
     """
 
-    def __init__(self, run, tc, main: bool, settings: dict):
+    def __init__(self, run, tc, main: bool, settings: dict, purge_step: int | None = None):
         self.main = main
         self.file = self.tb = self.wandb = None
         if not main:
@@ -26,7 +27,8 @@ class TrainLog:
         if tc.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run / "tensorboard"))
+            # purge_step: a resumed run drops the events a killed run logged after its last checkpoint
+            self.tb = SummaryWriter(str(run / "tensorboard"), purge_step=purge_step or None)
             self.tb.add_text("settings", json.dumps(settings))
         if tc.wandb_project:
             try:
