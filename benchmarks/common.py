@@ -1,10 +1,56 @@
-"""What the benchmarks share: τ of drafters on the two held-out evaluation sets (K = 3, simulate
-mode, greedy chain) — MT-bench first turns and the last 80 GSM8K train questions — with the
-target's greedy continuations computed once per run directory and cached there."""
+"""What the benchmarks share: opening a run directory (its config, the target, tokens and vocab),
+training one variant of its drafter in a sub-folder, and τ of drafters on the two held-out
+evaluation sets (K = 3, simulate mode, greedy chain) — MT-bench first turns and the last 80 GSM8K
+train questions — with the target's greedy continuations computed once per run directory and
+cached there."""
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
+
+
+def open_run(path: str):
+    """(run, cfg, device, target) for a run directory whose conversations exist; tokenizes and
+    builds the draft vocabulary first when they are missing."""
+    from eagle3kit.config import load_config
+    from eagle3kit.rundir import RunDir
+    from eagle3kit.target import load_target, pick_device
+    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.vocab import run_vocab
+
+    run = RunDir(path)
+    cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
+    device = pick_device("auto")
+    target = load_target(cfg.target, device=device)
+    if not (run / "tokens.safetensors").exists():
+        run_tokenize(cfg, run, tokenizer=target.tokenizer)
+        run_vocab(cfg, run, tokenizer=target.tokenizer)
+    return run, cfg, device, target
+
+
+def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict, float]:
+    """Train a drafter in ``vdir`` (the run's tokens and vocab copied in) with ``train_settings``
+    overriding the run's ``train`` section, and export its best checkpoint to ``vdir/drafter``.
+    Returns (train report, seconds)."""
+    from eagle3kit.export import export_drafter
+    from eagle3kit.rundir import RunDir
+    from eagle3kit.train import load_drafter_checkpoint, run_train
+
+    vdir.mkdir(parents=True, exist_ok=True)
+    for f in ("tokens.safetensors", "vocab.safetensors"):
+        if not (vdir / f).exists():
+            shutil.copy(run / f, vdir / f)
+    vcfg = cfg.model_copy(deep=True)
+    vcfg.run_dir = str(vdir)
+    for k, v in train_settings.items():
+        setattr(vcfg.train, k, v)
+    t = time.perf_counter()
+    res = run_train(vcfg, RunDir(vdir), target=target)
+    seconds = time.perf_counter() - t
+    export_drafter(load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True)
+    return res, seconds
 
 
 def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eval_tokens: int = 256,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -27,17 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from common import heldout_tau
+    from common import heldout_tau, open_run, train_variant
 
-    from eagle3kit.config import load_config
-    from eagle3kit.export import export_drafter
     from eagle3kit.extract import run_extract
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import load_target, pick_device
-    from eagle3kit.tokenize import run_tokenize
-    from eagle3kit.train import load_drafter_checkpoint, run_train
     from eagle3kit.ui import print_table
-    from eagle3kit.vocab import run_vocab
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)
@@ -52,13 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "feature_store.json"))
     args = ap.parse_args()
     start = time.perf_counter()
-    run = RunDir(args.run)
-    cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
-    device = pick_device("auto")
-    target = load_target(cfg.target, device=device)
-    if not (run / "tokens.safetensors").exists():
-        run_tokenize(cfg, run, tokenizer=target.tokenizer)
-        run_vocab(cfg, run, tokenizer=target.tokenizer)
+    run, cfg, device, target = open_run(args.run)
     state_path = run / "feature_store_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"extract": {}, "train": {}, "tau": {}}
     options = [("bf16", "last"), ("fp8", "last"), ("bf16", f"topk:{args.topk}"), ("fp8", f"topk:{args.topk}")]
@@ -79,19 +65,9 @@ def main() -> None:
                 print(f"budget: stopping before {name}; run again to continue")
                 state_path.write_text(json.dumps(state, indent=2))
                 return
-            vdir = run / "variants" / name
-            vdir.mkdir(parents=True, exist_ok=True)
-            for f in ("tokens.safetensors", "vocab.safetensors"):
-                if not (vdir / f).exists():
-                    shutil.copy(run / f, vdir / f)
-            vcfg = cfg.model_copy(deep=True)
-            vcfg.run_dir = str(vdir)
-            vcfg.train.features, vcfg.train.seed = state["extract"][key]["path"], seed
-            vcfg.train.epochs, vcfg.train.ttt_steps = args.epochs, args.ttt
-            t = time.perf_counter()
-            res = run_train(vcfg, RunDir(vdir), target=target)
-            train_s.append(time.perf_counter() - t)
-            export_drafter(load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True)
+            res, seconds = train_variant(cfg, run, run / "variants" / name, target, features=state["extract"][key]["path"],
+                                         seed=seed, epochs=args.epochs, ttt_steps=args.ttt)
+            train_s.append(seconds)
             state["train"][name] = {"seconds": round(train_s[-1], 1), "tokens_per_s": res.get("tokens_per_s"),
                                     "best_val_tau": res.get("best_val_tau")}
             state_path.write_text(json.dumps(state, indent=2))

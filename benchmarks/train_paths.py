@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -35,16 +33,9 @@ PATHS = {
 
 
 def main() -> None:
-    from common import heldout_tau
+    from common import heldout_tau, open_run, train_variant
 
-    from eagle3kit.config import load_config
-    from eagle3kit.export import export_drafter
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import load_target, pick_device
-    from eagle3kit.tokenize import run_tokenize
-    from eagle3kit.train import load_drafter_checkpoint, run_train
     from eagle3kit.ui import print_table
-    from eagle3kit.vocab import run_vocab
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)
@@ -58,13 +49,7 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_paths.json"))
     args = ap.parse_args()
-    run = RunDir(args.run)
-    cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
-    device = pick_device("auto")
-    target = load_target(cfg.target, device=device)
-    if not (run / "tokens.safetensors").exists():
-        run_tokenize(cfg, run, tokenizer=target.tokenizer)
-        run_vocab(cfg, run, tokenizer=target.tokenizer)
+    run, cfg, device, target = open_run(args.run)
     state_path = run / "train_paths_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"train": {}, "tau": {}}
     for seed in args.seeds:
@@ -72,20 +57,10 @@ def main() -> None:
             name = f"{path}-seed{seed}"
             if name in state["train"]:
                 continue
-            vdir = run / "paths" / name
-            vdir.mkdir(parents=True, exist_ok=True)
-            for f in ("tokens.safetensors", "vocab.safetensors"):
-                if not (vdir / f).exists():
-                    shutil.copy(run / f, vdir / f)
-            vcfg = cfg.model_copy(deep=True)
-            vcfg.run_dir = str(vdir)
-            vcfg.train.seed, vcfg.train.epochs, vcfg.train.ttt_steps = seed, args.epochs, args.ttt
-            for k, v in PATHS[path].items():
-                setattr(vcfg.train, k, args.pack if k == "pack_length" else v)
-            t = time.perf_counter()
-            res = run_train(vcfg, RunDir(vdir), target=target)
-            export_drafter(load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True)
-            state["train"][name] = {"seconds": round(time.perf_counter() - t, 1), "tokens_per_s": res.get("tokens_per_s"),
+            settings = {k: args.pack if k == "pack_length" else v for k, v in PATHS[path].items()}
+            res, seconds = train_variant(cfg, run, run / "paths" / name, target, seed=seed, epochs=args.epochs,
+                                         ttt_steps=args.ttt, **settings)
+            state["train"][name] = {"seconds": round(seconds, 1), "tokens_per_s": res.get("tokens_per_s"),
                                     "best_val_tau": res.get("best_val_tau"), "final_loss": res.get("final_loss"),
                                     "attention": res.get("attention"), "precision": res.get("precision")}
             state_path.write_text(json.dumps(state, indent=2))

@@ -117,6 +117,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
+def compiled(fn):
+    """``torch.compile(fn)`` for code whose shapes change with the batch's length and the TTT step:
+    after the first change torch.compile recompiles once with symbolic sizes; the raised recompile
+    limit (64) is a margin for what stays static."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn)
+
+
 _FLEX: dict = {}
 _BLOCK_MASKS: dict = {}     # (T, steps so far, device) → BlockMask of unpacked rows
 
@@ -129,10 +137,7 @@ def _flex_kernels(device: torch.device):
     if device.type != "cuda":
         return flex_attention, create_block_mask
     if "cuda" not in _FLEX:
-        # shapes change with the batch's length and the TTT step (keys T·(k+1)): after the first
-        # change torch.compile recompiles once with symbolic sizes; the higher limit is a margin
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _FLEX["cuda"] = torch.compile(flex_attention)
+        _FLEX["cuda"] = compiled(flex_attention)       # keys are T·(k+1) long: shapes change every step
     return _FLEX["cuda"], create_block_mask
 
 
@@ -264,9 +269,8 @@ class Eagle3Drafter(nn.Module):
     def compile_layer(self) -> None:
         """Compile the decoder layer's norm/concat and residual/MLP pieces with ``torch.compile``
         (fuses the element-wise work around the matmuls; the attention has its own kernel)."""
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.midlayer.attn_input = torch.compile(self.midlayer.attn_input)    # symbolic sizes after the first change
-        self.midlayer.finish = torch.compile(self.midlayer.finish)
+        self.midlayer.attn_input = compiled(self.midlayer.attn_input)
+        self.midlayer.finish = compiled(self.midlayer.finish)
 
     def set_vocab(self, vocab) -> None:
         """Install the draft vocabulary's maps (a :class:`eagle3kit.vocab.DraftVocab`)."""
@@ -325,26 +329,27 @@ class Eagle3Drafter(nn.Module):
         elif attention != "flex":
             raise ValueError(f"attention must be 'reference' or 'flex', not {attention!r}")
         scale = 1.0 / math.sqrt(attn.d)
-        keys: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []       # per step, [B, nkv, T, d]; the reference keeps them GQA-expanded
         vals: list[torch.Tensor] = []
         outs = []
         for k, emb in enumerate(embeds):
             x = self.midlayer.attn_input(hidden, emb)
             cos, sin = self.rotary(x, positions + k)
             q, kk, vv = attn.qkv(x, cos, sin)
-            keys.append(kk)
-            vals.append(vv)
             if attention == "flex":
+                keys.append(kk)
+                vals.append(vv)
                 o = flex_ttt_attention(q, keys, vals, doc)
             else:
-                k0, v0 = attn.expand(keys[0]), attn.expand(vals[0])
-                s0 = (q @ k0.transpose(-1, -2)) * scale                                  # [B, nh, T, T]
+                keys.append(attn.expand(kk))
+                vals.append(attn.expand(vv))
+                s0 = (q @ keys[0].transpose(-1, -2)) * scale                              # [B, nh, T, T]
                 s0 = s0.masked_fill(~allowed[:, None], float("-inf"))
-                sd = [((q * attn.expand(dk)).sum(-1, keepdim=True)) * scale for dk in keys[1:]]   # each [B, nh, T, 1]
+                sd = [((q * dk).sum(-1, keepdim=True)) * scale for dk in keys[1:]]       # each [B, nh, T, 1]
                 p = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
-                o = p[..., :T] @ v0
+                o = p[..., :T] @ vals[0]
                 for j, dv in enumerate(vals[1:]):
-                    o = o + p[..., T + j: T + j + 1] * attn.expand(dv)
+                    o = o + p[..., T + j: T + j + 1] * dv
             hidden = self.midlayer.finish(attn.out(o), hidden)
             outs.append(hidden)
         return outs

@@ -221,10 +221,10 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
             _expect(t, "aux_scale", (n_tok, 3), (torch.float32,), path)
             if not topk:
                 _expect(t, "last_scale", (n_tok,), (torch.float32,), path)
-        floats = [aux_t.float() if not fp8 else dequantize_fp8(aux_t, t["aux_scale"], torch.float32)]
-        floats += [t["last"].float() if not fp8 else dequantize_fp8(t["last"], t["last_scale"], torch.float32)] if not topk else []
-        floats += [t["topk_values"].float()] if topk else []
-        if not all(bool(torch.isfinite(x).all()) for x in floats):
+        # dequantized once per shard (fp32), checked, then sliced per sample
+        aux_all = dequantize_fp8(aux_t, t["aux_scale"], torch.float32) if fp8 else aux_t
+        last_all = None if topk else (dequantize_fp8(t["last"], t["last_scale"], torch.float32) if fp8 else t["last"])
+        if not all(bool(torch.isfinite(x).all()) for x in (aux_all, t["topk_values"] if topk else last_all)):
             raise DataError(f"{path} holds NaN or inf values; {fix}")
         for k in range(s["samples"]):
             a, b = off[k], off[k + 1]
@@ -232,15 +232,13 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
             if b - a != smp.ids.numel():
                 raise DataError(f"{path}: sample {s['first_sample'] + k} has {b - a} tokens, the token shard "
                                 f"{smp.ids.numel()}; {fix}")
-            aux = t["aux"][a:b] if not fp8 else dequantize_fp8(t["aux"][a:b], t["aux_scale"][a:b], dt)
-            smp.aux = aux.to(dt).reshape(b - a, -1).to(device)
+            smp.aux = aux_all[a:b].to(dt).reshape(b - a, -1).to(device)
             if topk:
                 smp.topk_values = t["topk_values"][a:b].float().to(device)
                 smp.topk_ids = t["topk_ids"][a:b].long().to(device)
                 smp.top1_in_draft = t["top1_in_draft"][a:b].to(device)
                 smp.last = smp.argmax = None
             else:
-                last = t["last"][a:b] if not fp8 else dequantize_fp8(t["last"][a:b], t["last_scale"][a:b], dt)
-                smp.last = last.to(dt).to(device)
+                smp.last = last_all[a:b].to(dt).to(device)
                 smp.argmax = teacher_argmax(target, smp.last)
     return inputs

@@ -102,7 +102,8 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
         world: the :class:`~eagle3kit.distributed.World`; no step is taken when no process had a
             supervised position (every process still calls backward, as DDP needs).
     Returns:
-        (loss scalar, per-step stats of :func:`eagle3kit.ttt.ttt_loss`).
+        (loss scalar, per-step stats of :func:`eagle3kit.ttt.ttt_loss` plus ``tokens``, the batch's
+        real tokens summed over every process).
     """
     drafter = getattr(model, "module", model)
     with torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
@@ -110,8 +111,10 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
                             attention=speed["attention"], loss_chunk=speed["loss_chunk"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    n = float(sum(st["n"]))
-    if (world.sum_floats([n])[0] if world is not None else n) > 0:
+    mine = [float(sum(st["n"])), float(batch["key_mask"].sum())]
+    n, tokens = world.sum_floats(mine) if world is not None else mine      # one collective for both
+    st["tokens"] = int(tokens)
+    if n > 0:
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
     return loss, st
@@ -230,8 +233,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     train = [samples[i] for i in order[n_val:]][world.rank::world.size]      # this process's share
     ckpt = run / "checkpoints"
     ckpt.mkdir(exist_ok=True)
+    tc_fields = tc.model_dump(mode="json", exclude=_LOGISTICS)        # what is trained (hashed, stored, diffed)
     inputs = {"tokens": tokens_sha, "vocab": vocab_sha, "aux_layer_ids": list(aux_ids),
-              "train_config": sha256_json(tc.model_dump(mode="json", exclude=_LOGISTICS)),
+              "train_config": sha256_json(tc_fields),
               "target": target.source.get("weights_fingerprint"), "world_size": world.size}
     if features is not None:
         inputs["features"] = sha256_json(features)
@@ -270,8 +274,6 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     log_path = run / "train_log.jsonl"
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
-        from safetensors import safe_open
-
         weights_step = None
         if (ckpt / "last.safetensors").exists():
             with safe_open(str(ckpt / "last.safetensors"), "pt") as f:
@@ -287,7 +289,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             if "cuda" in st["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(st["rng"]["cuda"])
             if world.main and start_epoch < tc.epochs:
-                _truncate_log(log_path, start_epoch * batches_per_epoch + start_batch)
+                _truncate_log(log_path, start_epoch * batches_per_epoch + start_batch)   # steps past the checkpoint
                 console.print(f"[green]train: resuming at epoch {start_epoch + 1} of {tc.epochs}, "
                               f"step {start_batch} of {batches_per_epoch}")
         else:
@@ -295,9 +297,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             if world.main:
                 changed = sorted(k for k in set(inputs) | set(st.get("inputs", {})) if inputs.get(k) != st.get("inputs", {}).get(k))
                 if "train_config" in changed and st.get("train_config"):
-                    old_tc, new_tc = json.loads(st["train_config"]), tc.model_dump(mode="json", exclude=_LOGISTICS)
+                    old_tc = json.loads(st["train_config"])
                     changed.remove("train_config")
-                    changed += [f"train.{k}" for k in sorted(set(old_tc) | set(new_tc)) if old_tc.get(k) != new_tc.get(k)]
+                    changed += [f"train.{k}" for k in sorted(set(old_tc) | set(tc_fields)) if old_tc.get(k) != tc_fields.get(k)]
                 if not changed:
                     changed = ["last.safetensors is missing or from another step than train_state.pt (a kill during a save)"]
                 keep = _set_aside(ckpt, log_path)
@@ -310,16 +312,15 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         done = run.report.get("train")
         if done:
             return done
-    if start_epoch == 0 and start_batch == 0 and world.main:
+    step = start_epoch * batches_per_epoch + start_batch             # optimizer steps already taken
+    if step == 0 and world.main:
         _truncate_log(log_path, 0)       # steps a run killed before its first checkpoint logged: they are redone
     timer = Timer()
     cached = tc.feature_cache or features is not None
     if start_epoch < tc.epochs and tc.feature_cache and features is None:
         compute_features(target, train + val, aux_ids, tc.tokens_per_step, device, device)
-    logger = TrainLog(run, tc, world.main, dict(speed, world_size=world.size),
-                      purge_step=start_epoch * batches_per_epoch + start_batch)
+    logger = TrainLog(run, tc, world.main, dict(speed, world_size=world.size), purge_step=step)
     stop_after = int(os.environ.get("EAGLE3KIT_STOP_AFTER_STEPS", "0"))   # tests: emulate a kill after this many steps
-    step = start_epoch * batches_per_epoch + start_batch
     trained_tokens, steps_run = 0, 0
     last_stats: dict = {}
 
@@ -332,7 +333,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
             tmp = state_path.with_name(state_path.name + ".tmp")          # whole, then renamed
             torch.save({"inputs": inputs, "optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
                         "next_epoch": next_epoch, "next_batch": next_batch, "epoch_sums": sums,
-                        "train_config": json.dumps(tc.model_dump(mode="json", exclude=_LOGISTICS)),
+                        "train_config": json.dumps(tc_fields),
                         "history": json.dumps(history), "best": json.dumps(best), "rng": _rng_state()}, tmp)
             os.replace(tmp, state_path)
         world.barrier()
@@ -359,7 +360,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                     raise DataError(f"train: the loss is {float(loss.detach())} at step {step} (epoch {epoch + 1}); nothing "
                                     "after the last checkpoint is kept. Lower train.lr, or check the features "
                                     "(`eagle3kit extract` refuses non-finite ones) and target.dtype")
-                ntok = int(world.sum_floats([float(batch["key_mask"].sum())])[0])     # over every process
+                ntok = st["tokens"]
                 trained_tokens += ntok
                 if not cached:
                     for i in idx:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from .config import ConfigError
-
 
 class TrainLog:
     """Per-step and per-epoch records to every sink the run's config turns on.
@@ -14,8 +12,6 @@ class TrainLog:
         run: the run directory; tc: the ``train`` config section; main: whether this process logs;
         settings: extra facts written once (attention path, precision, processes);
         purge_step: the step a resumed run continues after (later TensorBoard events are dropped).
-    Raises:
-        ConfigError: ``train.wandb_project`` is set but wandb is not installed.
     """
 
     def __init__(self, run, tc, main: bool, settings: dict, purge_step: int | None = None):
@@ -30,12 +26,9 @@ class TrainLog:
             # purge_step: a resumed run drops the events a killed run logged after its last checkpoint
             self.tb = SummaryWriter(str(run / "tensorboard"), purge_step=purge_step or None)
             self.tb.add_text("settings", json.dumps(settings))
-        if tc.wandb_project:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ConfigError("train.wandb_project is set but wandb is not installed; "
-                                  "pip install 'eagle3kit[wandb]' or unset train.wandb_project") from e
+        if tc.wandb_project:      # installed: run_train checks before any work
+            import wandb
+
             self.wandb = wandb.init(project=tc.wandb_project, dir=str(run), config={**tc.model_dump(mode="json"), **settings})
 
     def step(self, rec: dict, tokens_per_s: float) -> None:
