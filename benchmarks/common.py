@@ -53,42 +53,60 @@ def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict,
     return res, seconds
 
 
-def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eval_tokens: int = 256,
-                eval_prompts: int | None = None, done: dict | None = None, on_result=None) -> tuple[dict, dict]:
-    """τ(K=3) of each exported drafter folder in ``drafters`` on both sets.
+EVAL_SETS = {"mt_bench": {"path": "data/prompts/mt_bench.jsonl"},
+             "gsm8k_heldout": {"path": "data/chats/gsm8k_train.jsonl", "start": -80}}
 
-    Args:
-        run: the run directory (holds the continuation cache ``heldout_continuations.json``).
-        shared: the shared data folder (``data/prompts/mt_bench.jsonl``, ``data/chats/gsm8k_train.jsonl``).
-        done: results already measured (``{name: {set: τ}}``), skipped.
-        on_result: called with (name, result) after each drafter (to save progress).
-    Returns:
-        ({name: {"mt_bench": τ, "gsm8k_heldout": τ}}, {set: number of prompts}).
-    """
+
+def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts: int | None = None) -> dict:
+    """The two evaluation sets: ``{set: (rows, prompt ids, target greedy continuations)}``.
+
+    Prompts are first user turns (MT-bench's first turn), rendered with the target's template;
+    continuations are the target's greedy ``eval_tokens`` tokens, computed once and cached in the
+    run directory (``heldout_continuations.json``)."""
     from eagle3kit.config import PromptSource
-    from eagle3kit.evaluate import greedy_continuations, simulate
-    from eagle3kit.export import load_exported
+    from eagle3kit.evaluate import greedy_continuations
     from eagle3kit.generate import render_prompt_ids
     from eagle3kit.prompts import read_source
 
-    sets = {"mt_bench": PromptSource(path=f"{shared}/data/prompts/mt_bench.jsonl", name="mt_bench"),
-            "gsm8k_heldout": PromptSource(path=f"{shared}/data/chats/gsm8k_train.jsonl", start=-80, name="gsm8k_heldout")}
     cache = Path(getattr(run, "path", run)) / "heldout_continuations.json"
     conts = json.loads(cache.read_text()) if cache.exists() else {}
-    prompts = {}
-    for name, src in sets.items():
-        rows, _ = read_source(src)
+    out = {}
+    for name, spec in EVAL_SETS.items():
+        rows, _ = read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))
         rows = rows[:eval_prompts] if eval_prompts else rows
-        prompts[name] = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows]   # first turns
-        if name not in conts:
-            conts[name] = greedy_continuations(target, prompts[name], eval_tokens, "transformers", 160)
+        prompts = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows]
+        if name not in conts or len(conts[name]) != len(prompts):
+            conts[name] = greedy_continuations(target, prompts, eval_tokens, "transformers", 160)
             cache.write_text(json.dumps(conts))
+        out[name] = (rows, prompts, conts[name])
+    return out
+
+
+def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eval_tokens: int = 256,
+                eval_prompts: int | None = None, done: dict | None = None, on_result=None,
+                ks: tuple[int, ...] = (3,)) -> tuple[dict, dict]:
+    """τ of each exported drafter folder in ``drafters`` on both sets (simulate mode, greedy chain)
+    at every K in ``ks``.
+
+    Args:
+        run: the run directory (holds the continuation cache, see :func:`heldout_sets`).
+        shared: the shared data folder (``data/prompts/mt_bench.jsonl``, ``data/chats/gsm8k_train.jsonl``).
+        done: results already measured (``{name: {set: {"k3": τ}}}``), skipped.
+        on_result: called with (name, result) after each drafter (to save progress).
+    Returns:
+        ({name: {"mt_bench": {"k3": τ, …}, "gsm8k_heldout": {…}}}, {set: number of prompts}).
+    """
+    from eagle3kit.evaluate import simulate
+    from eagle3kit.export import load_exported
+
+    sets = heldout_sets(run, target, shared, eval_tokens, eval_prompts)
     out = dict(done or {})
     for name, folder in drafters.items():
         if name in out:
             continue
         d = load_exported(folder, device=device).eval().to(target.dtype)
-        out[name] = {s: round(simulate(d, target, prompts[s], conts[s], 3, device)[0].tau, 4) for s in sets}
+        out[name] = {s: {f"k{k}": round(simulate(d, target, p, c, k, device)[0].tau, 4) for k in ks}
+                     for s, (_, p, c) in sets.items()}
         if on_result:
             on_result(name, out[name])
-    return out, {s: len(p) for s, p in prompts.items()}
+    return out, {s: len(p) for s, (_, p, _) in sets.items()}

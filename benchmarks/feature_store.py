@@ -82,7 +82,7 @@ def main() -> None:
     rows, table = [], []
     for dtype, teacher in options:
         key = f"{dtype}-{teacher}"
-        taus = {s: [state["tau"].get(f"{key}-seed{sd}", {}).get(s) for sd in args.seeds] for s in sets}
+        taus = {s: [state["tau"].get(f"{key}-seed{sd}", {}).get(s, {}).get("k3") for sd in args.seeds] for s in sets}
         bpt = state["extract"][key]["bytes_per_token"]
         rows.append({"option": key, "bytes_per_token": bpt, "share_of_bf16": round(bpt / base, 4),
                      "bytes": state["extract"][key]["bytes"], "tau": taus, "seeds": args.seeds})

@@ -74,7 +74,7 @@ def main() -> None:
     rows, table = [], []
     for path in args.paths:
         names = [f"{path}-seed{s}" for s in args.seeds]
-        taus = {s: [state["tau"].get(n, {}).get(s) for n in names] for s in n_prompts}
+        taus = {s: [state["tau"].get(n, {}).get(s, {}).get("k3") for n in names] for s in n_prompts}
         tps = [state["train"][n]["tokens_per_s"] for n in names if n in state["train"]]
         rows.append({"path": path, "settings": PATHS[path], "tau": taus, "tokens_per_s": tps,
                      "final_loss": [state["train"][n]["final_loss"] for n in names if n in state["train"]]})

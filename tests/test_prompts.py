@@ -63,3 +63,25 @@ def test_magpie_synthesis_gives_distinct_user_turns(tiny_target):
     texts = [r["messages"][0]["content"] for r in rows]
     assert len(set(texts)) == len(texts)
     assert all(r["source"] == "magpie" and len(t.split()) >= 3 for r, t in zip(rows, texts))
+
+
+def test_synthesize_defaults_to_zero_with_sources_and_64_without():
+    assert PromptsConfig().synthesize == 64
+    assert PromptsConfig(sources=[PromptSource(path=str(GSM8K))]).synthesize == 0
+    with pytest.raises(ValueError, match="no sources and synthesize is 0"):
+        PromptsConfig(synthesize=0)
+
+
+@pytest.mark.smollm2
+def test_magpie_prompts_are_added_to_the_sources_prompts(tmp_path, smollm2_target):
+    """The scaling recipe's mix: file prompts plus open-chat prompts SmolLM2 writes itself."""
+    run = RunDir(tmp_path / "run")
+    cfg = Config(run_dir=str(run.path), prompts=PromptsConfig(
+        sources=[PromptSource(path=str(GSM8K), limit=5, name="gsm8k")], synthesize=3, synthesize_max_tokens=48,
+        heldout_fraction=0.0))
+    counts = run_prompts(cfg, run, target=smollm2_target)
+    rows = [r for _, r in read_jsonl(run / "prompts.jsonl")]
+    by_source = [r["source"] for r in rows]
+    assert counts["rows_from_gsm8k"] == 5 and by_source.count("gsm8k") == 5
+    assert counts["rows_from_magpie"] == by_source.count("magpie") == 3 and "synthesize_shortfall" not in counts
+    assert run.manifest["stages"]["prompts"]["inputs"]["magpie"]["n"] == 3

@@ -90,12 +90,14 @@ class PromptSource(_Strict):
 
 
 class PromptsConfig(_Strict):
-    """Prompt files (``sources``), or ``synthesize`` Magpie prompts written by the target itself:
+    """Prompt files (``sources``) and/or ``synthesize`` Magpie prompts written by the target itself:
     locally, or through the generation server's completions endpoint when ``generate.backend``
-    is ``openai``."""
+    is ``openai``. ``synthesize`` left unset means 64 without sources and 0 with them; set it with
+    sources to add open-chat prompts to the files' (Magpie: Xu et al. 2024, arXiv:2406.08464)."""
 
     sources: list[PromptSource] = []
-    synthesize: int = Field(default=64, ge=0, description="Magpie prompts when no sources are given")
+    synthesize: int | None = Field(default=None, ge=0, description="Magpie prompts, added to the sources' prompts; "
+                                   "unset: 64 when no sources are given, else 0")
     synthesize_max_tokens: int = Field(default=96, gt=0)
     magpie_prefix: str | None = Field(
         default=None, description="raw templated prefix for Magpie through a server; default: rendered from the target's tokenizer")
@@ -107,6 +109,11 @@ class PromptsConfig(_Strict):
     @model_validator(mode="after")
     def _names(self):
         _unique_labels(self.sources, "prompts.sources")
+        if self.synthesize is None:
+            self.synthesize = 0 if self.sources else 64
+        if not self.sources and self.synthesize == 0:
+            raise ValueError("prompts: no sources and synthesize is 0, so there would be no prompts; give prompt files "
+                             "in prompts.sources or a positive prompts.synthesize")
         return self
 
 

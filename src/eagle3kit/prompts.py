@@ -296,43 +296,53 @@ def report_bad_rows(bad: list[dict], path, show: int = 5) -> None:
 def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     """Build ``prompts.jsonl`` (and ``heldout.jsonl`` when evaluation uses a held-out split).
 
-    With no ``prompts.sources``, synthesizes ``prompts.synthesize`` prompts from the target
-    (loading it when ``target`` is None). Returns the stage counts written to the report.
+    Reads every ``prompts.sources`` file, then adds ``prompts.synthesize`` Magpie prompts written by
+    the target (loaded when ``target`` is None) or through the generation server; duplicates across
+    all of them are dropped. Returns the stage counts written to the report.
+
+    Raises:
+        DataError: the sources gave no prompts, or Magpie gave none.
     """
     pc = cfg.prompts
     counts: Counter = Counter()
     inputs: dict = {}
     bad: list[dict] | None = None if pc.on_bad_row == "error" else []
-    if pc.sources:
-        rows: list[dict] = []
-        for src in pc.sources:
-            got, dropped = read_source(src, bad)
-            counts.update({f"dropped_{k}": v for k, v in dropped.items()})
-            counts[f"rows_from_{src.label}"] = len(got)
-            rows.extend(got)
-            inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
-    elif cfg.generate.backend == "openai":
-        rows, got = _synthesize_via_server(cfg, run)
+    rows: list[dict] = []
+    for src in pc.sources:
+        got, dropped = read_source(src, bad)
+        counts.update({f"dropped_{k}": v for k, v in dropped.items()})
+        counts[f"rows_from_{src.label}"] = len(got)
+        rows.extend(got)
+        inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
+    if pc.sources and not rows:
+        if bad is not None:
+            report_bad_rows(bad, run / "prompts_rejected.jsonl")
+        raise DataError("the prompts stage produced 0 prompts (" + ", ".join(f"{s.path}" for s in pc.sources)
+                        + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")
+    if pc.synthesize and cfg.generate.backend == "openai":
+        made, got = _synthesize_via_server(cfg, run)
         counts.update(got)
         inputs["magpie"] = {"server": cfg.generate.base_url, "model": cfg.generate.model, "n": pc.synthesize, "seed": pc.seed}
-    else:
+    elif pc.synthesize:
         if target is None:
             from .target import load_target
 
             target = load_target(cfg.target)
-        rows = synthesize(target, pc.synthesize, pc.synthesize_max_tokens, pc.seed, cfg.generate.batch_size)
+        made = synthesize(target, pc.synthesize, pc.synthesize_max_tokens, pc.seed, cfg.generate.batch_size)
         inputs["magpie"] = {"target": cfg.target.model, "n": pc.synthesize, "seed": pc.seed}
-    if not pc.sources and len(rows) < pc.synthesize:
-        counts["synthesize_shortfall"] = pc.synthesize - len(rows)
+    else:
+        made = []
+    if pc.synthesize:
+        counts["rows_from_magpie"] = len(made)
+        if len(made) < pc.synthesize:
+            counts["synthesize_shortfall"] = pc.synthesize - len(made)
+        if not made:
+            raise DataError(f"Magpie synthesis produced 0 usable prompts ({dict(counts) or 'no attempts'}): the target "
+                            "never ended a user turn within prompts.synthesize_max_tokens; raise it, or give prompt files")
+    rows.extend(made)
     counts["rows_in"] = len(rows)
     if bad is not None:
         report_bad_rows(bad, run / "prompts_rejected.jsonl")
-    if not rows and pc.sources:
-        raise DataError("the prompts stage produced 0 prompts (" + ", ".join(f"{s.path}" for s in pc.sources)
-                        + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")
-    if not rows:
-        raise DataError(f"Magpie synthesis produced 0 usable prompts ({dict(counts) or 'no attempts'}): the target never "
-                        "ended a user turn within prompts.synthesize_max_tokens; raise it, or give prompt files")
     rows, ndup = dedupe(rows)
     counts["dropped_duplicate"] = ndup
     heldout: list[dict] = []
