@@ -70,6 +70,9 @@ def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts:
 
     cache = Path(getattr(run, "path", run)) / "heldout_continuations.json"
     conts = json.loads(cache.read_text()) if cache.exists() else {}
+    if conts.get("_eval_tokens", eval_tokens) != eval_tokens:       # made for another token limit: made again
+        conts = {}
+    conts["_eval_tokens"] = eval_tokens
     out = {}
     for name, spec in EVAL_SETS.items():
         rows, _ = read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))

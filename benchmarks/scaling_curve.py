@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from scaling_data import drop_eval_overlap, eval_rows, stratified_order  # noqa: E402
 from scaling_report import ABLATION  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,13 @@ def recipe(args) -> dict:
 
 def load_state(work: Path) -> dict:
     p = work / "state.json"
-    return json.loads(p.read_text()) if p.exists() else {}
+    try:
+        state = json.loads(p.read_text()) if p.exists() else {}
+    except ValueError as e:
+        raise SystemExit(f"{p} is not JSON ({e}); restore it or delete it (the stages then re-measure what it held)")
+    if not isinstance(state, dict):
+        raise SystemExit(f"{p} holds a {type(state).__name__}, not this script's state; delete it")
+    return state
 
 
 def save_state(work: Path, state: dict) -> None:
@@ -88,11 +94,22 @@ def write_config(folder: Path, cfg: dict) -> Path:
     """Write ``config.yaml`` once; a different one already there is an error (never overwritten)."""
     import yaml
 
+    def recipe_only(c: dict) -> dict:   # where the folders live is not part of the recipe (a moved --work is fine)
+        c = {k: v for k, v in c.items() if k != "run_dir"}
+        if "prompts" in c:
+            c["prompts"] = {**c["prompts"], "sources": [{**x, "path": Path(x["path"]).name} for x in c["prompts"]["sources"]]}
+        return c
+
     folder.mkdir(parents=True, exist_ok=True)
     p = folder / "config.yaml"
     text = yaml.safe_dump(cfg, sort_keys=False)
-    if p.exists() and yaml.safe_load(p.read_text()) != yaml.safe_load(text):
-        raise SystemExit(f"{p} holds another recipe than this script's; use another --work folder or remove {folder}")
+    if p.exists():
+        old, new = recipe_only(yaml.safe_load(p.read_text()) or {}), recipe_only(cfg)
+        if old != new:
+            diff = sorted(f"{s}.{k}" for s in set(old) | set(new) if isinstance(new.get(s), dict)
+                          for k in set(old.get(s) or {}) | set(new[s]) if (old.get(s) or {}).get(k) != new[s].get(k))
+            raise SystemExit(f"{p} was made with other settings ({', '.join(diff) or 'see the file'}); rerun with the "
+                             f"settings it holds, or use another --work folder")
     if not p.exists():
         p.write_text(text)
     return p
@@ -136,7 +153,14 @@ def stage_data(args, work: Path, state: dict) -> None:
         run_prompts(cfg, pool, target=target)
     n = len(list(read_jsonl(pool / "prompts.jsonl")))
     if pool.report.get("generate", {}).get("rows_kept") == n:
+        want = pool.manifest["stages"]["generate"].get("outputs", {}).get("conversations.jsonl")
+        if want and sha256_file(pool / "conversations.jsonl") != want:
+            raise SystemExit(f"{pool / 'conversations.jsonl'} changed since it was generated (its sha256 differs from the "
+                             "manifest's): restore it, or delete it and rerun the data stage to generate it again")
         return
+    shards = sorted(pool.path.glob("gen[0-9]*"))
+    if shards and len(shards) != args.gpus:
+        raise SystemExit(f"generation was split over {len(shards)} GPUs ({pool.path}/gen*); rerun with --gpus {len(shards)}")
     if args.gpus == 1:
         run_generate(cfg, pool, target=target or load_target(cfg.target))
         return
@@ -165,57 +189,12 @@ def stage_data(args, work: Path, state: dict) -> None:
                       dict(counts), {"conversations.jsonl": sha256_file(pool / "conversations.jsonl")})
 
 
-def eval_rows(shared: str) -> dict[str, list[dict]]:
-    from common import EVAL_SETS
-
-    from eagle3kit.config import PromptSource
-    from eagle3kit.prompts import read_source
-
-    return {name: [{**r, "messages": r["messages"][:1]} for r in
-                   read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))[0]]
-            for name, spec in EVAL_SETS.items()}
-
-
-def user_text(row: dict) -> str:
-    return " ".join(m["content"] for m in row["messages"] if m["role"] == "user")
-
-
-def drop_eval_overlap(rows: list[dict], evals: list[dict], near: float = 0.9) -> list[dict]:
-    """``rows`` without any whose user text equals an evaluation prompt's (after
-    ``prompts.normalize_text``) or shares ≥ ``near`` of its words with one (Jaccard, as
-    ``evaluate.check_overlap`` counts near-duplicates)."""
-    from eagle3kit.evaluate import _word_set
-    from eagle3kit.prompts import normalize_text
-
-    ev_norm = {normalize_text(user_text(r)) for r in evals}
-    ev_words = [w for w in (_word_set(user_text(r)) for r in evals) if w]
-
-    def close(r) -> bool:
-        w = _word_set(user_text(r))
-        return any(len(w & e) / len(w | e) >= near for e in ev_words)
-
-    return [r for r in rows if normalize_text(user_text(r)) not in ev_norm and not close(r)]
-
-
-def stratified_order(rows: list[dict], seed: int) -> list[dict]:
-    """The pool in an order whose every prefix keeps the pool's share of each source (± 1 row):
-    row j of a source's shuffled rows (n of them) sorts at (j + ½) / n."""
-    rng = random.Random(seed)
-    by_source: dict[str, list[dict]] = {}
-    for r in rows:
-        by_source.setdefault(r.get("source") or "?", []).append(r)
-    keyed = []
-    for src in sorted(by_source):
-        group = by_source[src]
-        rng.shuffle(group)
-        keyed += [((j + 0.5) / len(group), rng.random(), r) for j, r in enumerate(group)]
-    return [r for *_, r in sorted(keyed, key=lambda x: (x[0], x[1]))]
-
-
 def stage_subsets(args, work: Path, state: dict) -> None:
-    from eagle3kit.rundir import read_jsonl, sha256_file
+    from eagle3kit.rundir import RunDir, read_jsonl, sha256_file
 
     pool = work / "pool" / "conversations.jsonl"
+    if "generate" not in RunDir(work / "pool").report:
+        raise SystemExit(f"{pool} is not generated yet: run the data stage first (--stages data,subsets,…)")
     rows = [r for _, r in read_jsonl(pool)]
     evals = eval_rows(args.shared)
     clean = drop_eval_overlap(rows, [r for rs in evals.values() for r in rs])
@@ -225,7 +204,8 @@ def stage_subsets(args, work: Path, state: dict) -> None:
                      "sources": dict(pool_mix), "sha256": sha256_file(pool)}
     for size in args.sizes:
         if size > len(order):
-            raise SystemExit(f"subset {size} is larger than the pool ({len(order)} clean conversations); raise --magpie")
+            raise SystemExit(f"subset {size} is larger than the pool ({len(order)} clean conversations): use smaller "
+                             "--sizes, or a new --work folder with a larger --magpie")
         write_subset(args, work, str(size), order[:size], evals, state)
     if args.ablation:   # the same recipe without the math questions: what open-chat data alone does for MT-bench
         write_subset(args, work, ABLATION, [r for r in order if r.get("source") != "gsm8k"], evals, state)
@@ -248,7 +228,11 @@ def write_subset(args, work: Path, name: str, take: list[dict], evals: dict, sta
 
     run = RunDir(folder(work, name))
     write_config(run.path, {"run_dir": str(run.path), "target": {"model": args.target}, **recipe(args)})
-    if "subset" not in run.manifest.get("stages", {}):
+    made = run.stage_inputs("subset")
+    if made and (made["pool"], made["seed"]) != (state["pool"]["sha256"], args.seed):
+        raise SystemExit(f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be nested "
+                         "prefixes of one order: use another --work folder, or rerun with the seed it was made with")
+    if not made:
         write_jsonl(run / "conversations.jsonl", take)
         overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}   # raises on an exact overlap
         run.record_stage("subset", {"pool": state["pool"]["sha256"], "seed": args.seed, "size": len(take)},
@@ -290,6 +274,10 @@ def stage_train(args, work: Path, state: dict) -> None:
     from eagle3kit.target import load_target
 
     names = args.only or run_names(args)
+    for n in names:
+        if not (folder(work, n) / "conversations.jsonl").exists():
+            raise SystemExit(f"{folder(work, n)} has no conversations: run the subsets stage first")
+        write_config(folder(work, n), {"run_dir": str(folder(work, n)), "target": {"model": args.target}, **recipe(args)})
     todo = [n for n in names if not (folder(work, n) / "scaling_train.json").exists()]
     if args.gpus > 1 and len(todo) > 1:
         size = {n: sum(state["subsets"][n]["sources"].values()) for n in todo}
@@ -341,6 +329,14 @@ def stage_eval(args, work: Path, state: dict) -> None:
     from eagle3kit.target import load_target, pick_device
 
     tau = state.setdefault("tau", {})
+    settings = {"eval_tokens": args.eval_tokens, "eval_prompts": args.eval_prompts}
+    if tau and state.setdefault("eval_settings", settings) != settings:
+        raise SystemExit(f"τ in state.json was measured with {state['eval_settings']}, not {settings}: rerun with those "
+                         "settings, or delete 'tau' from state.json to measure again")
+    state["eval_settings"] = settings
+    missing = [n for n in run_names(args) if n not in tau and not (folder(work, n) / "drafter" / "model.safetensors").exists()]
+    if missing:
+        raise SystemExit(f"no trained drafter for {missing}: run the train stage first")
     names = [*run_names(args), "untrained"]
     if all(n in tau for n in names) and "analysis" in state and all(
             n in state.get("vocab_coverage", {}) for n in run_names(args) if (folder(work, n) / "drafter").exists()):
@@ -384,6 +380,8 @@ def stage_eval(args, work: Path, state: dict) -> None:
 
 
 def best_size(state: dict) -> str:
+    if not state.get("tau"):
+        raise SystemExit("nothing is measured yet: run the eval stage first")
     trained = {k: v for k, v in state["tau"].items() if k.isdigit()}
     return max(trained, key=lambda s: trained[s]["gsm8k_heldout_k3"]["tau"])
 
@@ -425,6 +423,10 @@ def stage_decode(args, work: Path, state: dict) -> None:
 def stage_report(args, work: Path, state: dict) -> None:
     from scaling_report import write_report
 
+    missing = [n for n in [*run_names(args), "untrained"] if n not in state.get("tau", {})]
+    if missing:
+        raise SystemExit(f"no τ for {missing} in state.json: run the stages before report (data, subsets, train, eval)")
+
     write_report(args, work, state, recipe(args), run_names(args), folder)
 
 
@@ -456,8 +458,24 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # one GPU's share; writes no state.json
     args = ap.parse_args()
     if args.smoke:
+        print(f"[scaling] --smoke sets {SMOKE} (over any of those flags) and writes its report into <work>/results "
+              "unless --results is given")
+        if args.results == str(RESULTS):
+            args.results = str(Path(args.work) / "results")
         for k, v in SMOKE.items():
             setattr(args, k, v)
+    stages = args.stages.split(",")
+    unknown = set(stages) - {"data", "subsets", "train", "eval", "decode", "report"}
+    if unknown:
+        raise SystemExit(f"unknown stage(s) {sorted(unknown)}; the stages are data, subsets, train, eval, decode, report")
+    if any(x < 1 for x in args.sizes) or len(set(args.sizes)) != len(args.sizes):
+        raise SystemExit(f"--sizes must be distinct positive numbers of conversations, got {args.sizes}")
+    if args.gpus is not None and args.gpus < 1:
+        raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
+    missing = [s["path"] for s in SOURCES if not (Path(args.shared) / s["path"]).is_file()]
+    if missing:
+        raise SystemExit(f"--shared {args.shared} lacks {missing}: give the shared data folder (holding data/chats and "
+                         "data/prompts)")
     import torch
 
     args.gpus = args.gpus or max(torch.cuda.device_count(), 1)
@@ -468,15 +486,15 @@ def main() -> None:
     state = load_state(work)
     if torch.cuda.is_available():
         state["machine"] = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
-    stages = args.stages.split(",")
-    unknown = set(stages) - {"data", "subsets", "train", "eval", "decode", "report"}
-    if unknown:
-        raise SystemExit(f"unknown stage(s) {sorted(unknown)}")
     run_stage = {"data": stage_data, "subsets": stage_subsets, "train": stage_train, "eval": stage_eval,
                  "decode": stage_decode, "report": stage_report}
     for name in stages:
         t = time.perf_counter()
-        run_stage[name](args, work, state)
+        try:
+            run_stage[name](args, work, state)
+        except KeyboardInterrupt:
+            raise SystemExit(f"[scaling] interrupted in the {name} stage: finished work is kept (rows, checkpoints, "
+                             "state.json); run the same command again to resume") from None
         if args.worker:
             continue
         timings = state.setdefault("stage_seconds", {})

@@ -85,3 +85,16 @@ def test_magpie_prompts_are_added_to_the_sources_prompts(tmp_path, smollm2_targe
     assert counts["rows_from_gsm8k"] == 5 and by_source.count("gsm8k") == 5
     assert counts["rows_from_magpie"] == by_source.count("magpie") == 3 and "synthesize_shortfall" not in counts
     assert run.manifest["stages"]["prompts"]["inputs"]["magpie"]["n"] == 3
+
+
+def test_magpie_gives_up_early_when_nothing_can_be_kept_and_sources_survive_a_shortfall(tmp_path, tiny_target):
+    """A 2-token limit can never hold a 3-word user turn that ends: synthesis stops after its first
+    256 attempts instead of trying 4·n, and the file prompts still make the stage."""
+    rows = synthesize(tiny_target, 100_000, 2, seed=0, batch_size=64)
+    assert rows == []
+    run = RunDir(tmp_path / "run")
+    cfg = Config(run_dir=str(run.path), prompts=PromptsConfig(
+        sources=[PromptSource(path=str(GSM8K), limit=3, name="gsm8k")], synthesize=5, synthesize_max_tokens=2,
+        heldout_fraction=0.0))
+    counts = run_prompts(cfg, run, target=tiny_target)
+    assert counts["rows_kept"] == 3 and counts["rows_from_magpie"] == 0 and counts["synthesize_shortfall"] == 5

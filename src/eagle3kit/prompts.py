@@ -220,7 +220,8 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     """Let the target write ``n`` distinct user turns (Magpie): sample after the user header.
 
     Sampling: temperature 1.0, top-p 0.95, seeded; candidates are kept by
-    :class:`MagpieCollector`; at most 4·n attempts. Returns prompt rows with ``source: "magpie"``.
+    :class:`MagpieCollector`; at most 4·n attempts, and it gives up when the first
+    max(256, 4·batch_size) attempts kept nothing. Returns prompt rows with ``source: "magpie"``.
     """
     import torch
 
@@ -238,6 +239,8 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     task = bar.add_task("synthesize prompts (Magpie)", total=n, tokens=0, note="")
     made_tokens = 0
     while not keep.full and attempts < 4 * n:
+        if not keep.rows and attempts >= max(256, 4 * batch_size):
+            break   # nothing usable so far: more of the same sampling will not help
         b = min(batch_size, 4 * n - attempts)
         attempts += b
         outs = transformers_generate(
@@ -303,6 +306,8 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     Raises:
         DataError: the sources gave no prompts, or Magpie gave none.
     """
+    from .ui import console
+
     pc = cfg.prompts
     counts: Counter = Counter()
     inputs: dict = {}
@@ -319,6 +324,10 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
             report_bad_rows(bad, run / "prompts_rejected.jsonl")
         raise DataError("the prompts stage produced 0 prompts (" + ", ".join(f"{s.path}" for s in pc.sources)
                         + f"; dropped: {dict(counts) or 'none'}); check the files and their filters")
+    if pc.sources and pc.synthesize == 64:
+        console.print("[yellow]prompts: prompts.synthesize is 64 beside prompt files, so 64 Magpie prompts are added to "
+                      "theirs. Run folders made before 2026-11-30 store `synthesize: 64` with their sources, which was "
+                      "ignored then: set it to 0 in their config.yaml to keep what they had")
     if pc.synthesize and cfg.generate.backend == "openai":
         made, got = _synthesize_via_server(cfg, run)
         counts.update(got)
@@ -336,9 +345,13 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
         counts["rows_from_magpie"] = len(made)
         if len(made) < pc.synthesize:
             counts["synthesize_shortfall"] = pc.synthesize - len(made)
-        if not made:
+        if not made and not rows:
             raise DataError(f"Magpie synthesis produced 0 usable prompts ({dict(counts) or 'no attempts'}): the target "
                             "never ended a user turn within prompts.synthesize_max_tokens; raise it, or give prompt files")
+        if len(made) < pc.synthesize:
+            console.print(f"[yellow]prompts: Magpie gave {len(made)} of the {pc.synthesize} prompts asked for (the rest did "
+                          "not end their turn within prompts.synthesize_max_tokens, were too short or repeated); the "
+                          "stage goes on with them")
     rows.extend(made)
     counts["rows_in"] = len(rows)
     if bad is not None:
