@@ -73,17 +73,80 @@ def served(trained, smollm2_target, tmp_path_factory):
                "no_fc": without(trained / "drafter", tmp / "no_fc", "fc.weight"),
                "no_d2t": without(trained / "drafter", tmp / "no_d2t", "d2t")}
     out = {"rows": rows, "folders": folders}
-    for name in ("plain", *folders):
+
+    def start(name):
         extra = [] if name == "plain" else ["--speculative-config", json.dumps(
             {"method": "eagle3", "model": str(folders[name]), "num_speculative_tokens": 3})]
-        srv = VLLMServer(target, free_port(), tmp / f"{name}.log", extra_args=extra).start(wait_s=300)
+        return VLLMServer(target, free_port(), tmp / f"{name}.log", extra_args=extra).start(wait_s=300)
+
+    def measure(name, srv):
+        before = spec_decode_counters(srv.url)
+        ids = served_token_ids(srv.url, rows, 64)
+        out[name] = (ids, None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)))
+
+    plain, spec = start("plain"), start("eagle3")       # both up: `eagle3kit bench` needs a baseline beside
+    try:
+        measure("plain", plain)
+        measure("eagle3", spec)
+        out["bench"] = run_bench_ci(spec, plain, rows[:16], trained / "drafter", tmp)
+        out["bench_other_template"] = out["bench"].pop("bench_other_template")
+    finally:
+        plain.kill()
+        spec.kill()
+    for name in ("speculators", "no_fc", "no_d2t"):
+        srv = start(name)
         try:
-            before = spec_decode_counters(srv.url)
-            ids = served_token_ids(srv.url, rows, 64)
-            out[name] = (ids, None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)))
+            measure(name, srv)
         finally:
             srv.kill()
     return out
+
+
+def metrics_totals(url: str) -> dict:
+    """The spec-decode counters, parsed here with prometheus-client apart from eagle3kit's reader."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+             "vllm:spec_decode_num_draft_tokens_total": "draft_tokens"}
+    tot = dict.fromkeys(names.values(), 0.0)
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for smp in fam.samples:
+            if smp.name in names:
+                tot[names[smp.name]] += smp.value
+    return tot
+
+
+def run_bench_ci(spec, plain, rows, drafter, tmp) -> dict:
+    """`eagle3kit bench` at CI size (concurrency 1 and 4, 16 prompts, 32 tokens) through the CLI,
+    with the counters parsed separately around it and each prompt's token ids fetched apart."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from conftest import SHARED
+    from eagle3kit.cli import app
+
+    prompts = tmp / "bench_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    before = metrics_totals(spec.url)
+    res = CliRunner().invoke(app, ["bench", "--base-url", spec.url, "--baseline-url", plain.url + "/v1", "--prompts",
+                                   str(prompts), "--concurrency", "1,4", "--max-tokens", "32", "--warmup", "0",
+                                   "--drafter", str(drafter), "--hardware", "2-core CPU", "--out", str(tmp / "bench")])
+    after = metrics_totals(spec.url)
+    other = tmp / "llama_template"                 # SmolLM2's tokenizer carrying Llama 3.1's chat template
+    other.mkdir()
+    shutil.copy(spec.folder / "config.json", other / "config.json")
+    tok = AutoTokenizer.from_pretrained(spec.folder)
+    tok.chat_template = json.loads((SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json").read_text())["chat_template"]
+    tok.save_pretrained(other)
+    bad = CliRunner().invoke(app, ["bench", "--base-url", spec.url, "--prompts", str(prompts), "--concurrency", "1",
+                                   "--max-tokens", "8", "--target", str(other), "--out", str(tmp / "bench_other")])
+    return {"bench_other_template": {"exit_code": bad.exit_code, "output": bad.output, "folder": tmp / "bench_other"},
+            "exit_code": res.exit_code, "output": res.output, "folder": tmp / "bench",
+            "metrics_delta": {k: after[k] - before[k] for k in after},
+            "ids": served_token_ids(spec.url, rows, 32), "baseline_ids": served_token_ids(plain.url, rows, 32)}
 
 
 def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, served, smollm2_target):
@@ -105,6 +168,46 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
     print(f"reference decoder: τ {dec['stats'].tau:.4f}, lossless vs target greedy: {dec['greedy_identical']}; "
           f"its outputs equal vLLM's on {same}/{len(outs)} prompts")
     assert dec["greedy_identical"]
+
+
+def test_bench_against_vllm_with_a_baseline_reports_the_engines_own_numbers(served, trained):
+    """Issue 9, point 1: `eagle3kit bench` at CI size against the vLLM CPU server serving the
+    drafter from `eagle3kit run`, with a baseline server (same target, no speculation)."""
+    import hashlib
+
+    b = served["bench"]
+    assert b["exit_code"] == 0, b["output"]
+    rec = json.loads((b["folder"] / "bench.json").read_text())
+    assert (b["folder"] / "bench.md").stat().st_size > 0 and (b["folder"] / "bench.png").stat().st_size > 10_000
+    spec, base = rec["servers"]["speculative"], rec["servers"]["baseline"]
+    assert spec["engine"]["name"] == base["engine"]["name"] == "vllm" and spec["engine"]["version"]
+    assert rec["drafter"]["sha256"] == hashlib.sha256((trained / "drafter" / "model.safetensors").read_bytes()).hexdigest()
+    assert spec["template_check"]["method"] == "tokenize" and spec["template_check"]["checked"] == 8
+    # the acceptance bench reports equals the counters parsed separately around the run (no warm-up requests)
+    levels = spec["results"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4] and all(lv["failures"] == 0 for lv in levels)
+    drafts, accepted = (sum(lv["acceptance"][k] for lv in levels) for k in ("drafts", "accepted"))
+    assert (drafts, accepted) == (b["metrics_delta"]["drafts"], b["metrics_delta"]["accepted"])
+    for lv in levels:
+        acc = lv["acceptance"]
+        assert acc["tau"] == round(1 + acc["accepted"] / acc["drafts"], 6) and acc["k"] == 3
+    # output tokens are the server's usage: each level sends the 16 prompts once; their token ids, fetched apart
+    n = sum(len(ids) for ids in b["ids"])
+    assert [lv["output_tokens"] for lv in levels] == [n, n] and all(lv["completion_tokens_source"] == "usage" for lv in levels)
+    assert [lv["output_tokens"] for lv in base["results"]] == [sum(len(i) for i in b["baseline_ids"])] * 2
+    assert all(lv["speedup"] == round(lv["output_tokens_per_s"] / bl["output_tokens_per_s"], 4)
+               for lv, bl in zip(levels, base["results"]))
+    print(f"bench: τ {[lv['acceptance']['tau'] for lv in levels]}, tok/s {[lv['output_tokens_per_s'] for lv in levels]} "
+          f"vs baseline {[lv['output_tokens_per_s'] for lv in base['results']]}")
+
+
+def test_c35_bench_stops_when_prompts_are_rendered_with_another_models_template(served):
+    """The server renders SmolLM2's own template; a bench run whose target carries Llama 3.1's
+    chat template is stopped by the template check before any request is timed (exit 2)."""
+    b = served["bench_other_template"]
+    assert b["exit_code"] == 2, b["output"]
+    assert "another chat template" in b["output"] and "first difference at token" in b["output"]
+    assert not (b["folder"] / "bench.json").exists()
 
 
 def test_the_speculators_export_serves_in_vllm_with_the_same_acceptance(served):
@@ -243,12 +346,22 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_pat
             before = spec_decode_counters(srv.url)
             outs[name] = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
             got[name] = spec_decode_delta(before, spec_decode_counters(srv.url))
+            if name == "whole":      # issue 9: `eagle3kit bench` must report exactly this acceptance too
+                from eagle3kit.bench import run_bench
+
+                pfile = tmp_path / "questions.jsonl"
+                pfile.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
+                bench = run_bench(srv.url, pfile, [1, 3], 1 + 4 * 6, target=str(tmp_path / "target"), warmup=0)
         finally:
             srv.kill()
     print({k: (v["drafts"], v["accepted"], v["tau"]) for k, v in got.items()})
     assert all(len(o) == 25 and set(o) == {p[-1]} for o, p in zip(outs["whole"], prompts))   # repeats its last token
     g = got["whole"]
     assert (g["drafts"], g["draft_tokens"], g["accepted"]) == (3 * 6, 3 * 6 * 3, 3 * 6 * 3) and g["tau"] == 4.0
+    for level in bench["servers"]["speculative"]["results"]:          # concurrency 1 and 3, 3 requests each
+        acc = level["acceptance"]
+        assert (acc["drafts"], acc["draft_tokens"], acc["accepted"], acc["tau"], acc["acceptance_rate"]) == (18, 54, 54, 4.0, 1.0)
+        assert acc["per_position_acceptance"] == [1.0, 1.0, 1.0] and level["output_tokens"] == 3 * 25
     for name in ("d2t", "fc.weight"):
         assert got[name]["accepted"] == 0 and got[name]["drafts"] > 0 and got[name]["tau"] == 1.0, name
         assert outs[name] == outs["whole"]                                       # lossless, only slower
