@@ -8,23 +8,20 @@ for chat messages; ``usage.prompt_tokens`` is the length of the real SmolLM2 tem
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 from fastapi import Request   # module level: FastAPI resolves the string annotations against module globals
 
-from eagle3kit.engines import free_port
+from standin_server import AppThread
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_responses.json").read_text())
 PROMPTS = ["Name three primary colours.", "What is the capital of France?", "Count from one to five."]
 MODEL = "SmolLM2-135M-Instruct"
 
 
-class SGLangReplay:
+class SGLangReplay(AppThread):
     def __init__(self, tokenizer):
-        import uvicorn
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -74,19 +71,5 @@ class SGLangReplay:
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
-        self.port = free_port()
+        self.serve(app)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("SGLang replay did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=5)

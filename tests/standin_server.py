@@ -32,9 +32,31 @@ from eagle3kit.engines import free_port
 SHAPES = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
 
 
-class StandInServer:
-    def __init__(self):
+class AppThread:
+    """A FastAPI app served by uvicorn in a daemon thread on a free port (context manager)."""
+
+    def serve(self, app) -> None:
         import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"{type(self).__name__} did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+class StandInServer(AppThread):
+    def __init__(self):
         from fastapi import FastAPI
         from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
@@ -133,19 +155,5 @@ class StandInServer:
 
         self._raw = _raw
         self._stream = _stream
-        self.port = free_port()
+        self.serve(app)
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("stand-in server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
