@@ -186,11 +186,12 @@ def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: i
             theirs = ours if n == len(ours) else [-1] * int(n)
         if theirs != ours:
             pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            where = f", first difference at token {pos}" if how == "tokenize" else " (only lengths can be compared)"
             raise BenchError(
                 f"the server renders prompts with another chat template than the target's ({how}): prompt "
                 f"{r['messages'][0]['content'][:60]!r} is {len(theirs)} tokens there and {len(ours)} with the target's "
-                f"template, first difference at token {pos}. Serve the target with its own template (drop a "
-                "--chat-template override), or pass the --target whose template the server uses")
+                f"template{where}. Serve the target with its own template (drop a --chat-template override), or pass "
+                "the --target whose template the server uses")
         checked += 1
     return {"checked": checked, "method": how, "result": "same prompt ids as the target's own template"}
 
