@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engines import TAU_FORMULA, acceptance_from_counters, counter_delta
 from .rundir import DataError
 
 FORMULAS = {
-    "tau": "acceptance length τ = tokens per verify step = 1 + accepted / drafts, from the engine's totals over the "
-           "level (vLLM: deltas of spec_decode_num_accepted_tokens and spec_decode_num_drafts; the bonus token counted)",
+    "tau": TAU_FORMULA,
     "tau_sglang": "τ = Σ completion_tokens / Σ spec_verify_ct over the level's requests (SGLang's accept length)",
     "acceptance_rate": "acceptance rate = accepted draft tokens / draft tokens (per drafted token, 0..1)",
     "per_position_acceptance": "a_k = drafts whose first k tokens were all accepted / drafts (cumulative)",
@@ -77,20 +77,6 @@ def summarize(values: list[float]) -> dict:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     a = np.asarray(values) * 1000.0
     return {**{f"p{p}": round(float(np.percentile(a, p)), 3) for p in PERCENTILES}, "mean": round(float(a.mean()), 3)}
-
-
-def acceptance_from_counters(delta: dict) -> dict:
-    """Acceptance over a level from vLLM counter deltas ``{drafts, draft_tokens, accepted,
-    per_position: {k: accepted at position k}}`` (C33, C34: τ from totals, named apart from the
-    acceptance rate). K = draft_tokens / drafts."""
-    drafts, tokens, acc = int(delta["drafts"]), int(delta["draft_tokens"]), int(delta["accepted"])
-    per = delta.get("per_position") or {}
-    return {"source": "vllm /metrics counter deltas", "drafts": drafts, "draft_tokens": tokens, "accepted": acc,
-            "k": round(tokens / drafts, 4) if drafts else None,
-            "tau": round(1 + acc / drafts, 6) if drafts else None,
-            "acceptance_rate": round(acc / tokens, 6) if tokens else None,
-            "per_position_acceptance": [round(per[k] / drafts, 6) for k in sorted(per)] if drafts else [],
-            "formula": FORMULAS["tau"]}
 
 
 def acceptance_from_meta(metas: list[dict]) -> dict | None:
@@ -346,9 +332,7 @@ def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels
             rec["acceptance"] = None
             if before is not None:
                 after = spec_decode_counters(base)
-                delta = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-                delta["per_position"] = {k: after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0)
-                                         for k in after["per_position"]}
+                delta = counter_delta(before, after)
                 rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
             elif sglang:
                 rec["sglang_after_stream"] = sglang_state(base)

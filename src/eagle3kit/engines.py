@@ -108,16 +108,38 @@ def spec_decode_counters(url: str, timeout: float = 10.0) -> dict:
     return out
 
 
-def spec_decode_delta(before: dict, after: dict) -> dict:
-    """Acceptance over a run from two :func:`spec_decode_counters` readings (DESIGN.md §6): τ =
-    1 + accepted / drafts (bonus token counted, pooled), acceptance rate = accepted / draft
-    tokens, cumulative per-position a_k = accepted at position k / drafts."""
+TAU_FORMULA = ("acceptance length τ = tokens per verify step = 1 + accepted / drafts, from the engine's totals over the "
+               "level (vLLM: deltas of spec_decode_num_accepted_tokens and spec_decode_num_drafts; the bonus token counted)")
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """``after − before`` for two :func:`spec_decode_counters` readings, per counter and per
+    position (counts)."""
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    per = [after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0) for k in sorted(after["per_position"])]
-    drafts = d["drafts"] or float("nan")
-    return {**{k: int(v) for k, v in d.items()}, "tau": 1 + d["accepted"] / drafts,
-            "acceptance_rate": d["accepted"] / (d["draft_tokens"] or float("nan")),
-            "per_position_acceptance": [p / drafts for p in per], "per_position_kind": "cumulative a_k"}
+    d["per_position"] = {k: after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0) for k in after["per_position"]}
+    return d
+
+
+def acceptance_from_counters(delta: dict) -> dict:
+    """Acceptance from vLLM counter totals ``{drafts, draft_tokens, accepted, per_position: {k:
+    accepted at position k}}`` (DESIGN.md §6; field cases C33, C34): τ = 1 + accepted / drafts
+    (tokens per verify step, bonus token counted, pooled), acceptance rate = accepted / draft tokens
+    (0..1, named apart from τ), cumulative per-position a_k = accepted at position k / drafts,
+    K = draft_tokens / drafts. Ratios are None when their denominator is 0."""
+    drafts, tokens, acc = int(delta["drafts"]), int(delta["draft_tokens"]), int(delta["accepted"])
+    per = delta.get("per_position") or {}
+    return {"source": "vllm /metrics counter deltas", "drafts": drafts, "draft_tokens": tokens, "accepted": acc,
+            "k": tokens / drafts if drafts else None,
+            "tau": 1 + acc / drafts if drafts else None,
+            "acceptance_rate": acc / tokens if tokens else None,
+            "per_position_acceptance": [per[k] / drafts for k in sorted(per)] if drafts else [],
+            "per_position_kind": "cumulative a_k", "formula": TAU_FORMULA}
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict:
+    """Acceptance over a run from two :func:`spec_decode_counters` readings: the
+    :func:`acceptance_from_counters` of their :func:`counter_delta`."""
+    return acceptance_from_counters(counter_delta(before, after))
 
 
 def served_token_ids(url: str, rows: list[dict], max_tokens: int, model: str = "smollm2", concurrency: int = 4) -> list[list[int]]:
