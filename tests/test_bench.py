@@ -109,3 +109,71 @@ def test_bad_input_names_the_thing_and_the_fix(tmp_path):
         run_bench("http://127.0.0.1:1", empty, [1], 8)
     rec = copy.deepcopy(_record("0.32.0", 2.0, 10.0, 5.0))
     assert compare(rec, rec)["regressions"] == []
+
+
+def _prompts(tmp_path, rows: list[dict]):
+    p = tmp_path / f"p{len(list(tmp_path.iterdir()))}.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+@pytest.mark.smollm2
+def test_trial_findings_system_turns_failures_keys_and_dead_servers(tmp_path, monkeypatch):
+    """What the new-user and attacker trials of `bench` found, against the stand-in server (a test
+    double that streams like vLLM; it has /version but no /metrics, so acceptance is unreadable)."""
+    from standin_server import StandInServer
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.engines import free_port
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRETKEY-abc123")
+    with StandInServer() as srv:
+        base = srv.url.removesuffix("/v1")
+        # a system message before the user turn: both are sent (it used to send the system message only)
+        sys_first = _prompts(tmp_path, [{"messages": [{"role": "system", "content": "be brief"},
+                                                      {"role": "user", "content": "hello there"}]}])
+        rec = run_bench(base, sys_first, [1, 2], 4, template_check=False, warmup=0)
+        assert srv.hits["hello there"] == 1 + 2
+        lv = rec["servers"]["speculative"]["results"]
+        assert [r["completed"] for r in lv] == [1, 2] and lv[0]["acceptance"] is None
+        assert lv[0]["acceptance_error"].startswith("/metrics unreadable")          # not a traceback
+        # a dead baseline and a baseline equal to the base are refused before any request
+        before = sum(srv.hits.values())
+        with pytest.raises(BenchError, match="fix --baseline-url"):
+            run_bench(base, sys_first, [1], 4, baseline_url=f"http://127.0.0.1:{free_port()}", template_check=False, warmup=0)
+        with pytest.raises(BenchError, match="same server"):
+            run_bench(base, sys_first, [1], 4, baseline_url=base + "/v1", template_check=False, warmup=0)
+        assert sum(srv.hits.values()) == before
+        # a stream that never finishes, an HTML page and a 401 echoing the key are failures; the key is never written
+        bad = _prompts(tmp_path, [{"turns": ["raw:no_finish"]}, {"turns": ["raw:html"]}, {"turns": ["raw:401"]}])
+        res = CliRunner().invoke(app, ["bench", "--base-url", base, "--prompts", str(bad), "--concurrency", "1",
+                                       "--max-tokens", "4", "--warmup", "0", "--no-template-check", "--out", str(tmp_path / "b")])
+        text = (tmp_path / "b" / "bench.json").read_text()
+        lvl = json.loads(text)["servers"]["speculative"]["results"][0]
+        assert res.exit_code == 1 and lvl["completed"] == 0 and lvl["failures"] == 3, res.output
+        assert "SECRETKEY" not in text and "SECRETKEY" not in res.output and "Bearer ***" in text
+        assert "every request failed" in " ".join(res.output.split())
+        # --out that is a file is refused before anything runs
+        (tmp_path / "afile").write_text("x")
+        n = sum(srv.hits.values())
+        res = CliRunner().invoke(app, ["bench", "--base-url", base, "--prompts", str(sys_first), "--out", str(tmp_path / "afile")])
+        assert res.exit_code == 2 and "--out" in res.output and sum(srv.hits.values()) == n
+
+
+def test_compare_refuses_disjoint_records_and_flags_lost_tau_failures_and_changed_settings(tmp_path):
+    a = _record("0.32.0", 2.5, 100.0, 50.0)
+    b = copy.deepcopy(a)
+    b["servers"]["speculative"]["results"][0]["concurrency"] = 8
+    with pytest.raises(BenchError, match="share no concurrency level"):
+        compare(a, b)
+    lost = copy.deepcopy(a)
+    lost["servers"]["speculative"]["results"][0]["acceptance"] = None          # speculation stopped working
+    lost["servers"]["speculative"]["results"][0]["failures"] = 2
+    lost["max_tokens"] = 256
+    res = compare(a, lost)
+    assert {r["metric"] for r in res["regressions"]} == {"tau", "failures"}
+    assert any("max_tokens differs" in w for w in res["warnings"])
+    (tmp_path / "bad.json").write_text(json.dumps({"servers": {"speculative": {}}}))
+    with pytest.raises(BenchError, match="not a bench record"):
+        load_record(tmp_path / "bad.json")

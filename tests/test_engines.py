@@ -50,7 +50,8 @@ def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
 
     from eagle3kit.engines import spec_decode_counters, spec_decode_delta
 
-    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text=RECORDED_METRICS))
+    monkeypatch.setattr(httpx, "get", lambda url, timeout, headers: httpx.Response(200, text=RECORDED_METRICS,
+                                                                                    request=httpx.Request("GET", url)))
     now = spec_decode_counters("http://x")
     assert (now["drafts"], now["draft_tokens"], now["accepted"]) == (177, 531, 141)
     assert now["per_position"] == {0: 75, 1: 41, 2: 25}

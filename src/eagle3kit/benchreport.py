@@ -22,8 +22,13 @@ def _fmt(v, digits: int = 1) -> str:
 def markdown(record: dict) -> str:
     """One table per server role, one row per concurrency level."""
     lines = [f"# eagle3kit bench: {record['servers']['speculative']['model']}", "",
-             f"{record['prompts']['count']} prompts from `{record['prompts']['file']}`, max_tokens {record['max_tokens']}, "
-             f"greedy; started {record['started']}.", ""]
+             f"{record['prompts']['count']} prompt{'s' if record['prompts']['count'] != 1 else ''} from "
+             f"`{record['prompts']['file']}`, max_tokens {record['max_tokens']}, greedy; started {record['started']}.", ""]
+    for role, srv in record["servers"].items():
+        tc = srv.get("template_check") or {}
+        if "skipped" in tc or tc.get("checked") == 0:
+            lines += [f"**{role}: the chat-template check (C35) did not run** ({tc.get('skipped') or tc.get('method')}).", ""]
+    lines += [f"**warning:** {w}" for w in record.get("warnings", [])] + ([""] if record.get("warnings") else [])
     for role, srv in record["servers"].items():
         eng = srv["engine"]
         lines += [f"## {role}: {eng['name']} {eng.get('version') or ''} at {srv['url']}", "",
@@ -80,35 +85,60 @@ def plot(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SETTINGS = [("max_tokens", lambda r: r.get("max_tokens")), ("prompt file", lambda r: (r.get("prompts") or {}).get("sha256")),
+            ("engine", lambda r: r["servers"]["speculative"]["engine"].get("name")),
+            ("model", lambda r: r["servers"]["speculative"].get("model")),
+            ("hardware", lambda r: (r.get("hardware") or {}).get("label"))]
+
+
 def compare(a: dict, b: dict, tolerance: float = 0.05) -> dict:
     """Compare record ``b`` with record ``a`` (the reference) level by level on the speculative
     server: each metric of :data:`COMPARED` whose relative change is worse than ``tolerance``
-    (lower throughput or τ, higher latency) is flagged. Returns ``{"rows", "regressions",
-    "a", "b"}`` where ``a``/``b`` name each record's engine and version."""
+    (lower throughput or τ, higher latency) is flagged, and so are a τ that B lost (speculation
+    off?) and more failed requests. Settings that differ (max_tokens, prompt file, engine, model,
+    hardware) and levels present in one record only are named in ``warnings``. Returns
+    ``{"rows", "regressions", "warnings", "a", "b"}``.
+
+    Raises:
+        BenchError: the records share no concurrency level."""
+    from .bench import BenchError
+
     def index(rec):
         return {r["concurrency"]: r for r in rec["servers"]["speculative"]["results"]}
 
     ia, ib = index(a), index(b)
+    common = sorted(set(ia) & set(ib))
+    if not common:
+        raise BenchError(f"the two records share no concurrency level (A {sorted(ia)}, B {sorted(ib)}): nothing to compare")
+    warnings = [f"{name} differs: {ga!r} in A, {gb!r} in B" for name, get in SETTINGS
+                if (ga := get(a)) != (gb := get(b))]
+    only = sorted(set(ia) ^ set(ib))
+    if only:
+        warnings.append(f"levels {only} are in one record only and are not compared")
     rows, flagged = [], []
-    for c in sorted(set(ia) & set(ib)):
+    for c in common:
         for key, get, higher in COMPARED:
             va, vb = get(ia[c]), get(ib[c])
-            if va is None or vb is None or va == 0:
+            if key == "tau" and va is not None and vb is None:
+                row = {"concurrency": c, "metric": key, "a": va, "b": None, "change": None, "regression": True}
+            elif va is None or vb is None or va == 0:
                 continue
-            change = (vb - va) / abs(va)
-            worse = -change if higher else change
-            row = {"concurrency": c, "metric": key, "a": va, "b": vb, "change": round(change, 4),
-                   "regression": worse > tolerance}
+            else:
+                change = (vb - va) / abs(va)
+                worse = -change if higher else change
+                row = {"concurrency": c, "metric": key, "a": va, "b": vb, "change": round(change, 4),
+                       "regression": worse > tolerance}
             rows.append(row)
-            if row["regression"]:
-                flagged.append(row)
+        fa, fb = ia[c].get("failures", 0), ib[c].get("failures", 0)
+        rows.append({"concurrency": c, "metric": "failures", "a": fa, "b": fb, "change": None, "regression": fb > fa})
+    flagged = [r for r in rows if r["regression"]]
 
     def who(rec):
         e = rec["servers"]["speculative"]["engine"]
         return {"engine": e["name"], "version": e.get("version"), "drafter": (rec.get("drafter") or {}).get("sha256"),
                 "started": rec.get("started")}
 
-    return {"tolerance": tolerance, "a": who(a), "b": who(b), "rows": rows, "regressions": flagged}
+    return {"tolerance": tolerance, "a": who(a), "b": who(b), "rows": rows, "regressions": flagged, "warnings": warnings}
 
 
 def load_record(path: Path) -> dict:
@@ -122,6 +152,15 @@ def load_record(path: Path) -> dict:
         rec = json.loads(p.read_text())
     except ValueError as e:
         raise BenchError(f"{p} is not JSON ({e}); give a bench.json written by `eagle3kit bench`") from None
-    if not isinstance(rec, dict) or "speculative" not in rec.get("servers", {}):
-        raise BenchError(f"{p} is not a bench record (no servers.speculative); give a bench.json written by `eagle3kit bench`")
+    def shaped(rec) -> bool:
+        srv = rec.get("servers") if isinstance(rec, dict) else None
+        spec = srv.get("speculative") if isinstance(srv, dict) else None
+        res = spec.get("results") if isinstance(spec, dict) else None
+        need = {"concurrency", "output_tokens_per_s", "request_throughput", "ttft_ms", "itl_ms", "tpot_ms"}
+        return (isinstance(res, list) and isinstance(spec.get("engine"), dict)
+                and all(isinstance(r, dict) and need <= set(r) for r in res))
+
+    if not shaped(rec):
+        raise BenchError(f"{p} is not a bench record (servers.speculative.results with per-level numbers); give a "
+                         "bench.json written by `eagle3kit bench`")
     return rec

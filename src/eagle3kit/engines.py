@@ -89,14 +89,16 @@ SPEC_METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode
 PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def spec_decode_counters(url: str, timeout: float = 10.0) -> dict:
+def spec_decode_counters(url: str, timeout: float = 10.0, headers: dict | None = None) -> dict:
     """vLLM's speculative-decoding counters now, from ``GET {url}/metrics`` (Prometheus text,
     parsed with ``prometheus_client``): ``{"drafts", "draft_tokens", "accepted", "per_position":
     {k: accepted at position k}}``, summed over engines (DESIGN.md §6). Counts (floats as served)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout).text
+    resp = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout, headers=headers or {})
+    resp.raise_for_status()
+    text = resp.text
     out: dict = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
