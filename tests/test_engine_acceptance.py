@@ -168,6 +168,12 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
     print(f"reference decoder: τ {dec['stats'].tau:.4f}, lossless vs target greedy: {dec['greedy_identical']}; "
           f"its outputs equal vLLM's on {same}/{len(outs)} prompts")
     assert dec["greedy_identical"]
+    # a tree on the real target (CPU, fp32): token-identical to target-only greedy on every prompt
+    from eagle3kit.decoder import SpecConfig
+
+    tree = decode(drafter, smollm2_target, prompts[:6], 64, SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=16))
+    print(f"tree (4/4/16) on 6 prompts: τ {tree['stats'].tau:.4f}, greedy_identical {tree['greedy_identical']}")
+    assert tree["greedy_identical"] and tree["stats"].tau > 1.3
 
 
 def test_bench_against_vllm_with_a_baseline_reports_the_engines_own_numbers(served, trained):

@@ -75,6 +75,25 @@ def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
     assert s["tau"] == pytest.approx(s["simulate_tau_same_prompts"], abs=1e-9)
     assert s["tau"] > 1.2
     assert sum(1 for h in s["accept_histogram"] if h) >= 2    # partial acceptances and rejections both happened
+    assert s["draft"]["mode"] == "chain" and s["tokens_per_s"] > 0 and s["baseline_tokens_per_s"] > 0
+    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=0.01)   # both rounded
+
+
+def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(tiny_run):
+    _, cfg_path, run, _ = tiny_run
+    res = CliRunner().invoke(app, ["evaluate", "--config", str(cfg_path), "--mode", "decode", "--draft", "tree", "--k", "3",
+                                   "--topk", "4", "--num-draft-tokens", "12", "--section", "evaluate-tree"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((run / "report.json").read_text())["evaluate-tree"]
+    s = rep["sets"]["mt_bench"]
+    assert rep["greedy_identical"] is True and s["draft"] == {"mode": "tree", "steps": 3, "topk": 4, "num_draft_tokens": 12,
+                                                              "temperature": 0.0, "top_p": 1.0}
+    chain = json.loads((run / "report.json").read_text())["evaluate"]["sets"]["mt_bench"]
+    assert s["tau"] >= chain["tau"]                                  # 4 candidates per depth accept no less than 1
+    assert list(s["per_category"]) == ["writing"] and s["per_category"]["writing"]["prompts"] == s["num_prompts"] == 4
+    assert "speedup" in res.output
+    bad = CliRunner().invoke(app, ["evaluate", "--config", str(cfg_path), "--draft", "tree"])
+    assert bad.exit_code != 0 and "set evaluate.mode to decode" in " ".join(bad.output.split())
 
 
 def test_each_stage_runs_alone_from_the_cli(tiny_run):

@@ -206,20 +206,28 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
 @_guard
 def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
              mode: Optional[str] = typer.Option(None, help="simulate | decode"),
-             k: Optional[int] = typer.Option(None, help="draft tokens per verify step"),
+             k: Optional[int] = typer.Option(None, help="draft steps: chain length K, or tree depth"),
+             draft: Optional[str] = typer.Option(None, help="decode mode: chain | tree"),
+             topk: Optional[int] = typer.Option(None, help="tree: children per expanded node"),
+             num_draft_tokens: Optional[int] = typer.Option(None, help="tree: tokens verified per step, root included"),
+             temperature: Optional[float] = typer.Option(None, help="decode mode: 0 greedy, > 0 lossless sampling"),
+             top_p: Optional[float] = typer.Option(None, help="decode mode: nucleus mass"),
              drafter: Optional[Path] = typer.Option(None, help="drafter folder (default: <run>/drafter)"),
              num_prompts: Optional[int] = typer.Option(None, help="cap prompts per set"),
              max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit"),
              sets: Optional[str] = typer.Option(None, "--sets", help="comma-separated names of evaluate.sets to run"),
              section: str = typer.Option("evaluate", help="report.json section to write (keep several evaluations apart)")):
-    """Measure τ and per-position acceptance (simulate) or decode for real and check losslessness."""
+    """Measure τ and per-position acceptance (simulate), or decode for real (chain or tree, greedy or
+    sampled): τ, tokens/s with and without speculation, speedup per set and category, losslessness."""
     from .evaluate import run_evaluate
 
     import re
 
     if not re.fullmatch(r"evaluate[\w-]*", section):
         raise ConfigError(f"--section must start with 'evaluate' (it names a report.json section), got {section!r}")
-    cfg, run = _setup(config, run_dir, {"evaluate": _some(mode=mode, k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens)})
+    cfg, run = _setup(config, run_dir, {"evaluate": _some(mode=mode, k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                                            draft=draft, topk=topk, num_draft_tokens=num_draft_tokens,
+                                                            temperature=temperature, top_p=top_p)})
     rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None,
                        only_sets=sets.split(",") if sets else None, section=section)
     from .pipeline import evaluate_rows
@@ -284,6 +292,7 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
           hardware: Optional[str] = typer.Option(None, "--hardware", help="label of the server's hardware, e.g. '1x H200'"),
           api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"),
           warmup: int = typer.Option(1, "--warmup", min=0, help="uncounted requests per server before the first level"),
+          timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"),
           out: Optional[Path] = typer.Option(None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"),
           overwrite: bool = typer.Option(False, "--overwrite", help="replace bench files already in --out"),
           compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="compare two bench.json files: A B"),
@@ -299,10 +308,16 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
         res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
         a, b = res["a"], res["b"]
         console.print(f"A: {a['engine']} {a['version']} ({compare[0]})  B: {b['engine']} {b['version']} ({compare[1]})")
+        for w in res["warnings"]:
+            console.print(f"[yellow]warning:[/] {w}")
         for r in res["rows"]:
             mark = "[red]REGRESSION[/]" if r["regression"] else "ok"
-            console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} ({r['change']:+.1%})  {mark}")
-        console.print(f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%}")
+            if r["a"] is None or r["b"] is None or r["change"] is None:
+                console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']!s:>12} → {r['b']!s:>12}  {mark}")
+            else:
+                console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} ({r['change']:+.1%})  {mark}")
+        console.print(f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%} on the speculative server "
+                      "(exit 1 when any)")
         raise typer.Exit(1 if res["regressions"] else 0)
     if not base_url or not prompts:
         raise BenchError("bench needs --base-url and --prompts (or --compare A.json B.json)")
@@ -312,12 +327,25 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
         raise BenchError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     folder = out or Path("runs/bench") / time.strftime("%Y%m%d-%H%M%S")
     if not overwrite and any((folder / f).exists() for f in ("bench.json", "bench.md", "bench.png")):
-        raise BenchError(f"{folder} already holds bench results: pass another --out, or --overwrite")
-    rec = run_bench(base_url, prompts, levels, max_tokens, baseline_url, model, num_prompts, requests, target,
-                    not no_template_check, drafter, engine_flags, hardware, api_key_env, warmup)
+        raise BenchError(f"{folder} already holds bench results (bench.json/.md/.png): pass another --out, or --overwrite "
+                         "to replace those three files")
+    try:                                              # an unusable --out is found before anything is timed
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchError(f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out") from None
+    try:
+        rec = run_bench(base_url, prompts, levels, max_tokens, baseline_url, model, num_prompts, requests, target,
+                        not no_template_check, drafter, engine_flags, hardware, api_key_env, warmup, timeout)
+    except KeyboardInterrupt:
+        console.print("[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)")
+        raise typer.Exit(130) from None
     paths = write_outputs(rec, folder, overwrite)
-    console.print(Path(paths["md"]).read_text())
+    console.print(Path(paths["md"]).read_text(), soft_wrap=True)
     console.print(f"[bold]bench:[/] {paths['json']}, {paths['md']}, {paths['png']}")
+    dead = [w for w in rec["warnings"] if "every request failed" in w]
+    if dead:
+        console.print(f"[red]bench: {len(dead)} level(s) had no successful request[/]; the record is written, exit code 1")
+        raise typer.Exit(1)
 
 
 @app.command("run")

@@ -254,7 +254,13 @@ class TrainConfig(_Strict):
 
 class EvaluateConfig(_Strict):
     mode: Literal["simulate", "decode"] = "simulate"
-    k: int = Field(default=3, ge=1)
+    k: int = Field(default=3, ge=1, description="draft steps: chain length K, or tree depth (SGLang --speculative-num-steps)")
+    draft: Literal["chain", "tree"] = Field(default="chain", description="decode mode's drafting")
+    topk: int = Field(default=10, ge=1, description="tree: children per expanded node (SGLang --speculative-eagle-topk)")
+    num_draft_tokens: int | None = Field(default=None, gt=1, description="tree: tokens verified per step, root included "
+                                         "(SGLang --speculative-num-draft-tokens); default 1 + k·topk")
+    temperature: float = Field(default=0.0, ge=0, description="decode mode: 0 = greedy; > 0 samples, verified losslessly")
+    top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=256, gt=0)
     sets: list[PromptSource] = []
     num_prompts: int | None = Field(default=None, gt=0, description="cap per set")
@@ -264,7 +270,23 @@ class EvaluateConfig(_Strict):
     @model_validator(mode="after")
     def _names(self):
         _unique_labels(self.sets, "evaluate.sets")
+        if self.mode == "simulate" and (self.draft == "tree" or self.temperature > 0):
+            raise ValueError("simulate mode replays greedy chain drafting only: set evaluate.mode to decode for "
+                             "evaluate.draft: tree or evaluate.temperature > 0")
+        try:
+            self.spec()
+        except ValueError as e:
+            raise ValueError(f"evaluate.k / topk / num_draft_tokens: {e}") from None
         return self
+
+    def spec(self):
+        """The decoder's :class:`eagle3kit.decoder.SpecConfig` for these settings."""
+        from .verify import SpecConfig
+
+        if self.draft == "chain":
+            return SpecConfig(steps=self.k, temperature=self.temperature, top_p=self.top_p)
+        return SpecConfig(mode="tree", steps=self.k, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
+                          temperature=self.temperature, top_p=self.top_p)
 
 
 class Config(_Strict):

@@ -360,27 +360,30 @@ class Eagle3Drafter(nn.Module):
         return DraftKVCache(batch, self.config.num_key_value_heads, self.config.head_dim, max_len,
                             device or w.device, dtype or w.dtype)
 
-    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: DraftKVCache) -> torch.Tensor:
-        """Run the layer for new positions over a KV cache.
+    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: DraftKVCache,
+             slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer for q new tokens over a position-indexed KV cache (chain or tree drafting).
 
         Args:
             hidden: [B, q, H] input feature (``fc(aux)`` for target features, or a previous pre-norm output).
             embeds: [B, q, H] target-embedding of the token at each new position's next slot.
-            positions: int64 [B, q] (same for every row); their K/V are written to those slots.
-            cache: the drafter's :class:`DraftKVCache`.
+            positions: int64 [B, q] rotary positions (the same for every row).
+            cache: the drafter's :class:`DraftKVCache` ([B, kv_heads, max_len, d]).
+            slots: int64 [q] cache slots the new keys/values are written to (default: the positions).
+            mask: bool [q, max_len], True where a new token may attend (default: slots ≤ its own slot,
+                i.e. causal); a draft tree passes prefix + ancestors + itself.
         Returns: pre-norm outputs [B, q, H].
         """
         attn = self.midlayer.self_attn
         x = self.midlayer.attn_input(hidden, embeds)
         cos, sin = self.rotary(x, positions)
         q, k, v = attn.qkv(x, cos, sin)
-        pos = positions[0]
-        cache.k.index_copy_(2, pos, k.to(cache.k.dtype))
-        cache.v.index_copy_(2, pos, v.to(cache.v.dtype))
-        L = int(pos.max()) + 1
-        keys, vals = attn.expand(cache.k[:, :, :L]), attn.expand(cache.v[:, :, :L])
-        allowed = torch.arange(L, device=q.device)[None, :] <= pos[:, None]           # [q, L]
-        s = (q @ keys.transpose(-1, -2)) / math.sqrt(attn.d)
-        s = s.masked_fill(~allowed[None, None], float("-inf"))
-        o = torch.softmax(s.float(), dim=-1).to(q.dtype) @ vals
+        slots = positions[0] if slots is None else slots
+        cache.k.index_copy_(2, slots, k.to(cache.k.dtype))
+        cache.v.index_copy_(2, slots, v.to(cache.v.dtype))
+        if mask is None:
+            mask = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= slots[:, None]
+        keys, vals = attn.expand(cache.k.to(q.dtype)), attn.expand(cache.v.to(q.dtype))
+        s = (q @ keys.transpose(-1, -2)) / math.sqrt(attn.d)        # softmax in fp32, as in training
+        o = torch.softmax(s.float().masked_fill(~mask[None, None], float("-inf")), dim=-1).to(q.dtype) @ vals
         return self.midlayer.finish(attn.out(o), hidden)

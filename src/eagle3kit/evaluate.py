@@ -132,31 +132,65 @@ def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], c
     return pooled, per_prompt
 
 
-def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
-    """Run the reference decoder on every prompt; compare with target-only greedy; τ pooled.
+def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max_new_tokens: int, spec,
+           categories: list[str | None] | None = None, seed: int = 0) -> dict:
+    """Run the reference decoder (:mod:`eagle3kit.decoder`) on every prompt, and target-only
+    decoding with the same cache for the speedup; greedy outputs are also compared with
+    transformers' ``generate`` (the losslessness check).
 
-    Returns dict with ``stats`` (pooled), ``greedy_identical`` (all prompts matched),
-    ``mismatches`` (first divergence of each mismatching prompt), ``outputs`` (the speculative
-    decoder's token ids) and ``references`` (target-only greedy token ids).
+    Args: spec: a :class:`eagle3kit.decoder.SpecConfig` (or K, a greedy chain); categories: each
+    prompt's category (MT-bench, Spec-Bench), for the per-category τ and speedup.
+    Returns dict with ``stats`` (pooled), ``greedy_identical`` (all prompts matched; None when
+    sampling), ``mismatches``, ``outputs``, ``references``, ``tokens_per_s``,
+    ``baseline_tokens_per_s``, ``speedup`` (wall-clock, this device) and ``per_category``.
     """
-    from .decoder import first_divergence, greedy_generate, speculative_generate
+    import time
 
-    pooled = AcceptanceStats(k)
+    from .decoder import DrafterState, SpecConfig, first_divergence, greedy_generate, speculative_generate, target_generate
+    from .fasttarget import FastTarget
+
+    spec = SpecConfig(steps=spec) if isinstance(spec, int) else spec
+    greedy = spec.temperature == 0
+    eot = target.end_of_turn_ids()
+    ft = FastTarget(target.model, target.parts, drafter.config.aux_layer_ids,
+                    max(len(p) for p in prompts) + max_new_tokens + spec.n_tokens + 2)
+    ds = DrafterState(drafter, ft.embed, ft.max_len + spec.steps * spec.topk + 1, spec, target.vocab_size)
+    pooled = AcceptanceStats(spec.steps)
     mismatches, refs, outs = [], [], []
+    cats: dict = {}
+    totals = {"tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0}
     with progress() as bar:
-        task = bar.add_task("reference decode", total=len(prompts), tokens=0, note="")
-        n = 0
+        task = bar.add_task(f"reference decode ({spec.mode})", total=len(prompts), tokens=0, note="")
         for i, p in enumerate(prompts):
-            res = speculative_generate(target, drafter, p, max_new_tokens, k)
-            ref = greedy_generate(target, p, max_new_tokens)
+            t0 = time.perf_counter()
+            res = speculative_generate(target, drafter, p, max_new_tokens, spec, eot, seed=seed + i, ft=ft, ds=ds)
+            t1 = time.perf_counter()
+            base = target_generate(ft, p, max_new_tokens, eot, spec.temperature, spec.top_p, seed=seed + i)
+            t2 = time.perf_counter()
+            ref = greedy_generate(target, p, max_new_tokens) if greedy else base
             refs.append(ref)
             outs.append(res.tokens)
             pooled.merge(res.stats)
-            if res.tokens != ref:
+            if greedy and res.tokens != ref:
                 mismatches.append({"prompt_index": i, **(first_divergence(target, p, res.tokens, ref) or {})})
-            n += len(res.tokens)
-            bar.update(task, advance=1, tokens=n, note=f"τ {pooled.tau:.2f}")
-    return {"stats": pooled, "greedy_identical": not mismatches, "mismatches": mismatches, "outputs": outs, "references": refs}
+            c = cats.setdefault((categories or [None] * len(prompts))[i] or "-",
+                                {"stats": AcceptanceStats(spec.steps), "n": 0, "tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0})
+            c["stats"].merge(res.stats)
+            c["n"] += 1
+            for d in (c, totals):
+                d["tokens"] += len(res.tokens)
+                d["seconds"] += t1 - t0
+                d["base_tokens"] += len(base)
+                d["base_seconds"] += t2 - t1
+            bar.update(task, advance=1, tokens=totals["tokens"], note=f"τ {pooled.tau:.2f}")
+
+    def speed(d: dict) -> dict:
+        tps, btps = d["tokens"] / max(d["seconds"], 1e-9), d["base_tokens"] / max(d["base_seconds"], 1e-9)
+        return {"tokens_per_s": round(tps, 2), "baseline_tokens_per_s": round(btps, 2), "speedup": round(tps / btps, 4)}
+
+    return {"stats": pooled, "greedy_identical": (not mismatches) if greedy else None, "mismatches": mismatches,
+            "outputs": outs, "references": refs, **speed(totals),
+            "per_category": {k: {"prompts": v["n"], "tau": round(v["stats"].tau, 4), **speed(v)} for k, v in cats.items()}}
 
 
 def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafter:
@@ -189,7 +223,10 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
                           f"vocab {drafter.config.vocab_size}) than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})")
     trained_on = (json.loads((folder / "config.json").read_text()).get("eagle3kit") or {}).get("target") or {}
     fp, now = trained_on.get("weights_fingerprint"), target.source.get("weights_fingerprint")
-    if fp and now and fp != now:
+    if fp and now and fp != now and trained_on.get("fingerprint_format") != target.source.get("fingerprint_format"):
+        console.print(f"[yellow]warning:[/] {folder} records its target's weights with an older fingerprint rule; "
+                      f"the target's identity cannot be checked (same model name: {trained_on.get('model')})")
+    elif fp and now and fp != now:
         raise ConfigError(f"{folder} was trained on another target ({trained_on.get('model')}, weights {fp[:12]}…) than "
                           f"{cfg.target.model} (weights {now[:12]}…); evaluate it with the target it was trained for")
     if max(drafter.config.aux_layer_ids) >= target.num_layers:
@@ -201,7 +238,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
     baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
     report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}
     all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
-    n_prompts, identical = 0, True
+    n_prompts, identical = 0, None                    # None: nothing compared (sampling)
     sets = eval_sets(cfg, run)
     if only_sets:
         unknown = sorted(set(only_sets) - set(sets))
@@ -218,15 +255,20 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
             hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
             entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
         else:
-            dec = decode(drafter, target, prompts, ec.max_new_tokens, k)
+            spec = ec.spec()
+            dec = decode(drafter, target, prompts, ec.max_new_tokens, spec, [r.get("category") or name for r in rows])
             stats = dec["stats"]
-            entry["greedy_identical"] = dec["greedy_identical"]
-            entry["mismatches"] = dec["mismatches"]
-            identical &= dec["greedy_identical"]
+            entry.update({k_: dec[k_] for k_ in ("greedy_identical", "mismatches", "tokens_per_s", "baseline_tokens_per_s",
+                                                 "speedup", "per_category")})
+            entry["draft"] = {"mode": spec.mode, "steps": spec.steps, "topk": spec.topk,
+                              "num_draft_tokens": spec.n_tokens, "temperature": spec.temperature, "top_p": spec.top_p}
+            if dec["greedy_identical"] is not None:
+                identical = dec["greedy_identical"] if identical is None else identical and dec["greedy_identical"]
             conts = dec["references"]
-            sim, _ = simulate(drafter, target, prompts, conts, k, device, f"{name}, simulate on decoded outputs")
-            entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
-            entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
+            if spec.mode == "chain" and spec.temperature == 0:     # simulate replays exactly greedy chain drafting
+                sim, _ = simulate(drafter, target, prompts, conts, k, device, f"{name}, simulate on decoded outputs")
+                entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
+                entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
         entry.update(stats.as_dict())
         if baseline is not None:
             base, _ = simulate(baseline, target, prompts, conts, k, device, f"{name}, untrained drafter")

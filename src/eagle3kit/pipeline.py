@@ -72,12 +72,21 @@ def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
     """The evaluate section of the summary (also printed by ``eagle3kit evaluate``)."""
     rows: list[tuple[str, object]] = [(f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-"))]
     for name, s in ev.get("sets", {}).items():
-        rows.append((f"  {name}: τ / untrained τ / prompts", f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}"))
+        rows.append((f"  {name}: τ / untrained τ (simulate, greedy chain) / prompts",
+                     f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}"))
         if "simulate_tau_same_prompts" in s:
             rows.append((f"  {name}: simulate τ on the same outputs", s["simulate_tau_same_prompts"]))
+        if "speedup" in s:
+            d = s.get("draft", {})
+            how = "greedy" if not d.get("temperature") else f"T {d['temperature']}, top-p {d.get('top_p')}"
+            rows.append((f"  {name}: {d.get('mode')} {d.get('steps')}/{d.get('topk')}/{d.get('num_draft_tokens')}, {how}: "
+                         "tok/s spec / target-only / speedup",
+                         f"{s['tokens_per_s']} / {s['baseline_tokens_per_s']} / {s['speedup']}"))
+            for c, v in (s.get("per_category") or {}).items():
+                rows.append((f"    {c}: τ / speedup", f"{v['tau']} / {v['speedup']}"))
     rows.append(("evaluate: per-position acceptance (cumulative)", ev.get("per_position_acceptance", "-")))
     if "greedy_identical" in ev:
-        rows.append(("evaluate: greedy_identical", ev["greedy_identical"]))
+        rows.append(("evaluate: greedy_identical", "n/a (sampled)" if ev["greedy_identical"] is None else ev["greedy_identical"]))
     return rows
 
 

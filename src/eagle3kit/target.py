@@ -229,6 +229,10 @@ def smollm2_gguf_path() -> Path:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+#: the rule of :func:`_file_fingerprint`; drafters trained before it was recorded carry an older rule
+FINGERPRINT_FORMAT = "sha256-size-bytes-v2"
+
+
 def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64) -> str:
     """Identity of a weights file: SHA-256 of its size and bytes — all of them for files up to
     ``whole_below`` bytes (512 MiB), else of ``blocks`` 1-MiB blocks spread evenly over the file
@@ -358,6 +362,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         source["weights_fingerprint"] = hashlib.sha256(
             "".join(_file_fingerprint(f) for f in files).encode()
         ).hexdigest() if files else None
+    source["fingerprint_format"] = FINGERPRINT_FORMAT
     source["revision"] = getattr(model.config, "_commit_hash", None)
     return Target(model=model, tokenizer=tok, parts=resolve_parts(model), source=source)
 

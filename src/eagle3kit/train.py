@@ -240,7 +240,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     if features is not None:
         inputs["features"] = sha256_json(features)
 
-    provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint")},
+    provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint"),
+                             "fingerprint_format": target.source.get("fingerprint_format")},
                   "tokenizer_sha256": tok_hash, "draft_vocab_sha256": inputs["vocab"],
                   "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)}}
     drafter = build_drafter(target, vocab, aux_ids, tc.seed)
