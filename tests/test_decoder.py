@@ -91,8 +91,48 @@ def test_spec_config_names_and_refuses_impossible_trees():
     assert SpecConfig(steps=3).n_tokens == 4
     with pytest.raises(ValueError, match="outside"):
         SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=9)        # at most 1 + 2 + 4 = 7
+    with pytest.raises(ValueError, match="outside"):
+        SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=0)
     with pytest.raises(ValueError, match="chain has topk 1"):
         SpecConfig(steps=3, topk=2)
+    for bad in (dict(temperature=1e-300), dict(temperature=float("inf")), dict(temperature=float("nan")),
+                dict(top_p=0.0), dict(top_p=1.5), dict(steps=2.5), dict(steps=True)):
+        with pytest.raises(ValueError):
+            SpecConfig(**bad)
+
+
+def test_a_sure_drafter_ties_parent_and_child_and_the_tree_stays_closed():
+    """A drafter sure of its tokens gives children log-prob 0.0, so a child ties its parent's score;
+    the tree must still hold every chosen node's parent (attack finding: KeyError before)."""
+    target, d = tiny_pair(layers=1, dtype=torch.float64, seed=1)
+    with torch.no_grad():
+        d.lm_head.weight.mul_(300)
+    ref = greedy_generate(target, PROMPT, 24, eot_ids=[V + 1])
+    for steps, topk, n in ((4, 3, 6), (4, 3, 9), (3, 2, 5)):
+        res = speculative_generate(target, d, PROMPT, 24, SpecConfig(mode="tree", steps=steps, topk=topk, num_draft_tokens=n),
+                                   eot_ids=[V + 1])
+        assert res.tokens == ref
+
+
+def test_decoder_refuses_what_it_cannot_decode():
+    from tiny_targets import build
+
+    target, d = tiny_pair()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, d, PROMPT, 0, 3, eot_ids=[])
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        speculative_generate(target, d, [], 4, 3, eot_ids=[])
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        speculative_generate(target, d, PROMPT, 4, SpecConfig(mode="tree", steps=1, topk=7, num_draft_tokens=3), eot_ids=[])
+    import transformers as T
+
+    m = T.MistralForCausalLM(T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=8, vocab_size=64, sliding_window=16))
+    FastTarget(m, resolve_parts(m), [], 16)                                   # within the window: full attention is exact
+    with pytest.raises(NotImplementedError, match="sliding window of 16"):
+        FastTarget(m, resolve_parts(m), [], 32)
+    with pytest.raises(NotImplementedError):
+        FastTarget(build("gpt_oss", 2), resolve_parts(build("gpt_oss", 2)), [], 16)
 
 
 # ---- lossless sampling: χ² over 20,000 draws -----------------------------------------------

@@ -76,6 +76,7 @@ def plot(record: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)                  # from zero, so gaps are not exaggerated
         ax.legend(fontsize=8)
     spec = record["servers"]["speculative"]
     fig.suptitle(f"{spec['model']} on {spec['engine']['name']} {spec['engine'].get('version') or ''}, "

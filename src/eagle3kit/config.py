@@ -259,7 +259,8 @@ class EvaluateConfig(_Strict):
     topk: int = Field(default=10, ge=1, description="tree: children per expanded node (SGLang --speculative-eagle-topk)")
     num_draft_tokens: int | None = Field(default=None, gt=1, description="tree: tokens verified per step, root included "
                                          "(SGLang --speculative-num-draft-tokens); default 1 + k·topk")
-    temperature: float = Field(default=0.0, ge=0, description="decode mode: 0 = greedy; > 0 samples, verified losslessly")
+    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False,
+                               description="decode mode: 0 = greedy; ≥ 0.001 samples, verified losslessly")
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=256, gt=0)
     sets: list[PromptSource] = []

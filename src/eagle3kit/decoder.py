@@ -198,8 +198,10 @@ def draft(ds: DrafterState, root: int, t: int, spec: SpecConfig, vocab_size: int
         rows = best // k
         front, fscore, ftok = base + best, total[best], ctok[best]
         hidden, fmask = out[rows], fmask[rows]
-    score = torch.cat(scores) - 1e-6 * torch.tensor(depths, device=dev)   # a child never outranks its parent
-    chosen = score.topk(spec.n_tokens - 1).indices.sort().values  # creation order: parents first
+    # a child's score is ≤ its parent's (log-probs ≤ 0) and parents are created first, so a stable
+    # sort keeps every chosen node's parent ahead of it, ties included (a sure drafter adds 0.0)
+    order = torch.sort(torch.cat(scores), descending=True, stable=True).indices
+    chosen = order[: spec.n_tokens - 1].sort().values             # creation order: parents first
     ids, tok, par = torch.stack([chosen + 1, torch.cat(toks)[chosen], torch.cat(parents)[chosen]]).tolist()
     index = {0: 0} | {g: i + 1 for i, g in enumerate(ids)}
     return Draft(torch.tensor([root] + tok, device=dev), [-1] + [index[p] for p in par], [0] + [depths[g - 1] for g in ids])
@@ -272,10 +274,17 @@ def speculative_generate(target: Target | None, drafter: Eagle3Drafter, prompt_i
     """
     spec = SpecConfig(steps=spec) if isinstance(spec, int) else spec
     P = len(prompt_ids)
+    if P < 1 or max_new_tokens < 1:
+        raise ValueError(f"speculative_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P} prompt ids, "
+                         f"max_new_tokens {max_new_tokens})")
+    if spec.topk > drafter.config.draft_vocab_size:
+        raise ValueError(f"topk {spec.topk} exceeds the drafter's draft vocabulary ({drafter.config.draft_vocab_size} tokens)")
     need = P + max_new_tokens + spec.n_tokens + 1
     ft = ft or FastTarget(target.model, target.parts, drafter.config.aux_layer_ids, need)
     if ft.max_len < need:
         raise ValueError(f"the target cache holds {ft.max_len} slots; this prompt needs {need}")
+    if ds is not None and ds.max_len < need + spec.steps * spec.topk:
+        raise ValueError(f"the drafter cache holds {ds.max_len} slots; this prompt and spec need {need + spec.steps * spec.topk}")
     eot = set(eot_ids if eot_ids is not None else target.end_of_turn_ids())
     gen = torch.Generator(device=ft.k.device).manual_seed(seed) if seed is not None else None
     ds = ds or DrafterState(drafter, ft.embed, ft.max_len + spec.steps * spec.topk + 1, spec, ft.lm_head.weight.shape[0])
@@ -310,6 +319,8 @@ def target_generate(ft: FastTarget, prompt_ids: list[int], max_new_tokens: int, 
     dev = ft.k.device
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     P = len(prompt_ids)
+    if P < 1 or max_new_tokens < 1:
+        raise ValueError(f"target_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P}, {max_new_tokens})")
     out = [prefill(ft, prompt_ids, SpecConfig(temperature=temperature, top_p=top_p), gen)[0]]
     while len(out) < max_new_tokens and out[-1] not in eot:
         p = torch.tensor([P + len(out) - 1], device=dev)

@@ -255,7 +255,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
             hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
             entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
         else:
-            spec = ec.spec()
+            spec = ec.model_copy(update={"k": k}).spec()
             dec = decode(drafter, target, prompts, ec.max_new_tokens, spec, [r.get("category") or name for r in rows])
             stats = dec["stats"]
             entry.update({k_: dec[k_] for k_ in ("greedy_identical", "mismatches", "tokens_per_s", "baseline_tokens_per_s",

@@ -46,6 +46,10 @@ class FastTarget(nn.Module):
         if any(t != "full_attention" for t in layer_types):
             raise NotImplementedError(f"{type(model).__name__}: the reference decoder supports full-attention layers only "
                                       f"(layer types {sorted(set(layer_types))})")
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True) and max_len > window:
+            raise NotImplementedError(f"{type(model).__name__} attends within a sliding window of {window} tokens, and "
+                                      f"this cache holds {max_len}: the reference decoder has full attention only")
         for i, layer in enumerate(parts.layers):
             a = getattr(layer, "self_attn", None)
             if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \

@@ -47,8 +47,17 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', not {self.mode!r}")
-        if self.steps < 1 or self.topk < 1:
-            raise ValueError(f"steps ({self.steps}) and topk ({self.topk}) must be ≥ 1")
+        import math
+
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.steps, self.topk)) \
+                or self.steps < 1 or self.topk < 1:
+            raise ValueError(f"steps ({self.steps!r}) and topk ({self.topk!r}) must be integers ≥ 1")
+        if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= 1e-3)):
+            raise ValueError(f"temperature {self.temperature} must be 0 (greedy) or a finite value ≥ 0.001")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p} must lie in (0, 1]")
+        if self.num_draft_tokens is not None and not isinstance(self.num_draft_tokens, int):
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens!r} must be an integer")
         if self.mode == "chain" and (self.topk != 1 or self.num_draft_tokens not in (None, self.steps + 1)):
             raise ValueError(f"a chain has topk 1 and num_draft_tokens = steps + 1 = {self.steps + 1}")
         most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
@@ -57,7 +66,9 @@ class SpecConfig:
 
     @property
     def n_tokens(self) -> int:
-        return self.num_draft_tokens or (self.steps + 1 if self.mode == "chain" else 1 + self.steps * self.topk)
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return self.steps + 1 if self.mode == "chain" else 1 + self.steps * self.topk
 
 
 #: ``accept(tokens, parents, logits, probs, q, generator) -> (accepted node indices, bonus token id)``
