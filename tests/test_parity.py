@@ -1,0 +1,68 @@
+"""`eagle3kit parity` (issue 11, point 2): two feature sources compared per aux layer and for the
+teacher; a storage change within tolerance agrees, and planted capture mistakes are flagged —
+features taken one layer off, and the teacher state taken before instead of after the final norm."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eagle3kit.cli import app
+from eagle3kit.config import ConfigError
+from eagle3kit.extract import run_extract
+from eagle3kit.parity import compare_features
+from test_extract import cfg_for, run  # noqa: F401  (the module's run fixture: 12 samples, tiny Llama)
+
+
+@pytest.fixture(scope="module")
+def reference(run, tiny_target, tiny_target_dir, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("parity") / "ref"
+    run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(out))
+    return out
+
+
+def test_the_same_source_agrees_and_fp8_storage_stays_close(run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
+    run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "again"))
+    rep = compare_features(tiny_target, reference, tmp_path / "again")
+    assert rep["verdict"] == "agree" and all(v["relative_error"] == 0 and v["top1_agreement"] == 1
+                                             for v in rep["layers"].values()), rep["layers"]
+    # e4m3 storage: close in cosine and norm; a random tiny target's near-flat logits make its top-1 fragile
+    run_extract(cfg_for(run, tiny_target_dir, dtype="fp8"), run, tiny_target, out_dir=str(tmp_path / "fp8"))
+    rep = compare_features(tiny_target, reference, tmp_path / "fp8")
+    assert all(v["cosine"] > 0.999 and v["relative_error"] < 0.05 for v in rep["layers"].values()), rep["layers"]
+
+
+def test_features_one_layer_off_are_flagged(run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
+    ref_ids = json.loads((reference / "index.json").read_text())["inputs"]["aux_layer_ids"]
+    cfg = cfg_for(run, tiny_target_dir)
+    cfg.target.aux_layer_ids = [i + 1 for i in ref_ids]
+    run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "off"))
+    rep = compare_features(tiny_target, reference, tmp_path / "off")
+    aux = {k: v for k, v in rep["layers"].items() if k.startswith("aux")}
+    assert rep["verdict"] == "disagree" and not any(v["pass"] for v in aux.values()), rep
+    assert rep["layers"]["teacher (post-norm last)"]["pass"]                 # the teacher state is the same
+    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(reference),
+                                   "--features", str(tmp_path / "off"), "--out", str(tmp_path / "p.json")])
+    assert res.exit_code == 1 and "disagree" in res.output
+    assert json.loads((tmp_path / "p.json").read_text())["verdict"] == "disagree"
+
+
+def test_a_teacher_state_taken_before_the_final_norm_is_flagged(run, reference, tiny_target, tiny_target_dir, tmp_path,  # noqa: F811
+                                                                monkeypatch):
+    import eagle3kit.extract as ex
+    from eagle3kit.target import capture_layer_inputs
+
+    def before_norm(target, input_ids, attention_mask, aux_ids):          # the planted capture mistake
+        parts = target.parts
+        with capture_layer_inputs(parts.layers, aux_ids, parts.final_norm) as store:
+            parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return torch.cat([store[i] for i in aux_ids], dim=-1), store["final"]
+
+    monkeypatch.setattr(ex, "target_features", before_norm)
+    run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "prenorm"))
+    rep = compare_features(tiny_target, reference, tmp_path / "prenorm")
+    t = rep["layers"]["teacher (post-norm last)"]
+    assert not t["pass"] and t["relative_error"] > 0.1, t
+    assert all(v["pass"] for k, v in rep["layers"].items() if k.startswith("aux"))
+    with pytest.raises(ConfigError, match="not a folder"):
+        compare_features(tiny_target, reference, tmp_path / "missing")
