@@ -66,3 +66,17 @@ def test_a_teacher_state_taken_before_the_final_norm_is_flagged(run, reference, 
     assert all(v["pass"] for k, v in rep["layers"].items() if k.startswith("aux"))
     with pytest.raises(ConfigError, match="not a folder"):
         compare_features(tiny_target, reference, tmp_path / "missing")
+
+
+def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
+    from eagle3kit.config import TrainConfig
+    from eagle3kit.train import feature_source_warning
+
+    assert feature_source_warning(None, None) is None                                   # nothing named for serving
+    assert feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "vllm") is None
+    w = feature_source_warning(None, "sglang")
+    assert "transformers" in w and "sglang" in w and "eagle3kit parity" in w
+    assert "vllm 0.32.0" in feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "sglang")
+    assert TrainConfig(serve_engine="vllm").serve_engine == "vllm"
+    with pytest.raises(ValueError):
+        TrainConfig(serve_engine="tgi")

@@ -218,6 +218,9 @@ class TrainConfig(_Strict):
     tokens_per_step: int = Field(default=4096, gt=0)
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     feature_cache: bool = True
+    serve_engine: Literal["vllm", "sglang"] | None = Field(
+        default=None, description="the engine the drafter will be served with: train warns when its features come "
+                                  "from another source (numerics differ; measure with `eagle3kit parity`)")
     device: str = "auto"
     seed: int = 0
     features: str | None = Field(default=None, description="train from the feature shards in this folder "

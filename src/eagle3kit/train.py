@@ -123,7 +123,18 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
 # settings left out of the train-config hash: logistics that do not change what is trained, and
 # inputs hashed on their own (the features' and the init drafter's content, not their paths)
 _LOGISTICS = {"checkpoint_every", "tensorboard", "wandb_project", "features", "init_from", "parallel", "compile",
-              "loss_chunk", "attention", "precision", "device"}
+              "loss_chunk", "attention", "precision", "device", "serve_engine"}
+
+
+def feature_source_warning(source: str | None, serve_engine: str | None) -> str | None:
+    """The warning when training features come from another source than the serving engine: a
+    drafter trained on one engine's numerics and served by another's loses acceptance (issue 11).
+    ``source`` is the features' tag (``vllm 0.32.0 (…)``; None = the transformers backend)."""
+    src = source or "transformers (the target loaded by eagle3kit)"
+    if serve_engine is None or src.split()[0] == serve_engine:
+        return None
+    return (f"train: the features come from {src}, but train.serve_engine is {serve_engine}: their numerics can differ "
+            f"(quantization, kernels, pre/post-norm states); compare them with `eagle3kit parity` before a long run")
 
 
 def _resolve_speed(tc, device: torch.device) -> dict:
@@ -222,6 +233,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         if world.main:
             console.print(f"train: features from {tc.features} ({features.get('dtype')}, teacher {features.get('teacher')}); "
                           "the target runs only for validation")
+    warning = feature_source_warning((features or {}).get("source"), tc.serve_engine)
+    if warning and world.main:
+        console.print(f"[yellow]{warning}[/]")
     samples = [s for s in all_samples if s.mask[1:].any()]
     if not samples:
         raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
