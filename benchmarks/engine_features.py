@@ -20,6 +20,62 @@ import time
 from pathlib import Path
 
 
+def capture_vllm(target, prompts: list[list[int]], aux_ids: list[int], store: Path) -> list:
+    """The aux states vLLM computes for each token of each prompt (fp32 [T, 3, H] each), through
+    its ``extract_hidden_states`` method and :class:`eagle3kit.vllm_capture.CPUHiddenStatesConnector`."""
+    import gc
+
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+
+    from eagle3kit.target import cache_dir, export_fp32_folder
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = export_fp32_folder(target, cache_dir() / "fp32" / target.source["weights_fingerprint"][:16])
+    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
+              max_num_seqs=8,
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
+              kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_module_path": "eagle3kit.vllm_capture",
+                                  "kv_connector_extra_config": {"shared_storage_path": str(store)}})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0))
+    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1))   # flushes the last write
+    states = []
+    for p, o in zip(prompts, outs):
+        t = load_file(o.kv_transfer_params["hidden_states_path"])
+        assert t["token_ids"].tolist()[: len(p)] == p, "vLLM captured other tokens than the prompt"
+        states.append(t["hidden_states"][: len(p)])                                  # [T, 3, H]
+    del llm
+    gc.collect()
+    return states
+
+
+def vllm_feature_folder(a: Path, b: Path, states: list, keep_teacher: bool) -> None:
+    """Folder ``b``: the shards of feature folder ``a`` with their aux states replaced by vLLM's
+    (bf16), tagged ``source: vllm <version> …`` in the index; the teacher state is kept from ``a``
+    when ``keep_teacher`` (vLLM captures aux states only), else left out."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from eagle3kit.engines import installed_vllm
+
+    b.mkdir(parents=True)
+    index = json.loads((a / "index.json").read_text())
+    index["inputs"]["source"] = f"vllm {installed_vllm()} (extract_hidden_states, eagle3kit.vllm_capture)"
+    for s in index["shards"]:
+        with safe_open(str(a / s["file"]), "pt") as f:
+            meta = f.metadata()
+        t = load_file(str(a / s["file"]))
+        aux = torch.cat([states[s["first_sample"] + k] for k in range(s["samples"])]).to(torch.bfloat16)
+        out = {"offsets": t["offsets"], "aux": aux.contiguous()}
+        if keep_teacher:
+            out["last"] = t["last"]
+        save_file(out, str(b / s["file"]), metadata=meta)
+    (b / "index.json").write_text(json.dumps(index, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shared", default="../shared")
@@ -29,9 +85,6 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from eagle3kit.config import PromptSource, load_config
     from eagle3kit.engines import installed_vllm
     from eagle3kit.extract import run_extract
@@ -39,7 +92,7 @@ def main() -> None:
     from eagle3kit.parity import compare_features
     from eagle3kit.prompts import read_source
     from eagle3kit.rundir import RunDir
-    from eagle3kit.target import cache_dir, export_fp32_folder, load_target, resolve_aux_layer_ids
+    from eagle3kit.target import load_target, resolve_aux_layer_ids
     from eagle3kit.tokenize import save_shard
 
     work = Path(args.work)
@@ -58,41 +111,11 @@ def main() -> None:
     hf = run_extract(cfg, run, target, out_dir=str(work / "features-transformers"))
     t_hf = time.perf_counter() - t0
 
-    from vllm import LLM, SamplingParams
-
-    folder = export_fp32_folder(target, cache_dir() / "fp32" / target.source["weights_fingerprint"][:16])
-    store = work / "vllm-states"
     t0 = time.perf_counter()
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
-              max_num_seqs=8,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
-              kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_module_path": "eagle3kit.vllm_capture",
-                                  "kv_connector_extra_config": {"shared_storage_path": str(store)}})
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0))
-    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1))   # flushes the last write
+    states = capture_vllm(target, prompts, aux_ids, work / "vllm-states")
     t_vllm = time.perf_counter() - t0
-    states = []
-    for p, o in zip(prompts, outs):
-        t = load_file(o.kv_transfer_params["hidden_states_path"])
-        assert t["token_ids"].tolist()[: len(p)] == p, "vLLM captured other tokens than the prompt"
-        states.append(t["hidden_states"][: len(p)])                                  # [T, 3, H]
-
-    # the vLLM states as a feature folder of eagle3kit's format, beside the transformers one
     a, b = work / "features-transformers", work / "features-vllm"
-    b.mkdir()
-    index = json.loads((a / "index.json").read_text())
-    index["inputs"]["source"] = f"vllm {installed_vllm()} (extract_hidden_states, eagle3kit.vllm_capture)"
-    for s in index["shards"]:
-        from safetensors import safe_open
-
-        with safe_open(str(a / s["file"]), "pt") as f:
-            meta = f.metadata()
-        aux = torch.cat([states[s["first_sample"] + k] for k in range(s["samples"])]).to(torch.bfloat16)
-        off = load_file(str(a / s["file"]))["offsets"]
-        save_file({"offsets": off, "aux": aux.contiguous()}, str(b / s["file"]), metadata=meta)
-    (b / "index.json").write_text(json.dumps(index, indent=1))
+    vllm_feature_folder(a, b, states, keep_teacher=False)
     rep = compare_features(target, a, b)
     rec = {"benchmark": "engine_features", "target": "SmolLM2-135M-Instruct (GGUF → fp32)", "prompts": len(prompts),
            "tokens": sum(len(p) for p in prompts), "aux_layer_ids_hf": aux_ids, "vllm": installed_vllm(),

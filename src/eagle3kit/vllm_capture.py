@@ -11,7 +11,9 @@ writes synchronously. It is loaded through vLLM's own plugin mechanism, never by
                         "kv_connector_module_path": "eagle3kit.vllm_capture", "kv_role": "kv_producer",
                         "kv_connector_extra_config": {"shared_storage_path": DIR}}
 
-Each request's file holds ``hidden_states`` [T, n_aux, H] and ``token_ids`` [T].
+Each request's file holds ``hidden_states`` [T, n_aux, H] and ``token_ids`` [T]. A finished
+request is reported as done sending, as the parent class does once its copy completes, so vLLM
+frees its cache blocks.
 """
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ import torch
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
+
+
+class _Done:
+    """A copy event that has completed (the CPU write is synchronous)."""
+
+    def query(self) -> bool:
+        return True
 
 
 class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -43,3 +52,6 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
+        # reported as done sending by get_finished, so the scheduler frees the request's cache blocks
+        # (without it the cache fills after a few dozen requests and the engine waits forever)
+        self._req_copy_events[pending.req_id] = _Done()

@@ -1,0 +1,94 @@
+"""Two drafters, one trained on vLLM-captured features and one on transformers features (same
+data, same seed), each served by vLLM's CPU build (issue 11, point 3). Prints one table; writes JSON.
+
+The run folder's token samples are extracted with ``eagle3kit extract`` (transformers) and
+captured by vLLM (``extract_hidden_states`` + :mod:`eagle3kit.vllm_capture`); the vLLM folder keeps
+the transformers teacher state, since vLLM captures aux states only. Each drafter then serves
+held-out GSM8K questions in vLLM; τ comes from vLLM's spec-decode counters.
+
+    python benchmarks/engine_features_train.py --run runs/default --epochs 8 --prompts 10 \
+        --out benchmarks/results/engine_features_train.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default="runs/default", help="a run folder with tokens.safetensors and vocab.safetensors")
+    ap.add_argument("--work", default="runs/engine-features-train")
+    ap.add_argument("--shared", default="../shared")
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results/engine_features_train.json")
+    args = ap.parse_args()
+
+    from common import train_variant
+    from engine_features import capture_vllm, vllm_feature_folder
+
+    from eagle3kit.config import PromptSource, load_config
+    from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
+    from eagle3kit.extract import run_extract
+    from eagle3kit.parity import compare_features
+    from eagle3kit.prompts import read_source
+    from eagle3kit.rundir import RunDir
+    from eagle3kit.target import cache_dir, export_fp32_folder, load_target, resolve_aux_layer_ids
+    from eagle3kit.tokenize import load_shard
+
+    work = Path(args.work)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    for f in ("tokens.safetensors", "vocab.safetensors", "config.yaml"):
+        shutil.copy(Path(args.run) / f, work / f)
+    cfg = load_config(work / "config.yaml", {"run_dir": str(work)})
+    run = RunDir(work)
+    target = load_target(cfg.target, device="cpu")
+    aux_ids = list(resolve_aux_layer_ids(cfg.target, target.num_layers))
+    a, b = work / "features-transformers", work / "features-vllm"
+    run_extract(cfg, run, target, out_dir=str(a))
+    samples = [ids for ids, _ in load_shard(run / "tokens.safetensors")]
+    vllm_feature_folder(a, b, capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"),
+                        keep_teacher=True)
+    parity = compare_features(target, a, b)
+    rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80,
+                                       limit=args.prompts))
+    folder = export_fp32_folder(target, cache_dir() / "fp32" / target.source["weights_fingerprint"][:16])
+    result = {"benchmark": "engine_features_train", "run": args.run, "epochs": args.epochs, "seed": cfg.train.seed,
+              "samples": len(samples), "prompts": len(rows), "max_tokens": args.max_tokens, "k": 3,
+              "parity_verdict": parity["verdict"], "parity": parity["layers"], "drafters": {}}
+    for name, feats in (("transformers", a), ("vllm", b)):
+        t0 = time.perf_counter()
+        rep, secs = train_variant(cfg, run, work / f"drafter-{name}", target, features=str(feats), epochs=args.epochs)
+        drafter = work / f"drafter-{name}" / "drafter"
+        spec = json.dumps({"method": "eagle3", "model": str(drafter.resolve()), "num_speculative_tokens": 3})
+        srv = VLLMServer(folder, free_port(), work / f"vllm-{name}.log", extra_args=["--speculative-config", spec]).start(wait_s=400)
+        try:
+            before = spec_decode_counters(srv.url)
+            served_token_ids(srv.url, rows, args.max_tokens)
+            acc = spec_decode_delta(before, spec_decode_counters(srv.url))
+        finally:
+            srv.kill()
+        result["drafters"][name] = {"train_seconds": round(secs, 1), "final_loss": rep.get("final_loss"),
+                                    "vllm": {k: acc[k] for k in ("drafts", "accepted", "tau", "acceptance_rate")},
+                                    "seconds": round(time.perf_counter() - t0, 1)}
+        print(f"{name}: τ in vLLM {acc['tau']:.4f} ({acc['accepted']}/{acc['drafts']})", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print("| features | τ in vLLM (K 3) | accepted / drafts | train s |\n|---|---:|---:|---:|")
+    for name, d in result["drafters"].items():
+        print(f"| {name} | {d['vllm']['tau']:.4f} | {d['vllm']['accepted']} / {d['vllm']['drafts']} | {d['train_seconds']} |")
+    print(f"parity of the two feature folders: {parity['verdict']}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
