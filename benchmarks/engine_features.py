@@ -60,13 +60,14 @@ def vllm_feature_folder(a: Path, b: Path, states: list, keep_teacher: bool) -> N
     from safetensors.torch import load_file, save_file
 
     from eagle3kit.engines import installed_vllm
+    from eagle3kit.rundir import sha256_json
 
-    b.mkdir(parents=True)
+    b.mkdir(parents=True, exist_ok=True)
     index = json.loads((a / "index.json").read_text())
     index["inputs"]["source"] = f"vllm {installed_vllm()} (extract_hidden_states, eagle3kit.vllm_capture)"
     for s in index["shards"]:
         with safe_open(str(a / s["file"]), "pt") as f:
-            meta = f.metadata()
+            meta = {**f.metadata(), "inputs_sha256": sha256_json(index["inputs"])}   # the tagged inputs
         t = load_file(str(a / s["file"]))
         aux = torch.cat([states[s["first_sample"] + k] for k in range(s["samples"])]).to(torch.bfloat16)
         out = {"offsets": t["offsets"], "aux": aux.contiguous()}

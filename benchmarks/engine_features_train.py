@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results/engine_features_train.json")
+    ap.add_argument("--resume", action="store_true", help="keep --work: reuse its features and finished drafters")
     args = ap.parse_args()
 
     from common import train_variant
@@ -45,20 +46,27 @@ def main() -> None:
     from eagle3kit.tokenize import load_shard
 
     work = Path(args.work)
-    if work.exists():
+    if work.exists() and not args.resume:
         shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)
     for f in ("tokens.safetensors", "vocab.safetensors", "config.yaml"):
-        shutil.copy(Path(args.run) / f, work / f)
+        if not (work / f).exists():
+            shutil.copy(Path(args.run) / f, work / f)
     cfg = load_config(work / "config.yaml", {"run_dir": str(work)})
     run = RunDir(work)
     target = load_target(cfg.target, device="cpu")
     aux_ids = list(resolve_aux_layer_ids(cfg.target, target.num_layers))
     a, b = work / "features-transformers", work / "features-vllm"
-    run_extract(cfg, run, target, out_dir=str(a))
+    run_extract(cfg, run, target, out_dir=str(a))                     # resumes: nothing to do when complete
     samples = [ids for ids, _ in load_shard(run / "tokens.safetensors")]
-    vllm_feature_folder(a, b, capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"),
-                        keep_teacher=True)
+    states_pt = work / "vllm_states.pt"
+    if not states_pt.exists():
+        import torch
+
+        torch.save(capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"), states_pt)
+    import torch
+
+    vllm_feature_folder(a, b, torch.load(states_pt, weights_only=True), keep_teacher=True)
     parity = compare_features(target, a, b)
     rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80,
                                        limit=args.prompts))
@@ -67,6 +75,12 @@ def main() -> None:
               "samples": len(samples), "prompts": len(rows), "max_tokens": args.max_tokens, "k": 3,
               "parity_verdict": parity["verdict"], "parity": parity["layers"], "drafters": {}}
     for name, feats in (("transformers", a), ("vllm", b)):
+        done = work / f"result-{name}.json"
+        if done.exists():
+            result["drafters"][name] = json.loads(done.read_text())
+            continue
+        if (work / f"drafter-{name}").exists():
+            shutil.rmtree(work / f"drafter-{name}")                       # an unfinished one: trained again
         t0 = time.perf_counter()
         rep, secs = train_variant(cfg, run, work / f"drafter-{name}", target, features=str(feats), epochs=args.epochs)
         drafter = work / f"drafter-{name}" / "drafter"
@@ -81,6 +95,7 @@ def main() -> None:
         result["drafters"][name] = {"train_seconds": round(secs, 1), "final_loss": rep.get("final_loss"),
                                     "vllm": {k: acc[k] for k in ("drafts", "accepted", "tau", "acceptance_rate")},
                                     "seconds": round(time.perf_counter() - t0, 1)}
+        done.write_text(json.dumps(result["drafters"][name], default=str))
         print(f"{name}: τ in vLLM {acc['tau']:.4f} ({acc['accepted']}/{acc['drafts']})", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
