@@ -31,6 +31,7 @@ import torch
 from eagle3kit.decoder import (DrafterState, OracleProposer, SpecConfig, decode_loop, prefill, speculative_generate,
                                target_generate)
 from eagle3kit.fasttarget import FastTarget
+from eagle3kit.metrics import AcceptanceStats
 
 
 def sync() -> None:
@@ -186,34 +187,30 @@ def smollm2(args) -> dict:
             ds = states[spec]
             speculative_generate(target, drafter, prompts[0], 16, spec, eot, ft=ft, ds=ds)   # compile, warm
             per_cat: dict = {}
-            acc, steps, st_tokens, st_seconds, mism = 0, 0, 0, 0.0, []
-            hist = [0] * (spec.steps + 1)
+            pooled, st_tokens, st_seconds, mism = AcceptanceStats(spec.steps), 0, 0.0, []
             for i, (p, c) in enumerate(zip(prompts, cats)):
                 res, s = timed(speculative_generate, target, drafter, p, N, spec, eot, ft=ft, ds=ds)
                 if res.tokens != base[i][0]:
                     j = next((k for k, (a, b) in enumerate(zip(res.tokens, base[i][0])) if a != b), min(len(res.tokens), len(base[i][0])))
                     mism.append({"prompt_index": i, "first_difference_at": j})
-                acc += res.stats.accepted
-                steps += res.stats.drafts
-                hist = [a + b for a, b in zip(hist, res.stats.hist)]
+                pooled.merge(res.stats)
                 st_tokens += len(res.tokens)
                 st_seconds += s
-                pc = per_cat.setdefault(c, {"prompts": 0, "accepted": 0, "drafts": 0, "tokens": 0, "seconds": 0.0, "base_seconds": 0.0,
-                                            "base_tokens": 0})
+                pc = per_cat.setdefault(c, {"prompts": 0, "stats": AcceptanceStats(spec.steps), "tokens": 0, "seconds": 0.0,
+                                            "base_seconds": 0.0, "base_tokens": 0})
                 pc["prompts"] += 1
-                pc["accepted"] += res.stats.accepted
-                pc["drafts"] += res.stats.drafts
+                pc["stats"].merge(res.stats)
                 pc["tokens"] += len(res.tokens)
                 pc["seconds"] += s
                 pc["base_seconds"] += base[i][1]
                 pc["base_tokens"] += len(base[i][0])
-            cum = [sum(hist[j:]) / max(steps, 1) for j in range(1, spec.steps + 1)]
             out["settings"].append({
                 "set": name, "mode": spec.mode, "steps": spec.steps, "topk": spec.topk, "num_draft_tokens": spec.n_tokens,
-                "prompts": len(prompts), "tau": round(1 + acc / max(steps, 1), 4), "per_position_acceptance": [round(x, 4) for x in cum],
+                "prompts": len(prompts), "tau": round(pooled.tau, 4),
+                "per_position_acceptance": [round(x, 4) for x in pooled.cumulative_per_position],
                 "tokens_per_s": round(st_tokens / st_seconds, 1), "baseline_tokens_per_s": round(bt / bs, 1),
                 "speedup": round((st_tokens / st_seconds) / (bt / bs), 4), "greedy_identical": not mism, "mismatches": mism,
-                "per_category": {c: {"prompts": v["prompts"], "tau": round(1 + v["accepted"] / max(v["drafts"], 1), 4),
+                "per_category": {c: {"prompts": v["prompts"], "tau": round(v["stats"].tau, 4),
                                      "speedup": round((v["tokens"] / v["seconds"]) / (v["base_tokens"] / v["base_seconds"]), 4)}
                                  for c, v in per_cat.items()}})
             Path(args.out).write_text(json.dumps(out, indent=1))                 # partial results survive a time limit

@@ -59,13 +59,11 @@ def main() -> None:
     a, b = work / "features-transformers", work / "features-vllm"
     run_extract(cfg, run, target, out_dir=str(a))                     # resumes: nothing to do when complete
     samples = [ids for ids, _ in load_shard(run / "tokens.safetensors")]
-    states_pt = work / "vllm_states.pt"
-    if not states_pt.exists():
-        import torch
-
-        torch.save(capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"), states_pt)
     import torch
 
+    states_pt = work / "vllm_states.pt"
+    if not states_pt.exists():
+        torch.save(capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"), states_pt)
     vllm_feature_folder(a, b, torch.load(states_pt, weights_only=True), keep_teacher=True)
     parity = compare_features(target, a, b)
     rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80,
