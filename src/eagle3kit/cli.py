@@ -138,11 +138,14 @@ def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
             teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
             shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="tokens per shard (default 1,048,576); "
                                                        "a killed extract resumes after the last whole shard"),
-            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>)")):
+            backend: Optional[str] = typer.Option(None, "--backend", help="transformers (default) or vllm: the serving "
+                                                  "engine computes the states (extract_hidden_states), tagged with its version"),
+            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-[vllm-]<dtype>-<teacher>)")):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
     from .extract import run_extract
 
-    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens)})
+    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens,
+                                                         backend=backend)})
     _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
 
 

@@ -186,6 +186,14 @@ class ExtractConfig(_Strict):
     shard_tokens: int = Field(default=1 << 20, gt=0, description="tokens per shard (whole samples)")
     batch_samples: int = Field(default=8, gt=0, description="samples per target forward")
     device: str = "auto"
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="who computes the states: the target loaded by transformers, or the vLLM "
+        "engine you serve with (its extract_hidden_states method; features tagged with vLLM's version)")
+    engine_model: str | None = Field(
+        default=None, description="backend vllm: the checkpoint vLLM loads (the one you serve, e.g. quantized); "
+        "default the target's folder (a GGUF target: a float32 export)")
+    engine_args: dict = Field(default_factory=dict, description="backend vllm: more vllm.LLM arguments "
+                              "(quantization, tensor_parallel_size, gpu_memory_utilization, ...)")
 
     @field_validator("teacher")
     @classmethod

