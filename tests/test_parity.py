@@ -75,8 +75,39 @@ def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
     assert feature_source_warning(None, None) is None                                   # nothing named for serving
     assert feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "vllm") is None
     w = feature_source_warning(None, "sglang")
-    assert "transformers" in w and "sglang" in w and "eagle3kit parity" in w
+    assert "transformers" in w and "sglang" in w and "no SGLang capture backend" in w    # parity cannot help there
+    w = feature_source_warning(None, "vllm")
+    assert "transformers" in w and "extract --backend vllm" in w and "eagle3kit parity" in w
     assert "vllm 0.32.0" in feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "sglang")
     assert TrainConfig(serve_engine="vllm").serve_engine == "vllm"
     with pytest.raises(ValueError):
         TrainConfig(serve_engine="tgi")
+
+
+def test_other_shard_layouts_compare_sample_by_sample_and_another_target_is_refused(
+        run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
+    """Found by the issue-11 trials: folders cut into other shards compared only their common
+    shards (or nothing), and a wrong --target failed on a shape or compared through another head."""
+    total = sum(s["tokens"] for s in json.loads((reference / "index.json").read_text())["shards"])
+    run_extract(cfg_for(run, tiny_target_dir, shard_tokens=40), run, tiny_target, out_dir=str(tmp_path / "small"))
+    assert len(json.loads((tmp_path / "small" / "index.json").read_text())["shards"]) > 2
+    rep = compare_features(tiny_target, reference, tmp_path / "small")
+    assert rep["tokens"] == total and rep["verdict"] == "agree"
+    assert all(v["relative_error"] == 0 and v["tokens"] == total for v in rep["layers"].values())
+    assert compare_features(tiny_target, tmp_path / "small", reference, max_tokens=7)["tokens"] == 7
+
+    index = json.loads((reference / "index.json").read_text())
+    other = tmp_path / "other-target"
+    other.mkdir()
+    for f in reference.iterdir():
+        if f.name.endswith(".safetensors"):
+            (other / f.name).write_bytes(f.read_bytes())
+    index["inputs"]["target"] = "0" * 64
+    (other / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="another target"):
+        compare_features(tiny_target, other, reference)
+    rep = compare_features(tiny_target, reference, other)
+    assert any("another target" in n for n in rep["notes"])
+    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(reference),
+                                   "--features", str(reference), "--out", str(tmp_path / "no" / "p.json")])
+    assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())

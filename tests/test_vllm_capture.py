@@ -111,5 +111,12 @@ def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_ta
         assert res.exit_code != 0 and "needs vLLM installed" in res.output
         return
     res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
-    assert res.exit_code != 0 and "extract.engine_model" in res.output and "config.json" in res.output, res.output
+    assert res.exit_code == 2 and "extract.engine_model" in res.output and "config.json" in res.output, res.output
     assert not any((run / "features-vllm-bf16-last").glob("shard-*"))
+    # an argument vLLM does not know: a config error naming extract.engine_args, no scratch left behind
+    (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
+                                     "extract: {backend: vllm, engine_args: {no_such_argument: 1}}\n")
+    res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "extract.engine_args" in said and "no_such_argument" in said, res.output
+    assert not (run / "features-vllm-bf16-last" / ".vllm-states").exists()

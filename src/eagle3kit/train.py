@@ -133,8 +133,12 @@ def feature_source_warning(source: str | None, serve_engine: str | None) -> str 
     src = source or "transformers (the target loaded by eagle3kit)"
     if serve_engine is None or src.split()[0] == serve_engine:
         return None
+    fix = ("extract them with `eagle3kit extract --backend vllm`, or compare the two sources with `eagle3kit parity` "
+           "before a long run" if serve_engine == "vllm" else
+           "eagle3kit has no SGLang capture backend, so the difference cannot be measured here: check τ in SGLang "
+           "(`eagle3kit bench`) before a long run")
     return (f"train: the features come from {src}, but train.serve_engine is {serve_engine}: their numerics can differ "
-            f"(quantization, kernels, pre/post-norm states); compare them with `eagle3kit parity` before a long run")
+            f"(quantization, kernels, pre/post-norm states); {fix}")
 
 
 def _resolve_speed(tc, device: torch.device) -> dict:

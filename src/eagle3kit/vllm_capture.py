@@ -116,7 +116,18 @@ class VLLMCapture:
         kw["kv_transfer_config"] = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
                                     "kv_connector_module_path": "eagle3kit.vllm_capture",
                                     "kv_connector_extra_config": {"shared_storage_path": self.store}}
-        self.llm = LLM(**kw)
+        try:
+            self.llm = LLM(**kw)
+        except (TypeError, ValueError) as e:      # an unknown argument, or a value vLLM refuses
+            from .config import ConfigError
+
+            shutil.rmtree(self.store, ignore_errors=True)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"vLLM refused the capture engine's settings ({first}); check extract.engine_args "
+                              f"{dict(engine_args or {})} and extract.engine_model {model!r}") from None
+        except BaseException:
+            shutil.rmtree(self.store, ignore_errors=True)
+            raise
         self.n_ids = len(layer_ids)
 
     def capture(self, samples: list[torch.Tensor]) -> list[torch.Tensor]:
