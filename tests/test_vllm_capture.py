@@ -120,3 +120,68 @@ def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_ta
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "extract.engine_args" in said and "no_such_argument" in said, res.output
     assert not (run / "features-vllm-bf16-last" / ".vllm-states").exists()
+
+
+def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(tiny_target_dir, tmp_path, monkeypatch):
+    """Found by the issue-11 attack: an engine model of another shape captured garbage with exit 0;
+    engine_args could replace the model; a sample at the context limit, a bad KV size, a corrupt
+    shard and an absent GPU ended in tracebacks; a killed capture's scratch files stayed."""
+    from eagle3kit.cli import app
+    from eagle3kit.tokenize import save_shard
+
+    base = json.loads((tiny_target_dir / "config.json").read_text())
+
+    def model_folder(name, **change):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **change}))
+        return d
+
+    def extract_with(extract_yaml, samples=(([1, 2, 3, 4], [0, 0, 1, 1]),)):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\nextract: {extract_yaml}\n")
+        save_shard(run / "tokens.safetensors", list(samples))
+        res = CliRunner().invoke(app, ["extract", "--run-dir", str(run)])
+        return res, " ".join(res.output.split()), run
+
+    if VLLM:
+        fewer = model_folder("fewer", num_hidden_layers=base["num_hidden_layers"] - 2)
+        res, said, _ = extract_with(f"{{backend: vllm, engine_model: {fewer}}}")
+        assert res.exit_code == 2 and "not the target's model" in said and "num_hidden_layers" in said, said
+        narrow = model_folder("narrow", hidden_size=base["hidden_size"] // 2)
+        res, said, _ = extract_with(f"{{backend: vllm, engine_model: {narrow}}}")
+        assert res.exit_code == 2 and "hidden_size" in said, said
+        short = model_folder("short", max_position_embeddings=6)
+        res, said, _ = extract_with(f"{{backend: vllm, engine_model: {short}}}", [(list(range(1, 7)), [0, 0, 0, 1, 1, 1])])
+        assert res.exit_code == 2 and "6 tokens does not fit" in said, said
+        res, said, _ = extract_with("{backend: vllm, engine_args: {model: /elsewhere}}")
+        assert res.exit_code == 2 and "may not set model" in said, said
+        monkeypatch.setenv("EAGLE3KIT_VLLM_KV_BYTES", "1GiB")
+        res, said, run = extract_with("{backend: vllm}")
+        assert res.exit_code == 2 and "EAGLE3KIT_VLLM_KV_BYTES" in said and "whole number" in said, said
+        assert not (run / "features-vllm-bf16-last" / ".vllm-states").exists()
+        monkeypatch.delenv("EAGLE3KIT_VLLM_KV_BYTES")
+
+    # ignored engine settings are said; a killed capture's scratch folder is removed by the next extract
+    res, said, run = extract_with("{engine_args: {dtype: bfloat16}}")
+    assert res.exit_code == 0 and "apply to backend vllm only" in said, said
+    feats = run / "features-bf16-last"
+    (feats / ".vllm-states").mkdir()
+    (feats / ".vllm-states" / "3-leftover.safetensors").write_bytes(b"x")
+    res = CliRunner().invoke(app, ["extract", "--run-dir", str(run)])
+    assert res.exit_code == 0 and not (feats / ".vllm-states").exists()
+
+    # parity: a truncated shard and a device this machine lacks are errors (exit 2), not tracebacks
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "index.json").write_text((feats / "index.json").read_text())
+    (broken / "shard-00000.safetensors").write_bytes((feats / "shard-00000.safetensors").read_bytes()[:100])
+    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(feats),
+                                   "--features", str(broken)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "cannot be read" in said and "re-extracts" in said, said
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(feats),
+                                       "--features", str(feats), "--device", "cuda"])
+        assert res.exit_code == 2 and "no CUDA GPU" in " ".join(res.output.split()), res.output

@@ -201,18 +201,31 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
         draft_ids, in_draft = vocab.ids.to(target.device), vocab.t2d.to(target.device)
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     inputs = _inputs(cfg, run, target, aux_ids, topk)
-    if index is not None and index["inputs"] != inputs:
-        changed = sorted(k for k in set(inputs) | set(index["inputs"]) if inputs.get(k) != index["inputs"].get(k))
-        raise ConfigError(f"{out} holds features made from other inputs (changed: {', '.join(changed)}); "
-                          "give another --out, or move that folder away")
+    _same_inputs(out, index, inputs)
+    if ec.backend != "vllm" and (ec.engine_model or ec.engine_args):
+        console.print("[yellow]extract: extract.engine_model / engine_args apply to backend vllm only; the "
+                      "transformers backend ignores them")
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out, "extract", "give another --out"):
+        index = read_index(out)              # again: another extract may have written it before we held the lock
+        _same_inputs(out, index, inputs)
+        scratch = out / ".vllm-states"
+        if scratch.exists():                 # a killed vLLM capture's files
+            shutil.rmtree(scratch, ignore_errors=True)
         try:
             return _extract_into(out, index or {"inputs": inputs, "shards": []}, rows, cfg, run, target, aux_ids, topk,
                                  draft_ids, in_draft, tag, stop_after_shards)
         finally:
             if _ENGINE:
                 _ENGINE.pop().close()
+
+
+def _same_inputs(out: Path, index: dict | None, inputs: dict) -> None:
+    """Refuse a feature folder made from other inputs (naming what changed)."""
+    if index is not None and index["inputs"] != inputs:
+        changed = sorted(k for k in set(inputs) | set(index["inputs"]) if inputs.get(k) != index["inputs"].get(k))
+        raise ConfigError(f"{out} holds features made from other inputs (changed: {', '.join(changed)}); "
+                          "give another --out, or move that folder away")
 
 
 _ENGINE: list = []    # the vLLM capture engine of the running extract (started only when samples are left)
@@ -222,14 +235,20 @@ def _capture_engine(cfg: Config, target: Target, aux_ids, rows: list, out: Path)
     """The :class:`~eagle3kit.vllm_capture.VLLMCapture` for ``extract.backend: vllm``, started once."""
     if not _ENGINE:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")     # vLLM reads it on import
-        from .vllm_capture import VLLMCapture, engine_model_folder
+        from .vllm_capture import VLLMCapture, check_engine_model, engine_model_folder
 
         ec = cfg.extract
         model = engine_model_folder(target, ec.engine_model)
+        limit = check_engine_model(model, target)
+        longest = max(r[0].numel() for r in rows)
+        if limit and longest >= limit:
+            raise ConfigError(f"a sample of {longest} tokens does not fit the engine model's context ({limit} tokens, "
+                              "one more is generated); drop longer samples (tokenize.max_length) or use the "
+                              "transformers backend")
         console.print(f"extract: starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)")
         dtype = "auto" if ec.engine_model else cfg.target.dtype
         _ENGINE.append(VLLMCapture(model, [*aux_ids, target.num_layers], out / ".vllm-states",
-                                   max(r[0].numel() for r in rows), dtype, ec.engine_args))
+                                   longest + 1, dtype, ec.engine_args))
     return _ENGINE[0]
 
 

@@ -41,7 +41,14 @@ def _states(folder: Path, shard: dict) -> tuple[torch.Tensor, torch.Tensor | Non
     """aux float32 [n, 3, H] and last float32 [n, H] (None for a top-K teacher) of one shard."""
     from safetensors.torch import load_file
 
-    t = load_file(str(folder / shard["file"]))
+    try:
+        t = load_file(str(folder / shard["file"]))
+    except Exception as e:      # missing, truncated, not safetensors
+        raise ConfigError(f"{folder / shard['file']} cannot be read ({' '.join(str(e).split())[:200]}); rerun "
+                          f"`eagle3kit extract` into {folder} with the same settings: it re-extracts from the first "
+                          "bad shard") from None
+    if "aux" not in t or "offsets" not in t:
+        raise ConfigError(f"{folder / shard['file']} holds no aux states; give a folder `eagle3kit extract` wrote")
     aux = dequantize_fp8(t["aux"], t["aux_scale"], torch.float32) if "aux_scale" in t else t["aux"].float()
     last = None
     if "last" in t:
@@ -86,6 +93,9 @@ class _Rows:
 
             aux, last = _states(self.folder, shard)
             offsets = load_file(str(self.folder / shard["file"]))["offsets"]
+            if int(offsets[-1]) != aux.shape[0] or len(offsets) != shard["samples"] + 1:
+                raise ConfigError(f"{self.folder / shard['file']} does not hold the {shard['samples']} samples its "
+                                  "index lists; rerun `eagle3kit extract` into that folder to re-extract it")
             self._file, self._t = shard["file"], (aux, last, offsets)
         return self._t
 

@@ -29,7 +29,13 @@ def pick_device(name: str = "auto") -> torch.device:
     """``auto`` → CUDA when available, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r}: this machine has no CUDA GPU usable by torch; use auto or cpu")
+    return dev
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

@@ -80,6 +80,35 @@ def engine_model_folder(target, engine_model: str | None) -> str:
     return str(export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16]))
 
 
+#: vllm.LLM arguments eagle3kit sets itself for capture; extract.engine_args may not replace them
+RESERVED_ARGS = ("model", "speculative_config", "kv_transfer_config")
+
+
+def check_engine_model(folder: str, target) -> int:
+    """Refuse an engine checkpoint that is not the target's model: its ``config.json`` must give
+    the target's layer count, hidden size and vocabulary size (a quantized copy of the target
+    passes). Returns its context limit in tokens (``max_position_embeddings``, 0 when unknown).
+
+    Raises:
+        ConfigError: a mismatch (both values named), or an unreadable ``config.json``."""
+    import json
+
+    from .config import ConfigError
+
+    try:
+        cfg = json.loads(open(os.path.join(folder, "config.json")).read())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {folder}/config.json ({e}); give extract.engine_model a model folder") from None
+    text = cfg.get("text_config") or cfg
+    for key, want in (("num_hidden_layers", target.num_layers), ("hidden_size", target.hidden_size),
+                      ("vocab_size", target.vocab_size)):
+        got = text.get(key, cfg.get(key))
+        if got is not None and int(got) != int(want):
+            raise ConfigError(f"extract.engine_model {folder} is not the target's model: its {key} is {got}, the "
+                              f"target's {want}; give the checkpoint of the target you serve (quantized is fine)")
+    return int(text.get("max_position_embeddings", cfg.get("max_position_embeddings")) or 0)
+
+
 class VLLMCapture:
     """An in-process vLLM engine that returns, for token samples, the hidden states it computes
     while serving them: its ``extract_hidden_states`` speculative method with
@@ -102,14 +131,23 @@ class VLLMCapture:
     def __init__(self, model: str, layer_ids: list[int], store, max_model_len: int, dtype: str = "auto",
                  engine_args: dict | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from .config import ConfigError
+
+        clash = sorted(set(engine_args or {}) & set(RESERVED_ARGS))
+        if clash:
+            raise ConfigError(f"extract.engine_args may not set {', '.join(clash)}: eagle3kit sets them for capture "
+                              "(give the checkpoint as extract.engine_model)")
+        kv = os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", str(1 << 30))
+        if not kv.isdigit():
+            raise ConfigError(f"EAGLE3KIT_VLLM_KV_BYTES={kv!r} must be a whole number of bytes (for example 1073741824)")
         from vllm import LLM
 
         self.store = str(store)
         os.makedirs(self.store, exist_ok=True)
-        kw = {"model": model, "dtype": dtype, "max_model_len": max_model_len + 8, "enable_prefix_caching": False,
+        kw = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": False,
               "max_num_seqs": 8, "seed": 0}
         if not torch.cuda.is_available():      # the CPU build: no CUDA graphs, a fixed KV-cache size
-            kw |= {"enforce_eager": True, "kv_cache_memory_bytes": int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 1 << 30))}
+            kw |= {"enforce_eager": True, "kv_cache_memory_bytes": int(kv)}
         kw |= dict(engine_args or {})
         kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
@@ -118,13 +156,13 @@ class VLLMCapture:
                                     "kv_connector_extra_config": {"shared_storage_path": self.store}}
         try:
             self.llm = LLM(**kw)
-        except (TypeError, ValueError) as e:      # an unknown argument, or a value vLLM refuses
-            from .config import ConfigError
-
+        except Exception as e:     # an unknown argument, a value vLLM refuses, no room for the cache, bad weights
             shutil.rmtree(self.store, ignore_errors=True)
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"vLLM refused the capture engine's settings ({first}); check extract.engine_args "
-                              f"{dict(engine_args or {})} and extract.engine_model {model!r}") from None
+            first = " ".join(str(e).split())[:400] or type(e).__name__
+            raise ConfigError(f"vLLM could not start the capture engine ({type(e).__name__}: {first}); check "
+                              f"extract.engine_args {dict(engine_args or {})}, the checkpoint {model} (a damaged "
+                              "float32 export in eagle3kit's cache: delete that folder and rerun) and, on a CPU, "
+                              "EAGLE3KIT_VLLM_KV_BYTES (the KV cache size in bytes)") from None
         except BaseException:
             shutil.rmtree(self.store, ignore_errors=True)
             raise
@@ -135,34 +173,45 @@ class VLLMCapture:
         engine's dtype, on the CPU, in the order given.
 
         Raises:
+            ConfigError: vLLM refused a sample (longer than its ``max_model_len``, say).
             RuntimeError: vLLM wrote no file for a sample, or one for other tokens."""
         from safetensors.torch import load_file
         from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+        from .config import ConfigError
 
         prompts = [{"prompt_token_ids": [int(t) for t in s]} for s in samples]
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
-        outs = self.llm.generate(prompts, greedy, use_tqdm=False)
+        try:
+            outs = self.llm.generate(prompts, greedy, use_tqdm=False)
+            # the last finished request's save is submitted at the engine's next step: one tiny request
+            flush = self.llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:4]}], greedy, use_tqdm=False)
+        except ValueError as e:
+            raise ConfigError(f"vLLM refused a sample ({' '.join(str(e).split())[:300]}); the longest here has "
+                              f"{max(len(s) for s in samples)} tokens: raise max_model_len in extract.engine_args "
+                              "or drop longer samples (tokenize.max_length)") from None
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
         if any(p is None for p in paths):
             raise RuntimeError("vLLM returned no hidden_states_path: the extract_hidden_states method or the "
                                "eagle3kit.vllm_capture connector was not active in this engine")
-        if not all(os.path.exists(p) for p in paths):     # the last finished request is written at the next step
-            flush = self.llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:4]}], greedy, use_tqdm=False)
-            paths.append(flush[0].kv_transfer_params["hidden_states_path"])
         states = []
         for s, p in zip(samples, paths):
-            if not os.path.exists(p):
+            if os.path.exists(p + ".lock"):
+                t = load_hidden_states(p)          # waits for vLLM's asynchronous writer (GPUs) to finish
+            elif os.path.exists(p):
+                t = load_file(p)
+            else:
                 raise RuntimeError(f"vLLM wrote no hidden states for a sample of {len(s)} tokens ({p})")
-            t = load_file(p)
             if t["token_ids"][: len(s)].tolist() != s.tolist():
                 raise RuntimeError(f"vLLM captured other tokens than the sample's ({p})")
             h = t["hidden_states"][: len(s)]
             if h.shape[1] != self.n_ids:
                 raise RuntimeError(f"vLLM captured {h.shape[1]} states per token, expected {self.n_ids}")
             states.append(h)
-        for p in paths:
+        for p in paths + [(flush[0].kv_transfer_params or {}).get("hidden_states_path") or ""]:
             for f in (p, p + ".lock"):
-                if os.path.exists(f):
+                if f and os.path.exists(f):
                     os.remove(f)
         return states
 
