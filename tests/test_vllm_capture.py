@@ -47,12 +47,17 @@ def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
 @pytest.mark.vllm
 @pytest.mark.smollm2
 @needs_vllm
-def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(gsm8k_run):
+def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(gsm8k_run, smollm2_target, monkeypatch):
+    from eagle3kit.config import load_config
     from eagle3kit.engines import installed_vllm
+    from eagle3kit.extract import run_extract
+    from eagle3kit.parity import compare_features
+    from eagle3kit.rundir import RunDir
 
     run = gsm8k_run
-    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200")
+    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200")    # the CLI, vLLM
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert "starting vLLM" in res.stdout + res.stderr
     fv = run / "features-vllm-bf16-last"
     index = json.loads((fv / "index.json").read_text())
     version = installed_vllm()
@@ -64,20 +69,26 @@ def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(
     assert manifest["stages"]["extract-vllm-bf16-last"]["inputs"]["engine"]["version"] == version
     mtimes = [(fv / s["file"]).stat().st_mtime_ns for s in index["shards"]]
 
-    res = _cli("extract", "--run-dir", str(run), "--backend", "transformers")
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    res = _cli("parity", "--features", str(run / "features-bf16-last"), "--features", str(fv), "--out", str(run / "p.json"))
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    rep = json.loads((run / "p.json").read_text())
-    assert rep["verdict"] == "agree" and rep["b_source"] == index["inputs"]["source"]
+    cfg = load_config(run / "config.yaml")             # the CLI stored --backend vllm and --shard-tokens
+    assert cfg.extract.backend == "vllm"
+    cfg.extract.backend = "transformers"
+    run_extract(cfg, RunDir(run), smollm2_target)      # the same SmolLM2 in transformers, in this process
+    rep = compare_features(smollm2_target, run / "features-bf16-last", fv)
+    assert rep["verdict"] == "agree" and rep["b_source"] == index["inputs"]["source"] and rep["notes"] == []
     assert set(rep["layers"]) == {"aux[0] (layer 2)", "aux[1] (layer 15)", "aux[2] (layer 27)", "teacher (post-norm last)"}
     for name, v in rep["layers"].items():     # fp32 on both sides, stored bf16: equal to storage rounding
         assert v["cosine"] > 0.9999 and v["relative_error"] < 2e-3 and v["top1_agreement"] == 1.0, (name, v)
 
     # a rerun finds the folder complete: no engine started, nothing rewritten
-    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm")
-    said = res.stdout + res.stderr
-    assert res.returncode == 0 and "nothing to do" in said and "starting vLLM" not in said, said[-2000:]
+    import eagle3kit.extract as ex
+
+    def no_engine(*a, **k):
+        raise AssertionError("a complete folder started the capture engine")
+
+    monkeypatch.setattr(ex, "_capture_engine", no_engine)
+    cfg.extract.backend = "vllm"
+    out = run_extract(cfg, RunDir(run), smollm2_target)
+    assert out["samples"] == 5 and out["tokens_per_s"] is None
     assert [(fv / s["file"]).stat().st_mtime_ns for s in index["shards"]] == mtimes
 
 
