@@ -26,7 +26,7 @@ from eagle3kit.evaluate import greedy_continuations, simulate
 from eagle3kit.export import load_exported
 from eagle3kit.generate import render_prompt_ids
 from eagle3kit.prompts import read_source
-from eagle3kit.target import cache_dir, export_fp32_folder, load_target
+from eagle3kit.target import export_fp32_folder, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "chats" / "gsm8k_train.jsonl"
@@ -42,7 +42,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="e3k-engine-"))
     rows, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=args.prompts, name="gsm8k_heldout"))
     target = load_target(TargetConfig(), device="cpu")
-    folder = export_fp32_folder(target, cache_dir() / "fp32" / target.source["weights_fingerprint"][:16])
+    folder = export_fp32_folder(target)
     spec = json.dumps({"method": "eagle3", "model": str(Path(args.drafter).resolve()), "num_speculative_tokens": args.k})
     outs = {}
     counters = None

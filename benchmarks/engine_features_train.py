@@ -41,7 +41,7 @@ def main() -> None:
     from eagle3kit.parity import compare_features
     from eagle3kit.prompts import read_source
     from eagle3kit.rundir import RunDir
-    from eagle3kit.target import cache_dir, export_fp32_folder, load_target
+    from eagle3kit.target import export_fp32_folder, load_target
     from eagle3kit.tokenize import load_shard
 
     work = Path(args.work)
@@ -63,7 +63,7 @@ def main() -> None:
     parity = compare_features(target, a, b)
     rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80,
                                        limit=args.prompts))
-    folder = export_fp32_folder(target, cache_dir() / "fp32" / target.source["weights_fingerprint"][:16])
+    folder = export_fp32_folder(target)
     result = {"benchmark": "engine_features_train", "run": args.run, "epochs": args.epochs, "seed": cfg.train.seed,
               "samples": len(samples), "prompts": len(rows), "max_tokens": args.max_tokens, "k": 3,
               "parity_verdict": parity["verdict"], "parity": parity["layers"], "drafters": {}}

@@ -24,7 +24,7 @@ import torch
 
 from .config import Config
 from .rundir import JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
-from .target import Target, cache_dir, export_fp32_folder
+from .target import Target, export_fp32_folder
 from .ui import Timer, console, progress
 
 
@@ -96,7 +96,7 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
-    folder = export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16])
+    folder = export_fp32_folder(target)
     from vllm import LLM
 
     release_vllm_engine()   # one engine per process: the old one's teardown would break a new one's groups
@@ -111,16 +111,20 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
 def release_vllm_engine() -> None:
     """Shut down the cached in-process engine and vLLM's process-wide parallel state, so that a
     later :func:`vllm_engine` for another target starts clean (no-op when none is cached)."""
-    if not _VLLM:
-        return
+    if _VLLM:
+        shutdown_vllm(_VLLM.pop(next(iter(_VLLM))))
+
+
+def shutdown_vllm(llm) -> None:
+    """Shut down an in-process ``vllm.LLM`` and vLLM's process-wide parallel state, so that a later
+    engine in this process starts clean (the capture engine of ``extract --backend vllm`` too)."""
     import gc
 
-    old = _VLLM.pop(next(iter(_VLLM)))
     try:
-        old.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    del old
+    del llm
     gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -469,16 +469,18 @@ def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024) -> tor
     return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
 
 
-def export_fp32_folder(target: Target, out_dir: str | Path) -> Path:
+def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Path:
     """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
 
     A GGUF-loaded model refuses ``save_pretrained``; a model built from its config without
     ``quantization_config`` takes its state dict and saves (DESIGN.md §2).
+    ``out_dir`` defaults to ``<cache_dir>/fp32/<first 16 hex of the weights fingerprint>``.
     Returns the folder; reuses it when ``eagle3kit-source.json`` matches the source.
     """
     from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else \
+        cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16]
     marker = out / "eagle3kit-source.json"
     if marker.exists() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists():
         return out

@@ -66,7 +66,7 @@ def engine_model_folder(target, engine_model: str | None) -> str:
     Raises:
         ConfigError: ``engine_model`` is not a folder holding ``config.json``."""
     from .config import ConfigError
-    from .target import cache_dir, export_fp32_folder
+    from .target import export_fp32_folder
 
     if engine_model:
         p = os.path.expanduser(engine_model)
@@ -77,7 +77,7 @@ def engine_model_folder(target, engine_model: str | None) -> str:
     path = target.source.get("path")
     if path and not target.source.get("gguf_file") and os.path.isfile(os.path.join(path, "config.json")):
         return path
-    return str(export_fp32_folder(target, cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16]))
+    return str(export_fp32_folder(target))
 
 
 #: vllm.LLM arguments eagle3kit sets itself for capture; extract.engine_args may not replace them
@@ -142,6 +142,9 @@ class VLLMCapture:
             raise ConfigError(f"EAGLE3KIT_VLLM_KV_BYTES={kv!r} must be a whole number of bytes (for example 1073741824)")
         from vllm import LLM
 
+        from .generate import release_vllm_engine
+
+        release_vllm_engine()     # one engine per process: a cached generate engine's groups would clash
         self.store = str(store)
         os.makedirs(self.store, exist_ok=True)
         kw = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": False,
@@ -216,16 +219,8 @@ class VLLMCapture:
         return states
 
     def close(self) -> None:
-        """Shut the engine down and free its memory."""
-        import gc
+        """Shut the engine down, free its memory and remove the scratch folder."""
+        from .generate import shutdown_vllm
 
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del self.llm
-        gc.collect()
+        shutdown_vllm(self.__dict__.pop("llm"))     # no reference left here while vLLM tears down
         shutil.rmtree(self.store, ignore_errors=True)
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
