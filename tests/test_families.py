@@ -71,3 +71,104 @@ def test_one_ttt_step_trains_on_every_family(family):
     loss, st = ttt_loss(d, t, batch, vocab.ids, 3, 0.8)
     loss.backward()
     assert torch.isfinite(loss) and loss > 0 and d.fc.weight.grad.abs().sum() > 0 and st["n"][0] > 0
+
+
+# ---- issue 20: the families as they lie on disk (tests/family_targets.py) ----
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import family_targets  # noqa: E402
+
+ON_DISK = family_targets.FAMILIES + ("deepseek_v3_default_rope",)
+
+
+@pytest.fixture(scope="session")
+def family_folders(tmp_path_factory, smollm2_tokenizer):
+    """Every family's tiny target, saved once per session."""
+    base = tmp_path_factory.mktemp("families")
+    smollm2_tokenizer.save_pretrained(base / "smollm2-tokenizer")
+    return {f: family_targets.build(f, base / f, base / "smollm2-tokenizer") for f in ON_DISK}
+
+
+@pytest.mark.parametrize("family", ON_DISK)
+def test_the_saved_config_mirrors_the_hub_config_key_for_key(family, family_folders):
+    saved = json.loads((family_folders[family] / "config.json").read_text())
+    hub_family = "kimi_k25" if family.startswith("kimi") else family.replace("_default_rope", "")
+    if family == "kimi_k25_native":      # transformers' own save: its class and fields, rope in its own form
+        assert saved["architectures"] == ["Kimi_K25ForConditionalGeneration"] and "media_placeholder_token_id" not in saved
+        assert saved["text_config"]["rope_parameters"]["rope_type"] == "yarn" and "rope_scaling" not in saved["text_config"]
+        return
+    hub = family_targets.HUB[hub_family]
+    text, hub_text = saved.get("text_config", saved), hub.get("text_config", hub)
+    dropped = {"rope_scaling"} if family == "deepseek_v3_default_rope" else set()
+    assert set(hub_text) - set(text) - dropped == set() and set(hub) - set(saved) - dropped == set()
+    tiny = family_targets.TINY[hub_family]
+    for k, v in hub_text.items():
+        if k not in tiny and k in text and not (family.endswith("default_rope") and k == "rope_scaling"):
+            assert text[k] == v, k
+    if hub_family in ("deepseek_v3", "kimi_k25"):
+        assert (text["topk_method"], text["scoring_func"]) == ("noaux_tc", "sigmoid") and text["n_group"] >= 1
+        assert "routed_scaling_factor" in text and text["q_lora_rank"]
+        if family != "deepseek_v3_default_rope":
+            assert text["rope_scaling"]["type"] == "yarn" and text["rope_scaling"]["mscale_all_dim"] == 1.0
+    if hub_family == "kimi_k25":
+        assert saved["media_placeholder_token_id"] == 163605 and text["model_type"] == "kimi_k2"
+
+
+@pytest.mark.parametrize("family", ON_DISK)
+def test_load_target_loads_every_family_from_its_folder(family, family_folders):
+    from eagle3kit.target import load_target
+
+    t = load_target(TargetConfig(model=str(family_folders[family])), device="cpu")
+    assert t.num_layers == 8 and t.hidden_size == 64
+    assert t.vocab_size == json.loads((family_folders[family] / "config.json").read_text()).get("text_config", {}).get(
+        "vocab_size", t.model.config.vocab_size)
+    ids = torch.randint(3, 1000, (1, 9))
+    _, last = target_features(t, ids, None, (2, 4, 5))
+    assert torch.allclose(teacher_logits(t, last), t.model(input_ids=ids).logits, atol=1e-4)
+    if family.startswith("kimi"):    # the language model alone, equal to transformers' whole Kimi-K2.5 class
+        import transformers as T
+
+        assert type(t.model).__name__ == "DeepseekV3ForCausalLM"
+        assert t.source["language_model"]["decoder_prefix"] == "language_model.model."
+        # (the hub config has no projection_hidden_size, so transformers' class sizes the projector at its 1152
+        # default: a vision-side mismatch that does not touch the language model compared here)
+        whole = T.Kimi_K25ForConditionalGeneration.from_pretrained(family_folders[family], dtype=torch.float32,
+                                                                   ignore_mismatched_sizes=True).eval()
+        assert torch.equal(whole(input_ids=ids).logits, t.model(input_ids=ids).logits)
+
+
+def test_a_wrappers_vision_weights_never_enter_memory(family_folders, tmp_path):
+    """A 1 GiB vision tensor beside Kimi-K2.5's weights: loading the target does not grow the
+    process's peak memory by it (measured in a fresh process, with and without the tensor)."""
+    from safetensors.torch import save_file
+
+    big = tmp_path / "kimi_big"
+    big.mkdir()
+    for f in family_folders["kimi_k25"].iterdir():
+        (big / f.name).symlink_to(f)
+    save_file({"vision_tower.encoder.blocks.0.huge.weight": torch.ones(256, 1024, 1024)}, str(big / "model-vision.safetensors"))
+    code = ("import resource, sys; from eagle3kit.config import TargetConfig; from eagle3kit.target import load_target; "
+            "load_target(TargetConfig(model=sys.argv[1]), device='cpu'); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    peak = {name: int(subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                                     check=True).stdout.split()[-1]) for name, d in (("plain", family_folders["kimi_k25"]),
+                                                                                     ("big", big))}
+    assert peak["big"] - peak["plain"] < (256 << 10), peak          # kB: far less than the tensor's 1 GiB
+
+
+def test_a_wrapper_without_a_loadable_language_model_is_refused_naming_its_class(family_folders, tmp_path):
+    from eagle3kit.target import load_target
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for f in family_folders["kimi_k25"].iterdir():
+        if f.name != "config.json":
+            (odd / f.name).symlink_to(f)
+    cfg = json.loads((family_folders["kimi_k25"] / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "clip_text_model"                 # a text model with no causal-LM class
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="KimiK25ForConditionalGeneration.*clip_text_model.*no causal-LM"):
+        load_target(TargetConfig(model=str(odd)), device="cpu")

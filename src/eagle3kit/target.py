@@ -291,11 +291,23 @@ def load_target_config(cfg: TargetConfig):
     loc = locate_target(cfg)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
     try:
-        config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, **kw)
+        config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
                           "give a model folder with a valid config.json (or a GGUF file)") from None
     return config, text_config(config)
+
+
+def model_vocab_size(cfg: TargetConfig, tokenizer) -> int:
+    """How many token ids the target can emit: its config's ``vocab_size`` (the rows of its
+    embedding and lm_head: Qwen3 has 151,936 for a 151,669-token tokenizer, the rest padding),
+    and never fewer than ``len(tokenizer)``; ``len(tokenizer)`` when the target's config cannot
+    be read (a server-only target)."""
+    try:
+        _, tc = load_target_config(cfg)
+        return max(int(tc.vocab_size), len(tokenizer))
+    except (ConfigError, AttributeError, TypeError, ValueError):
+        return len(tokenizer)
 
 
 def target_architectures(config) -> list[str]:
@@ -318,7 +330,7 @@ def load_tokenizer(cfg: TargetConfig):
 
     loc = locate_target(cfg)
     if not loc["gguf_file"]:
-        return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download)
+        return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False)
     cached = cache_dir() / "tokenizers" / _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])[:16]
     if (cached / "tokenizer_config.json").is_file():
         try:
@@ -337,11 +349,93 @@ def load_tokenizer(cfg: TargetConfig):
     return tok
 
 
+def checkpoint_tensor_names(folder: str | Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint folder, from its index or the files' headers
+    (no tensor is read)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names += list(h.keys())
+    return names
+
+
+def language_model_plan(config, folder: str | Path) -> dict | None:
+    """How to load only the language model of a wrapper checkpoint (a multimodal class whose text
+    fields sit in ``text_config`` / ``llm_config`` / ``language_config``), or None for a plain
+    causal LM that ``AutoModelForCausalLM`` loads as it is (DESIGN.md §2).
+
+    The plan is ``{"config": the text config, "key_mapping": {regex: replacement}, "wrapper":
+    the wrapper's class, "decoder_prefix": where the checkpoint keeps the decoder, "head":
+    the lm_head tensor's name or None (tied)}``: the text causal LM of transformers is built from
+    the text config and reads the decoder's and lm_head's tensors under their checkpoint names
+    (``language_model.model.*`` in Kimi-K2.5's hub layout, ``model.language_model.*``, or the
+    ``language_model.model.blocks.*`` that transformers 5.19's own Kimi-K2.5 save writes); the
+    vision tower's tensors are never read.
+
+    Raises:
+        ConfigError: a wrapper whose text model transformers has no causal-LM class for, or whose
+            checkpoint holds no decoder (names the class, the text model type and what was
+            looked for).
+    """
+    import re
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    sub = next((getattr(config, k) for k in _TEXT_CONFIG_KEYS if getattr(config, k, None) is not None), None)
+    archs = list(getattr(config, "architectures", None) or [type(config).__name__])
+    if sub is None:
+        if getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return None
+        raise ConfigError(f"target {archs[0]} (model_type {getattr(config, 'model_type', None)!r}): transformers has no "
+                          "causal-LM class for it and its config has no text_config; eagle3kit runs no remote code")
+    # the class's model type: an instance may carry the hub's own name (Kimi-K2.5's text_config says "kimi_k2")
+    text_type = getattr(type(sub), "model_type", None) or getattr(sub, "model_type", None)
+    if text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"target {archs[0]}: its language model (text_config model_type {text_type!r}) has no causal-LM "
+                          "class in transformers, so eagle3kit cannot load it alone (it runs no remote code)")
+    sub.model_type = text_type      # transformers picks weight conversions (MoE experts) by the instance's name
+    names = checkpoint_tensor_names(folder)
+    embeds = sorted((n for n in names if n.endswith("embed_tokens.weight")), key=len)
+    if not embeds:
+        raise ConfigError(f"target {archs[0]} in {folder}: no *.embed_tokens.weight tensor in its safetensors files, so "
+                          "the language model's weights cannot be found; give the folder of the whole checkpoint")
+    prefix = embeds[0][: -len("embed_tokens.weight")]
+    heads = sorted((n for n in names if n.endswith("lm_head.weight")), key=len)
+    mapping = {}
+    if any(n.startswith(prefix + "blocks.") for n in names) and not any(n.startswith(prefix + "layers.") for n in names):
+        mapping[f"^{re.escape(prefix)}blocks\\."] = "model.layers."      # transformers 5.19's own Kimi-K2.5 save
+    if prefix != "model.":
+        mapping[f"^{re.escape(prefix)}"] = "model."
+    head = heads[0] if heads else None
+    if head and head != "lm_head.weight":
+        mapping[f"^{re.escape(head[: -len('weight')])}"] = "lm_head."
+    if head is None:
+        if not (getattr(config, "tie_word_embeddings", False) or getattr(sub, "tie_word_embeddings", False)):
+            raise ConfigError(f"target {archs[0]} in {folder}: no lm_head tensor and tie_word_embeddings is false")
+        sub.tie_word_embeddings = True
+    return {"config": sub, "key_mapping": mapping, "wrapper": archs[0], "decoder_prefix": prefix, "head": head}
+
+
+_TIED_HEAD = {"lm_head.weight"}
+
+
 def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> Target:
     """Load the target causal LM and tokenizer in ``cfg.dtype`` on ``device`` (``cfg.device``).
 
+    A wrapper (Kimi-K2.5 in its hub or transformers layout, any class whose text model sits in a
+    ``text_config``) loads as its language model alone, through :func:`language_model_plan`:
+    the vision tower's weights never enter memory. No remote code runs.
+
     Raises:
-        ConfigError: unknown package, missing folder, download needed but not allowed.
+        ConfigError: unknown package, missing folder, download needed but not allowed, a target
+            with no loadable language model (names its class), a checkpoint missing some of the
+            model's weights (they would silently be random; names them).
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -353,14 +447,34 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     tok = load_tokenizer(cfg)
     if cfg.device_map:
         kw["device_map"] = cfg.device_map       # layers spread over the GPUs; accelerate moves activations
-    model = AutoModelForCausalLM.from_pretrained(
-        loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, **kw
-    )
+    plan = None
+    if not loc["gguf_file"] and Path(loc["path"]).is_dir():
+        config, _ = load_target_config(cfg)
+        plan = language_model_plan(config, loc["path"])
+    if plan is not None:
+        kw |= {"config": plan["config"], "key_mapping": plan["key_mapping"]}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()        # its loading report lists a wrapper's vision tensors; ours names what matters
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, trust_remote_code=False,
+            output_loading_info=True, **kw)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(set(info.get("missing_keys") or []) - _TIED_HEAD if getattr(model.config, "tie_word_embeddings", False)
+                     else set(info.get("missing_keys") or []))
+    if missing:
+        raise ConfigError(f"target {loc['path']}: the checkpoint holds no weights for {len(missing)} of the model's tensors "
+                          f"({', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}): they would be random. The folder's "
+                          "config.json does not describe its weights; give the checkpoint's own config")
     if not cfg.device_map:
         model.to(dev)
     model.eval()
     model.requires_grad_(False)
     source = dict(loc)
+    if plan is not None:
+        source["language_model"] = {"wrapper": plan["wrapper"], "decoder_prefix": plan["decoder_prefix"],
+                                    "lm_head": plan["head"]}
     if loc["gguf_file"]:
         source["weights_fingerprint"] = _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])
     else:
@@ -469,21 +583,43 @@ def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024) -> tor
     return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
 
 
+def serving_folder(target: Target) -> Path:
+    """The folder an engine serves for ``target``: the target's own safetensors folder (a wrapper
+    such as Kimi-K2.5 as it lies on disk, vision tower included), else, for a GGUF target, its
+    float32 safetensors export (:func:`export_fp32_folder`)."""
+    path = target.source.get("path")
+    if path and not target.source.get("gguf_file") and (Path(path) / "config.json").is_file() \
+            and any(Path(path).glob("*.safetensors")):
+        return Path(path)
+    return export_fp32_folder(target)
+
+
 def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Path:
     """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
 
     A GGUF-loaded model refuses ``save_pretrained``; a model built from its config without
     ``quantization_config`` takes its state dict and saves (DESIGN.md §2).
     ``out_dir`` defaults to ``<cache_dir>/fp32/<first 16 hex of the weights fingerprint>``.
-    Returns the folder; reuses it when ``eagle3kit-source.json`` matches the source.
+    Returns the folder; reuses it when ``eagle3kit-source.json`` matches the source. The folder is
+    written beside its place and renamed into it, so two processes exporting at once never see a
+    half-written one (the second keeps the first's).
+
+    Raises:
+        ConfigError: ``out_dir`` holds files that are not an eagle3kit export.
     """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir) if out_dir is not None else \
         cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16]
-    marker = out / "eagle3kit-source.json"
-    if marker.exists() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists():
+
+    def done() -> bool:
+        marker = out / "eagle3kit-source.json"
+        return marker.exists() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists()
+
+    if done():
         return out
+    if out.is_dir() and any(out.iterdir()) and not (out / "eagle3kit-source.json").exists():
+        raise ConfigError(f"{out} holds files that are not an eagle3kit float32 export; give an empty or new folder")
     cfg = target.model.config.__class__.from_dict(
         {k: v for k, v in target.model.config.to_dict().items() if k != "quantization_config"}
     )
@@ -491,12 +627,20 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     clean.load_state_dict({k: v.float().cpu() for k, v in target.model.state_dict().items()}, strict=False)
     clean.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    clean.save_pretrained(out, safe_serialization=True)
-    target.tokenizer.save_pretrained(out)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    clean.save_pretrained(tmp, safe_serialization=True)
+    target.tokenizer.save_pretrained(tmp)
     if getattr(target.model, "generation_config", None) is not None:
-        target.model.generation_config.save_pretrained(out)
-    marker.write_text(json.dumps(target.source))
+        target.model.generation_config.save_pretrained(tmp)
+    (tmp / "eagle3kit-source.json").write_text(json.dumps(target.source))
+    if done():                        # another process finished first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    if out.exists():                  # an export of another source, or empty
+        shutil.rmtree(out)
+    os.replace(tmp, out)
     return out
 
 

@@ -157,7 +157,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         DataError: a row that is not a conversation, ids outside the vocabulary, or (strict) a
             self-check mismatch, naming the line.
     """
-    from .target import load_tokenizer, tokenizer_hash
+    from .target import load_tokenizer, model_vocab_size, tokenizer_hash
     from .templates import think_spec
 
     tc = cfg.tokenize
@@ -171,7 +171,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     samples: list[Sample] = []
     prompts_path = run / "prompts.jsonl"
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
-    V = len(tok)
+    V = model_vocab_size(cfg.target, tok)
     rows = []
     template_lines: list[int] = []
     template_errors: list[str] = []
@@ -187,7 +187,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
             continue
         bad = [t for t in row.get("completion_ids") or [] if not 0 <= t < V]
         if bad:
-            raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the tokenizer's [0, {V}); "
+            raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the target's [0, {V}); "
                             "the row comes from another tokenizer or is corrupt")
         if tc.drop_truncated and row.get("finish_reason") == "length":
             counts["dropped_truncated"] += 1

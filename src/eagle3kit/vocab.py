@@ -172,17 +172,18 @@ def load_vocab(path, expected_size: int | None = None) -> tuple[DraftVocab, dict
 
 def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     """Count supervised tokens in ``tokens.safetensors`` and write ``vocab.safetensors``."""
-    from .target import load_tokenizer, tokenizer_hash
+    from .target import load_tokenizer, model_vocab_size, tokenizer_hash
     from .tokenize import load_shard
 
     shard_path = run.require("tokens.safetensors", "tokenize")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
-    V = len(tok)
+    V = model_vocab_size(cfg.target, tok)       # t2d has one entry per id the target can emit
     counts = torch.zeros(V, dtype=torch.int64)
     for ids, mask in load_shard(shard_path):
         sel = ids[mask]
         if sel.numel() and int(sel.max()) >= V:
-            raise DataError(f"{shard_path}: token id {int(sel.max())} ≥ tokenizer size {V}; the shard is from another tokenizer")
+            raise DataError(f"{shard_path}: token id {int(sel.max())} ≥ the target's vocabulary size {V}; the shard is "
+                            "from another tokenizer")
         counts += torch.bincount(sel, minlength=V)
     keep = [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
     for marker in ("<think>", "</think>"):
