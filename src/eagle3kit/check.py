@@ -210,6 +210,78 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
     if engine == "vllm":
         out += _vllm_support(target_architectures(tcfg), str(getattr(tc, "model_type", "") or getattr(tcfg, "model_type", "")),
                              engine_version)
+        block = dc.get("eagle3kit") if isinstance(dc.get("eagle3kit"), dict) else {}
+        out += _vllm_target_config(target, engine_version, block)
+    return out
+
+
+def _raw_target_config(target: TargetConfig) -> dict:
+    """The target's ``config.json`` as written (what vLLM reads: transformers' classes drop or add
+    keys), or {} for a GGUF target."""
+    from .target import locate_target
+
+    loc = locate_target(target)
+    path = Path(loc["path"]) / "config.json"
+    if loc["gguf_file"] or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}
+
+
+def _vllm_target_config(target: TargetConfig, engine_version: str | None, provenance: dict) -> list[Finding]:
+    """Faults in the target's own config that the installed vLLM (0.32, read from its source and
+    seen to fail on tiny targets of each family) refuses or silently serves differently."""
+    import os
+
+    from .engines import installed_vllm, is_kimi_wrapper, text_fields, uses_mla, vllm_cpu_build
+
+    raw = _raw_target_config(target)
+    installed = installed_vllm()
+    if not raw or installed is None or (engine_version and parse_version(engine_version) != parse_version(installed)):
+        return []
+    out: list[Finding] = []
+    text = text_fields(raw)
+    if str(text.get("model_type")) in ("deepseek_v3", "kimi_k2"):
+        gone = [k for k in ("topk_method", "scoring_func") if k not in text]
+        if gone:
+            out.append(Finding("moe_routing", f"the target's config has no {' / '.join(gone)}: vLLM's DeepSeek-V3 then "
+                               + ("creates no gate.e_score_correction_bias and fails to load the checkpoint (KeyError), "
+                                  if "topk_method" in gone else "")
+                               + ("routes the experts with softmax where the model (and transformers) uses sigmoid, so "
+                                  "the served model is silently another model" if "scoring_func" in gone else ""),
+                               'add "topk_method": "noaux_tc" and "scoring_func": "sigmoid" to the target\'s config.json '
+                               "(the hub configs of DeepSeek-V3 and Kimi carry both; transformers 5 does not write them)"))
+    if is_kimi_wrapper(raw) and "media_placeholder_token_id" not in raw:
+        out.append(Finding("kimi_media_placeholder", f"vLLM {installed}'s EAGLE-3 proposer reads "
+                           "config.media_placeholder_token_id of a Kimi-K2.5 target; this config has none (transformers' "
+                           "Kimi_K25Config does not write it), so the server stops at start (AttributeError)",
+                           'add "media_placeholder_token_id": 163605 (the hub config\'s value, the <|media_pad|> id) to the '
+                           "target's config.json"))
+    if vllm_cpu_build() and uses_mla(raw):
+        if os.environ.get("VLLM_MLA_DISABLE") != "1":
+            out.append(Finding("mla_cpu_eagle3", f"vLLM {installed} is the CPU build: MLA with EAGLE-3 does not start "
+                               "in float32 (its reference CPU_MLA backend takes KV blocks of 16 and the drafter's CPU "
+                               "attention a multiple of 32: \"No common block size\"; on a CPU with AMX the default "
+                               "AMX MLA backend takes only bf16 weights). In bf16 on AMX it starts, but was not seen to be "
+                               "lossless (docs/families.md)",
+                               "start vLLM with VLLM_MLA_DISABLE=1 (the target's attention without MLA, the nearest path "
+                               "the CPU build runs losslessly; run check with it set to confirm); GPU builds are not affected"))
+        else:
+            out.append(Finding("mla_cpu_eagle3", "VLLM_MLA_DISABLE=1: vLLM's CPU build serves this MLA target without MLA "
+                               "(the nearest path to MLA + EAGLE-3 it runs)", "", "info"))
+        scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}     # hub form, transformers 5 form
+        if (scaling.get("rope_type") or scaling.get("type") or "default") == "default":
+            src = provenance.get("features_source") or "unknown"
+            out.append(Finding("engine_numerics", f"vLLM {installed}'s CPU build computes other hidden states than "
+                               "transformers for this target: a DeepSeek-family attention without rope_scaling goes "
+                               "through its C++ rotary kernel, which reads the 3-D [tokens, heads, dim] query as "
+                               "tokens × heads rows (head h of token t rotated at position t·heads + h; "
+                               f"csrc/cpu/pos_encoding.cpp). The drafter's features came from: {src}",
+                               "train on features from the engine (`eagle3kit extract --backend vllm`) and compare with "
+                               "`eagle3kit parity`; configs with yarn rope_scaling (the real DeepSeek-V3 and Kimi) are "
+                               "not affected", "info" if src.startswith("vllm") else "warning"))
     return out
 
 
@@ -290,8 +362,11 @@ def _vllm_support(archs: list[str], model_type: str, engine_version: str | None)
                                "(SupportsEagle3): it cannot hand the drafter aux hidden states",
                                "use a vLLM version whose class for this target supports EAGLE-3"))
         elif ok is None:
-            out.append(Finding("engine_support", f"the installed vLLM does not know the class {archs}", "check the target's "
-                               "architectures", "warning"))
+            out.append(Finding("engine_support", f"the installed vLLM {installed} has no model class for {archs}: it would "
+                               "fall back to its generic Transformers backend (seen for transformers' own "
+                               "Kimi_K25ForConditionalGeneration: it then fails at start, its image processor needing "
+                               "torchvision)", "serve the checkpoint under an architecture vLLM has a class for (Kimi-K2.5: "
+                               "the hub layout, KimiK25ForConditionalGeneration with language_model.model.layers.* names)"))
     elif wv >= Version("0.10.1"):
         out.append(Finding("engine_support", f"whether vLLM {want}'s class for {archs} implements SupportsEagle3 is not "
                            f"checked here (installed: {installed or 'none'})",
