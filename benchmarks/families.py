@@ -7,6 +7,8 @@ two drafters trained with the same seed on each, both served. Prints one table; 
 
     python benchmarks/families.py --out benchmarks/results/families.json
     python benchmarks/families.py --families llama,deepseek_v3 --no-story      # a subset
+    python benchmarks/families.py --from-tests /tmp/pytest-of-$USER/pytest-current --families none
+        # the rows test_family_runs.py wrote (row.json in each test's folder), with this run's story
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main() -> None:
     ap.add_argument("--families", default=None, help="comma-separated (default: all of tests/family_targets.FAMILIES)")
     ap.add_argument("--no-story", action="store_true", help="skip the two-drafter DeepSeek feature-source story")
     ap.add_argument("--out", default="benchmarks/results/families.json")
+    ap.add_argument("--from-tests", default=None, help="a pytest base temp folder: take the family rows from the "
+                    "row.json files test_family_end_to_end wrote there (same code, same seeds)")
     args = ap.parse_args()
 
     import family_flow
@@ -37,7 +41,8 @@ def main() -> None:
     tok_dir = work / "smollm2-tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         load_tokenizer(TargetConfig()).save_pretrained(tok_dir)
-    families = args.families.split(",") if args.families else list(family_flow.family_targets.FAMILIES)
+    families = [f for f in args.families.split(",") if f != "none"] if args.families else \
+        list(family_flow.family_targets.FAMILIES)
     result = {"benchmark": "families", "vllm": installed_vllm(), "machine": platform.processor() or platform.machine(),
               "rows": []}
     for fam in families:
@@ -47,6 +52,11 @@ def main() -> None:
         row.pop("vllm_outputs", None)
         result["rows"].append(row)
         print(family_flow.summary(row), flush=True)
+    if args.from_tests:
+        order = list(family_flow.family_targets.FAMILIES)
+        rows = [json.loads(p.read_text()) for p in Path(args.from_tests).glob("**/test_family_end_to_end_*/row.json")]
+        result["rows"] += sorted(rows, key=lambda r: order.index(r["family"]) if r["family"] in order else len(order))
+        result["rows_from"] = "tests/test_family_runs.py::test_family_end_to_end"
     if not args.no_story:
         t = time.perf_counter()
         result["feature_sources"] = family_flow.feature_sources_story(work / "deepseek_v3_default_rope", tok_dir)

@@ -29,6 +29,7 @@ def smollm2_tok_dir(tmp_path_factory, smollm2_tokenizer):
 def test_family_end_to_end(family, tmp_path, smollm2_tok_dir):
     row = family_flow.run_family(family, tmp_path, smollm2_tok_dir)
     print(family_flow.summary(row))
+    (tmp_path / "row.json").write_text(family_flow.summary(row))   # benchmarks/families.py --from-tests reads it
     assert row["run"] == "passed"
     if family not in SERVED:        # transformers' own Kimi-K2.5 save: no vLLM class (see test_check_refuses_…)
         assert row["generate_backend"] == "transformers" and row["evaluate_backend"] == "transformers"
