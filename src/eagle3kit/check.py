@@ -253,6 +253,16 @@ def _vllm_target_config(target: TargetConfig, engine_version: str | None, proven
                                   "the served model is silently another model" if "scoring_func" in gone else ""),
                                'add "topk_method": "noaux_tc" and "scoring_func": "sigmoid" to the target\'s config.json '
                                "(the hub configs of DeepSeek-V3 and Kimi carry both; transformers 5 does not write them)"))
+        other = {k: text[k] for k, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))
+                 if k in text and text[k] != want}
+        if other:
+            out.append(Finding("moe_routing", f"the target's config routes with {other}: vLLM's DeepSeek-V3 honours it "
+                               + ("(greedy/group-limited top-k creates no gate.e_score_correction_bias, so the checkpoint's "
+                                  "bias fails to load) " if "topk_method" in other else "")
+                               + "while transformers' DeepSeek-V3 (which made the drafter's training data) always routes "
+                               "with sigmoid scores and noaux_tc: the served model is another model",
+                               'set "topk_method": "noaux_tc" and "scoring_func": "sigmoid" as in the DeepSeek-V3 and Kimi '
+                               "hub configs (or, if the checkpoint really is another routing, it is not a DeepSeek-V3)"))
     if is_kimi_wrapper(raw) and "media_placeholder_token_id" not in raw:
         out.append(Finding("kimi_media_placeholder", f"vLLM {installed}'s EAGLE-3 proposer reads "
                            "config.media_placeholder_token_id of a Kimi-K2.5 target; this config has none (transformers' "

@@ -68,6 +68,33 @@ def text_fields(config: dict) -> dict:
     return config.get("text_config") or config.get("llm_config") or config
 
 
+def read_config_json(folder: str | Path) -> dict:
+    """A model folder's ``config.json`` as a dict, its nested text config a dict too.
+
+    Raises:
+        ConfigError: no config.json, not JSON, not an object, or a ``text_config`` /
+            ``llm_config`` that is not an object (a null one would make transformers fill in the
+            family's full-size defaults)."""
+    from .config import ConfigError
+
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: give the model folder (config.json beside its weights)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({str(e)[:120]}): restore the checkpoint's own config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a {type(config).__name__}, not a JSON object: restore the checkpoint's own "
+                          "config.json")
+    for key in ("text_config", "llm_config"):
+        if key in config and not isinstance(config[key], dict):
+            raise ConfigError(f"{path}: {key} is {json.dumps(config[key])[:60]}, not an object with the language "
+                              f"model's fields (transformers would fill in its class's full-size defaults): restore "
+                              "the checkpoint's own config.json")
+    return config
+
+
 def uses_mla(config: dict) -> bool:
     """Whether a ``config.json`` dict describes a DeepSeek-style MLA target (``kv_lora_rank`` set)."""
     text = text_fields(config)
@@ -130,7 +157,7 @@ def vllm_launch(folder: str | Path, speculative: bool, text_only: bool = True, i
 
     Off the CPU build only ``skip_tokenizer_init`` applies.
     """
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config = read_config_json(folder)
     cpu = vllm_cpu_build() if cpu_build is None else cpu_build
     out = VLLMLaunch()
     if text_only and not is_kimi_wrapper(config):

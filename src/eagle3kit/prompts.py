@@ -289,10 +289,9 @@ def report_bad_rows(bad: list[dict], path, show: int = 5) -> None:
     write_jsonl(path, bad)
     if not bad:
         return
-    # soft_wrap: a long path is never folded mid-name (the file:line must stay copyable)
-    console.print(f"[yellow]prompts: skipped {len(bad)} malformed or empty row(s); all listed in {path}", soft_wrap=True)
+    console.print(f"[yellow]prompts: skipped {len(bad)} malformed or empty row(s); all listed in {path}")
     for b in bad[:show]:
-        console.print(f"[yellow]  {b['path']}:{b['line']}: {b['reason'][:160]}", soft_wrap=True)
+        console.print(f"[yellow]  {b['path']}:{b['line']}: {b['reason'][:160]}")
     if len(bad) > show:
         console.print(f"[yellow]  … and {len(bad) - show} more")
 

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import re
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -288,11 +289,25 @@ def load_target_config(cfg: TargetConfig):
         ConfigError: the target cannot be located (see :func:`locate_target`)."""
     from transformers import AutoConfig
 
+    from .engines import read_config_json
+
     loc = locate_target(cfg)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    if not loc["gguf_file"] and Path(loc["path"]).is_dir():
+        raw = read_config_json(loc["path"])           # a clear error for a missing / malformed / null-text config
+        for c in (raw, raw.get("text_config") or {}):
+            if c and "model_type" not in c:
+                raise ConfigError(f"{loc['path']}/config.json: a config with no model_type; restore the checkpoint's "
+                                  "own config.json")
     try:
         config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw)
-    except (OSError, ValueError, KeyError) as e:
+    except KeyError as e:
+        import transformers
+
+        raise ConfigError(f"cannot read the target's config in {loc['path']}: model type {e} is unknown to transformers "
+                          f"{transformers.__version__} (no remote code is run); use a transformers that has the "
+                          "family, or the checkpoint's own config.json") from None
+    except Exception as e:   # OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
         raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
                           "give a model folder with a valid config.json (or a GGUF file)") from None
     return config, text_config(config)
@@ -330,7 +345,12 @@ def load_tokenizer(cfg: TargetConfig):
 
     loc = locate_target(cfg)
     if not loc["gguf_file"]:
-        return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False)
+        try:
+            return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the target's tokenizer from {loc['path']}: {str(e).splitlines()[0][:160]}; "
+                              "the folder needs the checkpoint's tokenizer files (tokenizer.json or its vocab files "
+                              "and tokenizer_config.json)") from None
     cached = cache_dir() / "tokenizers" / _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])[:16]
     if (cached / "tokenizer_config.json").is_file():
         try:
@@ -444,6 +464,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     loc = locate_target(cfg)
     dev = pick_device(str(device) if device is not None else cfg.device)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    if not loc["gguf_file"] and Path(loc["path"]).is_dir():
+        load_target_config(cfg)                       # config faults named before the tokenizer's own errors
     tok = load_tokenizer(cfg)
     if cfg.device_map:
         kw["device_map"] = cfg.device_map       # layers spread over the GPUs; accelerate moves activations
@@ -459,10 +481,26 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         model, info = AutoModelForCausalLM.from_pretrained(
             loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, trust_remote_code=False,
             output_loading_info=True, **kw)
+    except RuntimeError as e:
+        if "mismatched" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ConfigError(f"target {loc['path']}: the checkpoint's tensors have other shapes than its config.json "
+                          f"describes (model_type {getattr(text_config(kw.get('config') or load_target_config(cfg)[0]), 'model_type', '?')!r}); "
+                          "give the checkpoint's own config.json") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = sorted(set(info.get("missing_keys") or []) - _TIED_HEAD if getattr(model.config, "tie_word_embeddings", False)
                      else set(info.get("missing_keys") or []))
+    n_layers = int(getattr(text_config(model.config), "num_hidden_layers", 0) or 0)
+    n_layers += int(getattr(text_config(model.config), "num_nextn_predict_layers", 0) or 0)   # DeepSeek-V3's MTP layer
+    beyond = sorted(k for k in info.get("unexpected_keys") or []
+                    if (m := re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.", k)) and int(m.group(1)) >= n_layers
+                    and not re.search(r"vision|visual|mm_projector|audio", k))
+    if beyond:
+        raise ConfigError(f"target {loc['path']}: the checkpoint holds decoder layers the config does not "
+                          f"({', '.join(beyond[:2])}{' …' if len(beyond) > 2 else ''}; config.json says "
+                          f"num_hidden_layers {n_layers}): the model would load cut short. Give the checkpoint's own "
+                          "config.json")
     if missing:
         raise ConfigError(f"target {loc['path']}: the checkpoint holds no weights for {len(missing)} of the model's tensors "
                           f"({', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}): they would be random. The folder's "
@@ -614,10 +652,15 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
 
     def done() -> bool:
         marker = out / "eagle3kit-source.json"
-        return marker.exists() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists()
+        try:
+            return marker.is_file() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists()
+        except ValueError:
+            return False
 
     if done():
         return out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: give a folder for the float32 export")
     if out.is_dir() and any(out.iterdir()) and not (out / "eagle3kit-source.json").exists():
         raise ConfigError(f"{out} holds files that are not an eagle3kit float32 export; give an empty or new folder")
     cfg = target.model.config.__class__.from_dict(
@@ -639,6 +682,11 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
         shutil.rmtree(tmp, ignore_errors=True)
         return out
     if out.exists():                  # an export of another source, or empty
+        foreign = sorted({p.name for p in out.iterdir()} - {p.name for p in tmp.iterdir()})
+        if foreign:                   # never delete what an export did not write
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"{out} holds an older export and files it did not write ({', '.join(foreign[:3])}): move "
+                              "them out or give another folder")
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out

@@ -8,7 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)     # a long path is never folded mid-name: file:line stays copyable
 
 
 class _TokensPerSecond(ProgressColumn):
