@@ -54,7 +54,8 @@ def main() -> None:
         print(family_flow.summary(row), flush=True)
     if args.from_tests:
         order = list(family_flow.family_targets.FAMILIES)
-        rows = [json.loads(p.read_text()) for p in Path(args.from_tests).glob("**/test_family_end_to_end_*/row.json")]
+        rows = list({r["family"]: r for r in (json.loads(p.read_text()) for p in    # (pytest's *current links)
+                     Path(args.from_tests).glob("**/test_family_end_to_end_*/row.json"))}.values())
         result["rows"] += sorted(rows, key=lambda r: order.index(r["family"]) if r["family"] in order else len(order))
         result["rows_from"] = "tests/test_family_runs.py::test_family_end_to_end"
     if not args.no_story:

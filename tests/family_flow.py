@@ -92,6 +92,7 @@ def serve_with_drafter(folder: Path, drafter: Path, conts: list[dict], tokens: i
     for this target; the held-out prompts sent as token ids (the prompts ``evaluate`` rendered)."""
     from eagle3kit.engines import VLLMServer, free_port, spec_decode_counters, spec_decode_delta
 
+    work.mkdir(parents=True, exist_ok=True)
     srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
                      speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
     out = {"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env}
