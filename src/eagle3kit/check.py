@@ -218,16 +218,13 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
 def _raw_target_config(target: TargetConfig) -> dict:
     """The target's ``config.json`` as written (what vLLM reads: transformers' classes drop or add
     keys), or {} for a GGUF target."""
+    from .engines import read_config_json
     from .target import locate_target
 
     loc = locate_target(target)
-    path = Path(loc["path"]) / "config.json"
-    if loc["gguf_file"] or not path.is_file():
+    if loc["gguf_file"] or not (Path(loc["path"]) / "config.json").is_file():
         return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return {}
+    return read_config_json(loc["path"])     # check_drafter read it through transformers first: it parses
 
 
 def _vllm_target_config(target: TargetConfig, engine_version: str | None, provenance: dict) -> list[Finding]:

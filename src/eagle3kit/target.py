@@ -464,14 +464,13 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     loc = locate_target(cfg)
     dev = pick_device(str(device) if device is not None else cfg.device)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    config = plan = None
     if not loc["gguf_file"] and Path(loc["path"]).is_dir():
-        load_target_config(cfg)                       # config faults named before the tokenizer's own errors
+        config, _ = load_target_config(cfg)           # config faults named before the tokenizer's own errors
     tok = load_tokenizer(cfg)
     if cfg.device_map:
         kw["device_map"] = cfg.device_map       # layers spread over the GPUs; accelerate moves activations
-    plan = None
-    if not loc["gguf_file"] and Path(loc["path"]).is_dir():
-        config, _ = load_target_config(cfg)
+    if config is not None:
         plan = language_model_plan(config, loc["path"])
     if plan is not None:
         kw |= {"config": plan["config"], "key_mapping": plan["key_mapping"]}
@@ -485,7 +484,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         if "mismatched" not in str(e) and "size mismatch" not in str(e):
             raise
         raise ConfigError(f"target {loc['path']}: the checkpoint's tensors have other shapes than its config.json "
-                          f"describes (model_type {getattr(text_config(kw.get('config') or load_target_config(cfg)[0]), 'model_type', '?')!r}); "
+                          f"describes (model_type {getattr(text_config(kw.get('config') or config), 'model_type', '?')!r}); "
                           "give the checkpoint's own config.json") from None
     finally:
         hf_logging.set_verbosity(verbosity)
