@@ -10,12 +10,13 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")      # "gw0", "gw1" … under pytest -n N
-if _WORKER.startswith("gw") and (os.cpu_count() or 1) >= 2:
-    # One core per worker: vLLM's CPU build binds each engine's OpenMP threads by itself ("auto" puts
-    # every engine on the same last core, so two workers' engines would share one core and leave the
-    # other idle); torch gets one thread, so two workers do not oversubscribe two cores.
-    _CORE = int(_WORKER[2:]) % (os.cpu_count() or 1)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")      # "gw0", "gw1" … under `pytest -n N`
+if _WORKER.startswith("gw") and len(os.sched_getaffinity(0)) >= 2:
+    # One core per worker, for the worker and everything it starts (vLLM servers and engines, process
+    # pools inherit the affinity): two workers never share a core. vLLM's CPU build binds its OpenMP
+    # threads itself ("auto" puts every engine on the same last core), so it is told the worker's core.
+    _CORE = sorted(os.sched_getaffinity(0))[int(_WORKER[2:]) % len(os.sched_getaffinity(0))]
+    os.sched_setaffinity(0, {_CORE})
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_CORE))
     torch.set_num_threads(1)
 
