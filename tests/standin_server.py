@@ -2,6 +2,7 @@
 thread. What it answers is chosen by the last user message:
 
 * ``shape:NAME`` → the reply shape NAME from fixtures/reasoning_replies.json (hand-written shapes);
+* ``think:FIELD`` (streamed) → five reasoning pieces in ``delta.FIELD`` 50 ms apart, then the reply, no usage;
 * ``fail400`` → HTTP 400;  ``flaky429:KEY`` → HTTP 429 on the first request for KEY, then a reply;
 * ``http500:KEY`` → HTTP 500 once; ``stall:KEY`` → the first reply waits 3 s; ``drop:KEY`` → the
   first reply's connection is cut mid-body;
@@ -123,6 +124,10 @@ class StandInServer(AppThread):
             head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
             if text.startswith("shape:"):
                 chunks = SHAPES[text[6:]]
+            elif text.startswith("think:"):   # think:FIELD — 5 reasoning pieces in delta.FIELD, 50 ms apart, then the reply; no usage
+                field = text[6:]
+                chunks = [{"choices": [{"index": 0, "delta": {field: f"step {i}. "}, "finish_reason": None}]} for i in range(5)]
+                chunks += [{"choices": [{"index": 0, "delta": {"content": "The answer is 4."}, "finish_reason": "stop"}]}]
             else:
                 chunks = [{"choices": [{"index": 0, "delta": {"content": "reply "}, "finish_reason": None, "token_ids": [7]}]},
                           {"choices": [{"index": 0, "delta": {"content": f"to {text}"}, "finish_reason": "stop", "token_ids": [8, 2]}]},
@@ -130,6 +135,8 @@ class StandInServer(AppThread):
 
             def gen():
                 for c in chunks:
+                    if text.startswith("think:"):
+                        time.sleep(0.05)
                     yield "data: " + json.dumps({**head, **c}) + "\n\n"
                 yield "data: [DONE]\n\n"
 

@@ -82,6 +82,31 @@ def summarize(values: list[float]) -> dict:
     return {**{f"p{p}": round(float(np.percentile(a, p)), 3) for p in PERCENTILES}, "mean": round(float(a.mean()), 3)}
 
 
+def reasoning_text(part) -> str:
+    """The reasoning text of a streamed ``delta`` or a ``message``: ``reasoning`` (vLLM's field
+    since 0.10) or ``reasoning_content`` (SGLang's, and vLLM's before), which every token of a
+    reasoning model's thinking arrives in — TTFT and the token count must see them."""
+    extra = getattr(part, "model_extra", None) or {}
+    return extra.get("reasoning") or extra.get("reasoning_content") or ""
+
+
+def checked_acceptance(acc: dict | None) -> tuple[dict | None, str | None]:
+    """``(acc, None)`` when ``acc``'s numbers are possible, else ``(None, why)``: an acceptance rate
+    outside [0, 1] or a τ outside [1, K + 1] (K from ``acc["k"]`` where known) comes from
+    inconsistent server numbers (SGLang ``meta_info`` whose accepted count exceeds its drafted one,
+    counters reset mid-level) and is flagged, never reported as a number."""
+    if not acc:
+        return acc, None
+    rate, tau, k = acc.get("acceptance_rate"), acc.get("tau"), acc.get("k")
+    if rate is not None and not 0 <= rate <= 1:
+        why = f"acceptance rate {rate} is outside [0, 1] ({acc.get('accepted')} accepted of {acc.get('draft_tokens')} drafted)"
+    elif tau is not None and (tau < 1 or (k and tau > k + 1)):
+        why = f"τ {tau} is outside [1, {int(k) + 1 if k else 'K + 1'}]"
+    else:
+        return acc, None
+    return None, f"the server's acceptance numbers are inconsistent ({acc.get('source', 'counters')}): {why}; not reported"
+
+
 def acceptance_from_meta(metas: list[dict]) -> dict | None:
     """Acceptance over a level from SGLang's per-request ``meta_info`` (pooled totals); None when
     no response carried ``spec_verify_ct``."""
@@ -232,7 +257,7 @@ async def _stream_one(client, model: str, messages: list, max_tokens: int, extra
             for ch in chunk.choices:
                 finished = finished or ch.finish_reason is not None
                 meta = (ch.model_extra or {}).get("meta_info") or meta
-                piece = (ch.delta.content or "") + ((ch.delta.model_extra or {}).get("reasoning_content") or "")
+                piece = (ch.delta.content or "") + reasoning_text(ch.delta)
                 if piece:
                     if res.first is None:
                         res.first = now
@@ -259,7 +284,7 @@ async def _plain_one(client, model: str, messages: list, max_tokens: int, extra:
         resp = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                     temperature=0.0, extra_body=extra)
         ch = resp.choices[0]
-        res.text = ch.message.content or ""
+        res.text = reasoning_text(ch.message) + (ch.message.content or "")
         res.meta_info = (ch.model_extra or {}).get("meta_info") or (resp.model_extra or {}).get("meta_info")
         if resp.usage is not None:
             res.completion_tokens, res.prompt_tokens = resp.usage.completion_tokens, resp.usage.prompt_tokens
@@ -339,7 +364,8 @@ def level_record(results: list[RequestResult], wall: float, concurrency: int, to
            "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 4),
            "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 3) if wall else None,
            "request_throughput": round(len(ok) / wall, 4) if wall else None,
-           "completion_tokens_source": "usage" if not retok else f"re-tokenized text for {retok} requests without usage",
+           "completion_tokens_source": "usage" if not retok else f"re-tokenized text (reasoning and content) for {retok} "
+                                                                  "requests without usage",
            "ttft_ms": summarize(ttft), "itl_ms": summarize([g for r in ok for g in r.gaps]),
            "tpot_ms": summarize(tpot), "e2e_ms": summarize([r.end - r.start for r in ok]),
            "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok)}
@@ -404,6 +430,9 @@ def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels
                                                   lambda r, t=task2: bar.update(t, advance=1), stream=False, timeout=timeout))
                 rec["acceptance"] = acceptance_from_meta([r.meta_info for r in again if r.ok])
                 rec["acceptance_pass_failures"] = sum(not r.ok for r in again)
+            rec["acceptance"], bad = checked_acceptance(rec["acceptance"])
+            if bad:
+                rec["acceptance_error"] = bad
             out.append(rec)
     return out
 
@@ -530,6 +559,7 @@ def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str,
 
     Raises:
         BenchError: one of them exists and ``overwrite`` is False.
+        DataError: a write failed (disk full, read-only), naming the file; none of the three is left.
     """
     from .benchreport import markdown, plot
 
@@ -538,10 +568,23 @@ def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str,
     there = [str(p) for p in paths.values() if p.exists()]
     if there and not overwrite:
         raise BenchError(f"{', '.join(there)} exist: pass --out to a new folder, or --overwrite")
+    from .rundir import write_failed
+
     out.mkdir(parents=True, exist_ok=True)
-    tmp = paths["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(paths["json"])
-    paths["md"].write_text(markdown(record))
-    plot(record, paths["png"])
+    # all three written under temporary names, then renamed: a full disk leaves none of them (an empty
+    # bench.md used to block the rerun) and the error names the file
+    tmps: dict[str, Path] = {}
+    current = paths["json"]
+    try:
+        for key, text in (("json", json.dumps(record, indent=2) + "\n"), ("md", markdown(record))):
+            current, tmps[key] = paths[key], paths[key].with_name(paths[key].name + ".tmp")
+            tmps[key].write_text(text)
+        current, tmps["png"] = paths["png"], out / "bench.tmp.png"
+        plot(record, tmps["png"])
+        for key, tmp in tmps.items():
+            tmp.replace(paths[key])
+    except OSError as e:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        raise write_failed(current, e) from None
     return paths

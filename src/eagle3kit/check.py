@@ -51,22 +51,45 @@ def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> 
     return [i + 1 for i in config_ids]
 
 
-def _vllm_supports_eagle3(architectures: list[str]) -> bool | None:
+def _vllm_supports_eagle3(architectures: list[str]) -> tuple[bool | None, str | None]:
     """Whether the installed vLLM's model class for ``architectures`` implements EAGLE-3
-    (``SupportsEagle3``), or None when vLLM is not installed or the class is unknown."""
+    (``SupportsEagle3``): ``(answer, why)``, answer None when vLLM is not installed or the class is
+    unknown or cannot be imported (``why``: the import error's last line; vLLM's registry would
+    print its whole traceback — it is held back here, the finding names it)."""
+    import logging
+
     try:
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_eagle3
     except Exception:
-        return None
-    for arch in architectures or []:
-        try:
-            cls = ModelRegistry._try_load_model_cls(arch)
-        except Exception:
-            cls = None
-        if cls is not None:
-            return bool(supports_eagle3(cls))
-    return None
+        return None, None
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.errors: list[str] = []
+
+        def emit(self, record):
+            exc = record.exc_info[1] if record.exc_info else None
+            self.errors.append(f"{type(exc).__name__}: {exc}" if exc else record.getMessage())
+
+    log = logging.getLogger("vllm.model_executor.models.registry")
+    keep, propagate = Keep(), log.propagate
+    log.addHandler(keep)
+    log.propagate = False
+    try:
+        for arch in architectures or []:
+            try:
+                cls = ModelRegistry._try_load_model_cls(arch)
+            except Exception as e:
+                keep.errors.append(f"{type(e).__name__}: {e}")
+                cls = None
+            if cls is not None:
+                return bool(supports_eagle3(cls)), None
+    finally:
+        log.removeHandler(keep)
+        log.propagate = propagate
+    return None, (keep.errors[-1][:200] if keep.errors else None)
 
 
 def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "vllm", engine_version: str | None = None,
@@ -188,9 +211,17 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         out.append(Finding("tied_embeddings", "tie_word_embeddings is true: the engine would use the embedding as lm_head",
                            "set tie_word_embeddings false (the drafter's lm_head is [Vd, H])"))
     mpe = fields.max_position_embeddings or 0
+    target_len = int(getattr(tc, "max_position_embeddings", 0) or 0)
     if max_model_len and mpe < max_model_len:
         out.append(Finding("max_positions", f"max_position_embeddings {mpe} < the serving length {max_model_len}",
                            "export again (it copies the target's) or serve with a shorter --max-model-len"))
+    elif not max_model_len and target_len and mpe < target_len:
+        # the engines serve the target's own length by default; vLLM then caps the drafter at its
+        # max_position_embeddings (SpeculativeConfig._maybe_override_draft_max_model_len): no draft past it
+        out.append(Finding("max_positions", f"max_position_embeddings {mpe} < {target_len}, the length the engine serves "
+                           f"this target at by default (its max_position_embeddings): vLLM starts, and past {mpe} tokens "
+                           "it drafts nothing (τ 1)", f"export again (it copies the target's), or serve with --max-model-len "
+                           f"{mpe} and pass it to check"))
     rope = rope_settings(tc)
     if float(fields.rope_theta or rope["rope_theta"]) != float(rope["rope_theta"]) or \
             (dc.get("rope_scaling") or None) != (rope.get("rope_scaling") or None):
@@ -363,8 +394,13 @@ def _vllm_support(archs: list[str], model_type: str, engine_version: str | None)
                            f"serve on vLLM ≥ {first}" + (" (if its class for this target implements SupportsEagle3)"
                                                           if vllm_eagle3_gate(first)[1] is None else "")))
     if installed and Version(installed).release[:3] == wv.release[:3]:
-        ok = _vllm_supports_eagle3(archs)
-        if ok is False:
+        ok, why = _vllm_supports_eagle3(archs)
+        if ok is None and why:
+            out.append(Finding("engine_support", f"the installed vLLM {installed} has a class for {archs} but cannot import "
+                               f"it here ({why}): a server would fail the same way at start",
+                               "install what the import needs (for a vision wrapper: torchvision), or serve a text-only "
+                               "checkpoint of the language model"))
+        elif ok is False:
             out.append(Finding("engine_support", f"vLLM {installed}'s class for {archs} does not implement EAGLE-3 "
                                "(SupportsEagle3): it cannot hand the drafter aux hidden states",
                                "use a vLLM version whose class for this target supports EAGLE-3"))

@@ -3,15 +3,13 @@ in the metadata), reading them back strictly, and starting a run from another dr
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .config import ConfigError
 from .drafter import DrafterConfig, Eagle3Drafter
-from .rundir import load_safetensors, set_aside, sha256_state
+from .rundir import load_safetensors, set_aside, sha256_state, write_safetensors
 
 
 def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) -> dict:
@@ -58,9 +56,8 @@ def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, stat
     (``state``: the whole state dict when the drafter itself is sharded, see
     :func:`eagle3kit.distributed.full_state`)."""
     state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
-    tmp = Path(path).with_name(Path(path).name + ".tmp")         # written whole, then renamed: a kill never leaves half
-    save_file(state, str(tmp), metadata={"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
-    os.replace(tmp, path)
+    # written whole, then renamed: a kill or a full disk never leaves half (DataError naming the file)
+    write_safetensors(path, state, {"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
 
 
 def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:

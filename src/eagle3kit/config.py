@@ -316,7 +316,8 @@ class Config(_Strict):
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """Read and validate a YAML config (the packaged defaults when ``path`` is None).
 
-    Relative prompt paths are resolved against the config file's folder. ``overrides`` is a
+    Relative prompt paths and a relative ``run_dir`` written in the file are resolved against the
+    config file's folder (a ``run_dir`` in ``overrides``, from ``--run-dir``, against the current one). ``overrides`` is a
     nested dict merged on top (used by CLI flags such as ``--run-dir``).
 
     Raises:
@@ -349,6 +350,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
     base = p.parent if path is not None else Path.cwd()
+    run_dir = Path(cfg.run_dir)
+    if path is not None and "run_dir" not in (overrides or {}) and not run_dir.is_absolute() and not cfg.run_dir.startswith("~"):
+        cfg.run_dir = str(base.resolve() / run_dir)        # like prompt paths: the same config from any folder, one run
+    cfg.run_dir = str(Path(cfg.run_dir).expanduser())
     for src in list(cfg.prompts.sources) + list(cfg.evaluate.sets):
         if not Path(src.path).is_absolute() and not src.path.startswith("~"):
             cand = (base / src.path)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from . import __version__
 from .config import Config
 from .drafter import DrafterConfig, Eagle3Drafter
+from .lineage import check_inputs
 from .rundir import RunDir, set_aside, sha256_tensors
 from .vocab import check_maps
 
@@ -280,6 +281,8 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
+    if not checkpoint:
+        check_inputs(run, "export", ["checkpoints/best.safetensors"])
     if src.is_dir():        # a drafter folder (any layout eagle3kit imports): re-export it
         from .importer import read_drafter
 

@@ -22,7 +22,7 @@ from .config import Config, ConfigError, parse_teacher
 from .features import (  # noqa: F401  (re-exported: the format's readers live with it)
     FP8_MAX, bytes_per_token, dequantize_fp8, load_features, quantize_fp8, read_index, shard_metadata, shard_problem)
 from .rundir import DataError, RunDir, folder_lock, sha256_tensors, write_json
-from .target import Target, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits
+from .target import Target, resolve_aux_layer_ids, target_features, teacher_argmax, teacher_logits, weights_fingerprint
 from .ui import Timer, console, progress
 
 
@@ -172,6 +172,7 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
         DataError: no samples, another extract writing to the same folder, a malformed index,
             non-finite hidden states (naming the sample), a failed write.
     """
+    from .lineage import check_inputs
     from .target import load_target, pick_device
     from .tokenize import load_shard
     from .vocab import load_vocab
@@ -179,6 +180,9 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
     ec = cfg.extract
     topk = parse_teacher(ec.teacher)
     tokens_path = run.require("tokens.safetensors", "tokenize")
+    fingerprint = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
+    check_inputs(run, "extract", ["tokens.safetensors"] + (["vocab.safetensors"] if topk is not None else []),
+                 target=fingerprint)
     rows = load_shard(tokens_path)
     if not rows:
         raise DataError(f"{tokens_path} holds no samples; rerun `eagle3kit tokenize` (see its report for what was dropped)")

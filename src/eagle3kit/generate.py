@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from .config import Config
+from .lineage import check_inputs
 from .rundir import JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
 from .target import Target
 from .ui import Timer, console, progress
@@ -234,18 +235,23 @@ def check_backend(backend: str, asked: str, target: Target) -> str:
 
 
 def generation_settings(cfg: Config) -> dict:
-    """What a conversation row depends on: the target, the served model name (server backend),
-    the template flags and the sampling settings. Rows made with other settings are never mixed
-    into a run (see :func:`existing_rows`)."""
+    """What a conversation row depends on: the target and its weights fingerprint
+    (:func:`~eagle3kit.target.weights_fingerprint`; None through a server, whose weights eagle3kit
+    cannot see), the served model name (server backend), the template flags and the sampling
+    settings. Rows made with other settings — other weights at the same path too — are never
+    mixed into a run (see :func:`existing_rows`)."""
+    from .target import weights_fingerprint
+
     gc = cfg.generate
-    return {"target": cfg.target.model,
+    server = gc.backend == "openai"
+    return {"target": cfg.target.model, "target_weights": None if server else weights_fingerprint(cfg.target),
             "served_model": gc.model if gc.backend == "openai" else None,
             "template_flags": dict(gc.template_flags),
             "sampling": {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens,
                          "seed": gc.seed if gc.temperature > 0 else None}}
 
 
-SETTING_KEYS = ("target", "served_model", "template_flags", "sampling")
+SETTING_KEYS = ("target", "target_weights", "served_model", "template_flags", "sampling")
 
 
 def existing_rows(path, settings: dict) -> set[str]:
@@ -265,13 +271,18 @@ def existing_rows(path, settings: dict) -> set[str]:
     for n, r in read_jsonl(path):
         if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(r.get("messages"), list):
             raise DataError(f"{path}:{n}: not a conversation row (needs 'id' and 'messages'); fix or delete that line")
+        same_weights = r.get("target_weights") is not None and r.get("target_weights") == settings["target_weights"]
         for key in SETTING_KEYS:
+            if key == "target" and same_weights:
+                continue                       # the same weights, moved or named otherwise: the same target
             if key in r and r[key] != settings[key]:
                 other[key] += 1
                 first.setdefault(key, (n, r[key]))
         ids.add(r["id"])
     if other:
         was = "; ".join(f"{k}: {first[k][1]!r} (line {first[k][0]}, {other[k]} rows) but now {settings[k]!r}" for k in sorted(other))
+        if "target_weights" in other and "target" not in other:
+            was += f" — the weights at {settings['target']} were replaced since those rows were generated"
         raise ConfigError(f"{path} holds rows generated with other settings — {was}. Move the file away or use a new "
                           "run_dir (mixing them would train on both), or go back to the settings it was made with")
     return ids
@@ -318,6 +329,7 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     torn = repair_torn_tail(out_path)
     if torn:
         console.print(f"[yellow]conversations.jsonl: removed a torn last line ({torn} bytes) left by an interrupted run")
+    check_inputs(run, "generate", ["prompts.jsonl"])
     settings = generation_settings(cfg)
     done = existing_rows(out_path, settings)
     todo = [r for r in rows if r["id"] not in done]
@@ -382,6 +394,7 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     if not todo and backends:          # nothing generated now: the backend the file's rows were made with
         backend = ", ".join(sorted(backends))
     inputs = {"prompts.jsonl": sha256_file(prompts_path), "backend": backend, "target": cfg.target.model,
+              "target_weights": settings["target_weights"],
               "max_new_tokens": gc.max_new_tokens, "temperature": gc.temperature}
     if backend == "vllm":
         inputs["engine"] = {"name": "vllm", "version": vllm_version()}
@@ -389,5 +402,6 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
         inputs["engine"] = engine
         run.update_manifest(generation_server=engine)
     out = {k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in counts.items()}
-    run.record_stage("generate", inputs, out)
+    run.record_stage("generate", inputs, out, {"conversations.jsonl": sha256_file(out_path)},
+                     consumed={"prompts.jsonl": sha256_file(prompts_path)}, target=settings["target_weights"])
     return out

@@ -121,6 +121,15 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
     for n, reason in lines or []:
         bad_rows.append({"path": src.path, "line": n, "reason": reason})
         dropped["malformed"] += 1
+    wanted = set(src.categories or ()) | set(src.exclude_categories or ())
+    if wanted:
+        present = {r.get("category") for _, r in rows if isinstance(r, dict)}
+        unknown = sorted(c for c in wanted if c not in present)
+        if unknown:
+            have = ", ".join(sorted(str(c) for c in present if c is not None)) or "none (its rows carry no 'category')"
+            raise DataError(f"{src.path}: the source {src.label!r} names categories no row of the file has: "
+                            f"{', '.join(map(repr, unknown))}; the file's categories are {have}. Fix the spelling "
+                            "(a category that matches nothing would silently give 0 prompts)")
     rows = rows[slice(src.start, src.stop)]
     out = []
     for n, raw in rows:
@@ -152,7 +161,11 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
             bad_rows.append({"path": src.path, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"})
             dropped["malformed"] += 1
             continue
-        out.append({"id": pid, "messages": msgs, "source": src.label, "category": cat})
+        row = {"id": pid, "messages": msgs, "source": src.label, "category": cat}
+        if _turns_after(raw, msgs):             # counted with the drops: its turns after the first user turn are
+            dropped["history_cut"] += 1
+            row["history_cut"] = True
+        out.append(row)
         if src.limit is not None and len(out) >= src.limit:
             break
     if bad_rows is not None:
@@ -160,15 +173,34 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
     return out, dropped
 
 
-def dedupe(rows: list[dict]) -> tuple[list[dict], int]:
-    """Drop rows whose id repeats an earlier row's; returns (kept rows, number dropped)."""
+def _turns_after(raw, msgs: list[dict]) -> int:
+    """How many replies, tool calls and tool results of a source row (OpenAI ``messages``, ShareGPT
+    ``conversations``) follow the prompt kept from it, its first user turn: the history a prompt
+    row loses. MT-bench's later ``turns`` are user turns only and not counted."""
+    if not isinstance(raw, dict):
+        return 0
+    for key, role in (("messages", "role"), ("conversations", "from")):
+        if isinstance(raw.get(key), list):
+            rest = raw[key][len(msgs):]
+            return sum(1 for m in rest if isinstance(m, dict) and m.get(role) not in ("user", "human"))
+    return 0
+
+
+def dedupe(rows: list[dict]) -> tuple[list[dict], int, int]:
+    """Drop rows whose id repeats an earlier row's; returns (kept rows, number dropped, how many of
+    those differed from the row kept only in the history cut after their first user turn)."""
     seen: set[str] = set()
     kept = []
+    cut = 0
     for r in rows:
         if r["id"] not in seen:
             seen.add(r["id"])
             kept.append(r)
-    return kept, len(rows) - len(kept)
+        else:
+            cut += bool(r.get("history_cut"))
+    for r in kept:
+        r.pop("history_cut", None)
+    return kept, len(rows) - len(kept), cut
 
 
 def magpie_prefix(tokenizer) -> str:
@@ -315,7 +347,7 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     rows: list[dict] = []
     for src in pc.sources:
         got, dropped = read_source(src, bad)
-        counts.update({f"dropped_{k}": v for k, v in dropped.items()})
+        counts.update({k if k == "history_cut" else f"dropped_{k}": v for k, v in dropped.items()})
         counts[f"rows_from_{src.label}"] = len(got)
         rows.extend(got)
         inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
@@ -356,8 +388,15 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     counts["rows_in"] = len(rows)
     if bad is not None:
         report_bad_rows(bad, run / "prompts_rejected.jsonl")
-    rows, ndup = dedupe(rows)
+    rows, ndup, ncut = dedupe(rows)
     counts["dropped_duplicate"] = ndup
+    if counts["history_cut"]:
+        counts["dropped_duplicate_after_history_cut"] = ncut
+    if ncut:
+        console.print(f"[yellow]prompts: {ncut} row(s) differed from another only in the turns after their first user turn "
+                      f"(replies, tool calls and results) and were dropped as its duplicates: a prompt is the system and "
+                      f"first user turn only ({counts['history_cut']} row(s) had such turns cut). To train on a "
+                      "conversation's own history, bring it as conversations.jsonl")
     heldout: list[dict] = []
     if pc.heldout_fraction > 0 and not cfg.evaluate.sets:
         rng = random.Random(pc.seed)
@@ -375,5 +414,6 @@ def run_prompts(cfg: Config, run: RunDir, target=None) -> dict:
     counts["rows_kept"] = len(rows)
     counts["heldout"] = len(heldout)
     out = {k: int(v) for k, v in counts.items()}
-    run.record_stage("prompts", inputs, out, {"prompts.jsonl": sha256_file(run / "prompts.jsonl")})
+    run.record_stage("prompts", inputs, out, {"prompts.jsonl": sha256_file(run / "prompts.jsonl"),
+                                              "heldout.jsonl": sha256_file(run / "heldout.jsonl")}, consumed={})
     return out

@@ -107,6 +107,66 @@ def load_safetensors(path: str | Path, fix: str) -> dict:
         raise DataError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); {fix}") from None
 
 
+def write_failed(path: str | Path, e: BaseException) -> "DataError":
+    """The one-line error for a failed write of ``path``: what the system said (disk full,
+    read-only, permission denied) and the fix."""
+    import errno
+
+    code = getattr(e, "errno", None)
+    text = str(e)
+    if code is None and "os error" in text:        # safetensors' SafetensorError: "… (os error 28) …"
+        try:
+            code = int(text.split("os error", 1)[1].split(")", 1)[0])
+        except ValueError:
+            code = None
+    why = os.strerror(code) if code else text.splitlines()[0][:200]
+    fix = {errno.ENOSPC: "free space on that disk, or give a run_dir on another",
+           errno.EDQUOT: "free space within your quota, or give a run_dir elsewhere",
+           errno.EROFS: "the file system is read-only: give a run_dir on a writable one",
+           errno.EACCES: "make the folder writable for you, or give another run_dir",
+           errno.EPERM: "make the folder writable for you, or give another run_dir"}.get(code, "fix the folder or give another run_dir")
+    return DataError(f"could not write {path}: {why}; {fix} (nothing was left half-written: the earlier file, if any, is as it was)")
+
+
+def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` through a temporary name in the same folder, then a rename:
+    a failed or killed write leaves the earlier file as it was and no partial file.
+
+    Raises:
+        DataError: the write failed (disk full, read-only folder, no permission), naming the file
+            and the fix (see :func:`write_failed`).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except Exception as e:      # OSError, SafetensorError (an I/O error inside the Rust writer)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise write_failed(path, e) from None
+
+
+def require_free(folder: str | Path, need: int, what: str) -> None:
+    """Refuse before any work when ``folder``'s disk has fewer than ``need`` bytes free.
+
+    Raises:
+        DataError: naming the folder, both numbers (bytes) and the fix.
+    """
+    import shutil
+
+    folder = Path(folder)
+    probe = folder if folder.exists() else folder.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise DataError(f"{what} needs about {need:,} bytes in {folder} but its disk has {free:,} free; free space, or "
+                        "give a run_dir on another disk (nothing was started)")
+
+
 def sha256_json(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())
 
@@ -288,11 +348,19 @@ class RunDir:
         write_json(self.path / "manifest.json", m)
         return m
 
-    def record_stage(self, stage: str, inputs: dict, counts: dict, outputs: dict | None = None) -> None:
-        """Record a finished stage: its input hashes in the manifest, its counts in the report."""
+    def record_stage(self, stage: str, inputs: dict, counts: dict, outputs: dict | None = None,
+                     consumed: dict | None = None, target: str | None = None) -> None:
+        """Record a finished stage: its inputs in the manifest, its counts in the report, and — with
+        ``consumed`` ({run-dir file: content hash} of what it read) — the lineage of each of its
+        ``outputs`` ({run-dir file: content hash}), made from the target weights fingerprint
+        ``target`` (see :mod:`eagle3kit.lineage`)."""
         m = self.manifest
         m.setdefault("eagle3kit_version", __version__)
         m.setdefault("stages", {})[stage] = {"inputs": inputs, "outputs": outputs or {}, "counts": counts}
+        if consumed is not None:
+            lineage = m.setdefault("lineage", {})
+            for name, sha in (outputs or {}).items():
+                lineage[name] = {"stage": stage, "sha256": sha, "from": dict(consumed), "target": target}
         write_json(self.path / "manifest.json", m)
         r = self.report
         r[stage] = dict(counts)

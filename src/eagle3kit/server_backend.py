@@ -210,7 +210,7 @@ def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dic
         "template_flags": dict((req["extra_body"] or {}).get("chat_template_kwargs", {})),
         "request": {k: v for k, v in req.items() if k not in ("messages", "extra_body")},
         "server_model": model, "backend": "openai", "streamed": isinstance(resp, tuple),
-        **{k: settings[k] for k in ("target", "served_model", "sampling")},
+        **{k: settings[k] for k in ("target", "target_weights", "served_model", "sampling")},
     }
 
 

@@ -257,6 +257,26 @@ def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64
     return h.hexdigest()
 
 
+def located_fingerprint(loc: dict) -> str | None:
+    """The target weights fingerprint (:data:`FINGERPRINT_FORMAT`) of a :func:`locate_target`
+    result: the GGUF file's, or one over every ``*.safetensors`` file of the folder in name order;
+    None for a folder without safetensors files. Reads the weights' bytes, loads nothing."""
+    if loc["gguf_file"]:
+        return _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])
+    files = sorted(Path(loc["path"]).glob("*.safetensors")) if Path(loc["path"]).is_dir() else []
+    return hashlib.sha256("".join(_file_fingerprint(f) for f in files).encode()).hexdigest() if files else None
+
+
+def weights_fingerprint(cfg: TargetConfig) -> str | None:
+    """The fingerprint :func:`load_target` records for ``cfg``'s weights, without loading them
+    (what identifies a target in lineage: the same path with other weights is another target).
+
+    Raises:
+        ConfigError: as :func:`locate_target` (no such model).
+    """
+    return located_fingerprint(locate_target(cfg))
+
+
 def locate_target(cfg: TargetConfig) -> dict:
     """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading)."""
     if cfg.model.startswith("pkg:"):
@@ -512,13 +532,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     if plan is not None:
         source["language_model"] = {"wrapper": plan["wrapper"], "decoder_prefix": plan["decoder_prefix"],
                                     "lm_head": plan["head"]}
-    if loc["gguf_file"]:
-        source["weights_fingerprint"] = _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])
-    else:
-        files = sorted(Path(loc["path"]).glob("*.safetensors")) if Path(loc["path"]).is_dir() else []
-        source["weights_fingerprint"] = hashlib.sha256(
-            "".join(_file_fingerprint(f) for f in files).encode()
-        ).hexdigest() if files else None
+    source["weights_fingerprint"] = located_fingerprint(loc)
     source["fingerprint_format"] = FINGERPRINT_FORMAT
     source["revision"] = getattr(model.config, "_commit_hash", None)
     return Target(model=model, tokenizer=tok, parts=resolve_parts(model), source=source)

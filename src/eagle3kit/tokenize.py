@@ -25,13 +25,14 @@ Shard (``tokens.safetensors``): ``input_ids`` int32 [total], ``loss_mask`` uint8
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .config import Config
+from .lineage import check_inputs
 from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
 from .templates import MaskRule, Sample, ThinkSpec, build_samples, self_check
 
@@ -106,6 +107,90 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
     return kept, None
 
 
+def split_brought_think(row: dict, spec: ThinkSpec) -> tuple[dict, int]:
+    """A conversation brought as text (no ``completion_ids``) whose reply holds its reasoning
+    inline — ``<think>…</think>answer``, or a bare ``…</think>answer`` because the chat template's
+    generation prompt opened the block (Qwen3, DeepSeek-R1) — split into ``reasoning`` and
+    ``content`` as generate splits a server's reply (:func:`eagle3kit.reasoning.split_inline_think`),
+    in the row's ``content`` and in each assistant message without a reasoning field. Rows for a
+    tokenizer without think tokens are left as they are. Returns (row, replies split)."""
+    from .reasoning import THINK_CLOSE, THINK_OPEN, split_inline_think
+
+    if spec.close_id is None or row.get("completion_ids") is not None:
+        return row, 0
+    n = 0
+
+    def split(content, has_reasoning):
+        nonlocal n
+        if has_reasoning or not isinstance(content, str) or THINK_CLOSE not in content:
+            return None, content
+        reasoning, rest, _, _ = split_inline_think(content, prompt_opens_think=not content.lstrip().startswith(THINK_OPEN))
+        n += 1
+        return reasoning, rest
+
+    row = dict(row)
+    if "content" in row:
+        r, c = split(row["content"], row.get("reasoning") is not None)
+        if r is not None:
+            row["reasoning"], row["content"] = r, c
+    msgs = []
+    for m in row.get("messages") or []:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            r, c = split(m.get("content"), m.get("reasoning") is not None or m.get("reasoning_content") is not None)
+            if r is not None:
+                m = {**m, "reasoning": r, "content": c}
+        msgs.append(m)
+    if "messages" in row:
+        row["messages"] = msgs
+    return row, n
+
+
+#: Kimi's tool-call id: ``functions.<name>:<index>``, the index counting calls over the conversation
+KIMI_CALL_ID = re.compile(r"^functions\.[^:\s]+:\d+$")
+
+
+def renders_kimi_tool_ids(tokenizer) -> bool:
+    """The chat template writes each tool call's ``id`` into the text (Kimi-K2's
+    ``<|tool_call_begin|>{{ id }}`` and ``## Return of {{ tool_call_id }}``): ids in another style
+    than the model's own would be trained verbatim."""
+    tmpl = tokenizer.chat_template or ""
+    return "<|tool_call_begin|>" in tmpl and "Return of" in tmpl
+
+
+def kimi_tool_call_ids(row: dict) -> tuple[dict, int]:
+    """Rewrite tool-call ids that are not Kimi's own (OpenAI's ``call_ab12``) as
+    ``functions.<name>:<index>``, consistently in the call and in the tool result that answers it
+    (``tool_call_id``), in ``messages`` and in the row's own ``tool_calls``. Returns (row, ids
+    rewritten). Ids already in Kimi's form are kept; a tool result naming an id no call has is left."""
+    index, mapping = 0, {}
+
+    def calls(tcs):
+        nonlocal index
+        out = []
+        for tc in tcs or []:
+            if isinstance(tc, dict) and isinstance(tc.get("id"), str) and not KIMI_CALL_ID.match(tc["id"]):
+                name = ((tc.get("function") or {}).get("name") or "tool").replace(":", "_")
+                mapping[tc["id"]] = f"functions.{name}:{index}"
+                tc = {**tc, "id": mapping[tc["id"]]}
+            index += 1
+            out.append(tc)
+        return out
+
+    row = dict(row)
+    msgs = []
+    for m in row.get("messages") or []:
+        if isinstance(m, dict) and m.get("tool_calls"):
+            m = {**m, "tool_calls": calls(m["tool_calls"])}
+        elif isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") in mapping:
+            m = {**m, "tool_call_id": mapping[m["tool_call_id"]]}
+        msgs.append(m)
+    if "messages" in row:
+        row["messages"] = msgs
+    if row.get("tool_calls"):
+        row["tool_calls"] = calls(row["tool_calls"])
+    return row, len(mapping)
+
+
 def untrainable_reason(row: dict) -> str | None:
     """Why a server-generated row must not become a training turn (C02, C04, C06), or None."""
     from .reasoning import UNTRAINABLE_FLAGS
@@ -127,8 +212,10 @@ def save_shard(path: str | Path, samples: list[tuple[list[int], list[int]]], met
         offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     ids = torch.tensor([t for s in samples for t in s[0]], dtype=torch.int32)
     mask = torch.tensor([t for s in samples for t in s[1]], dtype=torch.uint8)
-    save_file({"input_ids": ids, "loss_mask": mask, "offsets": offsets}, str(path),
-              metadata={k: str(v) for k, v in (meta or {}).items()})
+    from .rundir import write_safetensors
+
+    write_safetensors(path, {"input_ids": ids, "loss_mask": mask, "offsets": offsets},
+                      {k: str(v) for k, v in (meta or {}).items()})
 
 
 def load_shard(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -163,6 +250,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     tc = cfg.tokenize
     strict = tc.strict if strict is None else strict
     src = run.require("conversations.jsonl", "generate")
+    consumed = check_inputs(run, "tokenize", ["conversations.jsonl"])
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
     eot_ids = list(eot_ids) if eot_ids is not None else [int(tok.eos_token_id)]
     spec = think_spec(tok, None if tc.think_layout == "auto" else tc.think_layout)
@@ -172,6 +260,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     prompts_path = run / "prompts.jsonl"
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
     V = model_vocab_size(cfg.target, tok)
+    kimi_ids = renders_kimi_tool_ids(tok)
     rows = []
     template_lines: list[int] = []
     template_errors: list[str] = []
@@ -181,6 +270,11 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         if current is not None and row.get("id") not in current:
             counts["dropped_not_in_prompts"] += 1   # generated for an earlier prompt set: never trained on
             continue
+        row, split = split_brought_think(row, spec)
+        counts["reasoning_split_from_text"] += split
+        if kimi_ids and row.get("completion_ids") is None:
+            row, rewritten = kimi_tool_call_ids(row)
+            counts["tool_call_ids_rewritten"] += rewritten
         unfit = untrainable_reason(row)
         if unfit:
             counts[f"dropped_{unfit}"] += 1
@@ -212,6 +306,16 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
 
         console.print(f"[yellow]tokenize: the chat template could not render {len(template_lines)} row(s) of {src.name} "
                       f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {template_errors[0]}")
+    if counts["tool_call_ids_rewritten"] or counts["reasoning_split_from_text"]:
+        from .ui import console
+
+        if counts["tool_call_ids_rewritten"]:
+            console.print(f"tokenize: rewrote {counts['tool_call_ids_rewritten']} tool-call id(s) of {src.name} in the "
+                          "target's own form functions.<name>:<index> (calls and their results alike; the template writes "
+                          "ids into the text, and Kimi models emit only that form)")
+        if counts["reasoning_split_from_text"]:
+            console.print(f"tokenize: split the inline reasoning (…</think>) off {counts['reasoning_split_from_text']} "
+                          f"reply(ies) of {src.name}, as generate splits a server's reply")
     counts["rows_kept"] += 0   # present (0) even when every row was dropped
     counts["samples"] = len(samples)
     if not samples:
@@ -242,7 +346,7 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     run.record_stage("tokenize", {"conversations.jsonl": sha256_file(src), "tokenizer": tokenizer_hash(tok),
                                   "max_length": tc.max_length, "multi_turn": tc.multi_turn,
                                   "supervise": tc.supervise.model_dump(), "think_layout": spec.layout},
-                     res, {"tokens.safetensors": sha256_tensors(out)})
+                     res, {"tokens.safetensors": sha256_tensors(out)}, consumed=consumed)
     run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
     return res
 

@@ -34,7 +34,7 @@ from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
 from .checkpoints import (_set_aside, checkpoint_provenance, init_from_drafter, load_drafter_checkpoint,  # noqa: F401
                           save_drafter_checkpoint)
-from .rundir import RunDir, sha256_json, sha256_tensors
+from .rundir import RunDir, require_free, sha256_json, sha256_tensors
 from .trainlog import TrainLog
 from .target import Target, embed_tokens, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax
 from .tokenize import load_shard
@@ -196,7 +196,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         supervised tokens.
     """
     from .distributed import full_state, init_world, load_full_state
-    from .target import load_target
+    from .lineage import check_inputs
+    from .target import load_target, weights_fingerprint
 
     tc = cfg.train
     if tc.wandb_project:
@@ -210,6 +211,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     speed = _resolve_speed(tc, device)
     shard = run.require("tokens.safetensors", "tokenize")
     vocab_path = run.require("vocab.safetensors", "vocab")
+    fingerprint = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
+    consumed = check_inputs(run, "train", ["tokens.safetensors", "vocab.safetensors"], target=fingerprint)
     vocab, vocab_meta = load_vocab(vocab_path, expected_size=cfg.vocab.draft_vocab_size)
     if target is None:
         target = load_target(cfg.target, device=device)
@@ -227,7 +230,7 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
     rows = load_shard(shard)
     all_samples = [Sample(ids, mask) for ids, mask in rows]
-    tokens_sha, vocab_sha = sha256_tensors(shard), sha256_tensors(vocab_path)
+    tokens_sha, vocab_sha = consumed["tokens.safetensors"], consumed["vocab.safetensors"]
     features = None
     if tc.features:         # extracted features: fill every sample now (the shards index all of them)
         from .extract import feature_inputs, load_features
@@ -265,6 +268,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                   # where the aux states and the teacher came from (check compares it with the serving engine)
                   "features_source": (features or {}).get("source") or "transformers"}
     drafter = build_drafter(target, vocab, aux_ids, tc.seed)
+    if world.main:      # last.safetensors (weights + AdamW's two moments), best, and one of them being written
+        require_free(ckpt, 8 * sum(p.numel() * 4 for p in drafter.parameters()), "train's checkpoints")
     init = init_from_drafter(drafter, tc.init_from, cfg.target) if tc.init_from else None
     if init:
         inputs["init_from"] = provenance["init_from"] = init["init_from_sha256"]
@@ -437,7 +442,9 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     if trained_tokens:
         result["tokens_per_s"] = round(trained_tokens / timer.seconds, 1)
     if world.main:
-        run.record_stage("train", inputs, result, {"best.safetensors": sha256_tensors(ckpt / "best.safetensors")})
+        best_sha = sha256_tensors(ckpt / "best.safetensors")
+        run.record_stage("train", inputs, result, {"checkpoints/best.safetensors": best_sha},
+                         consumed=consumed, target=target.source.get("weights_fingerprint"))
         run.update_manifest(aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux_ids)})
     world.barrier()
     return result

@@ -18,10 +18,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 
 from .config import Config, ConfigError
-from .rundir import DataError, RunDir, sha256_tensors
+from .lineage import check_inputs
+from .rundir import DataError, RunDir, sha256_tensors, write_safetensors
 
 
 @dataclass
@@ -142,7 +142,7 @@ def build_draft_vocab(
 def save_vocab(path, vocab: DraftVocab, meta: dict) -> None:
     """``vocab.safetensors``: ``d2t`` int64 [Vd], ``t2d`` bool [V] (also for a full vocabulary, for
     uniformity inside the run directory; export omits them then)."""
-    save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(path), metadata={k: str(v) for k, v in meta.items()})
+    write_safetensors(path, {"d2t": vocab.d2t, "t2d": vocab.t2d}, {k: str(v) for k, v in meta.items()})
 
 
 def load_vocab(path, expected_size: int | None = None) -> tuple[DraftVocab, dict]:
@@ -176,6 +176,7 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     from .tokenize import load_shard
 
     shard_path = run.require("tokens.safetensors", "tokenize")
+    consumed = check_inputs(run, "vocab", ["tokens.safetensors"])
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
     V = model_vocab_size(cfg.target, tok)       # t2d has one entry per id the target can emit
     counts = torch.zeros(V, dtype=torch.int64)
@@ -190,10 +191,19 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
         tid = tok.convert_tokens_to_ids(marker)
         if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
             keep.append(tid)
-    vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
-    meta = {"data_sha256": sha256_tensors(shard_path), "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:      # a console line for the user, not a Python warning
+        warnings.simplefilter("always")
+        vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
+    if said:
+        from .ui import console
+
+        for w in said:
+            console.print(f"[yellow]vocab: {w.message}")
+    meta = {"data_sha256": consumed["tokens.safetensors"], "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
     out = run / "vocab.safetensors"
     save_vocab(out, vocab, meta)
-    run.record_stage("vocab", meta, stats, {"vocab.safetensors": sha256_tensors(out)})
+    run.record_stage("vocab", meta, stats, {"vocab.safetensors": sha256_tensors(out)}, consumed=consumed)
     run.update_manifest(draft_vocab_sha256=sha256_tensors(out))
     return stats

@@ -1,0 +1,264 @@
+"""Issue 21: one lineage rule for every stage (:mod:`eagle3kit.lineage`). A run on a tiny target
+(prompts → generate → tokenize → vocab → train → export), copied per test; each test changes one
+upstream input and asserts that the next stage refuses before doing any work, naming the stale
+file and the stage to rerun."""
+import json
+import shutil
+
+import pytest
+
+from conftest import GSM8K, build_tiny_llama
+from eagle3kit.config import ConfigError, load_config
+from eagle3kit.lineage import StaleInput
+from eagle3kit.rundir import RunDir, read_jsonl, write_jsonl
+
+CONFIG = """run_dir: {run}
+target: {{model: {target}, dtype: float32}}
+prompts:
+  sources: [{{path: {gsm8k}, stop: 8}}]
+  heldout_fraction: 0.0
+generate: {{backend: transformers, max_new_tokens: 8, batch_size: 8}}
+vocab: {{draft_vocab_size: 64}}
+train: {{epochs: 1, ttt_steps: 1, tokens_per_step: 256}}
+"""
+
+
+def stages():
+    from eagle3kit.export import run_export
+    from eagle3kit.generate import run_generate
+    from eagle3kit.prompts import run_prompts
+    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.train import run_train
+    from eagle3kit.vocab import run_vocab
+
+    return {"prompts": run_prompts, "generate": run_generate, "tokenize": run_tokenize, "vocab": run_vocab,
+            "train": run_train, "export": run_export}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_target_dir):
+    """A whole run through export on a copy of the tiny target."""
+    d = tmp_path_factory.mktemp("lineage")
+    shutil.copytree(tiny_target_dir, d / "target")
+    (d / "c.yaml").write_text(CONFIG.format(run=d / "run", target=d / "target", gsm8k=GSM8K))
+    cfg = load_config(d / "c.yaml")
+    run = RunDir(cfg.run_dir)
+    for fn in stages().values():
+        fn(cfg, run)
+    return d
+
+
+@pytest.fixture
+def copy(base, tmp_path):
+    """This test's own copy of the run and its target: ``(cfg, run)``."""
+    shutil.copytree(base / "run", tmp_path / "run")
+    shutil.copytree(base / "target", tmp_path / "target")
+    (tmp_path / "c.yaml").write_text(CONFIG.format(run=tmp_path / "run", target=tmp_path / "target", gsm8k=GSM8K))
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())       # the copy's records name the copy's files
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps(m).replace(str(base), str(tmp_path)))
+    return load_config(tmp_path / "c.yaml"), RunDir(tmp_path / "run")
+
+
+def refused(stage, cfg, run, *names):
+    with pytest.raises(StaleInput) as e:
+        stages()[stage](cfg, run)
+    said = " ".join(str(e.value).split())
+    for n in names:
+        assert n in said, said
+    return said
+
+
+def replace_weights(folder):
+    m = build_tiny_llama(8, seed=1)
+    m.generation_config.eos_token_id = 2
+    m.save_pretrained(folder)
+
+
+def more_data(cfg, run):
+    """One more prompt, generated (resumed) and tokenized: the legitimate way tokens change."""
+    cfg.prompts.sources[0].stop = 9
+    for stage in ("prompts", "generate", "tokenize"):
+        stages()[stage](cfg, run)
+
+
+def test_every_stage_output_records_what_it_was_built_from(base):
+    m = json.loads((base / "run" / "manifest.json").read_text())
+    lin = m["lineage"]
+    assert {k: v["stage"] for k, v in lin.items()} == {
+        "prompts.jsonl": "prompts", "heldout.jsonl": "prompts", "conversations.jsonl": "generate",
+        "tokens.safetensors": "tokenize", "vocab.safetensors": "vocab", "checkpoints/best.safetensors": "train"}
+    assert set(lin["tokens.safetensors"]["from"]) == {"conversations.jsonl"}
+    assert set(lin["checkpoints/best.safetensors"]["from"]) == {"tokens.safetensors", "vocab.safetensors"}
+    assert lin["conversations.jsonl"]["target"] == lin["checkpoints/best.safetensors"]["target"] is not None
+    assert lin["vocab.safetensors"]["from"]["tokens.safetensors"] == lin["tokens.safetensors"]["sha256"]
+
+
+def test_generate_refuses_to_append_rows_made_by_other_weights_at_the_same_path(copy):
+    """Finding 1: the weights replaced in the same folder, generate resumed: it used to append the
+    new model's rows to the old model's (already_done 6, generated 6, rows_kept 12)."""
+    cfg, run = copy
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    write_jsonl(run / "conversations.jsonl", rows[:4])                     # an interrupted run
+    stages()["generate"](cfg, run)         # the same weights in another folder (this copy's) are the same target
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    assert len(rows) == 8 and len({r["target"] for r in rows}) == 2
+    write_jsonl(run / "conversations.jsonl", [r for r in rows if r["target"] == cfg.target.model])    # interrupted again
+    replace_weights(cfg.target.model)
+    with pytest.raises(ConfigError) as e:
+        stages()["generate"](cfg, run)
+    said = " ".join(str(e.value).split())
+    assert "target_weights" in said and "were replaced" in said
+    assert len(list(read_jsonl(run / "conversations.jsonl"))) == 4            # nothing appended
+
+
+def test_train_refuses_conversations_made_by_weights_replaced_since(copy):
+    cfg, run = copy
+    replace_weights(cfg.target.model)
+    refused("train", cfg, run, "conversations.jsonl", "other target weights", "new run_dir")
+
+
+def test_generate_refuses_a_prompts_file_changed_after_prompts_wrote_it(copy):
+    cfg, run = copy
+    rows = [r for _, r in read_jsonl(run / "prompts.jsonl")]
+    write_jsonl(run / "prompts.jsonl", rows + [{**rows[0], "id": "extra"}])
+    refused("generate", cfg, run, "prompts.jsonl", "eagle3kit prompts")
+
+
+def test_tokenize_refuses_conversations_changed_after_generate_wrote_them(copy):
+    cfg, run = copy
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    write_jsonl(run / "conversations.jsonl", rows[1:])
+    refused("tokenize", cfg, run, "conversations.jsonl", "eagle3kit generate", "then `eagle3kit tokenize`")
+
+
+def test_train_refuses_a_vocab_built_from_other_tokens(copy):
+    """Finding 2: tokenize rerun (on a resumed generate's rows) without vocab: train used to run
+    on a draft vocabulary counted over other tokens, without a word."""
+    cfg, run = copy
+    more_data(cfg, run)
+    said = refused("train", cfg, run, "vocab.safetensors", "from another tokens.safetensors", "eagle3kit vocab")
+    assert "then `eagle3kit train`" in said
+
+
+def test_vocab_refuses_a_token_shard_changed_after_tokenize_wrote_it(copy, tmp_path):
+    from eagle3kit.tokenize import load_shard, save_shard
+
+    cfg, run = copy
+    rows = load_shard(run / "tokens.safetensors")
+    save_shard(run / "tokens.safetensors", [(ids.tolist(), mask.tolist()) for ids, mask in rows[1:]])
+    refused("vocab", cfg, run, "tokens.safetensors", "eagle3kit tokenize")
+
+
+def test_export_refuses_a_checkpoint_whose_data_changed_since_training(copy):
+    cfg, run = copy
+    stages()["vocab"](cfg, run)                                # rebuilt (same tokens): the checkpoint is current
+    stages()["export"](cfg, run)
+    more_data(cfg, run)
+    stages()["vocab"](cfg, run)
+    refused("export", cfg, run, "checkpoints/best.safetensors", "eagle3kit train")
+
+
+def test_extract_refuses_tokens_changed_after_tokenize(copy):
+    from eagle3kit.extract import run_extract
+    from eagle3kit.tokenize import load_shard, save_shard
+
+    cfg, run = copy
+    rows = load_shard(run / "tokens.safetensors")
+    save_shard(run / "tokens.safetensors", [(ids.tolist(), mask.tolist()) for ids, mask in rows[:-1]])
+    with pytest.raises(StaleInput, match="tokens.safetensors changed after `eagle3kit tokenize`"):
+        run_extract(cfg, run)
+
+
+def test_a_file_brought_without_a_record_is_taken_as_it_is(copy, tmp_path):
+    """Conversations you bring (no record of how they were made) tokenize; lineage starts there."""
+    cfg, run = copy
+    m = json.loads((run / "manifest.json").read_text())
+    del m["lineage"]["conversations.jsonl"]
+    (run / "manifest.json").write_text(json.dumps(m))
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    write_jsonl(run / "conversations.jsonl", rows[1:])
+    stages()["tokenize"](cfg, run)
+    assert "conversations.jsonl" in RunDir(run.path).manifest["lineage"]["tokens.safetensors"]["from"]
+
+
+# ---- no traceback on a full disk, a read-only folder, a target vLLM cannot import ----------------
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res.exit_code, " ".join(res.output.split()), res
+
+
+def io_error(monkeypatch, errno_number, text):
+    """Every safetensors write fails as the Rust writer fails on that disk (SafetensorError)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def fail(*a, **kw):
+        raise SafetensorError(f"Error while serializing: I/O error: {text} (os error {errno_number})")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+
+
+def test_a_full_disk_in_tokenize_is_one_line_naming_the_file_and_keeps_the_old_shard(copy, monkeypatch):
+    cfg, run = copy
+    before = (run / "tokens.safetensors").read_bytes()
+    io_error(monkeypatch, 28, "No space left on device")
+    code, said, res = cli("tokenize", "--config", run.path.parent / "c.yaml")
+    assert code == 2 and res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert f"could not write {run / 'tokens.safetensors'}: No space left on device; free space on that disk" in said
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) <= 3
+    assert (run / "tokens.safetensors").read_bytes() == before and not list(run.path.glob("*.tmp"))
+
+
+def test_a_read_only_run_dir_in_vocab_is_one_line_naming_the_file(copy, monkeypatch):
+    cfg, run = copy
+    io_error(monkeypatch, 30, "Read-only file system")
+    code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "Traceback" not in res.output
+    assert f"could not write {run / 'vocab.safetensors'}: Read-only file system" in said and "writable one" in said
+
+
+def test_train_checks_free_disk_before_the_first_epoch(copy, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    cfg, run = copy
+    log = (run / "train_log.jsonl").read_text() if (run / "train_log.jsonl").exists() else ""
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    code, said, res = cli("train", "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "Traceback" not in res.output
+    assert "train's checkpoints needs about" in said and "1,000 free" in said
+    assert ((run / "train_log.jsonl").read_text() if (run / "train_log.jsonl").exists() else "") == log
+
+
+def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_rerun(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from eagle3kit.bench import write_outputs
+    from eagle3kit.rundir import DataError
+
+    real = Path.write_text
+
+    def full(self, *a, **kw):
+        if self.name.startswith("bench.md"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *a, **kw)
+
+    from standin_server import StandInServer
+
+    from eagle3kit.bench import run_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n")
+    with StandInServer() as srv:
+        record = run_bench(srv.url.removesuffix("/v1"), prompts, [1], 4, template_check=False, warmup=0)
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(DataError, match="could not write .*bench.md: No space left on device; free space"):
+        write_outputs(record, tmp_path / "b")
+    assert list((tmp_path / "b").iterdir()) == []                   # no bench.json, no empty bench.md
