@@ -234,7 +234,7 @@ def check_backend(backend: str, asked: str, target: Target) -> str:
     raise ConfigError(f"generate.backend is vllm but {why}; use backend transformers")
 
 
-def generation_settings(cfg: Config) -> dict:
+def generation_settings(cfg: Config, target: Target | None = None) -> dict:
     """What a conversation row depends on: the target and its weights fingerprint
     (:func:`~eagle3kit.target.weights_fingerprint`; None through a server, whose weights eagle3kit
     cannot see), the served model name (server backend), the template flags and the sampling
@@ -244,7 +244,9 @@ def generation_settings(cfg: Config) -> dict:
 
     gc = cfg.generate
     server = gc.backend == "openai"
-    return {"target": cfg.target.model, "target_weights": None if server else weights_fingerprint(cfg.target),
+    weights = None if server else (target.source.get("weights_fingerprint") if target is not None
+                                   else weights_fingerprint(cfg.target))     # a loaded target has it already
+    return {"target": cfg.target.model, "target_weights": weights,
             "served_model": gc.model if gc.backend == "openai" else None,
             "template_flags": dict(gc.template_flags),
             "sampling": {"temperature": gc.temperature, "top_p": gc.top_p, "max_new_tokens": gc.max_new_tokens,
@@ -329,8 +331,8 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     torn = repair_torn_tail(out_path)
     if torn:
         console.print(f"[yellow]conversations.jsonl: removed a torn last line ({torn} bytes) left by an interrupted run")
-    check_inputs(run, "generate", ["prompts.jsonl"])
-    settings = generation_settings(cfg)
+    consumed = check_inputs(run, "generate", ["prompts.jsonl"])
+    settings = generation_settings(cfg, target)
     done = existing_rows(out_path, settings)
     todo = [r for r in rows if r["id"] not in done]
     counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
@@ -393,7 +395,7 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     counts["truncated_share"] = round(total["truncated"] / max(total["rows"], 1), 4)
     if not todo and backends:          # nothing generated now: the backend the file's rows were made with
         backend = ", ".join(sorted(backends))
-    inputs = {"prompts.jsonl": sha256_file(prompts_path), "backend": backend, "target": cfg.target.model,
+    inputs = {"prompts.jsonl": consumed["prompts.jsonl"], "backend": backend, "target": cfg.target.model,
               "target_weights": settings["target_weights"],
               "max_new_tokens": gc.max_new_tokens, "temperature": gc.temperature}
     if backend == "vllm":
@@ -403,5 +405,5 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
         run.update_manifest(generation_server=engine)
     out = {k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in counts.items()}
     run.record_stage("generate", inputs, out, {"conversations.jsonl": sha256_file(out_path)},
-                     consumed={"prompts.jsonl": sha256_file(prompts_path)}, target=settings["target_weights"])
+                     consumed=consumed, target=settings["target_weights"])
     return out
