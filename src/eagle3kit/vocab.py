@@ -191,8 +191,6 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
         tid = tok.convert_tokens_to_ids(marker)
         if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
             keep.append(tid)
-    import warnings
-
     with warnings.catch_warnings(record=True) as said:      # a console line for the user, not a Python warning
         warnings.simplefilter("always")
         vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
@@ -204,6 +202,7 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     meta = {"data_sha256": consumed["tokens.safetensors"], "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
     out = run / "vocab.safetensors"
     save_vocab(out, vocab, meta)
-    run.record_stage("vocab", meta, stats, {"vocab.safetensors": sha256_tensors(out)}, consumed=consumed)
-    run.update_manifest(draft_vocab_sha256=sha256_tensors(out))
+    vocab_sha = sha256_tensors(out)
+    run.record_stage("vocab", meta, stats, {"vocab.safetensors": vocab_sha}, consumed=consumed)
+    run.update_manifest(draft_vocab_sha256=vocab_sha)
     return stats
