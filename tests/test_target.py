@@ -96,3 +96,31 @@ def test_gguf_tokenizer_is_cached_as_a_folder_and_loads_identically(tmp_path, mo
     assert tokenizer_hash(again) == tokenizer_hash(first) == tokenizer_hash(smollm2_tokenizer)
     msgs = [{"role": "user", "content": "Résumé <|im_end|> 12 345"}]
     assert again.apply_chat_template(msgs, add_generation_prompt=True) == first.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+@pytest.mark.smollm2
+def test_a_gguf_target_reloads_from_its_float32_export_bit_for_bit(smollm2_target, tmp_path, monkeypatch):
+    """A GGUF target loaded in float32 reads the float32 export of the same GGUF file instead of
+    de-quantizing it again: every tensor equal, the same source record; the GGUF's config is read
+    once and kept. A bfloat16-loaded target's export goes to its own folder and is never read back
+    as the float32 weights (it holds bfloat16-rounded values)."""
+    import copy
+
+    from eagle3kit.target import Target, export_fp32_folder, load_target, load_target_config, resolve_parts
+
+    monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
+    ref = smollm2_target
+    half = copy.deepcopy(ref.model).to(torch.bfloat16)
+    bf16_dir = export_fp32_folder(Target(model=half, tokenizer=ref.tokenizer, parts=resolve_parts(half), source=ref.source))
+    assert bf16_dir.name.endswith("-bfloat16")
+    fp32_dir = export_fp32_folder(ref)
+    assert fp32_dir.parent == bf16_dir.parent == tmp_path / "fp32" and fp32_dir != bf16_dir
+    again = load_target(TargetConfig(), device="cpu")
+    assert again.model.config._name_or_path == str(fp32_dir)          # read from the export, not the GGUF
+    assert again.source == ref.source
+    a, b = ref.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first, _ = load_target_config(TargetConfig())
+    assert (tmp_path / "configs").is_dir()
+    cached, _ = load_target_config(TargetConfig())
+    assert cached.to_dict() == first.to_dict() and cached._name_or_path == ref.source["path"]

@@ -303,7 +303,10 @@ def locate_target(cfg: TargetConfig) -> dict:
 
 
 def load_target_config(cfg: TargetConfig):
-    """The target's ``(config, text_config)`` without loading weights (a GGUF's header only).
+    """The target's ``(config, text_config)`` without loading weights.
+
+    A GGUF's config is read from the GGUF once (about 10 s for SmolLM2: transformers parses the
+    file) and kept under :func:`cache_dir` keyed by the GGUF file's fingerprint, as its tokenizer is.
 
     Raises:
         ConfigError: the target cannot be located (see :func:`locate_target`)."""
@@ -313,24 +316,83 @@ def load_target_config(cfg: TargetConfig):
 
     loc = locate_target(cfg)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
+    raw: dict = {}
     if not loc["gguf_file"] and Path(loc["path"]).is_dir():
         raw = read_config_json(loc["path"])           # a clear error for a missing / malformed / null-text config
         for c in (raw, raw.get("text_config") or {}):
             if c and "model_type" not in c:
                 raise ConfigError(f"{loc['path']}/config.json: a config with no model_type; restore the checkpoint's "
                                   "own config.json")
+    cached = _gguf_cache_entry(loc, "configs")
+    if cached is not None and (cached / "config.json").is_file():
+        try:
+            config = AutoConfig.from_pretrained(cached, local_files_only=True)
+            config._name_or_path = loc["path"]
+            return config, text_config(config)
+        except Exception:   # a damaged cache entry: read the GGUF again below
+            pass
     try:
         config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw)
-    except KeyError as e:
+    except (KeyError, ValueError) as e:
         import transformers
 
+        wrapper = _remote_code_wrapper(raw)
+        if wrapper is not None:
+            return wrapper, text_config(wrapper)
+        if not isinstance(e, KeyError):
+            raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
+                              "give a model folder with a valid config.json (or a GGUF file)") from None
         raise ConfigError(f"cannot read the target's config in {loc['path']}: model type {e} is unknown to transformers "
                           f"{transformers.__version__} (no remote code is run); use a transformers that has the "
                           "family, or the checkpoint's own config.json") from None
     except Exception as e:   # OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
         raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
                           "give a model folder with a valid config.json (or a GGUF file)") from None
+    if cached is not None:
+        _write_cache_entry(cached, config.save_pretrained)
     return config, text_config(config)
+
+
+def _remote_code_wrapper(raw: dict):
+    """A config transformers can only read with the checkpoint's own code (InternVL's
+    ``internvl_chat``: ``auto_map`` and an ``llm_config``), read without running it, when its
+    language model's config (``text_config`` / ``llm_config`` / ``language_config``) is of a model
+    type transformers knows: a generic config carrying the top-level fields (``architectures`` …)
+    with that sub-config built by transformers under its key. None otherwise."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if raw.get("model_type") in CONFIG_MAPPING:      # transformers' own class refused it: that error stands
+        return None
+    for key in _TEXT_CONFIG_KEYS:
+        sub = raw.get(key)
+        if isinstance(sub, dict) and sub.get("model_type") in CONFIG_MAPPING:
+            top = PretrainedConfig(**{k: v for k, v in raw.items() if k not in (*_TEXT_CONFIG_KEYS, "model_type", "auto_map")
+                                      and not k.endswith("_config")})
+            setattr(top, key, AutoConfig.for_model(sub["model_type"], **{k: v for k, v in sub.items() if k != "model_type"}))
+            return top
+    return None
+
+
+def _gguf_cache_entry(loc: dict, kind: str) -> Path | None:
+    """``<cache_dir>/<kind>/<first 16 hex of the GGUF file's fingerprint>`` for a GGUF target
+    (what is slow to rebuild from a GGUF: its tokenizer, its config), None for a folder target."""
+    if not loc["gguf_file"]:
+        return None
+    return cache_dir() / kind / _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])[:16]
+
+
+def _write_cache_entry(entry: Path, save) -> None:
+    """``save(folder)`` into a temporary folder beside ``entry``, then renamed into place (a
+    reader never sees half an entry); a read-only cache is fine, only slower next time."""
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    try:
+        save(tmp)
+        if entry.exists():
+            shutil.rmtree(entry)
+        os.replace(tmp, entry)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def model_vocab_size(cfg: TargetConfig, tokenizer) -> int:
@@ -359,8 +421,8 @@ def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (with its chat template), loaded without touching a model hub.
 
     A GGUF tokenizer is rebuilt from the GGUF once (about 7 s for SmolLM2) and kept as a
-    tokenizer folder under :func:`cache_dir` keyed by the GGUF file's fingerprint (size and
-    first/last MiB); later loads read that folder (well under a second)."""
+    tokenizer folder under :func:`cache_dir` keyed by the GGUF file's fingerprint
+    (:func:`_file_fingerprint`); later loads read that folder (well under a second)."""
     from transformers import AutoTokenizer
 
     loc = locate_target(cfg)
@@ -371,21 +433,14 @@ def load_tokenizer(cfg: TargetConfig):
             raise ConfigError(f"cannot load the target's tokenizer from {loc['path']}: {str(e).splitlines()[0][:160]}; "
                               "the folder needs the checkpoint's tokenizer files (tokenizer.json or its vocab files "
                               "and tokenizer_config.json)") from None
-    cached = cache_dir() / "tokenizers" / _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])[:16]
+    cached = _gguf_cache_entry(loc, "tokenizers")
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(cached, local_files_only=True)
         except Exception:   # a damaged cache entry: rebuild it below
             pass
     tok = AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, gguf_file=loc["gguf_file"])
-    try:
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(tmp)
-        if cached.exists():
-            shutil.rmtree(cached)
-        os.replace(tmp, cached)
-    except OSError:   # a read-only cache: fine, just slower next time
-        pass
+    _write_cache_entry(cached, tok.save_pretrained)
     return tok
 
 
@@ -470,7 +525,9 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
 
     A wrapper (Kimi-K2.5 in its hub or transformers layout, any class whose text model sits in a
     ``text_config``) loads as its language model alone, through :func:`language_model_plan`:
-    the vision tower's weights never enter memory. No remote code runs.
+    the vision tower's weights never enter memory. No remote code runs. A GGUF target loaded in
+    float32 reads its float32 export (:func:`export_fp32_folder`) when one of the same GGUF file
+    exists: the same tensors bit for bit, without de-quantizing again (SmolLM2: 50 s → 2 s).
 
     Raises:
         ConfigError: unknown package, missing folder, download needed but not allowed, a target
@@ -494,11 +551,16 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         plan = language_model_plan(config, loc["path"])
     if plan is not None:
         kw |= {"config": plan["config"], "key_mapping": plan["key_mapping"]}
+    fingerprint = located_fingerprint(loc)
+    weights_from = loc["path"]
+    if loc["gguf_file"] and cfg.dtype == "float32" and (export := _fp32_export_of(loc, fingerprint)) is not None:
+        weights_from = str(export)          # the same tensors, read from safetensors instead of de-quantized again
+        kw.pop("gguf_file")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()        # its loading report lists a wrapper's vision tensors; ours names what matters
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            loc["path"], dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, trust_remote_code=False,
+            weights_from, dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, trust_remote_code=False,
             output_loading_info=True, **kw)
     except RuntimeError as e:
         if "mismatched" not in str(e) and "size mismatch" not in str(e):
@@ -532,7 +594,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     if plan is not None:
         source["language_model"] = {"wrapper": plan["wrapper"], "decoder_prefix": plan["decoder_prefix"],
                                     "lm_head": plan["head"]}
-    source["weights_fingerprint"] = located_fingerprint(loc)
+    source["weights_fingerprint"] = fingerprint
     source["fingerprint_format"] = FINGERPRINT_FORMAT
     source["revision"] = getattr(model.config, "_commit_hash", None)
     return Target(model=model, tokenizer=tok, parts=resolve_parts(model), source=source)
@@ -660,13 +722,15 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     """
     from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir) if out_dir is not None else \
-        cache_dir() / "fp32" / (target.source.get("weights_fingerprint") or "model")[:16]
+    loaded_as = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    record = {**target.source, "loaded_dtype": loaded_as}    # a bfloat16 target's export holds bfloat16-rounded values
+    out = Path(out_dir) if out_dir is not None else cache_dir() / "fp32" / (
+        (target.source.get("weights_fingerprint") or "model")[:16] + ("" if loaded_as == "float32" else f"-{loaded_as}"))
 
     def done() -> bool:
         marker = out / "eagle3kit-source.json"
         try:
-            return marker.is_file() and json.loads(marker.read_text()) == target.source and (out / "config.json").exists()
+            return marker.is_file() and json.loads(marker.read_text()) == record and (out / "config.json").exists()
         except ValueError:
             return False
 
@@ -690,7 +754,7 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     target.tokenizer.save_pretrained(tmp)
     if getattr(target.model, "generation_config", None) is not None:
         target.model.generation_config.save_pretrained(tmp)
-    (tmp / "eagle3kit-source.json").write_text(json.dumps(target.source))
+    (tmp / "eagle3kit-source.json").write_text(json.dumps(record))
     if done():                        # another process finished first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
         return out
@@ -703,6 +767,21 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def _fp32_export_of(loc: dict, fingerprint: str | None) -> Path | None:
+    """The default-place float32 export of the GGUF target at ``loc`` (written by
+    :func:`export_fp32_folder` from that very file, loaded in float32), or None."""
+    if not fingerprint:
+        return None
+    out = cache_dir() / "fp32" / fingerprint[:16]
+    try:
+        mark = json.loads((out / "eagle3kit-source.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (mark.get("weights_fingerprint") == fingerprint and mark.get("gguf_file") == loc["gguf_file"]
+          and mark.get("loaded_dtype") == "float32" and (out / "config.json").is_file() and any(out.glob("*.safetensors")))
+    return out if ok else None
 
 
 def cache_dir() -> Path:
