@@ -86,7 +86,10 @@ def test_every_stage_output_records_what_it_was_built_from(base):
     lin = m["lineage"]
     assert {k: v["stage"] for k, v in lin.items()} == {
         "prompts.jsonl": "prompts", "heldout.jsonl": "prompts", "conversations.jsonl": "generate",
-        "tokens.safetensors": "tokenize", "vocab.safetensors": "vocab", "checkpoints/best.safetensors": "train"}
+        "tokens.safetensors": "tokenize", "vocab.safetensors": "vocab", "checkpoints/best.safetensors": "train",
+        "drafter/model.safetensors": "export"}
+    assert lin["drafter/model.safetensors"]["from"] == {"checkpoints/best.safetensors":
+                                                        lin["checkpoints/best.safetensors"]["sha256"]}
     assert set(lin["tokens.safetensors"]["from"]) == {"conversations.jsonl"}
     assert set(lin["checkpoints/best.safetensors"]["from"]) == {"tokens.safetensors", "vocab.safetensors"}
     assert lin["conversations.jsonl"]["target"] == lin["checkpoints/best.safetensors"]["target"] is not None
@@ -156,6 +159,28 @@ def test_export_refuses_a_checkpoint_whose_data_changed_since_training(copy):
     more_data(cfg, run)
     stages()["vocab"](cfg, run)
     refused("export", cfg, run, "checkpoints/best.safetensors", "eagle3kit train")
+
+
+def test_evaluate_refuses_a_drafter_that_is_not_its_checkpoints_export_or_whose_data_changed(copy):
+    """evaluate checks the run's drafter through its chain: an export replaced by hand names
+    export; retrained data under an old export names the stage to rerun first."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3kit.evaluate import run_evaluate
+
+    cfg, run = copy
+    path = run / "drafter" / "model.safetensors"
+    good = path.read_bytes()
+    weights = load_file(str(path))
+    save_file({**weights, "norm.weight": weights["norm.weight"] * 2}, str(path))
+    with pytest.raises(StaleInput, match="drafter/model.safetensors changed after `eagle3kit export`"):
+        run_evaluate(cfg, run)
+    path.write_bytes(good)
+    more_data(cfg, run)
+    with pytest.raises(StaleInput) as e:
+        run_evaluate(cfg, run)
+    said = " ".join(str(e.value).split())
+    assert "vocab.safetensors was built by `eagle3kit vocab` from another tokens.safetensors" in said, said
 
 
 def test_extract_refuses_tokens_changed_after_tokenize(copy):

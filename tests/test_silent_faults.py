@@ -200,3 +200,85 @@ def test_check_on_a_target_vllm_cannot_import_is_a_finding_not_its_traceback(tmp
     assert res.exit_code == 1 and "Traceback" not in out, out[-2000:]
     said = " ".join(res.output.split())
     assert "cannot import it here (ModuleNotFoundError: No module named 'torchvision')" in said
+
+
+def test_check_against_another_target_names_the_hidden_size_the_drafter_was_made_for(tiny_target_dir, tmp_path):
+    """Unclear before: a drafter for a hidden-64 target checked against a hidden-192 one was told
+    "fc.weight takes 192 = 0.333333 × 576 inputs". Now fc's width names the target it was made for,
+    and the aux-id count is not blamed for a width that belongs to another target."""
+    from transformers import LlamaConfig
+
+    from eagle3kit.check import check_drafter
+    from eagle3kit.config import TargetConfig
+    from family_flow import untrained_drafter
+
+    drafter = untrained_drafter(tiny_target_dir, tmp_path / "drafter")
+    LlamaConfig(hidden_size=192, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=49152).save_pretrained(tmp_path / "other")
+    found = {f.code: f.message for f in check_drafter(drafter, TargetConfig(model=str(tmp_path / "other")))
+             if f.severity == "error"}
+    assert "aux_ids_count" not in found and "target_hidden_size" in found
+    assert found["fc_width"] == ("fc.weight takes 192 inputs, not 3 aux layers × 192 = 576 (this target's hidden size): "
+                                 "a drafter for a target of hidden size 64")
+
+
+def test_generate_sends_no_prompt_that_leaves_no_room_for_the_reply_in_the_targets_context(tmp_path, tiny_target,
+                                                                                         tiny_target_dir, capsys):
+    """Unclear before: a prompt longer than the target's context (4,096 for the tiny target) was
+    generated (past the positions the target knows) and dropped only later by tokenize. Now it is
+    not sent: counted as prompt_too_long, named on the console; the rows that fit are generated."""
+    from eagle3kit.config import Config, GenerateConfig, PromptsConfig, TargetConfig
+    from eagle3kit.generate import run_generate
+    from eagle3kit.prompts import run_prompts
+    from eagle3kit.rundir import RunDir, read_jsonl
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"id": "short", "turns": ["What is 2+2?"]}) + "\n"
+                   + json.dumps({"id": "long", "turns": ["count: " + " one" * 4200]}) + "\n")
+    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(model=str(tiny_target_dir), dtype="float64"),
+                 prompts=PromptsConfig(sources=[PromptSource(path=str(src))], heldout_fraction=0.0),
+                 generate=GenerateConfig(backend="transformers", max_new_tokens=8))
+    run = RunDir(cfg.run_dir)
+    run_prompts(cfg, run)
+    out = run_generate(cfg, run, tiny_target)
+    said = " ".join(capsys.readouterr().err.split())          # eagle3kit's console writes to stderr
+    assert out["generated"] == 1 and out["prompt_too_long"] == 1 and out["rows_kept"] == 1
+    assert "context of 4096 tokens" in said and "not generated" in said
+    assert [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")] == [r["id"] for _, r in read_jsonl(run / "prompts.jsonl")][:1]
+
+
+def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_without_running_its_code(tmp_path,
+                                                                                                   smollm2_tokenizer):
+    """Unclear before: a target whose config needs the checkpoint's own code (InternVL's
+    ``internvl_chat``: ``auto_map``, its Qwen2 text fields under ``llm_config``) was refused as
+    unreadable. Its language model is now read from ``llm_config`` with transformers' own Qwen2
+    class and loads alone (the vision tensor never read): the same logits as the model saved."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import load_target, load_target_config
+
+    torch.manual_seed(0)
+    qc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, tie_word_embeddings=False)
+    m = Qwen2ForCausalLM(qc).eval()
+    d = tmp_path / "internvl"
+    d.mkdir()
+    weights = {f"language_model.{k}": v.contiguous() for k, v in m.state_dict().items()}
+    save_file({**weights, "vision_model.embeddings.patch_embedding.weight": torch.randn(8, 3, 2, 2)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
+        "llm_config": {**qc.to_dict(), "architectures": ["Qwen2ForCausalLM"]},
+        "vision_config": {"model_type": "intern_vit_6b", "hidden_size": 32}}))
+    smollm2_tokenizer.save_pretrained(d)
+    config, text = load_target_config(TargetConfig(model=str(d)))
+    assert config.architectures == ["InternVLChatModel"] and type(text).__name__ == "Qwen2Config" and text.hidden_size == 64
+    target = load_target(TargetConfig(model=str(d)), device="cpu")
+    assert target.source["language_model"] == {"wrapper": "InternVLChatModel", "decoder_prefix": "language_model.model.",
+                                               "lm_head": "language_model.lm_head.weight"}
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(target.model(input_ids=ids).logits, m(input_ids=ids).logits)

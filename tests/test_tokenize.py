@@ -78,7 +78,7 @@ def test_self_check_counts_show_and_strict_through_the_cli(tmp_path, smollm2_tok
 
     tok = smollm2_tokenizer
     run = RunDir(tmp_path / "run")
-    good = [_row(tok, f"question {i}", f"answer number {i}") for i in range(3)]
+    good = [_row(tok, f"question {i}", f"answer number {i}" + " \x1b[2J\x1b[31m" * (i == 1)) for i in range(3)]
     bad = _row(tok, "question x", "an answer")
     bad["content"] = "a different answer"          # the stored ids no longer spell the row's text
     with open(run / "conversations.jsonl", "w") as f:
@@ -89,6 +89,8 @@ def test_self_check_counts_show_and_strict_through_the_cli(tmp_path, smollm2_tok
     assert res.exit_code == 0, res.output
     assert "sample 0" in res.output and "sample 1" in res.output and "sample 2" not in res.output
     assert "answer number 0" in res.output and "legend:" in res.output
+    # the data's control characters are shown, never sent to the terminal (a clear-screen used to clear it)
+    assert "\x1b" not in res.output and "\\x1b[2J\\x1b[31m" in res.output
     counts = run.report["tokenize"]
     assert counts["selfcheck_rows"] == 4 and counts["selfcheck_mismatch"] == 1 and counts["samples"] == 4
     (run / "tokens.safetensors").unlink()

@@ -149,8 +149,9 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         out.append(Finding("target_hidden_size", f"target_hidden_size {fields.target_hidden_size or H} but the target's "
                            f"hidden size is {H_t}", "train the drafter for this target"))
     if fc is not None and fc[1] != 3 * H_t:
-        out.append(Finding("fc_width", f"fc.weight takes {fc[1]} inputs, not 3 × {H_t} = {3 * H_t} (three aux layers of "
-                           "the target)", "train the drafter for this target"))
+        made_for = f": a drafter for a target of hidden size {fc[1] // 3}" if fc[1] % 3 == 0 else ""
+        out.append(Finding("fc_width", f"fc.weight takes {fc[1]} inputs, not 3 aux layers × {H_t} = {3 * H_t} (this "
+                           f"target's hidden size){made_for}", "train the drafter for this target"))
     if fields.vocab_size != V:
         out.append(Finding("vocab_size", f"vocab_size {fields.vocab_size} but the target's vocabulary has {V} ids",
                            "train the drafter for this target"))
@@ -167,9 +168,9 @@ def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "
         target_hidden_size=H_t, aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or [])))
     Vd = fields.draft_vocab_size
     ids = fields.eagle_aux_hidden_state_layer_ids or []
-    if fc is not None and ids and len(ids) * H_t != fc[1]:
-        out.append(Finding("aux_ids_count", f"{len(ids)} aux ids {ids} but fc.weight takes {fc[1]} = {fc[1] / H_t:g} × "
-                           f"{H_t} inputs: vLLM sizes fc as len(ids) × target hidden and would fail to load it",
+    if fc is not None and ids and fc[1] == 3 * H_t and len(ids) != 3:    # (an fc of another width is named above)
+        out.append(Finding("aux_ids_count", f"{len(ids)} aux ids {ids}, but fc.weight takes 3 aux layers × {H_t} = "
+                           f"{fc[1]} inputs: vLLM sizes fc as {len(ids)} × {H_t} = {len(ids) * H_t} and would fail to load it",
                            "give exactly the 3 ids the drafter was trained on"))
     floats = {dtypes[k] for k in want if k in dtypes}
     if any(not t.startswith(("F", "BF")) for t in floats):

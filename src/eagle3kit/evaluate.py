@@ -219,7 +219,13 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
                  mode: str | None = None, k: int | None = None, only_sets: list[str] | None = None,
                  section: str = "evaluate") -> dict:
     """Evaluate the exported drafter (``<run>/drafter`` or ``drafter_dir``) on every prompt set
-    (or those named in ``only_sets``); the result goes to ``report.json`` under ``section``."""
+    (or those named in ``only_sets``); the result goes to ``report.json`` under ``section``.
+
+    Raises:
+        StaleInput: the run's drafter (no ``drafter_dir``) is not the export of its checkpoint, or
+            something it was built from changed since (see :mod:`eagle3kit.lineage`).
+        ConfigError: the drafter was trained for another target.
+    """
     from .export import load_exported
     from .target import load_target
 
@@ -228,6 +234,12 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
     k = k or ec.k
     device = pick_device(ec.device)
     folder = Path(drafter_dir) if drafter_dir else run.require("drafter/model.safetensors", "export").parent
+    if not drafter_dir:     # the run's own drafter: its chain (checkpoint, tokens, vocab, target weights) before any work
+        from .lineage import check_inputs
+        from .target import weights_fingerprint
+
+        fp = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
+        check_inputs(run, "evaluate", ["drafter/model.safetensors"], target=fp)
     if target is None:
         target = load_target(cfg.target, device=device)
     drafter = load_exported(folder, device=device).eval()

@@ -281,8 +281,7 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
-    if not checkpoint:
-        check_inputs(run, "export", ["checkpoints/best.safetensors"])
+    consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
     if src.is_dir():        # a drafter folder (any layout eagle3kit imports): re-export it
         from .importer import read_drafter
 
@@ -306,7 +305,8 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
         if same_fmt and prov.get("checkpoint_sha256") and \
                 (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == prov["checkpoint_sha256"]:
             res = {"path": str(out), "format": fmt, "up_to_date": True}
-            run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res)
+            run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res,
+                             *_lineage(run, out, consumed, sha256_tensors(out / "model.safetensors")))
             return res
     if set_aside_existing and out.is_dir() and any(out.iterdir()):
         console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
@@ -319,8 +319,19 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
                          num_speculative_tokens=cfg.evaluate.k)
     res = {"path": str(out), "format": fmt, "model_sha256": sha256_tensors(out / "model.safetensors"),
            "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
-    run.record_stage(_stage(fmt), {"checkpoint": prov.get("checkpoint_sha256") or str(src)}, res)
+    run.record_stage(_stage(fmt), {"checkpoint": prov.get("checkpoint_sha256") or str(src)}, res,
+                     *_lineage(run, out, consumed, res["model_sha256"]))
     return res
+
+
+def _lineage(run: RunDir, out: Path, consumed: dict | None, model_sha: str) -> tuple:
+    """``(outputs, consumed)`` for :meth:`RunDir.record_stage`: the export's weights file, when it
+    lies in the run directory and was made from the run's own checkpoint (else nothing recorded)."""
+    try:
+        name = (out / "model.safetensors").resolve().relative_to(run.path.resolve()).as_posix()
+    except ValueError:
+        return None, None
+    return ({name: model_sha}, consumed) if consumed is not None else (None, None)
 
 
 def _stage(fmt: str) -> str:

