@@ -56,11 +56,14 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
             ids = _pad([samples[i].ids for i in b]).to(device)
             am = _pad([torch.ones_like(samples[i].ids) for i in b]).to(device)
             aux, last = target_features(target, ids, am, aux_ids)
-            for j, i in enumerate(b):
-                n = samples[i].ids.numel()
+            lengths = [samples[i].ids.numel() for i in b]
+            # the full-vocabulary top-1 of the batch's real positions in one pass (right padding: row j's
+            # first n_j), not one small product per sample
+            top1 = teacher_argmax(target, last[am.bool()]).split(lengths)
+            for j, (i, n) in enumerate(zip(b, lengths)):
                 s = samples[i]
                 s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
-                s.argmax = teacher_argmax(target, last[j, :n]).to(store_device)
+                s.argmax = top1[j].to(store_device)
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
 
