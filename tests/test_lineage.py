@@ -10,7 +10,7 @@ import pytest
 from conftest import GSM8K, build_tiny_llama
 from eagle3kit.config import ConfigError, load_config
 from eagle3kit.lineage import StaleInput
-from eagle3kit.rundir import RunDir, read_jsonl, write_jsonl
+from eagle3kit.rundir import DataError, RunDir, read_jsonl, write_jsonl
 
 CONFIG = """run_dir: {run}
 target: {{model: {target}, dtype: float32}}
@@ -74,6 +74,14 @@ def replace_weights(folder):
     m.save_pretrained(folder)
 
 
+def interrupted(run, rows):
+    """conversations.jsonl as a generate killed after ``rows`` leaves it: those rows, and its
+    lineage record marked unfinished (what generate writes before its first row)."""
+    write_jsonl(run / "conversations.jsonl", rows)
+    rec = run.manifest["lineage"]["conversations.jsonl"]
+    run.mark_pending("conversations.jsonl", "generate", rec["from"], rec["target"])
+
+
 def more_data(cfg, run):
     """One more prompt, generated (resumed) and tokenized: the legitimate way tokens change."""
     cfg.prompts.sources[0].stop = 9
@@ -101,17 +109,38 @@ def test_generate_refuses_to_append_rows_made_by_other_weights_at_the_same_path(
     new model's rows to the old model's (already_done 6, generated 6, rows_kept 12)."""
     cfg, run = copy
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
-    write_jsonl(run / "conversations.jsonl", rows[:4])                     # an interrupted run
+    interrupted(run, rows[:4])
     stages()["generate"](cfg, run)         # the same weights in another folder (this copy's) are the same target
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     assert len(rows) == 8 and len({r["target"] for r in rows}) == 2
-    write_jsonl(run / "conversations.jsonl", [r for r in rows if r["target"] == cfg.target.model])    # interrupted again
+    interrupted(run, [r for r in rows if r["target"] == cfg.target.model])                          # and again
     replace_weights(cfg.target.model)
     with pytest.raises(ConfigError) as e:
         stages()["generate"](cfg, run)
     said = " ".join(str(e.value).split())
     assert "target_weights" in said and "were replaced" in said
     assert len(list(read_jsonl(run / "conversations.jsonl"))) == 4            # nothing appended
+
+
+def test_a_config_edited_in_place_is_another_target_a_reindented_one_is_not(copy):
+    """Attack finding: the target's config.json edited in place (rope theta, activation) with the
+    same weights: generate appended the new model's rows to the old one's and every later stage ran.
+    The target's identity covers config.json and generation_config.json (their JSON content)."""
+    from eagle3kit.config import TargetConfig
+    from eagle3kit.target import weights_fingerprint
+
+    cfg, run = copy
+    path = run.path.parent / "target" / "config.json"
+    before = weights_fingerprint(TargetConfig(model=str(path.parent)))
+    conf = json.loads(path.read_text())
+    path.write_text(json.dumps(conf, indent=7))                     # the same content, other whitespace
+    assert weights_fingerprint(TargetConfig(model=str(path.parent))) == before
+    conf["rope_parameters"]["rope_theta"] = 500.0
+    path.write_text(json.dumps(conf))
+    refused("train", cfg, run, "conversations.jsonl", "other target weights", "config.json were replaced")
+    interrupted(run, [r for _, r in read_jsonl(run / "conversations.jsonl")][:4])
+    with pytest.raises(ConfigError, match="target_weights: .* but now"):
+        stages()["generate"](cfg, run)
 
 
 def test_train_refuses_conversations_made_by_weights_replaced_since(copy):
@@ -192,6 +221,91 @@ def test_extract_refuses_tokens_changed_after_tokenize(copy):
     save_shard(run / "tokens.safetensors", [(ids.tolist(), mask.tolist()) for ids, mask in rows[:-1]])
     with pytest.raises(StaleInput, match="tokens.safetensors changed after `eagle3kit tokenize`"):
         run_extract(cfg, run)
+
+
+def test_a_generate_killed_midway_leaves_conversations_every_later_stage_refuses_until_it_finishes(copy):
+    """Attack finding: a first generate killed after 6 of 24 rows left a file tokenize took as the
+    whole dataset. generate marks conversations.jsonl unfinished before its first row."""
+    cfg, run = copy
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    interrupted(run, rows[:3])
+    said = refused("tokenize", cfg, run, "conversations.jsonl is unfinished", "`eagle3kit generate` was stopped")
+    assert "rerun `eagle3kit generate" in said
+    out = stages()["generate"](cfg, run)                              # resumes: the missing rows only
+    assert out["already_done"] == 3 and out["generated"] == 5
+    stages()["tokenize"](cfg, run)
+
+
+def test_generate_refuses_to_bless_a_conversations_file_edited_after_it_finished(copy):
+    """Attack finding: tokenize refused a hand-edited conversations.jsonl and said to rerun
+    generate, which found every row done and recorded the edited file as its own."""
+    cfg, run = copy
+    rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
+    rows[0]["content"] = "HAND EDITED WRONG ANSWER 42"
+    write_jsonl(run / "conversations.jsonl", rows)
+    refused("tokenize", cfg, run, "conversations.jsonl changed after `eagle3kit generate`")
+    said = refused("generate", cfg, run, "conversations.jsonl changed after `eagle3kit generate` finished it",
+                   "Restore the file, or move it away")
+    assert "would keep the changed ones" in said
+
+
+def test_a_train_killed_in_its_first_run_leaves_a_checkpoint_export_refuses(copy):
+    """Attack finding: best.safetensors of a train killed before it finished was exported as the
+    drafter. train marks it unfinished before its first epoch; a rerun finishes and records it."""
+    cfg, run = copy
+    rec = run.manifest["lineage"]["checkpoints/best.safetensors"]
+    run.mark_pending("checkpoints/best.safetensors", "train", rec["from"], rec["target"])
+    refused("export", cfg, run, "best.safetensors is unfinished", "`eagle3kit train` was stopped")
+
+
+def test_train_retrains_when_its_best_checkpoint_was_replaced(copy):
+    """Attack finding: a best.safetensors replaced by hand was refused by export ("rerun train"),
+    and train said "all epochs already done" and left it: a dead end. Now train sets the
+    checkpoints aside and trains again; export then takes the new one."""
+    from safetensors.torch import load_file, save_file
+
+    cfg, run = copy
+    best = run / "checkpoints" / "best.safetensors"
+    w = load_file(str(best))
+    save_file({k: v * 2 if v.is_floating_point() else v for k, v in w.items()}, str(best))
+    refused("export", cfg, run, "best.safetensors changed after `eagle3kit train`")
+    stages()["train"](cfg, run)
+    assert list(run.path.glob("checkpoints.prev-*/best.safetensors"))
+    stages()["export"](cfg, run, overwrite=True)       # the export of the old checkpoint is moved aside, not lost
+
+
+def test_train_without_validation_keeps_a_best_checkpoint_and_refuses_an_epoch_that_supervises_nothing(copy):
+    """Attack findings: with val_fraction 0 no best.safetensors was ever written unless the loss
+    fell below 1 (the score started at −1); an epoch in which no position was supervised (the
+    target's top-1 never in the draft vocabulary) trained on and reported success."""
+    import torch
+
+    from eagle3kit.vocab import load_vocab, save_vocab
+
+    cfg, run = copy
+    cfg.train.val_fraction = 0.0
+    out = stages()["train"](cfg, run)
+    assert out["val_samples"] == 0 and (run / "checkpoints" / "best.safetensors").exists()
+    vocab, meta = load_vocab(run / "vocab.safetensors")
+    m = json.loads((run / "manifest.json").read_text())
+    del m["lineage"]                                    # as after a deleted manifest: nothing to check against
+    (run / "manifest.json").write_text(json.dumps(m))
+    from eagle3kit.vocab import DraftVocab
+
+    unused = torch.tensor(sorted(set(range(vocab.vocab_size)) - set(vocab.ids.tolist()))[-vocab.ids.numel():])
+    save_vocab(run / "vocab.safetensors", DraftVocab(ids=unused, vocab_size=vocab.vocab_size), meta)
+    cfg.train.epochs = 1
+    cfg.train.seed = 1
+    with pytest.raises(DataError, match="epoch 1 supervised no position"):
+        stages()["train"](cfg, run)
+
+
+def test_a_manifest_of_the_wrong_shape_is_one_line_not_a_traceback(copy):
+    cfg, run = copy
+    for bad in ("[]", '{"lineage": []}', '{"lineage": {"tokens.safetensors": {"sha256": "x"}}}'):
+        (run / "manifest.json").write_text(bad)
+        code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
+        assert code == 2 and "Traceback" not in res.output and "not an eagle3kit manifest.json" in said, (bad, said)
 
 
 def test_a_file_brought_without_a_record_is_taken_as_it_is(copy, tmp_path):
@@ -287,3 +401,23 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
     with pytest.raises(DataError, match="could not write .*bench.md: No space left on device; free space"):
         write_outputs(record, tmp_path / "b")
     assert list((tmp_path / "b").iterdir()) == []                   # no bench.json, no empty bench.md
+
+
+def test_a_read_only_run_dir_in_generate_is_one_line_with_the_fix(copy, monkeypatch):
+    """Attack finding: on a read-only disk generate (its lock file), like prompts, train and export,
+    printed Python's bare errno line; every command now names the file and the fix."""
+    import errno
+    import os as _os
+
+    cfg, run = copy
+    real_open = _os.open
+
+    def ro_open(path, flags, *a, **kw):
+        if flags & (_os.O_WRONLY | _os.O_RDWR | _os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(_os, "open", ro_open)
+    code, said, res = cli("generate", "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "Traceback" not in res.output
+    assert f"could not write {run / '.generate.lock'}: Read-only file system; the file system is read-only" in said

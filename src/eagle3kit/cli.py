@@ -61,12 +61,20 @@ def _guard(fn):
         try:
             out = fn(*a, **kw)
             if int(os.environ.get("RANK", "0")) == 0:      # under torchrun only rank 0 stores the config
+                from .rundir import write_text
+
                 for path, text in _PENDING:
-                    path.write_text(text)
+                    write_text(path, text)
             return out
         except (ConfigError, DataError, ExportError, OSError) as e:
+            import errno
+
             from rich.markup import escape
 
+            from .rundir import write_failed
+
+            if isinstance(e, OSError) and e.filename and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+                e = write_failed(e.filename, e)      # a write the disk refused: the file and the fix, one line
             console.print(f"[bold red]error:[/] {escape(str(e))}")     # brackets in the message are text, not markup
             raise typer.Exit(2)
         except KeyboardInterrupt:

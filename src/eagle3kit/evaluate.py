@@ -239,7 +239,7 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
         from .target import weights_fingerprint
 
         fp = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
-        check_inputs(run, "evaluate", ["drafter/model.safetensors"], target=fp)
+        check_inputs(run, "evaluate", ["drafter/model.safetensors", "heldout.jsonl"], target=fp)
     if target is None:
         target = load_target(cfg.target, device=device)
     drafter = load_exported(folder, device=device).eval()

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from .config import Config
-from .lineage import check_inputs
+from .lineage import StaleInput, check_inputs
 from .rundir import JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
 from .target import Target
 from .ui import Timer, console, progress
@@ -292,7 +292,7 @@ def existing_rows(path, settings: dict) -> set[str]:
     if other:
         was = "; ".join(f"{k}: {first[k][1]!r} (line {first[k][0]}, {other[k]} rows) but now {settings[k]!r}" for k in sorted(other))
         if "target_weights" in other and "target" not in other:
-            was += f" — the weights at {settings['target']} were replaced since those rows were generated"
+            was += f" — the weights or config.json at {settings['target']} were replaced since those rows were generated"
         raise ConfigError(f"{path} holds rows generated with other settings — {was}. Move the file away or use a new "
                           "run_dir (mixing them would train on both), or go back to the settings it was made with")
     return ids
@@ -340,9 +340,16 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
     if torn:
         console.print(f"[yellow]conversations.jsonl: removed a torn last line ({torn} bytes) left by an interrupted run")
     consumed = check_inputs(run, "generate", ["prompts.jsonl"])
+    rec = run.manifest.get("lineage", {}).get("conversations.jsonl") or {}
+    if rec.get("sha256") and out_path.exists() and sha256_file(out_path) != rec["sha256"]:
+        raise StaleInput(f"{out_path} changed after `eagle3kit generate` finished it (edited or replaced): generate only "
+                         "appends the missing rows and would keep the changed ones. Restore the file, or move it away "
+                         "to generate every row anew")
     settings = generation_settings(cfg, target)
     done = existing_rows(out_path, settings)
     todo = [r for r in rows if r["id"] not in done]
+    if todo:        # until recorded below, conversations.jsonl is unfinished to every later stage
+        run.mark_pending("conversations.jsonl", "generate", consumed, settings["target_weights"])
     counts = Counter(rows_in=len(rows), already_done=len(rows) - len(todo))
     backend = pick_backend(gc.backend)
     engine = None

@@ -84,6 +84,9 @@ def check_inputs(run: RunDir, stage: str, names: list[str], target: str | None =
             visit(up)
         redo = f"`eagle3kit {RERUN.get(rec['stage'], rec['stage'])} --run-dir {run.path}`"
         then = "" if stage == rec["stage"] else f", then `eagle3kit {stage}`"
+        if rec["sha256"] is None:
+            raise StaleInput(f"{run / name} is unfinished: `eagle3kit {rec['stage']}` was stopped while writing it; "
+                             f"rerun {redo} to finish it{then}")
         if current(name) != rec["sha256"]:
             raise StaleInput(f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it (edited, replaced, or left by "
                              f"an interrupted run); rerun {redo}{then}, or start a new run_dir with the file you want")
@@ -93,7 +96,7 @@ def check_inputs(run: RunDir, stage: str, names: list[str], target: str | None =
                                  f"{run.path} now; rerun {redo}{then}")
         if target and rec.get("target") and rec["target"] != target:
             raise StaleInput(f"{run / name} was made by `eagle3kit {rec['stage']}` with other target weights (fingerprint "
-                             f"{rec['target'][:12]}…) than the target has now ({target[:12]}…): its weights were replaced. "
+                             f"{rec['target'][:12]}…) than the target has now ({target[:12]}…): its weights or config.json were replaced. "
                              "Start a new run_dir for these weights (data from two models must not be mixed)")
 
     for name in names:

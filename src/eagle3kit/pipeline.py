@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import Config, dump_config
-from .rundir import RunDir, sha256_file, sha256_tensors, sha256_json
+from .rundir import RunDir, sha256_file, sha256_json, sha256_tensors, write_text
 from .ui import Timer, console, print_table
 
 
@@ -35,7 +35,7 @@ def write_run_header(cfg: Config, run: RunDir, target) -> None:
     """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
     from .target import chat_template_hash, resolve_aux_layer_ids, tokenizer_hash
 
-    (run / "config.yaml").write_text(dump_config(cfg))
+    write_text(run / "config.yaml", dump_config(cfg))
     aux = resolve_aux_layer_ids(cfg.target, target.num_layers)
     run.update_manifest(
         eagle3kit_version=__version__,

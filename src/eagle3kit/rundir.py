@@ -262,17 +262,36 @@ class JsonlAppender:
         self.close()
 
 
-def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
-    """Write rows to ``path`` atomically (temp file + rename). Returns the row count."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _atomic_text(path: Path, write) -> None:
+    """``write(file)`` into ``<path>.tmp``, then rename it to ``path``; a failed write removes the
+    temporary file and is one line naming ``path`` (:func:`write_failed`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise write_failed(path, e) from None
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
+    """Write rows to ``path`` atomically (temp file + rename). Returns the row count.
+
+    Raises:
+        DataError: the write failed (disk full, read-only …): one line naming ``path``; the earlier
+            file, if any, is as it was."""
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+
+    def write(f):
+        nonlocal n
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, path)
+
+    _atomic_text(Path(path), write)
     return n
 
 
@@ -284,13 +303,20 @@ def read_json(path: str | Path) -> Any:
         raise DataError(f"{path} is not readable JSON ({e}); restore it or remove it") from None
 
 
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` atomically (temp file + rename); a failed write is one line naming ``path``.
+
+    Raises:
+        DataError: the write failed (see :func:`write_jsonl`)."""
+    _atomic_text(Path(path), lambda f: f.write(text))
+
+
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    """Write JSON atomically (temp file + rename).
+
+    Raises:
+        DataError: the write failed: one line naming ``path`` (see :func:`write_jsonl`)."""
+    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
 
 
 def set_aside(path: str | Path) -> Path:
@@ -329,9 +355,16 @@ class RunDir:
         if not p.exists():
             return {}
         try:
-            return json.loads(p.read_text())
+            data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{p}: not valid JSON ({e.msg}); restore it or delete the run directory") from None
+        shapes = {"stages": dict, "lineage": dict}
+        bad = not isinstance(data, dict) or next((k for k, t in shapes.items() if not isinstance(data.get(k, t()), t)), None)
+        if bad or (name == "manifest.json" and any(not isinstance(r, dict) or not {"stage", "sha256"} <= set(r)
+                                                   for r in data.get("lineage", {}).values())):
+            raise DataError(f"{p}: not an eagle3kit {name} (a JSON object whose stages and lineage are objects, each "
+                            "lineage record with its stage and sha256); restore it or delete the run directory")
+        return data
 
     @property
     def manifest(self) -> dict:
@@ -365,6 +398,15 @@ class RunDir:
         r = self.report
         r[stage] = dict(counts)
         write_json(self.path / "report.json", r)
+
+    def mark_pending(self, name: str, stage: str, consumed: dict, target: str | None = None) -> None:
+        """Record before ``stage`` starts writing ``name`` that it is being written: its lineage
+        record has no hash until :meth:`record_stage` completes it, so a stage killed in between
+        leaves a file every later stage refuses as unfinished (:func:`eagle3kit.lineage.check_inputs`)."""
+        m = self.manifest
+        m.setdefault("eagle3kit_version", __version__)
+        m.setdefault("lineage", {})[name] = {"stage": stage, "sha256": None, "from": dict(consumed), "target": target}
+        write_json(self.path / "manifest.json", m)
 
     def stage_inputs(self, stage: str) -> dict | None:
         return self.manifest.get("stages", {}).get(stage, {}).get("inputs")

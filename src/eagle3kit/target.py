@@ -236,8 +236,12 @@ def smollm2_gguf_path() -> Path:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-#: the rule of :func:`_file_fingerprint`; drafters trained before it was recorded carry an older rule
-FINGERPRINT_FORMAT = "sha256-size-bytes-v2"
+#: the rule of :func:`located_fingerprint`; drafters trained before it was recorded carry an older rule
+#: (v2: the safetensors files only; v3 adds the folder's config.json and generation_config.json)
+FINGERPRINT_FORMAT = "sha256-size-bytes-v3"
+
+#: the files beside the weights that change what a folder target computes (a rope or eos fix upstream)
+_IDENTITY_FILES = ("config.json", "generation_config.json")
 
 
 def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64) -> str:
@@ -258,13 +262,27 @@ def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64
 
 
 def located_fingerprint(loc: dict) -> str | None:
-    """The target weights fingerprint (:data:`FINGERPRINT_FORMAT`) of a :func:`locate_target`
-    result: the GGUF file's, or one over every ``*.safetensors`` file of the folder in name order;
-    None for a folder without safetensors files. Reads the weights' bytes, loads nothing."""
+    """The target's identity (:data:`FINGERPRINT_FORMAT`) of a :func:`locate_target` result: the
+    GGUF file's fingerprint (it holds its config), or one over every ``*.safetensors`` file of the
+    folder in name order and its ``config.json`` and ``generation_config.json`` (their JSON content:
+    a config edited in place — another rope or end-of-turn — is another target, a re-indented one
+    is not); None for a folder without safetensors files. Reads the files' bytes, loads nothing."""
     if loc["gguf_file"]:
         return _file_fingerprint(Path(loc["path"]) / loc["gguf_file"])
-    files = sorted(Path(loc["path"]).glob("*.safetensors")) if Path(loc["path"]).is_dir() else []
-    return hashlib.sha256("".join(_file_fingerprint(f) for f in files).encode()).hexdigest() if files else None
+    folder = Path(loc["path"])
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256("".join(_file_fingerprint(f) for f in files).encode())
+    for name in _IDENTITY_FILES:
+        if (folder / name).is_file():
+            raw = (folder / name).read_bytes()
+            try:
+                raw = json.dumps(json.loads(raw), sort_keys=True).encode()
+            except ValueError:
+                pass
+            h.update(name.encode() + b"\0" + raw)
+    return h.hexdigest()
 
 
 def weights_fingerprint(cfg: TargetConfig) -> str | None:

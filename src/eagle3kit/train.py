@@ -297,10 +297,18 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    start_epoch, start_batch, history, best = 0, 0, [], {"val_tau": -1.0, "epoch": -1}
+    # the best score so far: validation τ, or −train loss without validation (any first epoch beats it)
+    start_epoch, start_batch, history, best = 0, 0, [], {"val_tau": float("-inf"), "epoch": -1}
     acc_state = None
     state_path = ckpt / "train_state.pt"
     log_path = run / "train_log.jsonl"
+    best_rec = run.manifest.get("lineage", {}).get("checkpoints/best.safetensors") or {}
+    if world.main and state_path.exists() and best_rec.get("sha256") and (ckpt / "best.safetensors").exists() \
+            and sha256_tensors(ckpt / "best.safetensors") != best_rec["sha256"]:
+        keep = _set_aside(ckpt, log_path)
+        console.print(f"[yellow]train: checkpoints/best.safetensors is not the one train wrote (replaced or edited); "
+                      f"moved checkpoints/ to {keep} and starting fresh")
+    world.barrier()
     if state_path.exists():
         st = torch.load(state_path, weights_only=True)
         weights_step = None
@@ -341,6 +349,8 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         done = run.report.get("train")
         if done:
             return done
+    if world.main:      # until it is recorded at the end, best.safetensors is unfinished to every later stage
+        run.mark_pending("checkpoints/best.safetensors", "train", consumed, target.source.get("weights_fingerprint"))
     step = start_epoch * batches_per_epoch + start_batch             # optimizer steps already taken
     if step == 0 and world.main:
         _truncate_log(log_path, 0)       # steps a run killed before its first checkpoint logged: they are redone
@@ -412,6 +422,11 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                     logger.close()
                     raise SystemExit(f"train: stopped after {steps_run} steps (EAGLE3KIT_STOP_AFTER_STEPS)")
         ep_loss, ep_acc0, ep_n, _ = world.sum_floats(sums)
+        if ep_n == 0:
+            raise DataError(f"train: epoch {epoch + 1} supervised no position: the target's top-1 is never in the draft "
+                            f"vocabulary ({vocab_path}) at a completion token. The vocabulary or the tokens were built "
+                            "from another target's outputs; rerun `eagle3kit generate`, `tokenize` and `vocab` for this "
+                            "target (a new run_dir)")
         val_stats = simulate_samples(drafter, target, val, cfg.evaluate.k, device) if val else None
         epoch_rec = {"epoch": epoch + 1, "train_loss": round(ep_loss / max(ep_n, 1), 5),
                      "train_step0_accuracy": round(ep_acc0 / max(ep_n, 1), 4),
