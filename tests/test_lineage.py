@@ -361,6 +361,22 @@ def test_a_read_only_run_dir_in_vocab_is_one_line_naming_the_file(copy, monkeypa
     assert f"could not write {run / 'vocab.safetensors'}: Read-only file system" in said and "writable one" in said
 
 
+@pytest.mark.parametrize("stage,what", [("tokenize", "tokenize's tokens.safetensors"), ("vocab", "vocab.safetensors")])
+def test_tokenize_and_vocab_check_free_disk_before_any_work(copy, monkeypatch, stage, what):
+    import shutil as sh
+    from collections import namedtuple
+
+    cfg, run = copy
+    out = run / ("tokens.safetensors" if stage == "tokenize" else "vocab.safetensors")
+    before = out.read_bytes()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    code, said, res = cli(stage, "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "Traceback" not in res.output
+    assert f"{what} needs about" in said and "1,000 free" in said and "nothing was started" in said
+    assert out.read_bytes() == before
+
+
 def test_train_checks_free_disk_before_the_first_epoch(copy, monkeypatch):
     import shutil as sh
     from collections import namedtuple
@@ -421,3 +437,16 @@ def test_a_read_only_run_dir_in_generate_is_one_line_with_the_fix(copy, monkeypa
     code, said, res = cli("generate", "--config", run.path.parent / "c.yaml")
     assert code == 2 and "Traceback" not in res.output
     assert f"could not write {run / '.generate.lock'}: Read-only file system; the file system is read-only" in said
+
+
+def test_bench_checks_free_disk_before_anything_is_timed(tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    code, said, res = cli("bench", "--base-url", "http://127.0.0.1:9", "--prompts", prompts, "--out", tmp_path / "b")
+    assert code == 2 and "Traceback" not in res.output
+    assert "bench's results (bench.json, bench.md, bench.png) needs about" in said and "nothing was started" in said

@@ -390,6 +390,9 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BenchError(f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out") from None
+    from .rundir import require_free
+
+    require_free(folder, 4 << 20, "bench's results (bench.json, bench.md, bench.png)")   # before anything is timed
     try:
         rec = run_bench(base_url, prompts, levels, max_tokens, baseline_url, model, num_prompts, requests, target,
                         not no_template_check, drafter, engine_flags, hardware, api_key_env, warmup, timeout)

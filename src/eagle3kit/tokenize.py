@@ -33,7 +33,7 @@ import torch
 
 from .config import Config
 from .lineage import check_inputs
-from .rundir import DataError, RunDir, read_jsonl, sha256_file, sha256_tensors
+from .rundir import DataError, RunDir, read_jsonl, require_free, sha256_file, sha256_tensors
 from .templates import MaskRule, Sample, ThinkSpec, build_samples, self_check
 
 
@@ -251,6 +251,8 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     strict = tc.strict if strict is None else strict
     src = run.require("conversations.jsonl", "generate")
     consumed = check_inputs(run, "tokenize", ["conversations.jsonl"])
+    # a token is 9 bytes of the shard (int64 id + mask byte) and at least about 3 of conversations.jsonl
+    require_free(run.path, src.stat().st_size * 3, "tokenize's tokens.safetensors")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
     eot_ids = list(eot_ids) if eot_ids is not None else [int(tok.eos_token_id)]
     spec = think_spec(tok, None if tc.think_layout == "auto" else tc.think_layout)

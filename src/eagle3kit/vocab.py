@@ -21,7 +21,7 @@ import torch
 
 from .config import Config, ConfigError
 from .lineage import check_inputs
-from .rundir import DataError, RunDir, sha256_tensors, write_safetensors
+from .rundir import DataError, RunDir, require_free, sha256_tensors, write_safetensors
 
 
 @dataclass
@@ -179,6 +179,7 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     consumed = check_inputs(run, "vocab", ["tokens.safetensors"])
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
     V = model_vocab_size(cfg.target, tok)       # t2d has one entry per id the target can emit
+    require_free(run.path, 8 * cfg.vocab.draft_vocab_size + V + (1 << 16), "vocab.safetensors")
     counts = torch.zeros(V, dtype=torch.int64)
     for ids, mask in load_shard(shard_path):
         sel = ids[mask]
