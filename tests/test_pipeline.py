@@ -227,6 +227,7 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_pat
     from conftest import build_tiny_llama
     from eagle3kit.config import ConfigError
     from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.lineage import StaleInput
 
     cfg, _, run, _ = tiny_run
     d = tmp_path / "other-tiny"
@@ -234,7 +235,9 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_pat
     smollm2_tokenizer.save_pretrained(d)
     c2 = cfg.model_copy(deep=True)
     c2.target.model = str(d)
-    with pytest.raises(ConfigError, match="trained on another target"):
+    with pytest.raises(ConfigError, match="trained on another target"):      # the drafter's own record
+        run_evaluate(c2, run, drafter_dir=str(run / "drafter"))
+    with pytest.raises(StaleInput, match="other target weights"):             # the run's chain, first
         run_evaluate(c2, run)
 
 
@@ -245,5 +248,5 @@ def test_an_empty_evaluation_set_is_an_error_not_tau_1(tiny_run, tmp_path):
     cfg, _, run, _ = tiny_run
     c2 = cfg.model_copy(deep=True)
     c2.evaluate.sets[0].start = 10**6                     # past the end of the file: no rows
-    with pytest.raises(ConfigError, match="hold no prompts"):
-        run_evaluate(c2, run)
+    with pytest.raises(ConfigError, match="hold no prompts"):     # (the folder: other tests here retrain the run)
+        run_evaluate(c2, run, drafter_dir=str(run / "drafter"))
