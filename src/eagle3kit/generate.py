@@ -381,13 +381,14 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
             task = bar.add_task(f"generate ({backend})", total=len(todo), tokens=0, note="")
             for start in range(0, len(todo), chunk):
                 batch = todo[start:start + chunk]
+                done_here = len(batch)          # rows this chunk settles: generated, or too long to send
                 pids = [render_prompt_ids(tok, r["messages"], gc.template_flags) for r in batch]
                 if context:         # a prompt with no room for the reply in the target's context is not sent
                     fits = [len(p) + gc.max_new_tokens <= context for p in pids]
                     too_long += [(r["id"], len(p)) for r, p, ok in zip(batch, pids, fits) if not ok]
                     batch, pids = [r for r, ok in zip(batch, fits) if ok], [p for p, ok in zip(pids, fits) if ok]
                     if not batch:
-                        bar.update(task, advance=len(fits))
+                        bar.update(task, advance=done_here)
                         continue
                 outs = generate_completions(target, pids, gc.max_new_tokens, backend, gc.temperature, gc.top_p, gc.seed + start)
                 for r, p, c in zip(batch, pids, outs):
@@ -404,7 +405,7 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
                         "backend": backend, **settings,
                     })
                     counts["completion_tokens"] += len(c)
-                bar.update(task, advance=len(fits) if context else len(batch), tokens=counts["completion_tokens"])
+                bar.update(task, advance=done_here, tokens=counts["completion_tokens"])
         if too_long:
             counts["prompt_too_long"] = len(too_long)
             console.print(f"[yellow]generate: {len(too_long)} prompt(s) leave no room for generate.max_new_tokens "

@@ -331,6 +331,12 @@ def set_aside(path: str | Path) -> Path:
     return dest
 
 
+def _set_lineage(manifest: dict, name: str, stage: str, sha: str | None, consumed: dict, target: str | None) -> None:
+    """``manifest["lineage"][name]``: written by ``stage``, content hash ``sha`` (None: unfinished),
+    from the run-dir files ``consumed`` ({name: hash}) and the target fingerprint ``target``."""
+    manifest.setdefault("lineage", {})[name] = {"stage": stage, "sha256": sha, "from": dict(consumed), "target": target}
+
+
 class RunDir:
     """A run directory with its ``manifest.json`` (provenance) and ``report.json`` (numbers).
 
@@ -391,9 +397,8 @@ class RunDir:
         m.setdefault("eagle3kit_version", __version__)
         m.setdefault("stages", {})[stage] = {"inputs": inputs, "outputs": outputs or {}, "counts": counts}
         if consumed is not None:
-            lineage = m.setdefault("lineage", {})
             for name, sha in (outputs or {}).items():
-                lineage[name] = {"stage": stage, "sha256": sha, "from": dict(consumed), "target": target}
+                _set_lineage(m, name, stage, sha, consumed, target)
         write_json(self.path / "manifest.json", m)
         r = self.report
         r[stage] = dict(counts)
@@ -405,7 +410,7 @@ class RunDir:
         leaves a file every later stage refuses as unfinished (:func:`eagle3kit.lineage.check_inputs`)."""
         m = self.manifest
         m.setdefault("eagle3kit_version", __version__)
-        m.setdefault("lineage", {})[name] = {"stage": stage, "sha256": None, "from": dict(consumed), "target": target}
+        _set_lineage(m, name, stage, None, consumed, target)
         write_json(self.path / "manifest.json", m)
 
     def stage_inputs(self, stage: str) -> dict | None:

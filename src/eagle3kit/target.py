@@ -247,8 +247,22 @@ _IDENTITY_FILES = ("config.json", "generation_config.json")
 def _file_fingerprint(path: Path, whole_below: int = 512 << 20, blocks: int = 64) -> str:
     """Identity of a weights file: SHA-256 of its size and bytes — all of them for files up to
     ``whole_below`` bytes (512 MiB), else of ``blocks`` 1-MiB blocks spread evenly over the file
-    (a cheap identity for 100 GB targets: an edit between two blocks goes unseen)."""
-    size = path.stat().st_size
+    (a cheap identity for 100 GB targets: an edit between two blocks goes unseen).
+
+    Kept per process for the file as it is on disk (device, inode, size, mtime and ctime, which no
+    write leaves unchanged): a stage that checks a target's identity, loads it and caches its
+    tokenizer reads its bytes once."""
+    st = path.stat()
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, whole_below, blocks)
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = _hash_file(path, st.st_size, whole_below, blocks)
+    return _FINGERPRINTS[key]
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def _hash_file(path: Path, size: int, whole_below: int, blocks: int) -> str:
     h = hashlib.sha256(f"{size}".encode())
     with open(path, "rb") as f:
         if size <= whole_below:
@@ -351,19 +365,16 @@ def load_target_config(cfg: TargetConfig):
             pass
     try:
         config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw)
-    except (KeyError, ValueError) as e:
+    except Exception as e:   # KeyError, OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
         import transformers
 
-        wrapper = _remote_code_wrapper(raw)
-        if wrapper is not None:
+        wrapper = _remote_code_wrapper(raw) if isinstance(e, (KeyError, ValueError)) else None
+        if wrapper is not None:     # only its own code reads it; its language model's config transformers reads
             return wrapper, text_config(wrapper)
-        if not isinstance(e, KeyError):
-            raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
-                              "give a model folder with a valid config.json (or a GGUF file)") from None
-        raise ConfigError(f"cannot read the target's config in {loc['path']}: model type {e} is unknown to transformers "
-                          f"{transformers.__version__} (no remote code is run); use a transformers that has the "
-                          "family, or the checkpoint's own config.json") from None
-    except Exception as e:   # OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
+        if isinstance(e, KeyError):
+            raise ConfigError(f"cannot read the target's config in {loc['path']}: model type {e} is unknown to "
+                              f"transformers {transformers.__version__} (no remote code is run); use a transformers "
+                              "that has the family, or the checkpoint's own config.json") from None
         raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
                           "give a model folder with a valid config.json (or a GGUF file)") from None
     if cached is not None:
