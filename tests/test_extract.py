@@ -32,7 +32,7 @@ def run(tmp_path_factory, tiny_target):
     save_shard(d / "tokens.safetensors", samples)
     online = [Sample(torch.tensor(i), torch.tensor(m, dtype=torch.bool)) for i, m in samples]
     compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
-    top1 = sorted({int(t) for s in online for t in s.argmax})[: VD // 2]      # half the draft vocab: the target's picks
+    top1 = sorted({int(t) for s in online for t in s.argmax[s.mask]})[: VD // 2]      # half the draft vocab: the target's picks
     rest = [i for i in range(3, V, 97) if i not in top1][: VD - len(top1)]
     save_vocab(d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=V), {})
     return RunDir(d)

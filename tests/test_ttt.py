@@ -130,3 +130,53 @@ def test_packed_batches_stay_within_the_token_budget_when_samples_outgrow_a_row(
         widest = max(sum(lengths[i] for i in r) for r in b)
         assert len(b) == 1 or len(b) * widest <= 64
     assert sorted(i for b in batches for r in b for i in r) == list(range(30))
+
+
+def test_the_top1_is_computed_only_at_completion_tokens_and_the_loss_is_unchanged():
+    """compute_features skips the [T, V] product at prompt tokens (teacher_argmax ``where``): no TTT
+    step reads the target's top-1 there, so the loss, its supervised counts and its gradients
+    equal those with the top-1 computed everywhere."""
+    from eagle3kit.train import compute_features
+
+    t, d = tiny_target(), tiny_drafter()
+    full = _samples(t, [19, 33, 26], seed=3)
+    masked = [Sample(s.ids, s.mask) for s in full]
+    compute_features(t, masked, (1, 2, 3), 4096, torch.device("cpu"), torch.device("cpu"))
+    for f, m in zip(full, masked):
+        assert torch.equal(m.argmax[m.mask], f.argmax[f.mask]) and not m.argmax[~m.mask].any()
+        assert bool((f.argmax[~f.mask] != 0).any())          # the full top-1 differs there: the skip is real
+    draft_ids = d.draft_to_target(torch.arange(d.config.draft_vocab_size))
+    grads = []
+    for samples in (full, masked):
+        d.zero_grad()
+        b = make_batch(samples, [0, 1, 2], 3, "cpu")
+        loss, st = ttt_loss(d, t, b, draft_ids, 3, 0.8)
+        loss.backward()
+        grads.append((float(loss), st["n"], [p.grad.clone() for p in d.parameters() if p.grad is not None]))
+    assert grads[0][0] == grads[1][0] and grads[0][1] == grads[1][1] and sum(grads[0][1]) > 0
+    # float64; the features of a padded batch differ from one sample's by rounding (1e-18)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(grads[0][2], grads[1][2]))
+
+
+def test_simulating_two_drafters_in_one_target_pass_gives_each_its_own_tau():
+    """evaluate simulates the trained and the untrained drafter on one set of target features
+    (simulate_drafters); each τ and per-prompt τ equal those of its own simulate, and drafters
+    reading other aux layers are refused."""
+    from eagle3kit.evaluate import simulate, simulate_drafters
+
+    t = tiny_target()
+    a, b = tiny_drafter(seed=0), tiny_drafter(seed=1)
+    with torch.no_grad():
+        a.lm_head.weight.mul_(40)                      # peaked: the two drafters accept differently
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (7, 11)]
+    conts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 6)]
+    together = simulate_drafters([a, b], t, prompts, conts, 3, torch.device("cpu"))
+    apart = [simulate(d, t, prompts, conts, 3, torch.device("cpu")) for d in (a, b)]
+    for (s1, p1), (s2, p2) in zip(together, apart):
+        assert s1.as_dict() == s2.as_dict() and p1 == p2
+    assert together[0][0].as_dict() != together[1][0].as_dict() or together[0][1] != together[1][1]
+    c = tiny_drafter()
+    c.config.aux_layer_ids = [0, 1, 2]
+    with pytest.raises(ValueError, match="different aux layers"):
+        simulate_drafters([a, c], t, prompts, conts, 3, torch.device("cpu"))

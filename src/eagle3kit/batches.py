@@ -13,7 +13,8 @@ class Sample:
     """One training sequence and (when cached) its target features.
 
     ids int64 [T]; mask bool [T] (completion tokens); aux [T, 3·Ht]; last [T, Ht] post-norm;
-    argmax int64 [T] target full-vocabulary argmax at each position; or, from top-K features,
+    argmax int64 [T] target full-vocabulary argmax at each completion token (0 at prompt tokens,
+    which no TTT step reads); or, from top-K features,
     ``topk_values``/``topk_ids``/``top1_in_draft`` in place of ``last``/``argmax``."""
 
     ids: torch.Tensor

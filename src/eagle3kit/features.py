@@ -240,5 +240,5 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
                 smp.last = smp.argmax = None
             else:
                 smp.last = last_all[a:b].to(dt).to(device)
-                smp.argmax = teacher_argmax(target, smp.last)
+                smp.argmax = teacher_argmax(target, smp.last, where=smp.mask.bool())
     return inputs

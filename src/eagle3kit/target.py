@@ -719,10 +719,20 @@ def embed_tokens(target: Target, ids: torch.Tensor, like: torch.Tensor) -> torch
     return emb(ids.to(emb.weight.device)).to(like.device, like.dtype)
 
 
-def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024, where: torch.Tensor | None = None) -> torch.Tensor:
     """The target's full-vocabulary top-1 at each position: ``last`` [T, Ht] post-norm → int64 [T]
-    (logits computed ``chunk`` positions at a time, so [T, V] never exists at once)."""
-    return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
+    (logits computed ``chunk`` positions at a time, so [T, V] never exists at once).
+
+    ``where`` bool [T]: compute it only there and give 0 elsewhere. Training reads the top-1 only
+    at completion tokens (a TTT step supervises position t only when x_{t+k+1} is one, DESIGN.md
+    §4), and a prompt is most of a chat's tokens: its [T, V] product is skipped."""
+    if where is None:
+        return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
+    where = where.to(last.device)
+    out = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
+    if bool(where.any()):
+        out[where] = teacher_argmax(target, last[where], chunk)
+    return out
 
 
 def serving_folder(target: Target) -> Path:

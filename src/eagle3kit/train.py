@@ -57,9 +57,10 @@ def compute_features(target: Target, samples: list[Sample], aux_ids, tokens_per_
             am = _pad([torch.ones_like(samples[i].ids) for i in b]).to(device)
             aux, last = target_features(target, ids, am, aux_ids)
             lengths = [samples[i].ids.numel() for i in b]
-            # the full-vocabulary top-1 of the batch's real positions in one pass (right padding: row j's
-            # first n_j), not one small product per sample
-            top1 = teacher_argmax(target, last[am.bool()]).split(lengths)
+            # the full-vocabulary top-1 of the batch's completion tokens (the only ones training reads) in
+            # one pass (right padding: row j's first n_j are real), not one small product per sample
+            completion = torch.cat([samples[i].mask.bool() for i in b])
+            top1 = teacher_argmax(target, last[am.bool()], where=completion).split(lengths)
             for j, (i, n) in enumerate(zip(b, lengths)):
                 s = samples[i]
                 s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
