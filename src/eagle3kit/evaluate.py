@@ -114,35 +114,47 @@ def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], c
     """Simulated greedy-chain acceptance over (prompt, continuation) pairs.
 
     Returns pooled stats and the per-prompt τ (for the report's spread)."""
+    return simulate_drafters([drafter], target, prompts, continuations, k, device, label)[0]
+
+
+def simulate_drafters(drafters: list[Eagle3Drafter], target: Target, prompts: list[list[int]],
+                      continuations: list[list[int]], k: int, device, label: str = "simulate") -> list[tuple]:
+    """:func:`simulate` for several drafters of the same aux layers on the same pairs, with one
+    target pass: [(pooled stats, per-prompt τ)] in the order of ``drafters``."""
+    aux_ids = drafters[0].config.aux_layer_ids
+    if any(d.config.aux_layer_ids != aux_ids for d in drafters):
+        raise ValueError("simulate_drafters: the drafters read different aux layers; simulate them apart")
     samples = []
     for p, c in zip(prompts, continuations):
         ids = torch.tensor(p + c, dtype=torch.long)
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[len(p):] = True
         samples.append(Sample(ids, mask))
-    aux_ids = drafter.config.aux_layer_ids
     compute_features(target, samples, aux_ids, 8192, device, device, label=f"target features ({label})")
-    pooled = AcceptanceStats(k)
-    per_prompt = []
+    out = [(AcceptanceStats(k), []) for _ in drafters]
     for s in samples:
-        st = simulate_samples(drafter, target, [s], k, device)
-        pooled.merge(st)
-        per_prompt.append(st.tau)
+        for d, (pooled, per_prompt) in zip(drafters, out):
+            st = simulate_samples(d, target, [s], k, device)
+            pooled.merge(st)
+            per_prompt.append(st.tau)
         s.aux = s.last = s.argmax = None
-    return pooled, per_prompt
+    return out
 
 
 def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max_new_tokens: int, spec,
-           categories: list[str | None] | None = None, seed: int = 0) -> dict:
+           categories: list[str | None] | None = None, seed: int = 0, baseline: bool = True) -> dict:
     """Run the reference decoder (:mod:`eagle3kit.decoder`) on every prompt, and target-only
     decoding with the same cache for the speedup; greedy outputs are also compared with
     transformers' ``generate`` (the losslessness check).
 
     Args: spec: a :class:`eagle3kit.decoder.SpecConfig` (or K, a greedy chain); categories: each
-    prompt's category (MT-bench, Spec-Bench), for the per-category τ and speedup.
+    prompt's category (MT-bench, Spec-Bench), for the per-category τ and speedup; baseline: also
+    time target-only decoding (False: only the losslessness check, greedy; the speed keys are None).
     Returns dict with ``stats`` (pooled), ``greedy_identical`` (all prompts matched; None when
     sampling), ``mismatches``, ``outputs``, ``references``, ``tokens_per_s``,
     ``baseline_tokens_per_s``, ``speedup`` (wall-clock, this device) and ``per_category``.
+    Raises: ValueError when ``baseline`` is False for a sampling ``spec`` (its reference is the
+    target-only sample).
     """
     import time
 
@@ -151,6 +163,8 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
 
     spec = SpecConfig(steps=spec) if isinstance(spec, int) else spec
     greedy = spec.temperature == 0
+    if not (baseline or greedy):
+        raise ValueError("decode: a sampling spec needs baseline=True (target-only sampling is its reference)")
     eot = target.end_of_turn_ids()
     ft = FastTarget(target.model, target.parts, drafter.config.aux_layer_ids,
                     max(len(p) for p in prompts) + max_new_tokens + spec.n_tokens + 2)
@@ -165,7 +179,7 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
             t0 = time.perf_counter()
             res = speculative_generate(target, drafter, p, max_new_tokens, spec, eot, seed=seed + i, ft=ft, ds=ds)
             t1 = time.perf_counter()
-            base = target_generate(ft, p, max_new_tokens, eot, spec.temperature, spec.top_p, seed=seed + i)
+            base = target_generate(ft, p, max_new_tokens, eot, spec.temperature, spec.top_p, seed=seed + i) if baseline else []
             t2 = time.perf_counter()
             ref = greedy_generate(target, p, max_new_tokens) if greedy else base
             refs.append(ref)
@@ -185,6 +199,8 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
             bar.update(task, advance=1, tokens=totals["tokens"], note=f"τ {pooled.tau:.2f}")
 
     def speed(d: dict) -> dict:
+        if not baseline:
+            return {"tokens_per_s": None, "baseline_tokens_per_s": None, "speedup": None}
         tps, btps = d["tokens"] / max(d["seconds"], 1e-9), d["base_tokens"] / max(d["base_seconds"], 1e-9)
         return {"tokens_per_s": round(tps, 2), "baseline_tokens_per_s": round(btps, 2), "speedup": round(tps / btps, 4)}
 
@@ -276,7 +292,10 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
         entry: dict = {"num_prompts": len(rows), **overlap}
         if mode == "simulate":
             conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
-            stats, per_prompt = simulate(drafter, target, prompts, conts, k, device, f"{name}, trained drafter")
+            both = simulate_drafters([drafter] + ([baseline] if baseline is not None else []), target, prompts, conts, k,
+                                     device, f"{name}, trained drafter" + (" and untrained" if baseline is not None else ""))
+            stats, per_prompt = both[0]
+            base_sim = both[1][0] if baseline is not None else None
             hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
             entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
             entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
@@ -297,7 +316,8 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
                 entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
         entry.update(stats.as_dict())
         if baseline is not None:
-            base, _ = simulate(baseline, target, prompts, conts, k, device, f"{name}, untrained drafter")
+            base = base_sim if mode == "simulate" else simulate(baseline, target, prompts, conts, k, device,
+                                                                 f"{name}, untrained drafter")[0]
             entry["untrained_tau"] = round(base.tau, 4)
             all_base.merge(base)
         report["sets"][name] = entry
