@@ -60,3 +60,20 @@ def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
     assert d["tau"] == 1 + 141 / 177 and d["acceptance_rate"] == 141 / 531
     assert d["per_position_acceptance"] == [75 / 177, 41 / 177, 25 / 177]
     assert spec_decode_delta(now, now)["drafts"] == 0
+
+
+def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_default(tiny_target_dir, monkeypatch):
+    """vLLM's CPU build keeps a core for a scheduler process; an engine in this process has none,
+    so eagle3kit's in-process engines let every core compute, a server is launched as vLLM's
+    default, and a value the user set is left alone."""
+    import sys
+
+    from eagle3kit.engines import vllm_launch
+
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delitem(sys.modules, "numba", raising=False)     # as in a process that never imported it
+    assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_launch(tiny_target_dir, speculative=True, text_only=False, in_process=False, cpu_build=True).env == {}
+    assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=False).env == {}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {}
