@@ -82,33 +82,52 @@ def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: 
                 model=str(folder))) if f.severity == "error"]
     conts = [r for _, r in read_jsonl(ev["continuations"])]
     row["evaluate_backend"] = conts[0]["backend"]
+    row["_serve"] = (folder, drafter, conts, tokens, work)       # what serve_rows needs; summary() leaves it out
     if serve:
-        row.update(serve_with_drafter(folder, drafter, conts, tokens, work))
+        serve_rows([row])
     return row
 
 
-def serve_with_drafter(folder: Path, drafter: Path, conts: list[dict], tokens: int, work: Path) -> dict:
-    """vLLM's server for ``folder`` with ``drafter`` (K = 3), launched as :class:`VLLMServer` does
-    for this target; the held-out prompts sent as token ids (the prompts ``evaluate`` rendered)."""
-    from eagle3kit.engines import VLLMServer, free_port, spec_decode_counters, spec_decode_delta
+def serve_rows(rows: list[dict], wait_s: float = 400) -> None:
+    """For each row of :func:`run_family`: vLLM's server for its target with its drafter (K = 3),
+    launched as :class:`VLLMServer` does for that target, all started together (a start is
+    mostly single-threaded), then measured one at a time on the held-out prompts, sent as token
+    ids (the prompts ``evaluate`` rendered). Adds the server's keys to each row in place."""
+    from eagle3kit.engines import VLLMServer, free_port, wait_servers
 
-    work.mkdir(parents=True, exist_ok=True)
-    srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
-                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    out = {"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env}
+    servers = []
+    for row in rows:
+        folder, drafter, _, _, work = row["_serve"]
+        srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
+                         speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+        row.update({"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env})
+        servers.append(srv)
     try:
-        srv.start(wait_s=400)
-    except RuntimeError as e:
-        log = (work / "vllm.log").read_text(errors="replace").strip().splitlines()
-        return {**out, "vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), str(e))[:300]}
-    try:
-        before = spec_decode_counters(srv.url)
-        ids = completion_ids(srv.url, [c["prompt_ids"] for c in conts], tokens)
-        acc = spec_decode_delta(before, spec_decode_counters(srv.url))
+        for srv in servers:
+            srv.spawn()
+        for row, srv, err in zip(rows, servers, wait_servers(servers, wait_s)):
+            if err:
+                srv.kill()
+                log = srv.log_path.read_text(errors="replace").strip().splitlines()
+                row.update({"vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), err)[:300]})
+            else:
+                row.update(measure_served(srv.url, *row["_serve"][2:4]))
+                srv.kill()
     finally:
-        srv.kill()
+        for srv in servers:
+            srv.kill()
+
+
+def measure_served(url: str, conts: list[dict], tokens: int) -> dict:
+    """τ from the server's counters over the held-out prompts, and its outputs against the greedy
+    continuations ``evaluate`` measured."""
+    from eagle3kit.engines import spec_decode_counters, spec_decode_delta
+
+    before = spec_decode_counters(url)
+    ids = completion_ids(url, [c["prompt_ids"] for c in conts], tokens)
+    acc = spec_decode_delta(before, spec_decode_counters(url))
     same = sum(a == c["continuation_ids"][: len(a)] and len(a) == len(c["continuation_ids"]) for a, c in zip(ids, conts))
-    return {**out, "vllm": "served", "vllm_tau": acc["tau"], "vllm_drafts": acc["drafts"], "vllm_accepted": acc["accepted"],
+    return {"vllm": "served", "vllm_tau": acc["tau"], "vllm_drafts": acc["drafts"], "vllm_accepted": acc["accepted"],
             "greedy_identical": f"{same}/{len(conts)}", "vllm_outputs": ids}
 
 
@@ -164,10 +183,14 @@ def feature_sources_story(work: str | Path, smollm2_dir: str | Path, prompts: in
     run_export(vcfg, second)
     ev_b = run_evaluate(vcfg, second, target)
     release_engines()
+    rows = {}
     for name, run_dir, ev in (("transformers", run, report["evaluate"]), ("vllm", second, ev_b)):
         conts = [r for _, r in read_jsonl(ev["sets"]["gsm8k_heldout"]["continuations"])]
-        served = serve_with_drafter(folder, run_dir / "drafter", conts, tokens, work / f"serve-{name}")
-        out["drafters"][name] = {"evaluate_tau": ev["tau"], **{k: v for k, v in served.items() if k != "vllm_outputs"}}
+        (work / f"serve-{name}").mkdir(parents=True, exist_ok=True)
+        rows[name] = {"evaluate_tau": ev["tau"], "_serve": (folder, run_dir / "drafter", conts, tokens, work / f"serve-{name}")}
+    serve_rows(list(rows.values()))
+    for name, row in rows.items():
+        out["drafters"][name] = {k: v for k, v in row.items() if k != "vllm_outputs" and not k.startswith("_")}
     return out
 
 
@@ -227,4 +250,4 @@ def untrained_drafter(folder: str | Path, out: str | Path, draft_vocab_size: int
 
 
 def summary(row: dict) -> str:
-    return json.dumps({k: v for k, v in row.items() if k != "vllm_outputs"})
+    return json.dumps({k: v for k, v in row.items() if k != "vllm_outputs" and not k.startswith("_")})

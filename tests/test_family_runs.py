@@ -25,9 +25,31 @@ def smollm2_tok_dir(tmp_path_factory, smollm2_tokenizer):
     return d
 
 
+# the family vLLM refuses needs no τ: a small run shows it passes (transformers generates and evaluates)
+SMALL_RUN = {"kimi_k25_native": {"prompts": 64, "epochs": 10}}
+
+
+@pytest.fixture(scope="module")
+def family_rows(tmp_path_factory, smollm2_tok_dir):
+    """Every family's whole run, one after another, then every family's vLLM server with its
+    drafter, started together and measured one at a time (:func:`family_flow.serve_rows`). A run
+    that raises is kept as its exception, for that family's test to raise."""
+    rows = {}
+    for family in family_flow.family_targets.FAMILIES:
+        try:
+            rows[family] = family_flow.run_family(family, tmp_path_factory.mktemp(family), smollm2_tok_dir, serve=False,
+                                                  **SMALL_RUN.get(family, {}))
+        except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
+            rows[family] = e
+    family_flow.serve_rows([r for r in rows.values() if isinstance(r, dict)])
+    return rows
+
+
 @pytest.mark.parametrize("family", family_flow.family_targets.FAMILIES)
-def test_family_end_to_end(family, tmp_path, smollm2_tok_dir):
-    row = family_flow.run_family(family, tmp_path, smollm2_tok_dir)
+def test_family_end_to_end(family, family_rows, tmp_path):
+    row = family_rows[family]
+    if isinstance(row, Exception):
+        raise row
     print(family_flow.summary(row))
     (tmp_path / "row.json").write_text(family_flow.summary(row))   # benchmarks/families.py --from-tests reads it
     assert row["run"] == "passed"
@@ -51,14 +73,6 @@ def test_family_end_to_end(family, tmp_path, smollm2_tok_dir):
         assert row["check"] == "servable" and row["vllm_env"] == {}
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory, smollm2_tok_dir):
-    """The tiny DeepSeek-V3 and an untrained drafter for it."""
-    work = tmp_path_factory.mktemp("deepseek")
-    folder = family_flow.family_targets.build("deepseek_v3", work / "target", smollm2_tok_dir)
-    return folder, family_flow.untrained_drafter(folder, work / "drafter")
-
-
 def edited_copy(folder, out, edit):
     """``folder`` with its config.json edited (weights and tokenizer linked, not copied)."""
     out.mkdir()
@@ -71,21 +85,47 @@ def edited_copy(folder, out, edit):
     return out
 
 
-def start_refused(folder, drafter, log, drop_env=(), extra_args=()) -> str:
-    """Start vLLM's server for ``folder`` with ``drafter`` (EAGLE-3, K 3) as eagle3kit launches it,
-    less the environment settings named in ``drop_env``; assert it fails and return its log."""
-    from eagle3kit.engines import VLLMServer, free_port
+def drop_routing(cfg):
+    del cfg["topk_method"], cfg["scoring_func"]
 
-    srv = VLLMServer(folder, free_port(), log, served_name="target", max_model_len=512, extra_args=list(extra_args),
-                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    for k in drop_env:
-        srv.launch.env.pop(k)
-    try:
-        with pytest.raises(RuntimeError, match="exited"):
-            srv.start(wait_s=300)
-    finally:
-        srv.kill()
-    return log.read_text(errors="replace")
+
+def drop_media(cfg):
+    del cfg["media_placeholder_token_id"]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, smollm2_tok_dir):
+    """The three launches vLLM refuses, started together as eagle3kit launches them (EAGLE-3, K 3):
+    DeepSeek-V3 with MLA on (the reference CPU MLA backend; the AMX one, chosen on CPUs with AMX,
+    refuses float32 weights before that), DeepSeek-V3 without its routing keys, Kimi-K2.5 without
+    media_placeholder_token_id. Returns {case: (target folder, drafter, why it did not start, log)}."""
+    from eagle3kit.engines import VLLMServer, free_port, wait_servers
+
+    work = tmp_path_factory.mktemp("refused")
+    ds = family_flow.family_targets.build("deepseek_v3", work / "deepseek", smollm2_tok_dir)
+    kimi = family_flow.family_targets.build("kimi_k25", work / "kimi", smollm2_tok_dir)
+    cases = {"mla": (ds, family_flow.untrained_drafter(ds, work / "ds-drafter")),
+             "routing": (edited_copy(ds, work / "ds-bare", drop_routing), work / "ds-drafter"),
+             "media": (edited_copy(kimi, work / "kimi-bare", drop_media), family_flow.untrained_drafter(kimi, work / "kimi-drafter"))}
+    servers = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VLLM_MLA_DISABLE", raising=False)
+        for name, (folder, drafter) in cases.items():
+            srv = VLLMServer(folder, free_port(), work / f"{name}.log", served_name="target", max_model_len=512,
+                             extra_args=["--attention-backend", "CPU_MLA"] if name == "mla" else [],
+                             speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+            if name == "mla":
+                srv.launch.env.pop("VLLM_MLA_DISABLE")
+            servers.append(srv)
+        try:
+            for srv in servers:
+                srv.spawn()
+            why = wait_servers(servers, 300)
+        finally:
+            for srv in servers:
+                srv.kill()
+    return {name: (*cases[name], w, srv.log_path.read_text(errors="replace"))
+            for name, srv, w in zip(cases, servers, why)}
 
 
 def error_codes(drafter, target, **env):
@@ -96,46 +136,34 @@ def error_codes(drafter, target, **env):
         return [f.code for f in check_drafter(drafter, TargetConfig(model=str(target))) if f.severity == "error"]
 
 
-def test_check_refuses_mla_with_eagle3_on_the_cpu_build_as_vllm_does(deepseek, tmp_path, monkeypatch):
+def test_check_refuses_mla_with_eagle3_on_the_cpu_build_as_vllm_does(refused, monkeypatch):
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
 
-    folder, drafter = deepseek
+    folder, drafter, why, log = refused["mla"]
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
-    # the reference CPU MLA backend (the AMX one, chosen on CPUs with AMX, refuses float32 weights before that)
-    log = start_refused(folder, drafter, tmp_path / "vllm.log", drop_env=("VLLM_MLA_DISABLE",),
-                        extra_args=("--attention-backend", "CPU_MLA"))
+    assert why and "exited" in why
     assert "No common block size" in log and "CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]" in log
     res = CliRunner().invoke(app, ["check", str(drafter), "--target", str(folder)])
     assert res.exit_code == 1 and "mla_cpu_eagle3" in res.output and "VLLM_MLA_DISABLE=1" in res.output
     assert error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []      # the launch test_family_end_to_end serves
 
 
-def test_check_refuses_a_deepseek_config_without_its_routing_keys_as_vllm_does(deepseek, tmp_path):
-    folder, drafter = deepseek
-
-    def drop_both(cfg):
-        del cfg["topk_method"], cfg["scoring_func"]
-
-    bare = edited_copy(folder, tmp_path / "bare", drop_both)
-    log = start_refused(bare, drafter, tmp_path / "vllm.log")
+def test_check_refuses_a_deepseek_config_without_its_routing_keys_as_vllm_does(refused):
+    bare, drafter, why, log = refused["routing"]
+    assert why and "exited" in why
     assert "e_score_correction_bias" in log                      # vLLM created no bias parameter to load it into
     assert error_codes(drafter, bare, VLLM_MLA_DISABLE="1") == ["moe_routing"]
 
 
-def test_check_refuses_a_kimi_config_without_media_placeholder_token_id_as_vllm_does(tmp_path, smollm2_tok_dir):
-    folder = family_flow.family_targets.build("kimi_k25", tmp_path / "kimi", smollm2_tok_dir)
-    drafter = family_flow.untrained_drafter(folder, tmp_path / "drafter")
-
-    def drop(cfg):
-        del cfg["media_placeholder_token_id"]
-
-    bare = edited_copy(folder, tmp_path / "bare", drop)
-    log = start_refused(bare, drafter, tmp_path / "vllm.log")
+def test_check_refuses_a_kimi_config_without_media_placeholder_token_id_as_vllm_does(refused):
+    bare, drafter, why, log = refused["media"]
+    assert why and "exited" in why
     assert "media_placeholder_token_id" in log
     assert error_codes(drafter, bare, VLLM_MLA_DISABLE="1") == ["kimi_media_placeholder"]
-    assert error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []
+    whole = bare.parent / "kimi"
+    assert error_codes(drafter, whole, VLLM_MLA_DISABLE="1") == []
 
 
 @pytest.mark.parametrize("family,verdict", [("deepseek_v3_default_rope", "disagree"), ("kimi_k25", "agree")])
