@@ -156,3 +156,21 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, monkeypatch):
     assert res.exit_code == 130
     assert "interrupted: `eagle3kit extract` keeps what it finished" in out and "run the same command again to resume" in out
     assert not (tmp_path / "run" / "config.yaml").exists()          # an interrupted command stores no config
+
+
+def test_run_takes_its_config_as_an_argument_or_with_c_like_every_stage(tmp_path):
+    """`eagle3kit run -c FILE` is `eagle3kit run FILE` (new-user trial: every other stage takes -c);
+    two different configs are refused (exit 2) before anything runs."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    bad = tmp_path / "c.yaml"
+    bad.write_text("train: {epochs: -3}\n")                   # refused by validation: no stage runs
+    by_arg, by_opt = (CliRunner().invoke(app, args) for args in (["run", str(bad)], ["run", "-c", str(bad)]))
+    assert by_arg.exit_code == by_opt.exit_code != 0 and "epochs" in by_opt.output
+    assert " ".join(by_arg.output.split()) == " ".join(by_opt.output.split())
+    other = tmp_path / "d.yaml"
+    other.write_text("train: {epochs: 1}\n")
+    both = CliRunner().invoke(app, ["run", str(bad), "-c", str(other)])
+    assert both.exit_code == 2 and "two configs" in " ".join(both.output.split())

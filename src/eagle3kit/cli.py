@@ -411,11 +411,15 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
 @app.command("run")
 @_guard
 def run_cmd(config: Optional[Path] = typer.Argument(None, help="YAML config (default: the built-in SmolLM2 run)"),
+            config_opt: Optional[Path] = typer.Option(None, "--config", "-c", help="the same YAML config, given "
+                                                      "as the other stages take it"),
             run_dir: Optional[Path] = RunDirOpt):
     """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate."""
     from .pipeline import run_all
 
-    cfg = load_config(config, {"run_dir": str(run_dir)} if run_dir else None)
+    if config is not None and config_opt is not None and config != config_opt:
+        raise typer.BadParameter(f"two configs given ({config} and -c {config_opt}); give one")
+    cfg = load_config(config or config_opt, {"run_dir": str(run_dir)} if run_dir else None)
     run_all(cfg)
 
 
