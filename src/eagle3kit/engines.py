@@ -242,12 +242,10 @@ class VLLMServer:
 
     def wait_ready(self, wait_s: float = 120) -> "VLLMServer":
         """Wait until the spawned server answers (see the class for the errors)."""
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            if self.poll_ready():
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM server did not start in {wait_s} s; see {self.log_path}")
+        why = wait_servers([self], wait_s)[0]
+        if why:
+            raise RuntimeError(why)
+        return self
 
     def kill(self) -> None:
         """SIGKILL the server and every process it started (its process group)."""
@@ -291,9 +289,10 @@ def wait_servers(servers: list[VLLMServer], wait_s: float = 300) -> list[str | N
 def start_servers(servers: list[VLLMServer], wait_s: float = 300) -> list[VLLMServer]:
     """Start several vLLM servers at once and wait until every one answers.
 
-    A start is mostly single-threaded (imports, tokenizer loading, the engine core's spawn: about
-    45 s on the CI machine), so on two cores two servers start in about the time of one. Ports
-    must differ. Raises RuntimeError naming the first server that exits or is not up within
+    A start is mostly one process's CPU at a time (imports, tokenizer loading, the engine core's
+    spawn: about 50 s on the 2-core CI machine), so servers started together also use the idle
+    core; the starts stay CPU-bound (three refused starts: 110 s together, 155 s one after
+    another). Ports must differ. Raises RuntimeError naming the first server that exits or is not up within
     ``wait_s`` seconds; then every server of the list is killed.
     """
     if len({s.port for s in servers}) != len(servers):
