@@ -174,3 +174,16 @@ def test_run_takes_its_config_as_an_argument_or_with_c_like_every_stage(tmp_path
     other.write_text("train: {epochs: 1}\n")
     both = CliRunner().invoke(app, ["run", str(bad), "-c", str(other)])
     assert both.exit_code == 2 and "two configs" in " ".join(both.output.split())
+
+
+def test_check_on_a_folder_that_does_not_exist_says_so_and_exits_2(tmp_path):
+    """New-user trial: `check` on a mistyped drafter path listed two missing files as findings
+    (exit 1, as for a broken export); a path that is no folder is a usage error naming the path."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    res = CliRunner().invoke(app, ["check", str(tmp_path / "no-such-drafter")])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"no drafter folder at {tmp_path / 'no-such-drafter'}" in said
+    assert "missing_file" not in said

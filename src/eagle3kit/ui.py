@@ -1,6 +1,8 @@
 """Console output: one progress bar style (rows, tokens/s, ETA) and summary tables, via rich."""
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from rich.console import Console
@@ -8,7 +10,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-console = Console(stderr=True, soft_wrap=True)     # a long path is never folded mid-name: file:line stays copyable
+# a long path is never folded mid-name (file:line stays copyable); written to a log or a pipe, which has
+# no width, rich would cut each progress line at 80 columns ("0:00:… ETA 0:00:…"): 160 keeps it whole
+# unless COLUMNS says otherwise
+console = Console(stderr=True, soft_wrap=True,
+                  width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160)
 
 
 class _TokensPerSecond(ProgressColumn):
