@@ -49,7 +49,8 @@ def main() -> None:
         t = time.perf_counter()
         row = family_flow.run_family(fam, work / fam, tok_dir)
         row["seconds"] = round(time.perf_counter() - t, 1)
-        row.pop("vllm_outputs", None), row.pop("_serve", None)
+        for k in ("vllm_outputs", "_serve", "_server"):
+            row.pop(k, None)
         result["rows"].append(row)
         print(family_flow.summary(row), flush=True)
     if args.from_tests:

@@ -55,7 +55,7 @@ def write_config(work: Path, folder: Path, prompts: int = 200, tokens: int = 48,
 
 
 def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
-               epochs: int = 20, eval_prompts: int = EVAL_PROMPTS, serve: bool = True) -> dict:
+               epochs: int = 20, eval_prompts: int = EVAL_PROMPTS, serve: bool = True, lr: float = 1.0e-3) -> dict:
     """The family's row: whole-run result, ``check``'s verdict, and vLLM's (see the module)."""
     from eagle3kit.check import check_drafter
     from eagle3kit.config import TargetConfig, load_config
@@ -65,7 +65,7 @@ def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     folder = family_targets.build(family, work / "target", smollm2_dir)
-    cfg_path = write_config(work, folder, prompts, tokens, epochs, eval_prompts)
+    cfg_path = write_config(work, folder, prompts, tokens, epochs, eval_prompts, lr)
     report = run_all(load_config(cfg_path))
     release_engines()
     drafter = work / "run" / "drafter"
@@ -90,32 +90,54 @@ def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: 
 
 def serve_rows(rows: list[dict], wait_s: float = 400) -> None:
     """For each row of :func:`run_family`: vLLM's server for its target with its drafter (K = 3),
-    launched as :class:`VLLMServer` does for that target, all started together (a start is
-    mostly single-threaded), then measured one at a time on the held-out prompts, sent as token
-    ids (the prompts ``evaluate`` rendered). Adds the server's keys to each row in place."""
-    from eagle3kit.engines import VLLMServer, free_port, wait_servers
-
-    servers = []
-    for row in rows:
-        folder, drafter, _, _, work = row["_serve"]
-        srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
-                         speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-        row.update({"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env})
-        servers.append(srv)
+    launched as :class:`VLLMServer` does for that target (:func:`spawn_server`, unless already
+    spawned), then measured one at a time (:func:`finish_row`). Adds the server's keys to each
+    row in place and kills the servers."""
     try:
-        for srv in servers:
-            srv.spawn()
-        for row, srv, err in zip(rows, servers, wait_servers(servers, wait_s)):
-            if err:
-                srv.kill()
-                log = srv.log_path.read_text(errors="replace").strip().splitlines()
-                row.update({"vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), err)[:300]})
-            else:
-                row.update(measure_served(srv.url, *row["_serve"][2:4]))
-                srv.kill()
+        for row in rows:
+            if "_server" not in row:
+                spawn_server(row)
+        for row in rows:
+            finish_row(row, wait_s)
     finally:
-        for srv in servers:
+        for row in rows:
+            if "_server" in row:
+                row["_server"].kill()
+
+
+def finish_row(row: dict, wait_s: float = 400) -> dict:
+    """Wait for the row's spawned server (:func:`spawn_server`), measure it on the held-out
+    prompts, sent as token ids (the prompts ``evaluate`` rendered), and kill it: adds ``vllm``
+    ("served" or "refused", with ``vllm_error`` from its log) and the measurements to the row."""
+    from eagle3kit.engines import wait_servers
+
+    srv = row["_server"]
+    try:
+        err = wait_servers([srv], wait_s)[0]
+        if err:
             srv.kill()
+            log = srv.log_path.read_text(errors="replace").strip().splitlines()
+            row.update({"vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), err)[:300]})
+        else:
+            row.update(measure_served(srv.url, *row["_serve"][2:4]))
+    finally:
+        srv.kill()
+    return row
+
+
+def spawn_server(row: dict) -> None:
+    """Start (and return at once) vLLM's server for a :func:`run_family` row's target with its
+    drafter, as ``row["_server"]``: a start is mostly one core's work for about 50 s, so a test
+    spawns each family's server as soon as its run ends, beside the next family's run (which
+    leaves about half of the second core idle), and :func:`finish_row` measures it (from a thread,
+    while that run goes on)."""
+    from eagle3kit.engines import VLLMServer, free_port
+
+    folder, drafter, _, _, work = row["_serve"]
+    srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
+                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    row.update({"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env, "_server": srv})
+    srv.spawn()
 
 
 def measure_served(url: str, conts: list[dict], tokens: int) -> dict:

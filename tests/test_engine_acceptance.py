@@ -36,7 +36,21 @@ evaluate:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def plain_server(smollm2_target, tmp_path_factory):
+    """vLLM serving SmolLM2 without speculation, spawned at the start of the module: its start
+    (mostly one core's work) runs beside the drafter's run, which leaves part of the second core idle."""
+    from eagle3kit.target import export_fp32_folder
+
+    tmp = tmp_path_factory.mktemp("plain")
+    srv = VLLMServer(export_fp32_folder(smollm2_target, tmp / "target"), free_port(), tmp / "plain.log")
+    srv.spawn()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, plain_server, constructed):
+    """The drafter's whole run (``constructed``'s and ``plain_server``'s servers start beside it)."""
     from eagle3kit.pipeline import run_all
 
     d = tmp_path_factory.mktemp("engine")
@@ -60,26 +74,25 @@ DECODER_PROMPTS = 8      # the reference decoder's share of the held-out questio
 
 
 @pytest.fixture(scope="module")
-def served(trained, smollm2_target, tmp_path_factory):
-    """Four vLLM servers, started together (:func:`eagle3kit.engines.start_servers`), on the same
-    20 held-out questions (greedy, 64 tokens): no speculation; our dual-engine export; and, forced
+def served(trained, plain_server, tmp_path_factory):
+    """Four vLLM servers on the same 20 held-out questions (greedy, 64 tokens): no speculation
+    (``plain_server``, up since the run began); and, started together after the run
+    (:func:`eagle3kit.engines.start_servers`), our dual-engine export; and, forced
     through although `check` refuses them, the export without fc.weight and without d2t (those two
     on the first CONTROL_PROMPTS questions). Returns {name: (token ids per prompt, counter delta or
     None)}."""
-    from eagle3kit.engines import start_servers
-    from eagle3kit.target import export_fp32_folder
+    from eagle3kit.engines import start_servers, wait_servers
 
     tmp = tmp_path_factory.mktemp("served")
     rows, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=20))
-    target = export_fp32_folder(smollm2_target, tmp / "target")
+    target = plain_server.folder
     folders = {"eagle3": trained / "drafter",
                "no_fc": without(trained / "drafter", tmp / "no_fc", "fc.weight"),
                "no_d2t": without(trained / "drafter", tmp / "no_d2t", "d2t")}
     out = {"rows": rows, "folders": folders}
 
     def server(name):
-        extra = [] if name == "plain" else ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(folders[name]), "num_speculative_tokens": 3})]
+        extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(folders[name]), "num_speculative_tokens": 3})]
         return VLLMServer(target, free_port(), tmp / f"{name}.log", extra_args=extra)
 
     def measure(name, srv):
@@ -87,8 +100,11 @@ def served(trained, smollm2_target, tmp_path_factory):
         ids = served_token_ids(srv.url, rows[:CONTROL_PROMPTS] if name.startswith("no_") else rows, 64)
         out[name] = (ids, None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)))
 
-    servers = dict(zip(("plain", *folders), start_servers([server(n) for n in ("plain", *folders)])))
+    servers = {"plain": plain_server, **dict(zip(folders, start_servers([server(n) for n in folders])))}
     try:
+        err = wait_servers([plain_server], 300)[0]          # spawned before the run: up long ago
+        if err:
+            raise RuntimeError(err)
         for name, srv in servers.items():
             measure(name, srv)
             if name == "eagle3":        # `eagle3kit bench` with the baseline server beside it
@@ -282,32 +298,26 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
     assert len(set(taus.values())) == 1 and taus["eagle3kit"] > 1.3
 
 
-def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_path, smollm2_tokenizer):
-    """A tiny 8-layer Llama whose layers add nothing (o_proj and down_proj zero, embeddings tied)
-    repeats its last token; a drafter whose fc passes the third aux state (= that token's
-    embedding) through and whose lm_head holds the target's embedding rows of a 512-token draft
-    vocabulary (ids 1, 2, the repeated token — at draft id 2, offset ≠ 0 — and the top 509 ids)
-    predicts the same token. Every draft is accepted: with K = 3 and max_tokens = 1 + 4·6, each
-    request takes 6 verify steps of 3 accepted drafts + 1 bonus token, so vLLM must count
-    drafts = 6 per request, accepted = 18, τ = 4 exactly (which also shows vLLM applies the d2t
-    offsets); eagle3kit's simulate must say the same. Controls, forced through although `check`
-    refuses them: without d2t every draft maps to the wrong token and without fc the drafter sees
-    nothing: vLLM must accept nothing, τ = 1 exactly. The same drafter in vLLM's speculators layout
-    must be served with exactly the counts and outputs of the dual layout. The four servers start
-    together."""
+@pytest.fixture(scope="module")
+def constructed(tmp_path_factory, smollm2_tokenizer):
+    """The constructed pair of the test below, built and its four servers spawned at the start of
+    the module; a thread waits for them, measures them and kills them while the drafter's run goes
+    on (a start is mostly one core's work, and the run leaves part of the second core idle).
+    Yields a future of the measurements (:func:`measure_constructed`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from safetensors.torch import load_file, save_file
 
+    import eagle3kit.bench  # noqa: F401 — imported here, not first in the measuring thread
     from conftest import build_tiny_llama
     from eagle3kit.check import check_drafter
     from eagle3kit.config import TargetConfig
     from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.engines import start_servers
-    from eagle3kit.evaluate import simulate
-    from eagle3kit.export import export_drafter, load_exported
+    from eagle3kit.export import export_drafter
     from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.target import load_target
     from eagle3kit.vocab import DraftVocab
 
+    tmp_path = tmp_path_factory.mktemp("constructed")
     H = 128     # head size 64: one the CPU build runs
     m = build_tiny_llama(8, hidden_size=H, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                          tie_word_embeddings=True)
@@ -347,25 +357,64 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_pat
     # vLLM serves with --model plus --speculative-config like the dual one
     folders["speculators"] = export_drafter(d, tmp_path / "speculators", fmt="speculators", verifier={
         "name_or_path": str(tmp_path / "target"), "architectures": ["LlamaForCausalLM"]})
-    got, outs = {}, {}
     servers = {name: VLLMServer(tmp_path / "target", free_port(), tmp_path / f"{name}.log", extra_args=[
         "--speculative-config", json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})])
         for name, folder in folders.items()}
-    start_servers(list(servers.values()))
+    pair = {"tmp": tmp_path, "questions": questions, "prompts": prompts, "folders": folders, "target_cfg": target_cfg}
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            for srv in servers.values():
+                srv.spawn()
+            yield pool.submit(measure_constructed, servers, pair)
+        finally:
+            for srv in servers.values():
+                srv.kill()
+
+
+def measure_constructed(servers: dict, pair: dict) -> dict:
+    """Wait for the constructed pair's servers, then each one's counters and outputs on the three
+    questions (25 tokens), and ``eagle3kit bench`` against the whole export; kills the servers."""
+    from eagle3kit.bench import run_bench
+    from eagle3kit.engines import wait_servers
+
+    got, outs, questions, tmp_path = {}, {}, pair["questions"], pair["tmp"]
     try:
+        errors = [e for e in wait_servers(list(servers.values()), 400) if e]
+        if errors:
+            raise RuntimeError(errors[0])
         for name, srv in servers.items():
             before = spec_decode_counters(srv.url)
             outs[name] = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
             got[name] = spec_decode_delta(before, spec_decode_counters(srv.url))
             if name == "whole":      # issue 9: `eagle3kit bench` must report exactly this acceptance too
-                from eagle3kit.bench import run_bench
-
                 pfile = tmp_path / "questions.jsonl"
                 pfile.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
-                bench = run_bench(srv.url, pfile, [1, 3], 1 + 4 * 6, target=str(tmp_path / "target"), warmup=0)
+                pair["bench"] = run_bench(srv.url, pfile, [1, 3], 1 + 4 * 6, target=str(tmp_path / "target"), warmup=0)
     finally:
         for srv in servers.values():
             srv.kill()
+    return {**pair, "got": got, "outs": outs}
+
+
+def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constructed):
+    """A tiny 8-layer Llama whose layers add nothing (o_proj and down_proj zero, embeddings tied)
+    repeats its last token; a drafter whose fc passes the third aux state (= that token's
+    embedding) through and whose lm_head holds the target's embedding rows of a 512-token draft
+    vocabulary (ids 1, 2, the repeated token — at draft id 2, offset ≠ 0 — and the top 509 ids)
+    predicts the same token. Every draft is accepted: with K = 3 and max_tokens = 1 + 4·6, each
+    request takes 6 verify steps of 3 accepted drafts + 1 bonus token, so vLLM must count
+    drafts = 6 per request, accepted = 18, τ = 4 exactly (which also shows vLLM applies the d2t
+    offsets); eagle3kit's simulate must say the same. Controls, forced through although `check`
+    refuses them: without d2t every draft maps to the wrong token and without fc the drafter sees
+    nothing: vLLM must accept nothing, τ = 1 exactly. The same drafter in vLLM's speculators layout
+    must be served with exactly the counts and outputs of the dual layout. The four servers start
+    together, beside the drafter's run (the ``constructed`` fixture)."""
+    from eagle3kit.evaluate import simulate
+    from eagle3kit.export import load_exported
+    from eagle3kit.target import load_target
+
+    pair = constructed.result()
+    got, outs, bench, prompts, folders = pair["got"], pair["outs"], pair["bench"], pair["prompts"], pair["folders"]
     print({k: (v["drafts"], v["accepted"], v["tau"]) for k, v in got.items()})
     assert all(len(o) == 25 and set(o) == {p[-1]} for o, p in zip(outs["whole"], prompts))   # repeats its last token
     g = got["whole"]
@@ -380,6 +429,6 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(tmp_pat
     for name in ("d2t", "fc.weight"):
         assert got[name]["accepted"] == 0 and got[name]["drafts"] > 0 and got[name]["tau"] == 1.0, name
         assert outs[name] == outs["whole"]                                       # lossless, only slower
-    target = load_target(target_cfg, device="cpu")
-    stats, _ = simulate(load_exported(whole).eval(), target, prompts, outs["whole"], 3, torch.device("cpu"))
+    target = load_target(pair["target_cfg"], device="cpu")
+    stats, _ = simulate(load_exported(folders["whole"]).eval(), target, prompts, outs["whole"], 3, torch.device("cpu"))
     assert stats.tau == 4.0 and stats.drafts == 18

@@ -30,18 +30,27 @@ SMALL_RUN = {"kimi_k25_native": {"prompts": 64, "epochs": 10}}
 
 
 @pytest.fixture(scope="module")
-def family_rows(tmp_path_factory, smollm2_tok_dir):
-    """Every family's whole run, one after another, then every family's vLLM server with its
-    drafter, started together and measured one at a time (:func:`family_flow.serve_rows`). A run
-    that raises is kept as its exception, for that family's test to raise."""
-    rows = {}
-    for family in family_flow.family_targets.FAMILIES:
-        try:
-            rows[family] = family_flow.run_family(family, tmp_path_factory.mktemp(family), smollm2_tok_dir, serve=False,
-                                                  **SMALL_RUN.get(family, {}))
-        except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
-            rows[family] = e
-    family_flow.serve_rows([r for r in rows.values() if isinstance(r, dict)])
+def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers):
+    """Every family's whole run, one after another; each family's vLLM server with its drafter is
+    spawned as soon as its run ends and measured from a thread once it answers
+    (:func:`family_flow.finish_row`), beside the next family's run (a start is mostly one core's
+    work; a run leaves about half of the second core idle); the refusals' launches start first.
+    A run or a measurement that raises is kept as its exception, for that family's test to raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows, measured = {}, {}
+    with ThreadPoolExecutor(1) as pool:
+        for family in family_flow.family_targets.FAMILIES:
+            try:
+                rows[family] = family_flow.run_family(family, tmp_path_factory.mktemp(family), smollm2_tok_dir,
+                                                      serve=False, **SMALL_RUN.get(family, {}))
+                family_flow.spawn_server(rows[family])
+                measured[family] = pool.submit(family_flow.finish_row, rows[family])
+            except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
+                rows[family] = e
+        for family, done in measured.items():
+            if done.exception() is not None:
+                rows[family] = done.exception()
     return rows
 
 
@@ -94,12 +103,13 @@ def drop_media(cfg):
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory, smollm2_tok_dir):
-    """The three launches vLLM refuses, started together as eagle3kit launches them (EAGLE-3, K 3):
+def refusal_servers(tmp_path_factory, smollm2_tok_dir):
+    """The three launches vLLM refuses, spawned together as eagle3kit launches them (EAGLE-3, K 3):
     DeepSeek-V3 with MLA on (the reference CPU MLA backend; the AMX one, chosen on CPUs with AMX,
     refuses float32 weights before that), DeepSeek-V3 without its routing keys, Kimi-K2.5 without
-    media_placeholder_token_id. Returns {case: (target folder, drafter, why it did not start, log)}."""
-    from eagle3kit.engines import VLLMServer, free_port, wait_servers
+    media_placeholder_token_id. Spawned first in the module, so that their starts run beside the
+    family runs (:func:`family_rows`). Yields ({case: (target folder, drafter)}, servers)."""
+    from eagle3kit.engines import VLLMServer, free_port
 
     work = tmp_path_factory.mktemp("refused")
     ds = family_flow.family_targets.build("deepseek_v3", work / "deepseek", smollm2_tok_dir)
@@ -108,22 +118,34 @@ def refused(tmp_path_factory, smollm2_tok_dir):
              "routing": (edited_copy(ds, work / "ds-bare", drop_routing), work / "ds-drafter"),
              "media": (edited_copy(kimi, work / "kimi-bare", drop_media), family_flow.untrained_drafter(kimi, work / "kimi-drafter"))}
     servers = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("VLLM_MLA_DISABLE", raising=False)
-        for name, (folder, drafter) in cases.items():
-            srv = VLLMServer(folder, free_port(), work / f"{name}.log", served_name="target", max_model_len=512,
-                             extra_args=["--attention-backend", "CPU_MLA"] if name == "mla" else [],
-                             speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-            if name == "mla":
-                srv.launch.env.pop("VLLM_MLA_DISABLE")
-            servers.append(srv)
-        try:
-            for srv in servers:
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("VLLM_MLA_DISABLE", raising=False)
+            for name, (folder, drafter) in cases.items():
+                srv = VLLMServer(folder, free_port(), work / f"{name}.log", served_name="target", max_model_len=512,
+                                 extra_args=["--attention-backend", "CPU_MLA"] if name == "mla" else [],
+                                 speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+                if name == "mla":
+                    srv.launch.env.pop("VLLM_MLA_DISABLE")
+                servers.append(srv)
                 srv.spawn()
-            why = wait_servers(servers, 300)
-        finally:
-            for srv in servers:
-                srv.kill()
+        yield cases, servers
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
+@pytest.fixture(scope="module")
+def refused(refusal_servers):
+    """{case: (target folder, drafter, why it did not start, log)} of :func:`refusal_servers`."""
+    from eagle3kit.engines import wait_servers
+
+    cases, servers = refusal_servers
+    try:
+        why = wait_servers(servers, 300)
+    finally:
+        for srv in servers:
+            srv.kill()
     return {name: (*cases[name], w, srv.log_path.read_text(errors="replace"))
             for name, srv, w in zip(cases, servers, why)}
 

