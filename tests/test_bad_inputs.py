@@ -187,3 +187,29 @@ def test_check_on_a_folder_that_does_not_exist_says_so_and_exits_2(tmp_path):
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and f"no drafter folder at {tmp_path / 'no-such-drafter'}" in said
     assert "missing_file" not in said
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "the file is empty"),                                    # ran the whole default SmolLM2 job, silently
+    ("# every line commented out\n", "the file is empty"),
+    ("train: {epochs: true}\n", "train.epochs: Value error, a number is needed here, not true/false"),   # was epochs 1
+    ("train: {lr: false}\n", "train.lr: Value error, a number is needed here"),
+])
+def test_an_empty_config_or_true_for_a_number_is_refused(tmp_path, text, needle):
+    """Hostile-input trial: `-c empty.yaml` ran the default job without a word, and `epochs: true`
+    trained 1 epoch; both are refused (exit 2) before anything runs."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    (tmp_path / "c.yaml").write_text(text)
+    res = CliRunner().invoke(app, ["prompts", "-c", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2 and needle in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_config_path_that_is_a_folder_is_named_as_a_folder(tmp_path):
+    from eagle3kit.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
+        load_config(tmp_path)

@@ -147,3 +147,22 @@ def test_the_speculators_layout_is_checked_as_such(good, tiny_target_dir, tmp_pa
     assert "layout" in codes(spec, tiny_target_dir, engine="sglang")
     info = [f for f in check_drafter(good, target, engine="sglang") if f.severity == "info"]
     assert info and "[2, 4, 5]" in info[0].message                          # what SGLang will capture, said out loud
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "vocab_size"])
+def test_a_target_config_without_its_sizes_is_named_not_blamed_on_the_drafter(good, tiny_target_dir, tmp_path, key):
+    """Hostile-input trial: a target config.json without hidden_size made `check` blame the drafter
+    ("the target's hidden size is 4096", transformers' class default) in three findings; the
+    target's config is the fault, and it is named (exit 2)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in tiny_target_dir.iterdir():
+        (target / f.name).symlink_to(f)
+    cfg = json.loads((tiny_target_dir / "config.json").read_text())
+    del cfg[key]
+    (target / "config.json").unlink()
+    (target / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["check", str(good), "--target", str(target)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"config.json has no {key}" in said, said
+    assert "target_hidden_size" not in said and "fc_width" not in said

@@ -160,7 +160,9 @@ def test_tokenize_refuses_conversations_changed_after_generate_wrote_them(copy):
     cfg, run = copy
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     write_jsonl(run / "conversations.jsonl", rows[1:])
-    refused("tokenize", cfg, run, "conversations.jsonl", "eagle3kit generate", "then `eagle3kit tokenize`")
+    said = refused("tokenize", cfg, run, "conversations.jsonl", "eagle3kit generate", "then `eagle3kit tokenize`")
+    # hostile-input trial: "rerun generate" alone looped (generate refuses a changed file it only appends to)
+    assert "move it away and rerun" in said
 
 
 def test_train_refuses_a_vocab_built_from_other_tokens(copy):
@@ -306,6 +308,52 @@ def test_a_manifest_of_the_wrong_shape_is_one_line_not_a_traceback(copy):
         (run / "manifest.json").write_text(bad)
         code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
         assert code == 2 and "Traceback" not in res.output and "not an eagle3kit manifest.json" in said, (bad, said)
+
+
+@pytest.mark.parametrize("name,args,fix", [
+    ("tokens.safetensors", ["vocab"], "rerun `eagle3kit tokenize`"),
+    ("vocab.safetensors", ["train"], "rerun `eagle3kit vocab`"),
+    ("checkpoints/best.safetensors", ["export", "--overwrite"], "rerun `eagle3kit train`"),
+    ("checkpoints/last.safetensors", ["train", "--epochs", "2"], "move checkpoints/ away"),
+    ("checkpoints/train_state.pt", ["train", "--epochs", "2"], "move checkpoints/ away"),
+])
+def test_a_truncated_file_is_one_line_naming_it_and_the_stage_that_writes_it(copy, name, args, fix):
+    """Hostile-input trial: a run file cut short (an interrupted copy, a full disk) ended the next
+    stage in safetensors' "incomplete metadata" traceback (torch's unpickling one for train_state.pt)."""
+    cfg, run = copy
+    path = run / name
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * 0.6)])
+    code, said, res = cli(*args, "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "Traceback" not in res.output, said
+    assert str(path) in said and "unreadable" in said and fix in said, said
+
+
+def test_a_corrupt_report_says_to_delete_that_file_not_the_run(copy):
+    """Hostile-input trial: a truncated report.json was met with "delete the run directory", though
+    it holds only summaries; deleting it alone is the fix, and the stage then runs."""
+    cfg, run = copy
+    text = (run / "report.json").read_text()
+    (run / "report.json").write_text(text[: len(text) // 2])
+    code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
+    assert code == 2 and "delete report.json alone" in said and "delete the run directory" not in said, said
+    (run / "report.json").unlink()
+    code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
+    assert code == 0, said
+
+
+def test_a_second_train_on_the_same_run_dir_is_refused_while_one_trains(copy):
+    """Hostile-input trial: two `train` processes on one run directory both ran, writing the same
+    checkpoints, until one crashed; train holds .train.lock as generate holds its own."""
+    from eagle3kit.rundir import DataError
+
+    cfg, run = copy
+    before = (run / "checkpoints" / "best.safetensors").read_bytes()
+    cfg.train.epochs = 2
+    with run.lock("train"):                                          # another train, still running
+        with pytest.raises(DataError, match="another `eagle3kit train`"):
+            stages()["train"](cfg, run)
+    assert (run / "checkpoints" / "best.safetensors").read_bytes() == before
 
 
 def test_a_file_brought_without_a_record_is_taken_as_it_is(copy, tmp_path):

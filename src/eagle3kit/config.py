@@ -45,6 +45,19 @@ def _unique_labels(sources: list, where: str) -> None:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_for_a_number(cls, v, info):
+        """YAML's true/false where a number belongs (``epochs: true``) is refused, not read as 1/0."""
+        if isinstance(v, bool) and info.field_name in cls.model_fields:
+            import typing
+
+            ann = cls.model_fields[info.field_name].annotation
+            kinds = {ann, *typing.get_args(ann)}
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError("a number is needed here, not true/false")
+        return v
+
 
 class TargetConfig(_Strict):
     """Which model the drafter serves.
@@ -324,10 +337,15 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         ConfigError: missing file, bad YAML, unknown key or invalid value, naming the field.
     """
     p = Path(path) if path is not None else DEFAULTS_PATH
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder, not a YAML file; pass the YAML file inside it")
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults")
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        if data is None and path is not None:     # empty, or only comments: not a config anyone meant to run
+            raise ConfigError("the file is empty (no sections); write the sections you want to change, or omit "
+                              "--config to run the built-in defaults")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except ConfigError as e:

@@ -26,7 +26,7 @@ from . import __version__
 from .config import Config
 from .drafter import DrafterConfig, Eagle3Drafter
 from .lineage import check_inputs
-from .rundir import RunDir, set_aside, sha256_tensors
+from .rundir import RunDir, set_aside, sha256_tensors, write_failed
 from .vocab import check_maps
 
 
@@ -210,12 +210,18 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
     else:
         cfg = engine_config(drafter.config, dtype_name, provenance)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return commit_out_dir(tmp, out)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return commit_out_dir(tmp, out)
+    except Exception as e:  # OSError, or safetensors' SafetensorError on a full disk
+        if not (isinstance(e, OSError) or "os error" in str(e)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(out, e) from None
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

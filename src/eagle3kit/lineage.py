@@ -87,6 +87,10 @@ def check_inputs(run: RunDir, stage: str, names: list[str], target: str | None =
         if rec["sha256"] is None:
             raise StaleInput(f"{run / name} is unfinished: `eagle3kit {rec['stage']}` was stopped while writing it; "
                              f"rerun {redo} to finish it{then}")
+        if current(name) != rec["sha256"] and name == "conversations.jsonl":   # generate appends: a rerun keeps the change
+            raise StaleInput(f"{run / name} changed after `eagle3kit generate` wrote it (edited, replaced, or cut short); "
+                             f"restore it, or move it away and rerun {redo} to generate every row anew{then}, or start a new "
+                             "run_dir with the file you want")
         if current(name) != rec["sha256"]:
             raise StaleInput(f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it (edited, replaced, or left by "
                              f"an interrupted run); rerun {redo}{then}, or start a new run_dir with the file you want")

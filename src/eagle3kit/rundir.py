@@ -27,18 +27,30 @@ class DataError(ValueError):
     """Bad input data; the message names the file, the line and the fix."""
 
 
+#: the fix for an unreadable record of a run: report.json holds only summaries (the next stage writes a new
+#: one); manifest.json holds the lineage every stage checks its inputs against
+_RESTORE = {"report.json": "restore it, or delete report.json alone (it holds only the stages' summaries; "
+                           "the next stage writes a new one)",
+            "manifest.json": "restore it, or start a new run_dir (without it no stage can tell what its inputs were "
+                             "built from)"}
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, stage: str, alternative: str) -> Iterator[None]:
     """Hold ``folder/.<stage>.lock`` (``flock``) for the duration; the lock dies with its
     process, so nothing is left to clean up after a kill.
 
     Raises:
-        DataError: another process holds it (names its pid, and ``alternative``).
+        DataError: another process holds it (names its pid, and ``alternative``), or the folder
+        cannot be written.
     """
     import fcntl
 
     folder = Path(folder)
-    fd = os.open(folder / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:      # a read-only folder (EROFS, EACCES, EPERM): the stage could write nothing there either
+        raise write_failed(folder / f".{stage}.lock", e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -68,13 +80,41 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+#: how to write again each safetensors file of a run directory, by name (what an unreadable one's error says)
+REWRITE = {"tokens.safetensors": "rerun `eagle3kit tokenize`", "vocab.safetensors": "rerun `eagle3kit vocab`",
+           "best.safetensors": "rerun `eagle3kit train` (move checkpoints/ away first to train anew)",
+           "last.safetensors": "move checkpoints/ away and rerun `eagle3kit train`, which then starts anew",
+           "model.safetensors": "export the drafter again (`eagle3kit export`)"}
+
+
+def open_safetensors(path: str | Path, fix: str | None = None):
+    """``safetensors.safe_open(path, "pt")`` (use it in a ``with``), with a DataError naming the
+    file and the fix (``fix``, else the :data:`REWRITE` rule for its name) when the file is
+    truncated or not safetensors at all — an interrupted copy, a full disk — instead of
+    safetensors' own "incomplete metadata" traceback.
+
+    Raises: FileNotFoundError: no such file; DataError: unreadable."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a safetensors file; {fix or REWRITE.get(path.name, 'write it again')}")
+    try:
+        return safe_open(str(path), "pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # SafetensorError, OSError
+        raise DataError(f"{path} is unreadable, truncated or not safetensors ({type(e).__name__}: {e}); "
+                        f"{fix or REWRITE.get(path.name, 'write it again')}") from None
+
+
 def sha256_tensors(path: str | Path) -> str:
     """SHA-256 of a safetensors file's *content*: tensor names, dtypes, shapes, bytes and
     metadata in sorted order. (The file bytes are not stable: safetensors writes its metadata
-    map in arbitrary order.)"""
-    from safetensors import safe_open
+    map in arbitrary order.)
 
-    with safe_open(str(path), "pt") as f:
+    Raises: DataError: the file is unreadable (:func:`open_safetensors`)."""
+    with open_safetensors(path) as f:
         return sha256_state({name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {})
 
 
@@ -363,13 +403,13 @@ class RunDir:
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise DataError(f"{p}: not valid JSON ({e.msg}); restore it or delete the run directory") from None
+            raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {_RESTORE[name]}") from None
         shapes = {"stages": dict, "lineage": dict}
         bad = not isinstance(data, dict) or next((k for k, t in shapes.items() if not isinstance(data.get(k, t()), t)), None)
         if bad or (name == "manifest.json" and any(not isinstance(r, dict) or not {"stage", "sha256"} <= set(r)
                                                    for r in data.get("lineage", {}).values())):
             raise DataError(f"{p}: not an eagle3kit {name} (a JSON object whose stages and lineage are objects, each "
-                            "lineage record with its stage and sha256); restore it or delete the run directory")
+                            f"lineage record with its stage and sha256); {_RESTORE[name]}")
         return data
 
     @property

@@ -334,6 +334,11 @@ def locate_target(cfg: TargetConfig) -> dict:
     return {"model": cfg.model, "path": cfg.model, "gguf_file": cfg.gguf_file}
 
 
+#: the sizes a target's config.json must state (or their names in older configs, mapped by transformers)
+_SIZE_KEYS = {"hidden_size": ("n_embd", "d_model", "dim"), "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+              "vocab_size": ("padded_vocab_size",)}
+
+
 def load_target_config(cfg: TargetConfig):
     """The target's ``(config, text_config)`` without loading weights.
 
@@ -355,6 +360,12 @@ def load_target_config(cfg: TargetConfig):
             if c and "model_type" not in c:
                 raise ConfigError(f"{loc['path']}/config.json: a config with no model_type; restore the checkpoint's "
                                   "own config.json")
+        parts = [raw, *(raw.get(k) for k in ("text_config", "llm_config") if isinstance(raw.get(k), dict))]
+        for key, aliases in _SIZE_KEYS.items():      # else transformers fills in its class default (hidden_size 4096 …)
+            if raw and not any(a in c for c in parts for a in (key, *aliases)):
+                raise ConfigError(f"{loc['path']}/config.json has no {key} (nor in text_config): transformers would "
+                                  "fill in its class default, and every check would measure a model that does not "
+                                  "exist; restore the checkpoint's own config.json")
     cached = _gguf_cache_entry(loc, "configs")
     if cached is not None and (cached / "config.json").is_file():
         try:

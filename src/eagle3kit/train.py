@@ -26,7 +26,6 @@ import random
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from .config import Config, ConfigError
 from .rundir import DataError
@@ -34,7 +33,7 @@ from .drafter import DrafterConfig, Eagle3Drafter
 from .metrics import AcceptanceStats, match_runs, walk_chain
 from .checkpoints import (_set_aside, checkpoint_provenance, init_from_drafter, load_drafter_checkpoint,  # noqa: F401
                           save_drafter_checkpoint)
-from .rundir import RunDir, require_free, sha256_json, sha256_tensors
+from .rundir import REWRITE, RunDir, load_safetensors, open_safetensors, require_free, sha256_json, sha256_tensors
 from .trainlog import TrainLog
 from .target import Target, embed_tokens, pick_device, resolve_aux_layer_ids, target_features, teacher_argmax
 from .tokenize import load_shard
@@ -197,8 +196,16 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
 
     Raises:
         ConfigError: missing stage outputs, a vocabulary or tokenizer made for another target, no
-        supervised tokens.
+        supervised tokens. DataError: another ``eagle3kit train`` holds this run directory (rank 0
+        holds ``.train.lock`` while it trains, so two trainings never write the same checkpoints).
     """
+    if int(os.environ.get("RANK", "0")) != 0:       # torchrun: the other ranks write nothing of their own
+        return _run_train(cfg, run, target)
+    with run.lock("train"):
+        return _run_train(cfg, run, target)
+
+
+def _run_train(cfg: Config, run: RunDir, target: Target | None) -> dict:
     from .distributed import full_state, init_world, load_full_state
     from .lineage import check_inputs
     from .target import load_target, weights_fingerprint
@@ -222,12 +229,11 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         target = load_target(cfg.target, device=device)
     if vocab.vocab_size != target.vocab_size:
         raise ConfigError(f"{vocab_path} was built for a vocabulary of {vocab.vocab_size}, the target has {target.vocab_size}")
-    from safetensors import safe_open
 
     from .target import tokenizer_hash
 
     tok_hash = tokenizer_hash(target.tokenizer)
-    for path, meta in ((vocab_path, vocab_meta), (shard, safe_open(str(shard), "pt").metadata() or {})):
+    for path, meta in ((vocab_path, vocab_meta), (shard, open_safetensors(shard).metadata() or {})):
         if meta.get("tokenizer_sha256") not in (None, tok_hash):
             raise ConfigError(f"{path} was built with another tokenizer than {cfg.target.model}'s; "
                               "rerun `eagle3kit tokenize` and `eagle3kit vocab` for this target")
@@ -311,13 +317,17 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
                       f"moved checkpoints/ to {keep} and starting fresh")
     world.barrier()
     if state_path.exists():
-        st = torch.load(state_path, weights_only=True)
+        try:
+            st = torch.load(state_path, weights_only=True)
+        except Exception as e:  # truncated or foreign: an interrupted copy, a full disk
+            raise DataError(f"{state_path} is unreadable ({type(e).__name__}); {REWRITE['last.safetensors']}") from None
         weights_step = None
         if (ckpt / "last.safetensors").exists():
-            with safe_open(str(ckpt / "last.safetensors"), "pt") as f:
+            with open_safetensors(ckpt / "last.safetensors") as f:
                 weights_step = (f.metadata() or {}).get("step")
         if st.get("inputs") == inputs and weights_step is not None and weights_step == str(st.get("step")):
-            load_full_state(drafter, load_file(str(ckpt / "last.safetensors")), opt, st["optimizer"])   # resume
+            last = load_safetensors(ckpt / "last.safetensors", REWRITE["last.safetensors"])
+            load_full_state(drafter, last, opt, st["optimizer"])   # resume
             sched.load_state_dict(st["scheduler"])
             start_epoch, start_batch = st["next_epoch"], st["next_batch"]
             history, best = json.loads(st["history"]), json.loads(st["best"])
