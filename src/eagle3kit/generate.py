@@ -408,12 +408,13 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
                 bar.update(task, advance=done_here, tokens=counts["completion_tokens"])
         if too_long:
             counts["prompt_too_long"] = len(too_long)
+            longest = max(n for _, n in too_long)
             console.print(f"[yellow]generate: {len(too_long)} prompt(s) leave no room for generate.max_new_tokens "
                           f"{gc.max_new_tokens} in the target's context of {context} tokens (longest "
-                          f"{max(n for _, n in too_long)} tokens; ids {', '.join(str(i) for i, _ in too_long[:3])}"
+                          f"{longest} tokens; ids {', '.join(str(i) for i, _ in too_long[:3])}"
                           f"{' …' if len(too_long) > 3 else ''}): not generated. "
                           + ("Drop these prompts from the prompt source: the longest alone fills the context"
-                             if max(n for _, n in too_long) >= context else
+                             if longest >= context else
                              "Lower generate.max_new_tokens, or drop these prompts from the prompt source"))
     if todo:
         counts["startup_seconds"] = round(stage_timer.seconds - timer.seconds, 2)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from .rundir import DataError, RunDir, sha256_file, sha256_tensors
 
+#: outputs their stage only appends to (a rerun keeps what is there)
+APPEND_ONLY = {"conversations.jsonl"}
 #: the command that rebuilds each stage's outputs
 RERUN = {"prompts": "prompts", "generate": "generate", "tokenize": "tokenize", "vocab": "vocab", "train": "train",
          "export": "export"}
@@ -87,13 +89,13 @@ def check_inputs(run: RunDir, stage: str, names: list[str], target: str | None =
         if rec["sha256"] is None:
             raise StaleInput(f"{run / name} is unfinished: `eagle3kit {rec['stage']}` was stopped while writing it; "
                              f"rerun {redo} to finish it{then}")
-        if current(name) != rec["sha256"] and name == "conversations.jsonl":   # generate appends: a rerun keeps the change
-            raise StaleInput(f"{run / name} changed after `eagle3kit generate` wrote it (edited, replaced, or cut short); "
-                             f"restore it, or move it away and rerun {redo} to generate every row anew{then}, or start a new "
-                             "run_dir with the file you want")
         if current(name) != rec["sha256"]:
-            raise StaleInput(f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it (edited, replaced, or left by "
-                             f"an interrupted run); rerun {redo}{then}, or start a new run_dir with the file you want")
+            # generate only appends: a rerun would keep the changed rows, so the file must go first
+            how, fix = (("edited, replaced, or cut short", f"restore it, or move it away and rerun {redo} to generate "
+                         "every row anew") if name in APPEND_ONLY else ("edited, replaced, or left by an interrupted run",
+                                                                         f"rerun {redo}"))
+            raise StaleInput(f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it ({how}); {fix}{then}, or "
+                             "start a new run_dir with the file you want")
         for up, sha in rec.get("from", {}).items():
             if (run / up).exists() and current(up) != sha:
                 raise StaleInput(f"{run / name} was built by `eagle3kit {rec['stage']}` from another {up} than the one in "

@@ -27,14 +27,6 @@ class DataError(ValueError):
     """Bad input data; the message names the file, the line and the fix."""
 
 
-#: the fix for an unreadable record of a run: report.json holds only summaries (the next stage writes a new
-#: one); manifest.json holds the lineage every stage checks its inputs against
-_RESTORE = {"report.json": "restore it, or delete report.json alone (it holds only the stages' summaries; "
-                           "the next stage writes a new one)",
-            "manifest.json": "restore it, or start a new run_dir (without it no stage can tell what its inputs were "
-                             "built from)"}
-
-
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, stage: str, alternative: str) -> Iterator[None]:
     """Hold ``folder/.<stage>.lock`` (``flock``) for the duration; the lock dies with its
@@ -80,11 +72,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-#: how to write again each safetensors file of a run directory, by name (what an unreadable one's error says)
+#: what to do about an unreadable file of a run directory, by name (what its one-line error says):
+#: stage outputs are written again by their stage; report.json holds only the stages' summaries (the
+#: next stage writes a new one); manifest.json holds the lineage every stage checks its inputs against
 REWRITE = {"tokens.safetensors": "rerun `eagle3kit tokenize`", "vocab.safetensors": "rerun `eagle3kit vocab`",
            "best.safetensors": "rerun `eagle3kit train` (move checkpoints/ away first to train anew)",
            "last.safetensors": "move checkpoints/ away and rerun `eagle3kit train`, which then starts anew",
-           "model.safetensors": "export the drafter again (`eagle3kit export`)"}
+           "model.safetensors": "export the drafter again (`eagle3kit export`)",
+           "report.json": "restore it, or delete report.json alone (it holds only the stages' summaries; "
+                          "the next stage writes a new one)",
+           "manifest.json": "restore it, or start a new run_dir (without it no stage can tell what its inputs were "
+                            "built from)"}
 
 
 def open_safetensors(path: str | Path, fix: str | None = None):
@@ -104,8 +102,8 @@ def open_safetensors(path: str | Path, fix: str | None = None):
     except FileNotFoundError:
         raise
     except Exception as e:  # SafetensorError, OSError
-        raise DataError(f"{path} is unreadable, truncated or not safetensors ({type(e).__name__}: {e}); "
-                        f"{fix or REWRITE.get(path.name, 'write it again')}") from None
+        raise DataError(f"{path} is unreadable: truncated, or not a readable safetensors file ({type(e).__name__}: "
+                        f"{e}); {fix or REWRITE.get(path.name, 'write it again')}") from None
 
 
 def sha256_tensors(path: str | Path) -> str:
@@ -133,18 +131,9 @@ def sha256_state(tensors: dict, metadata: dict | None = None) -> str:
 
 def load_safetensors(path: str | Path, fix: str) -> dict:
     """``safetensors.torch.load_file`` with a DataError naming the file and ``fix`` when the file
-    is not a safetensors file (a text file, a pickle, a folder)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if path.is_dir():
-        raise DataError(f"{path} is a directory, not a safetensors file; {fix}")
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # SafetensorError, OSError: not a safetensors file
-        raise DataError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); {fix}") from None
+    is not a safetensors file (a text file, a pickle, a folder): see :func:`open_safetensors`."""
+    with open_safetensors(path, fix) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def write_failed(path: str | Path, e: BaseException) -> "DataError":
@@ -403,13 +392,13 @@ class RunDir:
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {_RESTORE[name]}") from None
+            raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {REWRITE[name]}") from None
         shapes = {"stages": dict, "lineage": dict}
         bad = not isinstance(data, dict) or next((k for k, t in shapes.items() if not isinstance(data.get(k, t()), t)), None)
         if bad or (name == "manifest.json" and any(not isinstance(r, dict) or not {"stage", "sha256"} <= set(r)
                                                    for r in data.get("lineage", {}).values())):
             raise DataError(f"{p}: not an eagle3kit {name} (a JSON object whose stages and lineage are objects, each "
-                            f"lineage record with its stage and sha256); {_RESTORE[name]}")
+                            f"lineage record with its stage and sha256); {REWRITE[name]}")
         return data
 
     @property
