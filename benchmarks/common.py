@@ -14,11 +14,11 @@ from pathlib import Path
 def open_run(path: str):
     """(run, cfg, device, target) for a run directory whose conversations exist; tokenizes and
     builds the draft vocabulary first when they are missing."""
-    from eagle3kit.config import load_config
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import load_target, pick_device
-    from eagle3kit.tokenize import run_tokenize
-    from eagle3kit.vocab import run_vocab
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.tokenize import run_tokenize
+    from eagle3kit.data.vocab import run_vocab
+    from eagle3kit.model.target import load_target, pick_device
 
     run = RunDir(path)
     cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
@@ -34,9 +34,10 @@ def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict,
     """Train a drafter in ``vdir`` (the run's tokens and vocab copied in) with ``train_settings``
     overriding the run's ``train`` section, and export its best checkpoint to ``vdir/drafter``.
     Returns (train report, seconds)."""
-    from eagle3kit.export import export_drafter
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.train import load_drafter_checkpoint, run_train
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.train.checkpoints import load_drafter_checkpoint
+    from eagle3kit.train.stage import run_train
 
     vdir.mkdir(parents=True, exist_ok=True)
     for f in ("tokens.safetensors", "vocab.safetensors"):
@@ -63,10 +64,10 @@ def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts:
     Prompts are first user turns (MT-bench's first turn), rendered with the target's template;
     continuations are the target's greedy ``eval_tokens`` tokens, computed once and cached in the
     run directory (``heldout_continuations.json``)."""
-    from eagle3kit.config import PromptSource
-    from eagle3kit.evaluate import greedy_continuations
-    from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.prompts import read_source
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.eval.evaluate import greedy_continuations
 
     cache = Path(getattr(run, "path", run)) / "heldout_continuations.json"
     conts = json.loads(cache.read_text()) if cache.exists() else {}
@@ -99,8 +100,8 @@ def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eva
     Returns:
         ({name: {"mt_bench": {"k3": τ, …}, "gsm8k_heldout": {…}}}, {set: number of prompts}).
     """
-    from eagle3kit.evaluate import simulate
-    from eagle3kit.export import load_exported
+    from eagle3kit.eval.evaluate import simulate
+    from eagle3kit.model.folder import load_exported
 
     sets = heldout_sets(run, target, shared, eval_tokens, eval_prompts)
     out = dict(done or {})

@@ -28,10 +28,17 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.decoder import (DrafterState, OracleProposer, SpecConfig, decode_loop, prefill, speculative_generate,
-                               target_generate)
-from eagle3kit.fasttarget import FastTarget
-from eagle3kit.metrics import AcceptanceStats
+from eagle3kit.core.config import SpecConfig
+from eagle3kit.core.metrics import AcceptanceStats
+from eagle3kit.eval.decoder import (
+    DrafterState,
+    OracleProposer,
+    decode_loop,
+    prefill,
+    speculative_generate,
+    target_generate,
+)
+from eagle3kit.model.fasttarget import FastTarget
 
 
 def sync() -> None:
@@ -83,7 +90,7 @@ def make_greedy_robust(model) -> None:
 def oracle(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3kit.target import resolve_parts
+    from eagle3kit.model.target import resolve_parts
 
     dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -144,11 +151,11 @@ SMOLLM2_SETTINGS = [SpecConfig(steps=3), SpecConfig(steps=5), SpecConfig(mode="t
 
 
 def smollm2(args) -> dict:
-    from eagle3kit.config import PromptSource, TargetConfig
-    from eagle3kit.export import load_exported
-    from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.prompts import read_source
-    from eagle3kit.target import load_target
+    from eagle3kit.core.config import PromptSource, TargetConfig
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.model.target import load_target
 
     dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = getattr(torch, args.dtype)

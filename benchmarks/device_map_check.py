@@ -3,7 +3,7 @@ features and the same training loss as the same target on one GPU?
 
 A Llama-3.1-8B-shaped target with random weights (bf16, hidden 4096, MLP 14336, GQA 32/8,
 vocab 128256; ``--layers`` decoder layers) is saved as safetensors and loaded twice through
-``eagle3kit.target.load_target``: once on ``cuda:0`` and once with ``device_map: balanced``
+``eagle3kit.model.target.load_target``: once on ``cuda:0`` and once with ``device_map: balanced``
 (accelerate spreads the layers over every visible GPU). On the same batch it compares
 
 * the captured aux states and the post-norm last state (``target_features``),
@@ -53,12 +53,13 @@ def save_random_target(folder: Path, layers: int, tiny: bool, dev: str) -> None:
 
 
 def main() -> None:
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.extract import _pack
-    from eagle3kit.target import load_target, target_features, teacher_argmax, teacher_logits
-    from eagle3kit.train import make_batch, Sample, ttt_loss
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.core.ui import print_table
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.target import load_target, target_features, teacher_argmax, teacher_logits
+    from eagle3kit.train.batches import Sample, make_batch
+    from eagle3kit.train.extract import _pack
+    from eagle3kit.train.ttt import ttt_loss
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)

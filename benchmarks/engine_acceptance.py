@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.config import PromptSource, TargetConfig
-from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
-from eagle3kit.evaluate import greedy_continuations, simulate
-from eagle3kit.export import load_exported
-from eagle3kit.generate import render_prompt_ids
-from eagle3kit.prompts import read_source
-from eagle3kit.target import export_fp32_folder, load_target
+from eagle3kit.core.config import PromptSource, TargetConfig
+from eagle3kit.core.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
+from eagle3kit.data.backends import render_prompt_ids
+from eagle3kit.data.sources import read_source
+from eagle3kit.eval.evaluate import greedy_continuations, simulate
+from eagle3kit.model.folder import load_exported
+from eagle3kit.model.target import export_fp32_folder, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "chats" / "gsm8k_train.jsonl"

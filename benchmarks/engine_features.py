@@ -2,7 +2,7 @@
 
 The same token samples (held-out GSM8K prompts, SmolLM2 fp32, the default aux ids) are extracted
 twice with ``eagle3kit extract``: by the transformers backend and by ``--backend vllm`` (vLLM's
-``extract_hidden_states`` method; :mod:`eagle3kit.vllm_capture` writes the states on the CPU
+``extract_hidden_states`` method; :mod:`eagle3kit.train.vllm_capture` writes the states on the CPU
 build, whose own connector needs CUDA), once with vLLM in fp32 and once with vLLM computing in
 bf16 (``engine_args: {dtype: bfloat16}``: other numerics). ``parity`` compares each with the
 transformers folder per aux layer and for the teacher state. Prints one table; writes JSON.
@@ -29,15 +29,15 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-    from eagle3kit.config import PromptSource, load_config
-    from eagle3kit.engines import installed_vllm
-    from eagle3kit.extract import run_extract
-    from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.parity import compare_features
-    from eagle3kit.prompts import read_source
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import load_target, resolve_aux_layer_ids
-    from eagle3kit.tokenize import save_shard
+    from eagle3kit.core.config import PromptSource, load_config
+    from eagle3kit.core.engines import installed_vllm
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.data.tokenize import save_shard
+    from eagle3kit.model.target import load_target, resolve_aux_layer_ids
+    from eagle3kit.serve.parity import compare_features
+    from eagle3kit.train.extract import run_extract
 
     work = Path(args.work)
     if work.exists():

@@ -35,14 +35,14 @@ def main() -> None:
 
     from common import train_variant
 
-    from eagle3kit.config import PromptSource, load_config
-    from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
-    from eagle3kit.extract import run_extract
-    from eagle3kit.parity import compare_features
-    from eagle3kit.prompts import read_source
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import export_fp32_folder, load_target
-    from eagle3kit.tokenize import load_shard
+    from eagle3kit.core.config import PromptSource, load_config
+    from eagle3kit.core.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.data.tokenize import load_shard
+    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.serve.parity import compare_features
+    from eagle3kit.train.extract import run_extract
 
     work = Path(args.work)
     if work.exists() and not args.resume:

@@ -35,9 +35,10 @@ def main() -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3kit.extract import ShardBuffer, _pack, bytes_per_token
-    from eagle3kit.target import Target, resolve_parts, target_features
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.ui import print_table
+    from eagle3kit.model.target import Target, resolve_parts, target_features
+    from eagle3kit.train.extract import ShardBuffer, _pack
+    from eagle3kit.train.features import bytes_per_token
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256 * 1024)

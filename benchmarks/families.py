@@ -33,9 +33,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import family_flow
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.engines import installed_vllm
-    from eagle3kit.target import load_tokenizer
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.core.engines import installed_vllm
+    from eagle3kit.model.target import load_tokenizer
 
     work = Path(args.work)
     tok_dir = work / "smollm2-tokenizer"

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     from common import heldout_tau, open_run, train_variant
 
-    from eagle3kit.extract import run_extract
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.ui import print_table
+    from eagle3kit.train.extract import run_extract
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)

@@ -19,12 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3kit.config import Config, GenerateConfig, PromptSource, PromptsConfig, TargetConfig
-from eagle3kit.engines import VLLMServer, free_port
-from eagle3kit.generate import run_generate
-from eagle3kit.prompts import run_prompts
-from eagle3kit.rundir import RunDir, read_jsonl
-from eagle3kit.target import export_fp32_folder, load_target
+from eagle3kit.core.config import Config, GenerateConfig, PromptsConfig, PromptSource, TargetConfig
+from eagle3kit.core.engines import VLLMServer, free_port
+from eagle3kit.core.rundir import RunDir, read_jsonl
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.prompts import run_prompts
+from eagle3kit.model.target import export_fp32_folder, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench.jsonl"

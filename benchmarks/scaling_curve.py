@@ -85,7 +85,7 @@ def load_state(work: Path) -> dict:
 
 
 def save_state(work: Path, state: dict) -> None:
-    from eagle3kit.rundir import write_json
+    from eagle3kit.core.rundir import write_json
 
     write_json(work / "state.json", state)
 
@@ -133,11 +133,11 @@ def spawn(jobs: list[tuple[list[str], int]]) -> None:
 
 
 def stage_data(args, work: Path, state: dict) -> None:
-    from eagle3kit.config import load_config
-    from eagle3kit.generate import run_generate
-    from eagle3kit.prompts import run_prompts
-    from eagle3kit.rundir import RunDir, read_jsonl, sha256_file, write_jsonl
-    from eagle3kit.target import load_target
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir, read_jsonl, sha256_file, write_jsonl
+    from eagle3kit.data.generate import run_generate
+    from eagle3kit.data.prompts import run_prompts
+    from eagle3kit.model.target import load_target
 
     pool = RunDir(work / "pool")
     sources = [{**s, "path": str(Path(args.shared, s["path"]).resolve()), **({"limit": args.per_source} if args.per_source else {})}
@@ -190,7 +190,7 @@ def stage_data(args, work: Path, state: dict) -> None:
 
 
 def stage_subsets(args, work: Path, state: dict) -> None:
-    from eagle3kit.rundir import RunDir, read_jsonl, sha256_file
+    from eagle3kit.core.rundir import RunDir, read_jsonl, sha256_file
 
     pool = work / "pool" / "conversations.jsonl"
     if "generate" not in RunDir(work / "pool").report:
@@ -223,8 +223,8 @@ def folder(work: Path, name: str) -> Path:
 def write_subset(args, work: Path, name: str, take: list[dict], evals: dict, state: dict) -> None:
     """Write one subset's run folder (config, conversations, a ``subset`` stage with its source mix
     and its overlap with the evaluation sets) unless it is there already."""
-    from eagle3kit.evaluate import check_overlap
-    from eagle3kit.rundir import RunDir, sha256_file, write_jsonl
+    from eagle3kit.core.rundir import RunDir, sha256_file, write_jsonl
+    from eagle3kit.eval.evaluate import check_overlap
 
     run = RunDir(folder(work, name))
     write_config(run.path, {"run_dir": str(run.path), "target": {"model": args.target}, **recipe(args)})
@@ -246,13 +246,13 @@ def write_subset(args, work: Path, name: str, take: list[dict], evals: dict, sta
 def train_subset(work: Path, name: str, target) -> dict:
     """Tokenize, build the draft vocabulary, train (resuming) and export the drafter of subset
     ``name``; its numbers go to ``<run>/scaling_train.json`` (each GPU's process writes its own)."""
-    from eagle3kit.checkpoints import load_drafter_checkpoint
-    from eagle3kit.config import load_config
-    from eagle3kit.export import export_drafter
-    from eagle3kit.rundir import RunDir, write_json
-    from eagle3kit.tokenize import run_tokenize
-    from eagle3kit.train import run_train
-    from eagle3kit.vocab import run_vocab
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir, write_json
+    from eagle3kit.data.tokenize import run_tokenize
+    from eagle3kit.data.vocab import run_vocab
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.train.checkpoints import load_drafter_checkpoint
+    from eagle3kit.train.stage import run_train
 
     run = RunDir(folder(work, name))
     cfg = load_config(run / "config.yaml", {"run_dir": str(run.path)})
@@ -270,8 +270,8 @@ def train_subset(work: Path, name: str, target) -> dict:
 
 
 def stage_train(args, work: Path, state: dict) -> None:
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_target
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
 
     names = args.only or run_names(args)
     for n in names:
@@ -320,13 +320,12 @@ def target_confidence(target, prompt: list[int], cont: list[int]) -> tuple[float
 
 def stage_eval(args, work: Path, state: dict) -> None:
     from common import heldout_sets
-
     from safetensors.torch import load_file
 
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.evaluate import simulate, untrained_drafter
-    from eagle3kit.export import load_exported
-    from eagle3kit.target import load_target, pick_device
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.eval.evaluate import simulate, untrained_drafter
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.model.target import load_target, pick_device
 
     tau = state.setdefault("tau", {})
     settings = {"eval_tokens": args.eval_tokens, "eval_prompts": args.eval_prompts}
@@ -389,10 +388,10 @@ def best_size(state: dict) -> str:
 def stage_decode(args, work: Path, state: dict) -> None:
     from common import heldout_sets
 
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.evaluate import decode, simulate
-    from eagle3kit.export import load_exported
-    from eagle3kit.target import load_target, pick_device
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.eval.evaluate import decode, simulate
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.model.target import load_target, pick_device
 
     if state.get("decode", {}).get("greedy_identical") is not None:
         print("[scaling] decode: done already")

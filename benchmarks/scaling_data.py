@@ -9,8 +9,8 @@ import random
 def eval_rows(shared: str) -> dict[str, list[dict]]:
     from common import EVAL_SETS
 
-    from eagle3kit.config import PromptSource
-    from eagle3kit.prompts import read_source
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.data.sources import read_source
 
     return {name: [{**r, "messages": r["messages"][:1]} for r in
                    read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))[0]]
@@ -25,8 +25,8 @@ def drop_eval_overlap(rows: list[dict], evals: list[dict], near: float = 0.9) ->
     """``rows`` without any whose user text equals an evaluation prompt's (after
     ``prompts.normalize_text``) or shares ≥ ``near`` of its words with one (Jaccard, as
     ``evaluate.check_overlap`` counts near-duplicates)."""
-    from eagle3kit.evaluate import _word_set
-    from eagle3kit.prompts import normalize_text
+    from eagle3kit.data.sources import normalize_text
+    from eagle3kit.eval.evaluate import _word_set
 
     ev_norm = {normalize_text(user_text(r)) for r in evals}
     ev_words = [w for w in (_word_set(user_text(r)) for r in evals) if w]

@@ -16,7 +16,7 @@ def write_report(args, work: Path, state: dict, recipe: dict, names: list[str], 
 
     import torch
 
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.ui import print_table
 
     results = Path(args.results)
     out = results / "scaling"

@@ -35,7 +35,7 @@ PATHS = {
 def main() -> None:
     from common import heldout_tau, open_run, train_variant
 
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.ui import print_table
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)

@@ -10,7 +10,7 @@ its argmax always lies in the draft vocabulary: every position is supervised at 
 
 Two paths, measured in the same run with the same data:
 
-* fast: what ``train`` does on CUDA (``eagle3kit.train.train_step``): flex attention with a block
+* fast: what ``train`` does on CUDA (``eagle3kit.train.stage.train_step``): flex attention with a block
   mask (compiled), the loss in checkpointed chunks of ``--loss-chunk`` positions, bf16 autocast
   over fp32 master weights, fused AdamW;
 * reference: the same step with the dense TTT attention and the unchunked fp32 loss (the
@@ -70,12 +70,13 @@ def linear_params(module: nn.Module) -> int:
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.target import Target, resolve_parts, target_features, teacher_argmax
-    from eagle3kit.config import TrainConfig
-    from eagle3kit.distributed import World
-    from eagle3kit.train import Sample, make_batch, train_step
-    from eagle3kit.ui import print_table
+    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.ui import print_table
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax
+    from eagle3kit.train.batches import Sample, make_batch
+    from eagle3kit.train.distributed import World
+    from eagle3kit.train.stage import train_step
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="timed steps of the fast path")
@@ -168,7 +169,7 @@ def main() -> None:
     def agreement(b: int = 2) -> dict:
         """The GPU formulation (flex attention, chunked loss) against the reference on one batch,
         both in fp32: relative difference of the loss and of the gradient."""
-        from eagle3kit.ttt import ttt_loss
+        from eagle3kit.train.ttt import ttt_loss
 
         batch = batch_of(b)
         got = []

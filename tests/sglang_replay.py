@@ -11,8 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from fastapi import Request   # module level: FastAPI resolves the string annotations against module globals
-
+from fastapi import Request  # module level: FastAPI resolves the string annotations against module globals
 from standin_server import AppThread
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_responses.json").read_text())
@@ -25,7 +24,7 @@ class SGLangReplay(AppThread):
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-        from eagle3kit.generate import render_prompt_ids
+        from eagle3kit.data.backends import render_prompt_ids
 
         self.seen: Counter = Counter()
         app = FastAPI()

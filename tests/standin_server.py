@@ -26,9 +26,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fastapi import Request   # module level: FastAPI resolves the string annotations against module globals
+from fastapi import Request  # module level: FastAPI resolves the string annotations against module globals
 
-from eagle3kit.engines import free_port
+from eagle3kit.core.engines import free_port
 
 SHAPES = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
 

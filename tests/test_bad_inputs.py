@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from eagle3kit.cli import app
-from eagle3kit.config import ConfigError, PromptSource, load_config
-from eagle3kit.prompts import read_source
-from eagle3kit.rundir import DataError, RunDir, load_safetensors, read_jsonl
+from eagle3kit.core.config import ConfigError, PromptSource, load_config
+from eagle3kit.core.rundir import DataError, RunDir, load_safetensors, read_jsonl
+from eagle3kit.data.sources import read_source
 
 
 def _src(tmp_path, text: bytes, name="p.jsonl"):
@@ -144,12 +144,12 @@ def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
 
 
 def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, monkeypatch):
-    import eagle3kit.extract
+    import eagle3kit.cli
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eagle3kit.extract, "run_extract", interrupted)
+    monkeypatch.setattr(eagle3kit.cli, "run_extract", interrupted)
     (tmp_path / "run").mkdir()
     res = CliRunner().invoke(app, ["extract", "--run-dir", str(tmp_path / "run"), "--shard-tokens", "4096"])
     out = " ".join(res.output.split())
@@ -209,7 +209,7 @@ def test_an_empty_config_or_true_for_a_number_is_refused(tmp_path, text, needle)
 
 
 def test_a_config_path_that_is_a_folder_is_named_as_a_folder(tmp_path):
-    from eagle3kit.config import ConfigError, load_config
+    from eagle3kit.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
         load_config(tmp_path)

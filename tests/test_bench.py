@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from eagle3kit.bench import BenchError, acceptance_from_counters, acceptance_from_meta, run_bench, write_outputs
-from eagle3kit.benchreport import compare, load_record
+from eagle3kit.core.engines import acceptance_from_counters
+from eagle3kit.serve.bench import acceptance_from_meta, run_bench, write_outputs
+from eagle3kit.serve.benchreport import BenchError, compare, load_record
 
 
 def test_c33_acceptance_rate_and_tokens_per_step_are_named_apart():
@@ -93,7 +94,7 @@ def test_sglang_paths_against_replayed_responses(tmp_path, smollm2_tokenizer):
 
 
 def test_bad_input_names_the_thing_and_the_fix(tmp_path):
-    from eagle3kit.engines import free_port
+    from eagle3kit.core.engines import free_port
 
     p = tmp_path / "p.jsonl"
     p.write_text('{"turns": ["hi there"]}\n')
@@ -125,7 +126,7 @@ def test_trial_findings_system_turns_failures_keys_and_dead_servers(tmp_path, mo
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from eagle3kit.engines import free_port
+    from eagle3kit.core.engines import free_port
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRETKEY-abc123")
     with StandInServer() as srv:

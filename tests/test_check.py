@@ -6,12 +6,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from eagle3kit.check import check_drafter, sglang_captured
 from eagle3kit.cli import app
-from eagle3kit.config import TargetConfig
-from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.export import export_drafter
-from eagle3kit.vocab import DraftVocab
+from eagle3kit.core.config import TargetConfig
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.folder import export_drafter
+from eagle3kit.serve.check import check_drafter, sglang_captured
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_c31_engine_version_and_target_family(good, tiny_target_dir, tmp_path):
 def test_the_speculators_layout_is_checked_as_such(good, tiny_target_dir, tmp_path):
     """A speculators export: vLLM reads it from 0.10.1 on (read from the releases' source), SGLang
     has no class for it; check renames layers.0.* itself, so nothing else is flagged."""
-    from eagle3kit.export import export_drafter, load_exported
+    from eagle3kit.model.folder import export_drafter, load_exported
 
     spec = export_drafter(load_exported(good), tmp_path / "spec", json.loads((good / "config.json").read_text())["eagle3kit"],
                           fmt="speculators", verifier={"name_or_path": "t", "architectures": ["LlamaForCausalLM"]})

@@ -1,7 +1,7 @@
 import pytest
 
-from eagle3kit.config import ConfigError, TargetConfig, load_config
-from eagle3kit.target import default_aux_layer_ids, resolve_aux_layer_ids, validate_aux_layer_ids
+from eagle3kit.core.config import ConfigError, TargetConfig, load_config
+from eagle3kit.model.target import default_aux_layer_ids, resolve_aux_layer_ids, validate_aux_layer_ids
 
 
 def test_defaults_load_and_match_the_documented_default_run():

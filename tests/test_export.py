@@ -3,9 +3,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from eagle3kit.export import ExportError, export_drafter, load_exported, validate_tensors
 from test_drafter import tiny_drafter
+
+from eagle3kit.model.contract import ExportError, validate_tensors
+from eagle3kit.model.folder import export_drafter, load_exported
 
 
 def test_c28_reduced_vocab_export_shapes_and_config(tmp_path):
@@ -55,9 +56,9 @@ def test_export_never_overwrites_without_being_asked(tmp_path):
 def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_and_resume(tmp_path, tiny_target_dir):
     from transformers import AutoConfig
 
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.train import load_drafter_checkpoint, save_drafter_checkpoint
-    from eagle3kit.vocab import DraftVocab
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.train.checkpoints import load_drafter_checkpoint, save_drafter_checkpoint
 
     tc = AutoConfig.from_pretrained(tiny_target_dir)
     assert tc.tie_word_embeddings is True                       # the target ties its embedding and lm_head
@@ -71,8 +72,8 @@ def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_a
 
 
 def test_c29_a_drafter_narrower_than_its_target(tmp_path):
-    from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.export import engine_config, required_shapes
+    from eagle3kit.model.contract import engine_config, required_shapes
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 
     c = DrafterConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                       rms_norm_eps=1e-6, vocab_size=97, draft_vocab_size=97, target_hidden_size=16, aux_layer_ids=[1, 2, 3])

@@ -8,12 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3kit.config import ConfigError, load_config
-from eagle3kit.extract import bytes_per_token, dequantize_fp8, load_features, quantize_fp8, run_extract
-from eagle3kit.rundir import RunDir, sha256_tensors
-from eagle3kit.tokenize import save_shard
-from eagle3kit.train import Sample, build_drafter, compute_features, make_batch, ttt_loss
-from eagle3kit.vocab import DraftVocab, save_vocab
+from eagle3kit.core.config import ConfigError, load_config
+from eagle3kit.core.rundir import RunDir, sha256_tensors
+from eagle3kit.data.tokenize import save_shard
+from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
+from eagle3kit.train.batches import Sample, make_batch
+from eagle3kit.train.extract import run_extract
+from eagle3kit.train.features import bytes_per_token, dequantize_fp8, load_features, quantize_fp8
+from eagle3kit.train.stage import build_drafter, compute_features
+from eagle3kit.train.ttt import ttt_loss
 
 V, VD = 49152, 256
 
@@ -39,7 +42,7 @@ def run(tmp_path_factory, tiny_target):
 
 
 def draft_vocab(run):
-    from eagle3kit.vocab import load_vocab
+    from eagle3kit.model.draft_vocab import load_vocab
 
     return load_vocab(run / "vocab.safetensors")[0]
 
@@ -104,7 +107,7 @@ def test_refusals_other_inputs_and_too_little_disk(run, tiny_target, tiny_target
 @pytest.mark.parametrize("dtype,teacher,tol", [("bf16", "last", 0.02), ("fp8", "last", 0.1), ("bf16", f"topk:{VD}", 0.02)])
 def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_target, tiny_target_dir, tmp_path,
                                                                       dtype, teacher, tol):
-    from eagle3kit.tokenize import load_shard
+    from eagle3kit.data.tokenize import load_shard
 
     cfg = cfg_for(run, tiny_target_dir, dtype=dtype, teacher=teacher)
     run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
@@ -130,7 +133,7 @@ def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_
 
 
 def test_features_from_other_inputs_are_refused(run, tiny_target, tiny_target_dir, tmp_path):
-    from eagle3kit.tokenize import load_shard
+    from eagle3kit.data.tokenize import load_shard
 
     cfg = cfg_for(run, tiny_target_dir)
     run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
@@ -143,7 +146,7 @@ def test_features_from_other_inputs_are_refused(run, tiny_target, tiny_target_di
 
 # ---- bad inputs (an attacker's findings): every one stops with a message naming the file and the fix
 def _samples(run):
-    from eagle3kit.tokenize import load_shard
+    from eagle3kit.data.tokenize import load_shard
 
     return [Sample(i, m) for i, m in load_shard(run / "tokens.safetensors")]
 
@@ -153,7 +156,7 @@ def _load(folder, run, tiny_target):
 
 
 def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tiny_target, tiny_target_dir, tmp_path):
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
 
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
     f = tmp_path / "f"
@@ -178,13 +181,13 @@ def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tin
 def test_a_shard_from_another_run_or_an_edited_index_is_refused(run, tiny_target, tiny_target_dir, tmp_path):
     import json
 
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
 
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
     f = tmp_path / "f"
     run_extract(cfg, run, tiny_target, out_dir=str(f))
     other = RunDir(tmp_path / "other")                     # the same lengths, other tokens
-    from eagle3kit.tokenize import load_shard
+    from eagle3kit.data.tokenize import load_shard
 
     save_shard(other / "tokens.safetensors", [((ids + 1).tolist(), m.int().tolist()) for ids, m in load_shard(run / "tokens.safetensors")])
     shutil.copy(run / "vocab.safetensors", other / "vocab.safetensors")
@@ -209,7 +212,7 @@ def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(run, tiny_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
 
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
     f = tmp_path / "f"
@@ -235,7 +238,7 @@ def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(run, tiny_
 
 
 def test_option_and_folder_refusals(run, tiny_target, tiny_target_dir, tmp_path):
-    from eagle3kit.rundir import DataError, folder_lock
+    from eagle3kit.core.rundir import DataError, folder_lock
 
     with pytest.raises(ConfigError, match=rf"topk:1000 asks for more logits than the draft vocabulary holds \({VD}\)"):
         run_extract(cfg_for(run, tiny_target_dir, teacher="topk:1000"), run, tiny_target, out_dir=str(tmp_path / "k"))
@@ -255,8 +258,8 @@ def test_option_and_folder_refusals(run, tiny_target, tiny_target_dir, tmp_path)
 
 
 def test_a_target_with_only_pickled_weights_is_refused(tmp_path):
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import locate_target
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import locate_target
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")

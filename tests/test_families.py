@@ -4,13 +4,20 @@ the parts through the wrappers; the captured aux states equal ``output_hidden_st
 same HF indices; the teacher logits (final norm applied once) equal the model's own logits; one
 TTT training step runs on each."""
 import importlib.util
+
 import pytest
 import torch
-
-from eagle3kit.config import ConfigError, TargetConfig
-from eagle3kit.target import (Target, capture_layer_inputs, resolve_aux_layer_ids, resolve_parts, target_features,
-                              teacher_logits)
 from tiny_targets import FAMILIES, build, unwrapped
+
+from eagle3kit.core.config import ConfigError, TargetConfig
+from eagle3kit.model.target import (
+    Target,
+    capture_layer_inputs,
+    resolve_aux_layer_ids,
+    resolve_parts,
+    target_features,
+    teacher_logits,
+)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -59,8 +66,10 @@ def test_c16_a_shallow_target_with_the_default_layers_is_refused_by_name():
 
 
 def test_one_ttt_step_trains_on_every_family(family):
-    from eagle3kit.train import Sample, build_drafter, compute_features, make_batch, ttt_loss
-    from eagle3kit.vocab import DraftVocab
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.train.batches import Sample, make_batch
+    from eagle3kit.train.stage import build_drafter, compute_features
+    from eagle3kit.train.ttt import ttt_loss
 
     name, m, t = family
     torch.manual_seed(0)
@@ -120,7 +129,7 @@ def test_the_saved_config_mirrors_the_hub_config_key_for_key(family, family_fold
 
 @pytest.mark.parametrize("family", ON_DISK)
 def test_load_target_loads_every_family_from_its_folder(family, family_folders):
-    from eagle3kit.target import load_target
+    from eagle3kit.model.target import load_target
 
     t = load_target(TargetConfig(model=str(family_folders[family])), device="cpu")
     assert t.num_layers == 8 and t.hidden_size == 64
@@ -151,7 +160,7 @@ def test_a_wrappers_vision_weights_never_enter_memory(family_folders, tmp_path):
     for f in family_folders["kimi_k25"].iterdir():
         (big / f.name).symlink_to(f)
     save_file({"vision_tower.encoder.blocks.0.huge.weight": torch.ones(256, 1024, 1024)}, str(big / "model-vision.safetensors"))
-    code = ("import resource, sys; from eagle3kit.config import TargetConfig; from eagle3kit.target import load_target; "
+    code = ("import resource, sys; from eagle3kit.core.config import TargetConfig; from eagle3kit.model.target import load_target; "
             "load_target(TargetConfig(model=sys.argv[1]), device='cpu'); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     peak = {name: int(subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
@@ -161,7 +170,7 @@ def test_a_wrappers_vision_weights_never_enter_memory(family_folders, tmp_path):
 
 
 def test_a_wrapper_without_a_loadable_language_model_is_refused_naming_its_class(family_folders, tmp_path):
-    from eagle3kit.target import load_target
+    from eagle3kit.model.target import load_target
 
     odd = tmp_path / "odd"
     odd.mkdir()
@@ -216,7 +225,7 @@ def test_a_config_that_does_not_describe_its_checkpoint_is_refused_by_name(case,
                                                                             tmp_path):
     """Attack findings: each was a traceback, a 30 GB allocation, or (fewer layers) a model silently
     cut short; each is now a ConfigError naming the fault and the fix."""
-    from eagle3kit.target import load_target
+    from eagle3kit.model.target import load_target
 
     folder = _edited(family_folders["kimi_k25"], tmp_path / case, edit)
     with pytest.raises(ConfigError, match=match):
@@ -224,7 +233,7 @@ def test_a_config_that_does_not_describe_its_checkpoint_is_refused_by_name(case,
 
 
 def test_an_empty_folder_or_one_without_a_tokenizer_is_named(family_folders, tmp_path):
-    from eagle3kit.target import load_target
+    from eagle3kit.model.target import load_target
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="config.json does not exist"):
@@ -242,7 +251,8 @@ def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_traine
     """transformers' DeepSeek-V3 always routes with sigmoid + noaux_tc; vLLM honours the config's
     value, so a present-but-other value serves another model (was "servable")."""
     import family_flow
-    from eagle3kit.check import check_drafter
+
+    from eagle3kit.serve.check import check_drafter
 
     src = family_folders["deepseek_v3"]
     drafter = family_flow.untrained_drafter(src, tmp_path / "drafter")
@@ -255,7 +265,7 @@ def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_traine
 
 
 def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders, tmp_path):
-    from eagle3kit.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import export_fp32_folder, load_target
 
     target = load_target(TargetConfig(model=str(family_folders["llama"])), device="cpu")
     out = tmp_path / "fp32"

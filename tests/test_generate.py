@@ -1,9 +1,11 @@
 
 from conftest import GSM8K
-from eagle3kit.config import Config, GenerateConfig, PromptSource, PromptsConfig, TargetConfig
-from eagle3kit.generate import render_prompt_ids, run_generate, transformers_generate
-from eagle3kit.prompts import run_prompts
-from eagle3kit.rundir import RunDir, read_jsonl
+
+from eagle3kit.core.config import Config, GenerateConfig, PromptsConfig, PromptSource, TargetConfig
+from eagle3kit.core.rundir import RunDir, read_jsonl
+from eagle3kit.data.backends import render_prompt_ids, transformers_generate
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.prompts import run_prompts
 
 
 def _cfg(tmp_path, tiny_target_dir, n):

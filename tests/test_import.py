@@ -5,16 +5,17 @@ import json
 
 import pytest
 import torch
+from foreign_layouts import write_layout
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from eagle3kit.cli import app
-from eagle3kit.config import ConfigError, TargetConfig
-from eagle3kit.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.export import export_drafter
-from eagle3kit.importer import DrafterImportError, read_drafter, run_import
-from eagle3kit.vocab import DraftVocab
-from foreign_layouts import write_layout
+from eagle3kit.core.config import ConfigError, TargetConfig
+from eagle3kit.model.contract import DrafterImportError
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.folder import export_drafter, read_drafter
+from eagle3kit.serve.importer import run_import
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_speculators_export_has_every_key_of_design_section_5(source, target, tm
     names = set(load_file(str(out / "model.safetensors")))
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
-    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig   # what vLLM makes of it
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig  # what vLLM makes of it
 
     pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg)))
     assert pre["norm_before_residual"] is False and pre["architectures"] == ["Eagle3LlamaForCausalLM"]
@@ -177,7 +178,7 @@ def test_the_import_command_converts_reports_and_checks(source, tiny_target_dir,
 def test_init_from_copies_weights_and_matches_lm_head_rows_by_target_id(source, target, tiny_target_dir):
     from transformers import AutoConfig
 
-    from eagle3kit.train import init_from_drafter
+    from eagle3kit.train.checkpoints import init_from_drafter
 
     tc = AutoConfig.from_pretrained(tiny_target_dir)
     torch.manual_seed(0)
@@ -226,7 +227,7 @@ def test_a_folder_holding_another_tools_drafter_is_never_mixed_or_lost(source, t
     (lambda c: {**c, "draft_vocab_size": 60000}, "exceeds vocab_size"),
 ])
 def test_a_malformed_config_is_refused_by_field_in_import_and_check(source, target, tiny_target_dir, tmp_path, change, words):
-    from eagle3kit.check import check_drafter
+    from eagle3kit.serve.check import check_drafter
 
     bad = edit(source, tmp_path, config=change)
     with pytest.raises(DrafterImportError) as e:
@@ -280,7 +281,7 @@ def test_shards_are_read_by_their_weight_map_only(source, target, tmp_path):
     (lambda t: {**t, "d2t": t["d2t"].double()}, "1-D an integer tensor", "vocab_map_dtype"),
 ])
 def test_weights_of_the_wrong_kind(source, target, tmp_path, change, words, code):
-    from eagle3kit.check import check_drafter
+    from eagle3kit.serve.check import check_drafter
 
     bad = edit(source, tmp_path, tensors=change)
     with pytest.raises(DrafterImportError, match=words):
@@ -290,7 +291,7 @@ def test_weights_of_the_wrong_kind(source, target, tmp_path, change, words, code
 
 
 def test_check_finds_an_aux_id_count_that_does_not_fit_fc_and_a_bad_engine_version(source, tiny_target_dir, tmp_path):
-    from eagle3kit.check import check_drafter
+    from eagle3kit.serve.check import check_drafter
 
     bad = edit(source, tmp_path, config=lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [2, 4],
                                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}})

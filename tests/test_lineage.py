@@ -1,4 +1,4 @@
-"""Issue 21: one lineage rule for every stage (:mod:`eagle3kit.lineage`). A run on a tiny target
+"""Issue 21: one lineage rule for every stage (:mod:`eagle3kit.core.lineage`). A run on a tiny target
 (prompts → generate → tokenize → vocab → train → export), copied per test; each test changes one
 upstream input and asserts that the next stage refuses before doing any work, naming the stale
 file and the stage to rerun."""
@@ -6,11 +6,11 @@ import json
 import shutil
 
 import pytest
-
 from conftest import GSM8K, build_tiny_llama
-from eagle3kit.config import ConfigError, load_config
-from eagle3kit.lineage import StaleInput
-from eagle3kit.rundir import DataError, RunDir, read_jsonl, write_jsonl
+
+from eagle3kit.core.config import ConfigError, load_config
+from eagle3kit.core.lineage import StaleInput
+from eagle3kit.core.rundir import DataError, RunDir, read_jsonl, write_jsonl
 
 CONFIG = """run_dir: {run}
 target: {{model: {target}, dtype: float32}}
@@ -24,12 +24,12 @@ train: {{epochs: 1, ttt_steps: 1, tokens_per_step: 256}}
 
 
 def stages():
-    from eagle3kit.export import run_export
-    from eagle3kit.generate import run_generate
-    from eagle3kit.prompts import run_prompts
-    from eagle3kit.tokenize import run_tokenize
-    from eagle3kit.train import run_train
-    from eagle3kit.vocab import run_vocab
+    from eagle3kit.data.generate import run_generate
+    from eagle3kit.data.prompts import run_prompts
+    from eagle3kit.data.tokenize import run_tokenize
+    from eagle3kit.data.vocab import run_vocab
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.train.stage import run_train
 
     return {"prompts": run_prompts, "generate": run_generate, "tokenize": run_tokenize, "vocab": run_vocab,
             "train": run_train, "export": run_export}
@@ -126,8 +126,8 @@ def test_a_config_edited_in_place_is_another_target_a_reindented_one_is_not(copy
     """Attack finding: the target's config.json edited in place (rope theta, activation) with the
     same weights: generate appended the new model's rows to the old one's and every later stage ran.
     The target's identity covers config.json and generation_config.json (their JSON content)."""
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import weights_fingerprint
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import weights_fingerprint
 
     cfg, run = copy
     path = run.path.parent / "target" / "config.json"
@@ -175,7 +175,7 @@ def test_train_refuses_a_vocab_built_from_other_tokens(copy):
 
 
 def test_vocab_refuses_a_token_shard_changed_after_tokenize_wrote_it(copy, tmp_path):
-    from eagle3kit.tokenize import load_shard, save_shard
+    from eagle3kit.data.tokenize import load_shard, save_shard
 
     cfg, run = copy
     rows = load_shard(run / "tokens.safetensors")
@@ -197,7 +197,7 @@ def test_evaluate_refuses_a_drafter_that_is_not_its_checkpoints_export_or_whose_
     export; retrained data under an old export names the stage to rerun first."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, run = copy
     path = run / "drafter" / "model.safetensors"
@@ -215,8 +215,8 @@ def test_evaluate_refuses_a_drafter_that_is_not_its_checkpoints_export_or_whose_
 
 
 def test_extract_refuses_tokens_changed_after_tokenize(copy):
-    from eagle3kit.extract import run_extract
-    from eagle3kit.tokenize import load_shard, save_shard
+    from eagle3kit.data.tokenize import load_shard, save_shard
+    from eagle3kit.train.extract import run_extract
 
     cfg, run = copy
     rows = load_shard(run / "tokens.safetensors")
@@ -282,7 +282,7 @@ def test_train_without_validation_keeps_a_best_checkpoint_and_refuses_an_epoch_t
     target's top-1 never in the draft vocabulary) trained on and reported success."""
     import torch
 
-    from eagle3kit.vocab import load_vocab, save_vocab
+    from eagle3kit.model.draft_vocab import load_vocab, save_vocab
 
     cfg, run = copy
     cfg.train.val_fraction = 0.0
@@ -292,7 +292,7 @@ def test_train_without_validation_keeps_a_best_checkpoint_and_refuses_an_epoch_t
     m = json.loads((run / "manifest.json").read_text())
     del m["lineage"]                                    # as after a deleted manifest: nothing to check against
     (run / "manifest.json").write_text(json.dumps(m))
-    from eagle3kit.vocab import DraftVocab
+    from eagle3kit.model.draft_vocab import DraftVocab
 
     unused = torch.tensor(sorted(set(range(vocab.vocab_size)) - set(vocab.ids.tolist()))[-vocab.ids.numel():])
     save_vocab(run / "vocab.safetensors", DraftVocab(ids=unused, vocab_size=vocab.vocab_size), meta)
@@ -345,7 +345,7 @@ def test_a_corrupt_report_says_to_delete_that_file_not_the_run(copy):
 def test_a_second_train_on_the_same_run_dir_is_refused_while_one_trains(copy):
     """Hostile-input trial: two `train` processes on one run directory both ran, writing the same
     checkpoints, until one crashed; train holds .train.lock as generate holds its own."""
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
 
     cfg, run = copy
     before = (run / "checkpoints" / "best.safetensors").read_bytes()
@@ -443,8 +443,8 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
     import errno
     from pathlib import Path
 
-    from eagle3kit.bench import write_outputs
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
+    from eagle3kit.serve.bench import write_outputs
 
     real = Path.write_text
 
@@ -455,7 +455,7 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
 
     from standin_server import StandInServer
 
-    from eagle3kit.bench import run_bench
+    from eagle3kit.serve.bench import run_bench
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n")

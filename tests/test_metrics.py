@@ -1,6 +1,6 @@
 import torch
 
-from eagle3kit.metrics import AcceptanceStats, match_runs, walk_chain
+from eagle3kit.core.metrics import AcceptanceStats, match_runs, walk_chain
 
 
 def test_c33_acceptance_rate_and_tokens_per_step_are_named_apart():

@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
+from test_extract import cfg_for, run  # noqa: F401  (the module's run fixture: 12 samples, tiny Llama)
 from typer.testing import CliRunner
 
 from eagle3kit.cli import app
-from eagle3kit.config import ConfigError
-from eagle3kit.extract import run_extract
-from eagle3kit.parity import compare_features
-from test_extract import cfg_for, run  # noqa: F401  (the module's run fixture: 12 samples, tiny Llama)
+from eagle3kit.core.config import ConfigError
+from eagle3kit.serve.parity import compare_features
+from eagle3kit.train.extract import run_extract
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_features_one_layer_off_are_flagged(run, reference, tiny_target, tiny_ta
 
 def test_a_teacher_state_taken_before_the_final_norm_is_flagged(run, reference, tiny_target, tiny_target_dir, tmp_path,  # noqa: F811
                                                                 monkeypatch):
-    import eagle3kit.extract as ex
-    from eagle3kit.target import capture_layer_inputs
+    import eagle3kit.train.extract as ex
+    from eagle3kit.model.target import capture_layer_inputs
 
     def before_norm(target, input_ids, attention_mask, aux_ids):          # the planted capture mistake
         parts = target.parts
@@ -69,8 +69,8 @@ def test_a_teacher_state_taken_before_the_final_norm_is_flagged(run, reference, 
 
 
 def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
-    from eagle3kit.config import TrainConfig
-    from eagle3kit.train import feature_source_warning
+    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.train.stage import feature_source_warning
 
     assert feature_source_warning(None, None) is None                                   # nothing named for serving
     assert feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "vllm") is None

@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from conftest import GSM8K, MT_BENCH
 from typer.testing import CliRunner
 
-from conftest import GSM8K, MT_BENCH
 from eagle3kit.cli import app
-from eagle3kit.config import load_config
+from eagle3kit.core.config import load_config
+from eagle3kit.core.rundir import DataError, RunDir
 from eagle3kit.pipeline import run_all
-from eagle3kit.rundir import DataError, RunDir
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_training_beats_the_untrained_drafter(tiny_run):
 
 
 def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
-    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, _, run, _ = tiny_run
     rep = run_evaluate(cfg, run, mode="decode")
@@ -106,7 +106,7 @@ def test_each_stage_runs_alone_from_the_cli(tiny_run):
     assert (run / "again/model.safetensors").exists()
     res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again")])
     assert res.exit_code == 0 and "up_to_date" in res.output          # the same checkpoint: nothing to do
-    from eagle3kit.train import load_drafter_checkpoint, save_drafter_checkpoint
+    from eagle3kit.train.checkpoints import load_drafter_checkpoint, save_drafter_checkpoint
 
     other = load_drafter_checkpoint(run / "checkpoints/best.safetensors")
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_a_stage_without_its_input_says_which_stage_to_run(tmp_path):
 
 
 def test_evaluation_prompts_that_were_trained_on_are_refused(tiny_run, tmp_path):
-    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, _, run, _ = tiny_run
     bad = cfg.model_copy(deep=True)
@@ -144,7 +144,7 @@ def test_c16_shallow_target_fails_before_any_work(tmp_path, smollm2_tokenizer):
     build_tiny_llama(4).save_pretrained(d)
     smollm2_tokenizer.save_pretrained(d)
     cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "target": {"model": str(d)}})
-    from eagle3kit.config import ConfigError
+    from eagle3kit.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"\[2, 2, 1\]"):
         run_all(cfg)
@@ -152,7 +152,7 @@ def test_c16_shallow_target_fails_before_any_work(tmp_path, smollm2_tokenizer):
 
 
 def test_train_rerun_resumes_and_never_deletes_earlier_checkpoints(tiny_run):
-    from eagle3kit.train import run_train
+    from eagle3kit.train.stage import run_train
 
     cfg, _, run, report = tiny_run
     target = None
@@ -171,8 +171,8 @@ def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3kit.config import ConfigError
-    from eagle3kit.train import run_train
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.train.stage import run_train
 
     cfg, _, run, _ = tiny_run
     other = RunDir(tmp_path / "other")
@@ -187,10 +187,10 @@ def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):
 def test_rows_from_other_settings_or_other_prompts_never_reach_training(tiny_run, tmp_path):
     import shutil
 
-    from eagle3kit.config import ConfigError
-    from eagle3kit.evaluate import run_evaluate
-    from eagle3kit.generate import run_generate
-    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.data.generate import run_generate
+    from eagle3kit.data.tokenize import run_tokenize
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, _, run, _ = tiny_run
     other = RunDir(tmp_path / "r")
@@ -225,9 +225,10 @@ def test_rows_from_other_settings_or_other_prompts_never_reach_training(tiny_run
 
 def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_path, smollm2_tokenizer):
     from conftest import build_tiny_llama
-    from eagle3kit.config import ConfigError
-    from eagle3kit.evaluate import run_evaluate
-    from eagle3kit.lineage import StaleInput
+
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.core.lineage import StaleInput
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, _, run, _ = tiny_run
     d = tmp_path / "other-tiny"
@@ -242,8 +243,8 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_pat
 
 
 def test_an_empty_evaluation_set_is_an_error_not_tau_1(tiny_run, tmp_path):
-    from eagle3kit.config import ConfigError
-    from eagle3kit.evaluate import run_evaluate
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.eval.evaluate import run_evaluate
 
     cfg, _, run, _ = tiny_run
     c2 = cfg.model_copy(deep=True)

@@ -1,10 +1,12 @@
 
 import pytest
-
 from conftest import GSM8K, MT_BENCH, SHARED
-from eagle3kit.config import Config, PromptSource, PromptsConfig
-from eagle3kit.prompts import magpie_prefix, parse_row, read_source, run_prompts, synthesize
-from eagle3kit.rundir import DataError, RunDir, read_jsonl
+
+from eagle3kit.core.config import Config, PromptsConfig, PromptSource
+from eagle3kit.core.rundir import DataError, RunDir, read_jsonl
+from eagle3kit.data.magpie import magpie_prefix, synthesize
+from eagle3kit.data.prompts import run_prompts
+from eagle3kit.data.sources import parse_row, read_source
 
 
 def test_every_prompt_format_is_read():

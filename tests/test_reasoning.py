@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3kit.reasoning import assistant_history_message, parse_reply, parse_stream
+from eagle3kit.data.reasoning import assistant_history_message, parse_reply, parse_stream
 
 R = json.loads((Path(__file__).parent / "fixtures" / "reasoning_replies.json").read_text())
 
@@ -95,7 +95,7 @@ def test_c05_turn2_of_a_kimi_tool_call_exchange_keeps_turn1_reasoning(mode, kimi
     """C05: turn 1's reply has reasoning and a tool call; the turn-2 request built for a Kimi-style
     template carries that reasoning under the key the template reads, so the rendered turn-2 prompt
     holds it exactly once, inside turn 1's <think>…</think>, before the tool call."""
-    from eagle3kit.reasoning import next_turn_messages, template_reasoning_key
+    from eagle3kit.data.reasoning import next_turn_messages, template_reasoning_key
 
     reply = parse_reply(*msg("kimi_tool_call")) if mode == "message" else parse_stream(R["stream_kimi_tool_call"])
     thought = "The user wants the weather in Paris; I should call get_weather."
@@ -121,7 +121,7 @@ def test_c05_turn2_of_a_kimi_tool_call_exchange_keeps_turn1_reasoning(mode, kimi
 
 
 def test_tool_result_for_an_unknown_call_is_refused():
-    from eagle3kit.reasoning import next_turn_messages
+    from eagle3kit.data.reasoning import next_turn_messages
 
     with pytest.raises(ValueError, match="answers no tool call"):
         next_turn_messages([], parse_reply(*msg("kimi_tool_call")), [{"tool_call_id": "nope", "content": "x"}])
@@ -131,7 +131,7 @@ def test_tool_result_for_an_unknown_call_is_refused():
                                           ("{{ message['reasoning'] }}", "reasoning"), ("{{ m.reasoning }}", "reasoning"),
                                           ("{{ m.content }}", "both")])
 def test_template_reasoning_key(template, key):
-    from eagle3kit.reasoning import template_reasoning_key
+    from eagle3kit.data.reasoning import template_reasoning_key
 
     assert template_reasoning_key(template) == key
 

@@ -2,12 +2,12 @@
 standin_server.py): reasoning shapes, retries, per-row failures, resume, expect_reasoning."""
 
 import pytest
-
-from eagle3kit.config import Config, ConfigError, GenerateConfig, PromptsConfig, TargetConfig
-from eagle3kit.generate import run_generate
-from eagle3kit.rundir import RunDir, read_jsonl, write_jsonl
-from eagle3kit.prompts import prompt_id
 from standin_server import StandInServer
+
+from eagle3kit.core.config import Config, ConfigError, GenerateConfig, PromptsConfig, TargetConfig
+from eagle3kit.core.rundir import RunDir, read_jsonl, write_jsonl
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.sources import prompt_id
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_expect_reasoning_stops_early_and_keeps_what_was_written(tmp_path, serve
 
 
 def test_truncated_or_conflicting_reasoning_never_reaches_a_training_sample(tmp_path, server, smollm2_tokenizer):
-    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.data.tokenize import run_tokenize
 
     cfg, run = _run(tmp_path, server, ["shape:length_null_content", "shape:both_fields_disagree", "shape:vllm_reasoning_field", "plain"])
     run_generate(cfg, run)
@@ -92,7 +92,7 @@ def test_10000_rows_with_the_client_killed_three_times(tmp_path, server):
     n = 10_000
     cfg, run = _run(tmp_path, server, [f"scale question {i}" for i in range(n)], )
     cfg_path = tmp_path / "c.yaml"
-    from eagle3kit.config import dump_config
+    from eagle3kit.core.config import dump_config
 
     cfg.generate.concurrency = 16     # 16 requests in flight at each kill; 64 costs the client 1.6x the CPU (httpx's pool)
     cfg_path.write_text(dump_config(cfg))
@@ -163,7 +163,8 @@ def test_magpie_synthesis_through_the_completions_endpoint_resumes_by_attempt(tm
     """Issue 3: Magpie through a server. The raw templated prefix (SmolLM2's real template) goes to
     /v1/completions; cut or too-short candidates and near-duplicates are dropped; a rerun asking
     for more prompts re-sends no attempt already made."""
-    from eagle3kit.prompts import magpie_prefix, run_prompts
+    from eagle3kit.data.magpie import magpie_prefix
+    from eagle3kit.data.prompts import run_prompts
 
     run = RunDir(tmp_path / "run")
     cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tiny_target_dir)),
@@ -231,7 +232,7 @@ def test_server_is_checked_before_any_row_is_sent(tmp_path, server, url, model, 
 
 
 def test_two_generate_processes_on_one_run_dir_are_refused(tmp_path, server):
-    from eagle3kit.rundir import DataError
+    from eagle3kit.core.rundir import DataError
 
     cfg, run = _run(tmp_path, server, ["q"])
     with run.lock("generate"):
@@ -268,7 +269,7 @@ def test_base_url_with_an_in_process_backend_is_a_contradiction():
 
 
 def test_magpie_replies_without_text_are_failed_attempts_not_logged(tmp_path, server):
-    from eagle3kit.prompts import run_prompts
+    from eagle3kit.data.prompts import run_prompts
 
     run = RunDir(tmp_path / "run")
     cfg = Config(run_dir=str(run.path), target=TargetConfig(model=str(tmp_path)),

@@ -3,10 +3,10 @@ output without a word; each test is named after what it checks and fails on the 
 import json
 
 import pytest
-
 from conftest import MT_BENCH
-from eagle3kit.config import PromptSource
-from eagle3kit.rundir import DataError
+
+from eagle3kit.core.config import PromptSource
+from eagle3kit.core.rundir import DataError
 
 
 def test_f6_check_without_max_model_len_measures_the_drafter_against_the_targets_own_length(tiny_target_dir, tmp_path):
@@ -14,8 +14,8 @@ def test_f6_check_without_max_model_len_measures_the_drafter_against_the_targets
     `check` without --max-model-len used to call it servable; with --max-model-len 2048 it is."""
     from family_flow import untrained_drafter
 
-    from eagle3kit.check import check_drafter
-    from eagle3kit.config import TargetConfig
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
 
     drafter = untrained_drafter(tiny_target_dir, tmp_path / "drafter")
     cfg = json.loads((drafter / "config.json").read_text())
@@ -30,7 +30,7 @@ def test_f6_check_without_max_model_len_measures_the_drafter_against_the_targets
 
 
 def test_f7_a_category_no_row_has_is_an_error_naming_the_ones_that_do():
-    from eagle3kit.prompts import read_source
+    from eagle3kit.data.sources import read_source
 
     with pytest.raises(DataError) as e:
         read_source(PromptSource(path=str(MT_BENCH), categories=["writting"]))
@@ -43,7 +43,7 @@ def test_f7_a_category_no_row_has_is_an_error_naming_the_ones_that_do():
 
 
 def test_f8_a_relative_run_dir_is_relative_to_the_config_file_like_its_prompt_paths(tmp_path, monkeypatch):
-    from eagle3kit.config import load_config
+    from eagle3kit.core.config import load_config
 
     (tmp_path / "proj").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -61,9 +61,9 @@ def test_f8_a_relative_run_dir_is_relative_to_the_config_file_like_its_prompt_pa
 def test_f9_prompt_rows_cut_to_their_first_user_turn_are_counted_and_duplicates_named(tmp_path):
     """Two OpenAI rows with the same question and different tool histories: one prompt remains
     (a prompt is the first user turn), and the report says a history was cut and why a row went."""
-    from eagle3kit.config import Config, PromptsConfig
-    from eagle3kit.prompts import run_prompts
-    from eagle3kit.rundir import RunDir
+    from eagle3kit.core.config import Config, PromptsConfig
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.prompts import run_prompts
 
     q = {"role": "user", "content": "What is the weather in Paris?"}
     rows = [{"messages": [q, {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{i}", "type": "function",
@@ -74,7 +74,7 @@ def test_f9_prompt_rows_cut_to_their_first_user_turn_are_counted_and_duplicates_
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = Config(run_dir=str(tmp_path / "run"), prompts=PromptsConfig(sources=[PromptSource(path=str(src))],
                                                                       heldout_fraction=0.0))
-    from eagle3kit.ui import console
+    from eagle3kit.core.ui import console
 
     with console.capture() as cap:
         out = run_prompts(cfg, RunDir(cfg.run_dir))
@@ -92,7 +92,7 @@ def test_f5_bench_times_and_counts_streamed_reasoning_in_either_field(field, tmp
     (~300 ms); without usage the re-tokenized count holds the reasoning tokens too."""
     from standin_server import StandInServer
 
-    from eagle3kit.bench import run_bench
+    from eagle3kit.serve.bench import run_bench
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": [f"think:{field}"]}) + "\n")
@@ -109,8 +109,8 @@ def test_f5_bench_times_and_counts_streamed_reasoning_in_either_field(field, tmp
 def test_f10_impossible_acceptance_numbers_are_flagged_never_reported():
     """SGLang ``meta_info`` whose accepted count exceeds its drafted count (an inconsistent server)
     used to give an acceptance rate of 1.133; it is flagged, and so is a τ outside [1, K + 1]."""
-    from eagle3kit.bench import acceptance_from_meta, checked_acceptance
-    from eagle3kit.engines import acceptance_from_counters
+    from eagle3kit.core.engines import acceptance_from_counters
+    from eagle3kit.serve.bench import acceptance_from_meta, checked_acceptance
 
     metas = [{"completion_tokens": 40, "spec_verify_ct": 20, "spec_accept_token_num": 34, "spec_draft_token_num": 30}]
     acc, why = checked_acceptance(acceptance_from_meta(metas))
@@ -131,9 +131,9 @@ def test_f3_a_brought_reply_with_a_bare_think_close_is_split_like_a_generated_on
     ``</think>``, the answer — the same tokens as the row with its reasoning in its own field."""
     import family_tokenizers as fam
 
-    from eagle3kit.config import Config
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.tokenize import load_shard, run_tokenize
+    from eagle3kit.core.config import Config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.tokenize import load_shard, run_tokenize
 
     tok = fam.r1_distill_qwen()
     q = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -158,9 +158,9 @@ def test_f4_openai_tool_call_ids_are_rewritten_in_kimis_own_form_for_a_kimi_temp
     rewritten, in the call and in its result alike, and the report counts them."""
     import family_tokenizers as fam
 
-    from eagle3kit.config import Config
-    from eagle3kit.rundir import RunDir
-    from eagle3kit.tokenize import load_shard, run_tokenize
+    from eagle3kit.core.config import Config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.tokenize import load_shard, run_tokenize
 
     tok = fam.kimi_standin(tiny_target_dir)
     call = {"id": "call_ab12", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
@@ -184,11 +184,11 @@ def test_check_on_a_target_vllm_cannot_import_is_a_finding_not_its_traceback(tmp
     """A Llama-4 target: vLLM's class for it imports transformers' Llama-4 image processor, which
     needs torchvision (install.sh removes it). vLLM's registry used to print that whole traceback
     through `check`; now it is one finding that names the import error."""
+    from family_flow import untrained_drafter
     from transformers import Llama4Config
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from family_flow import untrained_drafter
 
     Llama4Config(text_config={"hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
                               "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -206,11 +206,11 @@ def test_check_against_another_target_names_the_hidden_size_the_drafter_was_made
     """Unclear before: a drafter for a hidden-64 target checked against a hidden-192 one was told
     "fc.weight takes 192 = 0.333333 × 576 inputs". Now fc's width names the target it was made for,
     and the aux-id count is not blamed for a width that belongs to another target."""
+    from family_flow import untrained_drafter
     from transformers import LlamaConfig
 
-    from eagle3kit.check import check_drafter
-    from eagle3kit.config import TargetConfig
-    from family_flow import untrained_drafter
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
 
     drafter = untrained_drafter(tiny_target_dir, tmp_path / "drafter")
     LlamaConfig(hidden_size=192, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -227,10 +227,10 @@ def test_generate_sends_no_prompt_that_leaves_no_room_for_the_reply_in_the_targe
     """Unclear before: a prompt longer than the target's context (4,096 for the tiny target) was
     generated (past the positions the target knows) and dropped only later by tokenize. Now it is
     not sent: counted as prompt_too_long, named on the console; the rows that fit are generated."""
-    from eagle3kit.config import Config, GenerateConfig, PromptsConfig, TargetConfig
-    from eagle3kit.generate import run_generate
-    from eagle3kit.prompts import run_prompts
-    from eagle3kit.rundir import RunDir, read_jsonl
+    from eagle3kit.core.config import Config, GenerateConfig, PromptsConfig, TargetConfig
+    from eagle3kit.core.rundir import RunDir, read_jsonl
+    from eagle3kit.data.generate import run_generate
+    from eagle3kit.data.prompts import run_prompts
 
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"id": "short", "turns": ["What is 2+2?"]}) + "\n"
@@ -257,8 +257,8 @@ def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_witho
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_target, load_target_config
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target, load_target_config
 
     torch.manual_seed(0)
     qc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,

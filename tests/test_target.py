@@ -1,9 +1,16 @@
 import pytest
 import torch
-
 from conftest import build_tiny_llama
-from eagle3kit.config import TargetConfig
-from eagle3kit.target import Target, capture_layer_inputs, resolve_aux_layer_ids, resolve_parts, target_features, teacher_logits
+
+from eagle3kit.core.config import TargetConfig
+from eagle3kit.model.target import (
+    Target,
+    capture_layer_inputs,
+    resolve_aux_layer_ids,
+    resolve_parts,
+    target_features,
+    teacher_logits,
+)
 
 
 def _wrap(model):
@@ -85,8 +92,8 @@ def test_smollm2_loads_from_the_package_without_a_hub(smollm2_target):
 def test_gguf_tokenizer_is_cached_as_a_folder_and_loads_identically(tmp_path, monkeypatch, smollm2_tokenizer):
     """The GGUF tokenizer rebuild (seconds) happens once; the cached folder gives the same vocabulary,
     special tokens and chat template (same tokenizer hash, same ids)."""
-    from eagle3kit.config import TargetConfig
-    from eagle3kit.target import load_tokenizer, tokenizer_hash
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_tokenizer, tokenizer_hash
 
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
     first = load_tokenizer(TargetConfig())
@@ -106,7 +113,7 @@ def test_a_gguf_target_reloads_from_its_float32_export_bit_for_bit(smollm2_targe
     as the float32 weights (it holds bfloat16-rounded values)."""
     import copy
 
-    from eagle3kit.target import Target, export_fp32_folder, load_target, load_target_config, resolve_parts
+    from eagle3kit.model.target import Target, export_fp32_folder, load_target, load_target_config, resolve_parts
 
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
     ref = smollm2_target

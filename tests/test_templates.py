@@ -2,11 +2,11 @@
 think markers from the tokenizer's own special-token table, and the self-check."""
 import json
 
-import pytest
-
 import family_tokenizers as fam
-from eagle3kit.templates import MaskRule, build_samples, self_check, think_spec
+import pytest
 from golden_templates import GOLDEN
+
+from eagle3kit.data.templates import MaskRule, build_samples, self_check, think_spec
 
 TC = [{"id": "call0", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 3, \"b\": 3}"}}]
 CONVS = {
@@ -247,7 +247,7 @@ def test_one_sequence_history_spans_keep_leading_space_and_an_end_of_turn_string
 
 
 def test_one_sequence_keeps_a_long_conversation_cut_at_max_length_and_earlier_turns_after_an_empty_last_one(smollm2_tokenizer):
-    from eagle3kit.tokenize import samples_for_row
+    from eagle3kit.data.tokenize import samples_for_row
 
     tok = smollm2_tokenizer
     turns = []

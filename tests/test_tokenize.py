@@ -2,12 +2,11 @@ import json
 
 import pytest
 
-
-from eagle3kit.config import Config, TokenizeConfig
-from eagle3kit.generate import render_prompt_ids
-from eagle3kit.rundir import RunDir
-from eagle3kit.templates import think_spec
-from eagle3kit.tokenize import load_shard, run_tokenize, samples_for_row
+from eagle3kit.core.config import Config, TokenizeConfig
+from eagle3kit.core.rundir import RunDir
+from eagle3kit.data.backends import render_prompt_ids
+from eagle3kit.data.templates import think_spec
+from eagle3kit.data.tokenize import load_shard, run_tokenize, samples_for_row
 
 EOT = 2  # <|im_end|> in SmolLM2's vocabulary
 
@@ -102,7 +101,7 @@ def test_self_check_counts_show_and_strict_through_the_cli(tmp_path, smollm2_tok
 def test_zero_samples_is_an_error_that_names_why_and_keeps_the_old_shard(tmp_path, smollm2_tokenizer):
     """Found by a new-user review: conversations whose ids are not in the run's prompts.jsonl used
     to give an empty shard, exit 0, replacing the previous one."""
-    from eagle3kit.rundir import DataError, write_jsonl
+    from eagle3kit.core.rundir import DataError, write_jsonl
 
     tok = smollm2_tokenizer
     run = RunDir(tmp_path)
@@ -117,7 +116,7 @@ def test_zero_samples_is_an_error_that_names_why_and_keeps_the_old_shard(tmp_pat
 
 
 def test_one_sequence_applies_the_supervise_rule_to_earlier_turns_too(smollm2_tokenizer):
-    from eagle3kit.templates import MaskRule, build_samples
+    from eagle3kit.data.templates import MaskRule, build_samples
 
     tok = smollm2_tokenizer
     row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."},
@@ -132,7 +131,7 @@ def test_malformed_conversation_rows_and_templates_that_refuse_a_chat_are_named_
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from eagle3kit.rundir import write_jsonl
+    from eagle3kit.core.rundir import write_jsonl
 
     tok = smollm2_tokenizer
     run = RunDir(tmp_path / "run")

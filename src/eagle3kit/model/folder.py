@@ -1,0 +1,471 @@
+"""Reading a drafter folder of any layout, and writing one atomically (DESIGN.md §5).
+
+Reading (:func:`read_drafter`) accepts these layouts (sources: SafeAILab/EAGLE
+``eagle/traineagle3``, sgl-project/SpecForge ``scripts/train_eagle3.py``, vllm-project/speculators
+``models/eagle3``, NVIDIA Model-Optimizer ``torch/export/plugins/hf_spec_export.py``; vLLM 0.32's
+``llama_eagle3.py`` for what an engine reads):
+
+============  =========================  ===========================  =============================
+layout        weights                    tensor names                 aux layer ids → HF index
+============  =========================  ===========================  =============================
+eagle3kit     model.safetensors          ``midlayer.*``               top level, HF index (as is)
+eagle         pytorch_model.bin or       ``midlayer.*``               none: hard-coded, captured
+(SafeAILab)   model.safetensors                                       before layers {2, N//2, N−3}
+specforge     model.safetensors          ``midlayer.*``, no embed     ``eagle_config``: output of
+              (maybe sharded + index)                                 layer j → j + 1
+speculators   model.safetensors          ``layers.0.*`` + embed       top level, HF index (as is)
+modelopt      model.safetensors          ``layers.0.*`` (or           ``eagle_config``: output of
+                                         ``eagle_module.`` prefix),   layer j → j + 1
+                                         no ``t2d``
+============  =========================  ===========================  =============================
+
+A missing id list means EAGLE-3's default, HF indices ``(2, N//2, N−3)`` for a target of N layers
+(every tool above defaults to those same states). ``t2d`` is synthesized from ``d2t`` when absent;
+``d2t`` holds offsets in every layout (target id = draft id + d2t[draft id]). A copy of the
+target's embedding (``embed_tokens.weight``) is dropped: the engines borrow the target's. The load
+is strict: any key left over after renaming, and any tensor the drafter needs but the source lacks,
+is an error that names it.
+
+Writing (:func:`export_drafter`) validates the tensors against :mod:`eagle3kit.model.contract`,
+writes ``config.json`` + ``model.safetensors`` into a temporary sibling folder and moves it into
+place; a folder that held something else is moved to ``<out>.prev-N``, never mixed or deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.core.rundir import DataError, load_safetensors, set_aside, write_failed
+from eagle3kit.core.ui import console
+from eagle3kit.model.contract import (
+    _UNSUPPORTED_FLAGS,
+    FORMATS,
+    LAYOUTS,
+    SPECULATORS_LAYER_PREFIX,
+    DrafterFields,
+    DrafterImportError,
+    ExportError,
+    contract_mismatches,
+    contract_shapes,
+    drafter_fields,
+    engine_config,
+    required_shapes,
+    speculators_config,
+    validate_tensors,
+)
+from eagle3kit.model.draft_vocab import DraftVocab, check_maps
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.target import default_aux_layer_ids, load_target_config, rope_settings, validate_aux_layer_ids
+
+
+def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's engine tensors in the dual-engine naming, validated (:func:`validate_tensors`):
+    weights in ``dtype`` (default: the drafter's), ``d2t`` int64 and ``t2d`` bool only when Vd < V."""
+    c = drafter.config
+    state = drafter.state_dict()
+    dtype = dtype or drafter.fc.weight.dtype
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items() if k in required_shapes(c)}
+    if c.draft_vocab_size < c.vocab_size:
+        tensors["d2t"] = state["d2t"].cpu().to(torch.int64).contiguous()
+        tensors["t2d"] = state["t2d"].cpu().to(torch.bool).contiguous()
+    validate_tensors(tensors, c)
+    return tensors
+
+
+def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict | None = None,
+                   dtype: torch.dtype | None = None, overwrite: bool = False, fmt: str = "dual",
+                   verifier: dict | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in ``fmt`` (``dual``: vLLM + SGLang;
+    ``speculators``: vLLM's speculators layout, which needs ``verifier``), after
+    :func:`validate_tensors`. Weights are cast to ``dtype`` (default: the drafter's).
+
+    Raises:
+        ExportError: invalid tensors or format; FileExistsError: ``out_dir`` holds a drafter and not ``overwrite``.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"export format {fmt!r} is not one of {FORMATS}")
+    out = Path(out_dir)
+    check_out_dir(out, overwrite)
+    c = drafter.config
+    if c.hidden_size != c.target_hidden_size:
+        raise ExportError(f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
+                          "embed_tokens [V, H] (neither engine shares the target's across widths; DESIGN.md §5), and "
+                          "eagle3kit builds drafters as wide as their target only")
+    tensors = drafter_tensors(drafter, dtype)
+    dtype_name = str(tensors["fc.weight"].dtype).replace("torch.", "")
+    if fmt == "speculators":
+        if not verifier:
+            raise ExportError("the speculators format names its verifier (the target): pass verifier=")
+        tensors = {k.replace("midlayer.", SPECULATORS_LAYER_PREFIX): v for k, v in tensors.items()}
+        cfg = speculators_config(drafter.config, dtype_name, verifier, num_speculative_tokens, provenance)
+    else:
+        cfg = engine_config(drafter.config, dtype_name, provenance)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return commit_out_dir(tmp, out)
+    except Exception as e:  # OSError, or safetensors' SafetensorError on a full disk
+        if not (isinstance(e, OSError) or "os error" in str(e)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(out, e) from None
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an output folder that is a file, or that holds anything (another drafter, another
+    tool's files) unless ``overwrite`` — and even then :func:`commit_out_dir` moves the old folder
+    to ``<out>.prev-N`` instead of mixing files or deleting them.
+
+    Raises:
+        ExportError: ``out`` is not a folder; FileExistsError: ``out`` is not empty and not ``overwrite``."""
+    try:
+        resolved = out.resolve()
+        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"--out {out} cannot be used: {e}") from None
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a folder")
+    for parent in resolved.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ExportError(f"--out {out}: {parent} is a file, not a folder")
+    if held and not overwrite:
+        raise FileExistsError(f"{out} is not empty (it holds {', '.join(held[:4])}); pass --overwrite to move it to "
+                              "<out>.prev-N and write a new one, or give another --out")
+
+
+def commit_out_dir(tmp: Path, out: Path) -> Path:
+    """Move the finished folder ``tmp`` to ``out``; an existing non-empty ``out`` (allowed by
+    :func:`check_out_dir`) is first moved to ``<out>.prev-N``. Returns ``out``."""
+
+    if out.is_dir() and any(out.iterdir()):
+        console.print(f"[yellow]{out} held files; moved them to {set_aside(out)}")
+    elif out.is_dir():
+        out.rmdir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported(folder: str | Path, device="cpu", target=None) -> Eagle3Drafter:
+    """Load a drafter folder strictly: eagle3kit's dual-engine or speculators export, or any layout
+    :mod:`eagle3kit.serve.importer` reads (``target``, a TargetConfig, is needed only for a source that
+    names no aux ids). Weights keep their stored dtype.
+
+    Raises:
+        FileNotFoundError: no config.json / weights; ExportError: as :func:`eagle3kit.model.folder.read_drafter`."""
+
+    return read_drafter(folder, target=target).drafter.to(device)
+
+
+@dataclass
+class Imported:
+    """An imported drafter: ``drafter`` (weights in the source's dtype), ``layout`` it was read as,
+    ``notes`` (what was renamed, converted, synthesized or dropped) and ``provenance`` (the
+    ``eagle3kit`` block for the exported config)."""
+
+    drafter: Eagle3Drafter
+    layout: str
+    notes: list[str] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+
+
+def _shard_name(folder: Path, name, index: Path) -> Path:
+    if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+        raise DrafterImportError(f"{index}: shard {name!r} is not a file name inside {folder}")
+    p = folder / name
+    if not p.is_file():
+        raise DrafterImportError(f"{index} lists {name}, which is missing; restore it")
+    return p
+
+
+def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of a drafter folder and the file(s) they came from: ``model.safetensors``, a
+    sharded ``model.safetensors.index.json`` (each tensor read from the shard its ``weight_map``
+    names; a tensor in no or several shards is an error), or ``pytorch_model.bin`` (a plain
+    name → tensor dict, read with ``weights_only=True``).
+
+    Raises:
+        FileNotFoundError: none of those files; DataError / DrafterImportError: an unreadable file."""
+    if (folder / "model.safetensors").is_file():
+        return load_safetensors(folder / "model.safetensors", "give the drafter's weights file"), "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+            assert isinstance(wmap, dict)
+        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+            raise DrafterImportError(f"{index} is not a safetensors index (a JSON object with a weight_map object)") from None
+        out: dict[str, torch.Tensor] = {}
+        loaded: dict[str, dict] = {}
+        for name, shard in wmap.items():
+            path = _shard_name(folder, shard, index)
+            if shard not in loaded:
+                loaded[shard] = load_safetensors(path, f"{shard} is listed in {index.name}; restore it")
+            if name not in loaded[shard]:
+                raise DrafterImportError(f"{index} puts {name} in {shard}, which does not hold it")
+            out[name] = loaded[shard][name]
+        for shard, tensors in loaded.items():
+            extra = [k for k in tensors if wmap.get(k) != shard]
+            if extra:
+                raise DrafterImportError(f"{shard} holds {extra[:4]}, which {index.name} maps elsewhere or not at all")
+        return out, f"{len(loaded)} shards"
+    if (folder / "pytorch_model.bin").is_file():
+        try:
+            sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise DataError(f"{folder / 'pytorch_model.bin'} is not a plain tensor state dict ({type(e).__name__}); "
+                            "convert it to safetensors first") from None
+        if not isinstance(sd, dict):
+            raise DrafterImportError(f"{folder / 'pytorch_model.bin'} holds a {type(sd).__name__}, not a name → tensor dict")
+        odd = [repr(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if odd:
+            raise DrafterImportError(f"{folder / 'pytorch_model.bin'}: entries that are not named tensors: {odd[:6]}; "
+                                     "save the drafter's state dict alone")
+        return dict(sd), "pytorch_model.bin"
+    raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def detect_layout(cfg: dict, keys: set[str]) -> str:
+    """The source layout from its config and tensor names (see the module table)."""
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    layers0 = any(k.startswith(("layers.", "model.layers.")) for k in keys)
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        return "speculators"
+    if any(k.startswith("eagle_module.") for k in keys) \
+            or {"use_input_layernorm_in_first_layer", "use_last_layernorm", "next_layer_regular"} & set(nested):
+        return "modelopt"
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):
+        return "eagle3kit"      # top-level ids in HF numbering: eagle3kit's (or any dual-engine) folder
+    if nested.get("eagle_aux_hidden_state_layer_ids") is not None:
+        return "modelopt" if layers0 else "specforge"
+    return "modelopt" if layers0 else "eagle"
+
+
+def _rename(tensors: dict[str, torch.Tensor], notes: list[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    if any(k.startswith("eagle_module.") for k in tensors):
+        base = [k for k in tensors if not k.startswith("eagle_module.")]
+        if base:
+            notes.append(f"skipped {len(base)} base-model tensors stored beside eagle_module.*")
+        tensors = {k[len("eagle_module."):]: v for k, v in tensors.items() if k.startswith("eagle_module.")}
+    renamed = 0
+    for k, v in tensors.items():
+        new = k[len("model."):] if k.startswith("model.") else k
+        if new.startswith("layers.0."):
+            new = "midlayer." + new[len("layers.0."):]
+        elif new.startswith("layers."):
+            raise DrafterImportError(f"{k}: a drafter with more than one decoder layer; eagle3kit trains and serves one")
+        if new in out:
+            raise DrafterImportError(f"{k} and another tensor both become {new}")
+        renamed += new != k
+        out[new] = v
+    if renamed:
+        notes.append(f"renamed {renamed} tensors to the midlayer.* naming")
+    return out
+
+
+def _aux_ids(f: DrafterFields, nested: list[int] | None, layout: str, num_layers: int | None, notes: list[str]) -> list[int]:
+    top = f.eagle_aux_hidden_state_layer_ids
+    reads = {"eagle3kit": "top", "speculators": "top", "specforge": "nested", "modelopt": "nested", "eagle": None}[layout]
+    held = [w for w, ids in (("top", top), ("nested", nested)) if ids]
+    if held and reads not in held:
+        where = {"top": "top-level eagle_aux_hidden_state_layer_ids", "nested": "eagle_config.eagle_aux_hidden_state_layer_ids"}
+        raise DrafterImportError(f"layout {layout} does not read {where[held[0]]}, which this source holds: the ids "
+                                 "would be lost; use --layout auto or the layout that wrote the folder")
+    if reads == "top" and top:
+        ids = list(top)
+    elif reads == "nested" and nested:
+        ids = [int(i) + 1 for i in nested]
+        notes.append(f"aux ids {list(nested)} (output of layer j, {layout}) → HF indices {ids}")
+    else:
+        if num_layers is None:
+            raise DrafterImportError(f"the {layout} source names no aux layer ids: give --target so the default layers "
+                                     "(2, N//2, N−3) of the target's N layers can be used")
+
+        ids = list(default_aux_layer_ids(num_layers))
+        notes.append(f"no aux ids in the source: EAGLE-3's default for {num_layers} layers, HF indices {ids}")
+    if len(ids) != 3:
+        raise DrafterImportError(f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)")
+    if ids != sorted(ids):
+        notes.append(f"aux ids {ids} sorted to {sorted(ids)} (engines concatenate aux states in layer order)")
+        ids = sorted(ids)
+    if num_layers is not None:
+
+        try:
+            validate_aux_layer_ids(ids, num_layers)
+        except ConfigError as e:
+            raise DrafterImportError(str(e)) from None
+    return ids
+
+
+def _drafter_config(f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str]) -> DrafterConfig:
+    H, heads = f.hidden_size, f.num_attention_heads
+    Vd = f.draft_vocab_size
+    if Vd is None:
+        if "lm_head.weight" not in tensors:
+            raise DrafterImportError("no draft_vocab_size in config.json and no lm_head.weight: the drafter has no head "
+                                     "(an EAGLE-1 drafter, or a broken export)")
+        Vd = int(tensors["lm_head.weight"].shape[0])
+    if Vd > f.vocab_size:
+        raise DrafterImportError(f"draft_vocab_size {Vd} exceeds vocab_size {f.vocab_size}")
+    if H % heads and f.head_dim is None:
+        raise DrafterImportError(f"hidden_size {H} is not a multiple of num_attention_heads {heads}; give head_dim")
+
+
+    own = rope_settings(SimpleNamespace(rope_parameters=f.rope_parameters, rope_theta=f.rope_theta or 10000.0,
+                                        rope_scaling=f.rope_scaling))   # read as the target's rope is read
+    rope_theta, rope_scaling = own["rope_theta"], own["rope_scaling"]
+    mpe = f.max_position_embeddings or 2048
+    if target_tc is not None:
+        t_mpe = int(getattr(target_tc, "max_position_embeddings", mpe) or mpe)
+        if t_mpe != mpe:
+            notes.append(f"max_position_embeddings {mpe} → the target's {t_mpe}")
+            mpe = t_mpe
+        rope = rope_settings(target_tc)
+        if float(rope_theta) != float(rope["rope_theta"]) or (rope_scaling or None) != (rope.get("rope_scaling") or None):
+            raise DrafterImportError(f"the source's rope (theta {rope_theta}, scaling {rope_scaling}) differs from the target's "
+                                     f"(theta {rope['rope_theta']}, scaling {rope.get('rope_scaling')}): the drafter was "
+                                     "trained with other positions than the target serves; retrain it for this target")
+    return DrafterConfig(
+        hidden_size=H, intermediate_size=f.intermediate_size, num_attention_heads=heads,
+        num_key_value_heads=f.num_key_value_heads or heads, head_dim=f.head_dim or H // heads,
+        rms_norm_eps=float(f.rms_norm_eps), vocab_size=f.vocab_size, draft_vocab_size=Vd,
+        target_hidden_size=f.target_hidden_size or H, aux_layer_ids=ids, rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling, max_position_embeddings=mpe, hidden_act=f.hidden_act)
+
+
+def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Imported:
+    """Read the drafter in ``folder`` (any layout of the module table), strictly.
+
+    Args:
+        layout: ``auto`` (detected from config and tensor names) or one of :data:`LAYOUTS`.
+        target: a :class:`~eagle3kit.core.config.TargetConfig` (or None). Needed only when the source
+            names no aux ids (SafeAILab; SpecForge/ModelOpt without ``eagle_config``); when given,
+            the vocabulary, hidden size, layer count, aux ids and rope are checked against it.
+
+    Returns:
+        :class:`Imported`; weights keep the source dtype, ``d2t`` int64 [Vd], ``t2d`` bool [V].
+
+    Raises:
+        FileNotFoundError: no config.json / weights. DrafterImportError: unknown layout, a
+        malformed config (every bad field named), an unsupported variant, missing or unexpected
+        tensors, shapes that contradict the config, non-float or non-finite weights, broken vocab
+        maps, or a drafter made for another target.
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (give the drafter folder)")
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DrafterImportError(f"{folder / 'config.json'} is not UTF-8 JSON ({e})") from None
+    f, nested = drafter_fields(cfg, str(folder / "config.json"))
+    raw, source_file = read_weights(folder)
+    found = detect_layout(cfg, set(raw))
+    if layout == "auto":
+        layout = found
+    elif layout not in LAYOUTS:
+        raise DrafterImportError(f"unknown layout {layout!r}; one of auto, {', '.join(LAYOUTS)}")
+    elif (layout == "speculators") != (found == "speculators"):
+        raise DrafterImportError(f"{folder} is {'not ' if layout == 'speculators' else ''}in the speculators layout "
+                                 f"(detected: {found}); use --layout auto")
+    flags = {k: getattr(f, k) for k in _UNSUPPORTED_FLAGS}
+    if layout == "speculators" and f.norm_before_residual is None:
+        flags["norm_before_residual"] = True     # vLLM's default for a speculators config (algos.update_eagle3)
+    on = [k for k, v in flags.items() if v]
+    if on:
+        raise DrafterImportError(f"{folder}: {', '.join(f'{k}: true' for k in on)} — a drafter variant eagle3kit does not "
+                                 "implement (it builds norm_before_residual false, no extra norms, no biases)")
+    notes = [f"read {source_file} as layout {layout}" + ("" if layout == found else f" (detected: {found})")]
+    tensors = _rename(raw, notes)
+    if "embed_tokens.weight" in tensors:
+        tensors.pop("embed_tokens.weight")
+        notes.append("dropped embed_tokens.weight (the engines use the target's embedding)")
+    tc = None
+    if target is not None:
+
+        _, tc = load_target_config(target)
+    ids = _aux_ids(f, nested, layout, int(tc.num_hidden_layers) if tc is not None else None, notes)
+    c = _drafter_config(f, tensors, ids, tc, notes)
+    reduced = c.draft_vocab_size < c.vocab_size
+    for k, want_dtype in (("d2t", "an integer"), ("t2d", "a bool or integer")):
+        t = tensors.get(k)
+        if t is not None and (t.dtype.is_floating_point or t.dim() != 1):
+            raise DrafterImportError(f"{k} must be a 1-D {want_dtype} tensor, got {t.dtype} of shape {list(t.shape)}")
+    if reduced and "d2t" in tensors and "t2d" not in tensors:
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        tid = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+        if tid.numel() and 0 <= int(tid.min()) and int(tid.max()) < c.vocab_size:
+            t2d[tid] = True
+        tensors["t2d"] = t2d
+        notes.append("synthesized t2d from d2t")
+    if not reduced:
+        for k in ("d2t", "t2d"):
+            t = tensors.pop(k, None)
+            if k == "d2t" and t is not None and bool(t.any()):
+                raise DrafterImportError(f"{folder}: draft vocab = target vocab but d2t is not all zero offsets")
+    want = contract_shapes(c)
+    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    shapes = [f"{k} {list(tensors[k].shape)} ≠ {list(want[k])}" for k in misshapen]
+    if missing or unexpected or shapes:
+        raise DrafterImportError(f"{folder} ({layout}) does not load strictly: missing {missing}, unexpected {unexpected}"
+                                 + (f", shapes {shapes}" if shapes else ""))
+    weights = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    dtypes = {str(v.dtype) for v in weights.values()}
+    if len(dtypes) != 1 or not next(iter(weights.values())).dtype.is_floating_point:
+        raise DrafterImportError(f"weights must share one floating-point dtype, got {sorted(dtypes)}")
+    bad = [k for k, v in weights.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise DrafterImportError(f"non-finite values (NaN or inf) in {bad[:6]}")
+    if reduced:
+        try:
+            check_maps(tensors["d2t"].long(), tensors["t2d"].bool(), c.vocab_size)
+        except DataError as e:
+            raise DrafterImportError(f"{folder}: {e}") from None
+        tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
+    if tc is not None:
+        _check_target(c, tc, folder)
+    d = Eagle3Drafter(c).to(next(iter(weights.values())).dtype)
+    if not reduced:
+
+        d.set_vocab(DraftVocab.full(c.vocab_size))
+        tensors = {**tensors, "d2t": d.d2t, "t2d": d.t2d}
+    d.load_state_dict(tensors, strict=True)
+    block = cfg.get("eagle3kit") if isinstance(cfg.get("eagle3kit"), dict) else {}
+    prov = {k: v for k, v in block.items() if k not in ("version", "aux_layer_ids_convention")}
+    trained = (prov.get("aux_layer_ids") or {}).get("ids") if isinstance(prov.get("aux_layer_ids"), dict) else None
+    if trained is not None and list(trained) != ids:
+        raise DrafterImportError(f"config aux ids {ids} but its eagle3kit block says the features were trained on {trained}; "
+                                 f"set eagle_aux_hidden_state_layer_ids to {trained}")
+    if not prov:        # not written by eagle3kit (whose provenance block is kept as it is)
+        prov = {"aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": ids},
+                "imported_from": {"layout": layout, "path": str(folder.resolve()), "notes": notes}}
+    return Imported(d, layout, notes, prov)
+
+
+def _check_target(c: DrafterConfig, tc, folder: Path) -> None:
+    """Widths and vocabulary against the target (the aux ids were checked by :func:`_aux_ids`)."""
+    problems = []
+    if c.vocab_size != int(tc.vocab_size):
+        problems.append(f"vocab_size {c.vocab_size} ≠ the target's {tc.vocab_size}")
+    if c.target_hidden_size != int(tc.hidden_size):
+        problems.append(f"target hidden size {c.target_hidden_size} ≠ the target's {tc.hidden_size}")
+    if c.hidden_size != int(tc.hidden_size):
+        problems.append(f"drafter hidden size {c.hidden_size} ≠ the target's {tc.hidden_size} (a narrower drafter "
+                        "needs its own embedding, which eagle3kit does not build)")
+    if problems:
+        raise DrafterImportError(f"{folder} was made for another target: " + "; ".join(problems))
+
+

@@ -1,0 +1,95 @@
+"""Stage ``export``: the drafter folder vLLM (≥ 0.10) and SGLang (≥ 0.5) load unmodified
+(DESIGN.md §5): ``config.json`` + ``model.safetensors``, validated before anything is written.
+
+Tensor names (no ``model.`` prefix): ``fc.weight [H, 3·Ht]``,
+``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+``midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]``, ``midlayer.self_attn.o_proj.weight``,
+``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [Vd, H]``, and only
+when Vd < V: ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V]. Never ``embed_tokens`` (the drafter
+borrows the target's; this version only builds drafters as wide as their target).
+
+``--format speculators`` writes vLLM's speculators layout instead (DESIGN.md §5): the same tensors
+with ``layers.0.`` in place of ``midlayer.``, and a config with ``speculators_model_type "eagle3"``,
+``transformer_layer_config`` and ``speculators_config``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3kit.core.config import Config
+from eagle3kit.core.lineage import check_inputs
+from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
+from eagle3kit.core.ui import console
+from eagle3kit.model.contract import FORMATS, ExportError
+from eagle3kit.model.folder import export_drafter, read_drafter
+from eagle3kit.model.target import load_target_config, locate_target, target_architectures
+from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
+
+
+def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir: str | None = None,
+               overwrite: bool = False, set_aside_existing: bool = False, fmt: str = "dual") -> dict:
+    """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or
+    ``out_dir``; ``<run>/drafter-speculators`` for ``fmt="speculators"``).
+
+    A folder that already holds the same checkpoint's export in the same format is left as it is;
+    another drafter there is refused (FileExistsError) unless ``overwrite``, or moved to
+    ``<out>.prev-N`` with ``set_aside_existing`` (what ``eagle3kit run`` does)."""
+
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
+    consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
+    if src.is_dir():        # a drafter folder (any layout eagle3kit imports): re-export it
+
+        imp = read_drafter(src, target=cfg.target)
+        drafter, prov = imp.drafter, dict(imp.provenance)
+    else:
+        drafter = load_drafter_checkpoint(src)
+        prov = checkpoint_provenance(src)      # what this checkpoint was trained with, not what the run dir says
+        prov["checkpoint_sha256"] = sha256_tensors(src)
+    out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
+    if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
+        raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
+    old_cfg = None
+    if (out / "config.json").is_file() and not overwrite:
+        try:
+            old_cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            old_cfg = None
+    if isinstance(old_cfg, dict):
+        same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
+        if same_fmt and prov.get("checkpoint_sha256") and \
+                (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == prov["checkpoint_sha256"]:
+            res = {"path": str(out), "format": fmt, "up_to_date": True}
+            run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res,
+                             *_lineage(run, out, consumed, sha256_tensors(out / "model.safetensors")))
+            return res
+    if set_aside_existing and out.is_dir() and any(out.iterdir()):
+        console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
+    verifier = None
+    if fmt == "speculators":
+        tcfg, _ = load_target_config(cfg.target)
+        loc = locate_target(cfg.target)
+        verifier = {"name_or_path": loc["path"], "architectures": target_architectures(tcfg)}
+    out = export_drafter(drafter, out, prov, overwrite=overwrite, fmt=fmt, verifier=verifier,
+                         num_speculative_tokens=cfg.evaluate.k)
+    res = {"path": str(out), "format": fmt, "model_sha256": sha256_tensors(out / "model.safetensors"),
+           "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
+    run.record_stage(_stage(fmt), {"checkpoint": prov.get("checkpoint_sha256") or str(src)}, res,
+                     *_lineage(run, out, consumed, res["model_sha256"]))
+    return res
+
+
+def _lineage(run: RunDir, out: Path, consumed: dict | None, model_sha: str) -> tuple:
+    """``(outputs, consumed)`` for :meth:`RunDir.record_stage`: the export's weights file, when it
+    lies in the run directory and was made from the run's own checkpoint (else nothing recorded)."""
+    try:
+        name = (out / "model.safetensors").resolve().relative_to(run.path.resolve()).as_posix()
+    except ValueError:
+        return None, None
+    return ({name: model_sha}, consumed) if consumed is not None else (None, None)
+
+
+def _stage(fmt: str) -> str:
+    return "export" if fmt == "dual" else f"export-{fmt}"

@@ -1,0 +1,190 @@
+"""How far two feature sources disagree, before anyone trains on them (``eagle3kit parity``).
+
+Two feature folders written for the same token samples (``extract`` by the transformers backend,
+or an engine's capture in the same format, :mod:`eagle3kit.train.features`) are read shard by shard,
+token by token. Per aux layer and for the teacher state:
+
+* cosine similarity, mean over tokens;
+* relative error ‖a − b‖ / ‖a‖ over all tokens (a = the first folder, the reference);
+* top-1 agreement of the implied next-token distribution: ``lm_head(final_norm(aux))`` for an
+  aux state (the logit lens: an aux state is a pre-norm residual stream), ``lm_head(last)`` for
+  the teacher state (already post-norm, DESIGN.md §3).
+
+A layer passes when all three meet :data:`TOLERANCES`. What the checks catch: features captured
+one layer off (cosine and top-1 drop), the teacher state taken before instead of after the final
+norm (its scale changes: relative error), another quantization or kernel (small, within
+tolerance), a different target (everything fails).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.train.features import dequantize_fp8, read_index
+
+#: pass thresholds, per aux layer and teacher state
+TOLERANCES = {"cosine_min": 0.99, "relative_error_max": 0.10, "top1_agreement_min": 0.95}
+
+
+def _shards(folder: Path) -> tuple[dict, list[dict]]:
+    if not folder.is_dir():
+        raise ConfigError(f"--features {folder} is not a folder; give a folder `eagle3kit extract` wrote")
+    index = read_index(folder)
+    if index is None:
+        raise ConfigError(f"{folder} holds no index.json; give a folder `eagle3kit extract` wrote")
+    return index, index["shards"]
+
+
+def _states(folder: Path, shard: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """aux float32 [n, 3, H] and last float32 [n, H] (None for a top-K teacher) of one shard."""
+
+    try:
+        t = load_file(str(folder / shard["file"]))
+    except Exception as e:      # missing, truncated, not safetensors
+        raise ConfigError(f"{folder / shard['file']} cannot be read ({' '.join(str(e).split())[:200]}); rerun "
+                          f"`eagle3kit extract` into {folder} with the same settings: it re-extracts from the first "
+                          "bad shard") from None
+    if "aux" not in t or "offsets" not in t:
+        raise ConfigError(f"{folder / shard['file']} holds no aux states; give a folder `eagle3kit extract` wrote")
+    aux = dequantize_fp8(t["aux"], t["aux_scale"], torch.float32) if "aux_scale" in t else t["aux"].float()
+    last = None
+    if "last" in t:
+        last = dequantize_fp8(t["last"], t["last_scale"], torch.float32) if "last_scale" in t else t["last"].float()
+    return aux, last
+
+
+class _Acc:
+    def __init__(self):
+        self.cos_sum = self.n = self.agree = 0.0
+        self.diff2 = self.ref2 = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, top_a: torch.Tensor, top_b: torch.Tensor) -> None:
+        self.cos_sum += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
+        self.n += a.shape[0]
+        self.diff2 += float(((a - b) ** 2).sum())
+        self.ref2 += float((a ** 2).sum())
+        self.agree += float((top_a == top_b).sum())
+
+    def result(self) -> dict:
+        r = {"tokens": int(self.n), "cosine": round(self.cos_sum / self.n, 6),
+             "relative_error": round((self.diff2 / max(self.ref2, 1e-30)) ** 0.5, 6),
+             "top1_agreement": round(self.agree / self.n, 6)}
+        r["pass"] = (r["cosine"] >= TOLERANCES["cosine_min"] and r["relative_error"] <= TOLERANCES["relative_error_max"]
+                     and r["top1_agreement"] >= TOLERANCES["top1_agreement_min"])
+        return r
+
+
+class _Rows:
+    """Per-sample access to a feature folder whatever its shard layout: ``take(first, count)`` gives
+    aux float32 [n, 3, H] and last [n, H] (or None) of samples ``first … first+count-1``, in order,
+    keeping one shard loaded at a time."""
+
+    def __init__(self, folder: Path, shards: list[dict]):
+        self.folder, self.shards = folder, sorted(shards, key=lambda s: s["first_sample"])
+        self.samples = sum(s["samples"] for s in self.shards)
+        self._file, self._t = None, None
+
+    def _load(self, shard: dict):
+        if self._file != shard["file"]:
+            from safetensors.torch import load_file
+
+            aux, last = _states(self.folder, shard)
+            offsets = load_file(str(self.folder / shard["file"]))["offsets"]
+            if int(offsets[-1]) != aux.shape[0] or len(offsets) != shard["samples"] + 1:
+                raise ConfigError(f"{self.folder / shard['file']} does not hold the {shard['samples']} samples its "
+                                  "index lists; rerun `eagle3kit extract` into that folder to re-extract it")
+            self._file, self._t = shard["file"], (aux, last, offsets)
+        return self._t
+
+    def take(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        auxs, lasts = [], []
+        for sh in self.shards:
+            lo, hi = max(first, sh["first_sample"]), min(first + count, sh["first_sample"] + sh["samples"])
+            if lo >= hi:
+                continue
+            aux, last, off = self._load(sh)
+            a, b = int(off[lo - sh["first_sample"]]), int(off[hi - sh["first_sample"]])
+            auxs.append(aux[a:b])
+            lasts.append(None if last is None else last[a:b])
+        have_last = all(x is not None for x in lasts)
+        return torch.cat(auxs), (torch.cat(lasts) if have_last else None)
+
+
+@torch.no_grad()
+def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | None = None) -> dict:
+    """Compare feature folders ``a`` (the reference) and ``b`` sample by sample, whatever their
+    shard layouts.
+
+    Args:
+        target: the loaded :class:`eagle3kit.model.target.Target` (its final norm and lm_head give the
+            implied next-token distributions); max_tokens: stop after this many tokens (None: all).
+    Returns: ``{"layers": {"aux[i] (layer L)": {...}, "teacher (post-norm last)": {...}},
+        "tolerances", "verdict" ("agree" | "disagree"), "notes"}`` where each layer holds tokens,
+        cosine, relative_error, top1_agreement and pass. The teacher is compared only when both
+        folders store the post-norm state (``teacher: last``).
+    Raises:
+        ConfigError: a folder is not a feature folder; the two were made from other token samples
+            or hidden sizes; folder ``a`` was made from another target than ``target``.
+    """
+    a, b = Path(a), Path(b)
+    ia, sa = _shards(a)
+    ib, sb = _shards(b)
+    for key in ("tokens", "hidden_size"):
+        if ia["inputs"].get(key) != ib["inputs"].get(key):
+            raise ConfigError(f"{a} and {b} were made from different {key} ({ia['inputs'].get(key)!r} vs "
+                              f"{ib['inputs'].get(key)!r}); extract both from the same run's token samples")
+    mine = target.source.get("weights_fingerprint") or target.source.get("model")
+    if ia["inputs"].get("target") not in (None, mine):
+        raise ConfigError(f"{a} was made from another target (weights {str(ia['inputs'].get('target'))[:16]}…) than the "
+                          f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
+                          "target with --target, or its --run-dir")
+    notes = []
+    if ib["inputs"].get("target") not in (None, mine):
+        notes.append(f"{b} was made from another target's weights than {a}; expect every layer to differ")
+    if ia["inputs"].get("aux_layer_ids") != ib["inputs"].get("aux_layer_ids"):
+        notes.append(f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}")
+    dev = target.device
+    norm, head = target.parts.final_norm, target.parts.lm_head
+    aux_ids = ia["inputs"].get("aux_layer_ids") or [0, 1, 2]
+    accs = [_Acc() for _ in range(3)]
+    teacher = _Acc()
+    have_teacher = True
+    ra, rb = _Rows(a, sa), _Rows(b, sb)
+    if ra.samples != rb.samples:
+        notes.append(f"{a} holds {ra.samples} samples and {b} {rb.samples}; compared the first "
+                     f"{min(ra.samples, rb.samples)} (an unfinished extract?)")
+    done, first, common = 0, 0, min(ra.samples, rb.samples)
+    while first < common and (max_tokens is None or done < max_tokens):
+        count = min(64, common - first)
+        ax, lx = ra.take(first, count)
+        bx, lb = rb.take(first, count)
+        if ax.shape != bx.shape:
+            raise ConfigError(f"samples {first}…{first + count - 1} of {a} and {b} hold different shapes "
+                              f"{tuple(ax.shape)} and {tuple(bx.shape)}")
+        n = ax.shape[0] if max_tokens is None else min(ax.shape[0], max_tokens - done)
+        for i in range(3):
+            xa, xb = ax[:n, i].to(dev), bx[:n, i].to(dev)
+            ta = head(norm(xa.to(target.dtype))).argmax(-1)
+            tb = head(norm(xb.to(target.dtype))).argmax(-1)
+            accs[i].add(xa, xb, ta, tb)
+        if lx is None or lb is None:
+            have_teacher = False
+        else:
+            xa, xb = lx[:n].to(dev), lb[:n].to(dev)
+            teacher.add(xa, xb, head(xa.to(target.dtype)).argmax(-1), head(xb.to(target.dtype)).argmax(-1))
+        done += n
+        first += count
+    if not done:
+        raise ConfigError(f"{a} and {b} hold no common tokens to compare (an empty folder, or --max-tokens 0)")
+    layers = {f"aux[{i}] (layer {aux_ids[i]})": accs[i].result() for i in range(3)}
+    if have_teacher:
+        layers["teacher (post-norm last)"] = teacher.result()
+    else:
+        notes.append("teacher not compared: a folder stores a top-K teacher (extract.teacher topk:K), not the post-norm state")
+    return {"a": str(a), "b": str(b), "a_source": ia["inputs"].get("source", "transformers"),
+            "b_source": ib["inputs"].get("source", "transformers"), "tolerances": TOLERANCES, "layers": layers,
+            "tokens": done, "notes": notes,
+            "verdict": "agree" if all(v["pass"] for v in layers.values()) else "disagree"}
