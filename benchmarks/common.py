@@ -3,6 +3,7 @@ training one variant of its drafter in a sub-folder, and τ of drafters on the t
 evaluation sets (K = 3, simulate mode, greedy chain) — MT-bench first turns and the last 80 GSM8K
 train questions — with the target's greedy continuations computed once per run directory and
 cached there."""
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,16 @@ def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict,
     t = time.perf_counter()
     res = run_train(vcfg, RunDir(vdir), target=target)
     seconds = time.perf_counter() - t
-    export_drafter(load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True)
+    export_drafter(
+        load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True
+    )
     return res, seconds
 
 
-EVAL_SETS = {"mt_bench": {"path": "data/prompts/mt_bench.jsonl"},
-             "gsm8k_heldout": {"path": "data/chats/gsm8k_train.jsonl", "start": -80}}
+EVAL_SETS = {
+    "mt_bench": {"path": "data/prompts/mt_bench.jsonl"},
+    "gsm8k_heldout": {"path": "data/chats/gsm8k_train.jsonl", "start": -80},
+}
 
 
 def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts: int | None = None) -> dict:
@@ -71,7 +76,7 @@ def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts:
 
     cache = Path(getattr(run, "path", run)) / "heldout_continuations.json"
     conts = json.loads(cache.read_text()) if cache.exists() else {}
-    if conts.get("_eval_tokens", eval_tokens) != eval_tokens:       # made for another token limit: made again
+    if conts.get("_eval_tokens", eval_tokens) != eval_tokens:  # made for another token limit: made again
         conts = {}
     conts["_eval_tokens"] = eval_tokens
     out = {}
@@ -86,9 +91,18 @@ def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts:
     return out
 
 
-def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eval_tokens: int = 256,
-                eval_prompts: int | None = None, done: dict | None = None, on_result=None,
-                ks: tuple[int, ...] = (3,)) -> tuple[dict, dict]:
+def heldout_tau(
+    run,
+    target,
+    shared: str,
+    drafters: dict[str, Path],
+    device,
+    eval_tokens: int = 256,
+    eval_prompts: int | None = None,
+    done: dict | None = None,
+    on_result=None,
+    ks: tuple[int, ...] = (3,),
+) -> tuple[dict, dict]:
     """τ of each exported drafter folder in ``drafters`` on both sets (simulate mode, greedy chain)
     at every K in ``ks``.
 
@@ -109,8 +123,10 @@ def heldout_tau(run, target, shared: str, drafters: dict[str, Path], device, eva
         if name in out:
             continue
         d = load_exported(folder, device=device).eval().to(target.dtype)
-        out[name] = {s: {f"k{k}": round(simulate(d, target, p, c, k, device)[0].tau, 4) for k in ks}
-                     for s, (_, p, c) in sets.items()}
+        out[name] = {
+            s: {f"k{k}": round(simulate(d, target, p, c, k, device)[0].tau, 4) for k in ks}
+            for s, (_, p, c) in sets.items()
+        }
         if on_result:
             on_result(name, out[name])
     return out, {s: len(p) for s, (_, p, _) in sets.items()}

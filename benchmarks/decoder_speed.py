@@ -12,11 +12,13 @@ GSM8K: τ, tokens/s with and without speculation, speedup and ``greedy_identical
 K = 3, K = 5 and a 60-token tree, per set and per MT-bench category.
 
     python benchmarks/decoder_speed.py oracle --out benchmarks/results/decoder_oracle.json
-    python benchmarks/decoder_speed.py smollm2 --drafter DIR --shared ../shared --out benchmarks/results/decoder_smollm2.json
+    python benchmarks/decoder_speed.py smollm2 --drafter DIR --shared ../shared \
+        --out benchmarks/results/decoder_smollm2.json
 
 ``--tiny`` runs either on a CPU with tiny shapes (a smoke test: its numbers measure nothing).
 Prints one table and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +71,11 @@ def forward_time(ft: FastTarget, n: int, start: int, repeats: int = 30) -> float
 
 
 def hardware() -> str:
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    return (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
 
 
 @torch.no_grad()
@@ -93,11 +99,30 @@ def oracle(args) -> dict:
     from eagle3kit.model.target import resolve_parts
 
     dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=512) if args.tiny else
-             dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                  num_key_value_heads=8, vocab_size=128256))
-    cfg = LlamaConfig(**shape, max_position_embeddings=8192, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    shape = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
+        if args.tiny
+        else dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        )
+    )
+    cfg = LlamaConfig(
+        **shape,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
@@ -109,7 +134,7 @@ def oracle(args) -> dict:
     P, N, K = args.prompt_tokens, args.max_new_tokens, args.k
     ft = FastTarget(model, resolve_parts(model), [], P + N + K + 8, compile=dev == "cuda")
     prompt = torch.randint(0, cfg.vocab_size, (P,), generator=torch.Generator().manual_seed(1)).tolist()
-    target_generate(ft, prompt, 32)                                                 # compile, warm
+    target_generate(ft, prompt, 32)  # compile, warm
     ref, t_base = timed(target_generate, ft, prompt, N)
     ref, t_base = timed(target_generate, ft, prompt, N)
     t_step = t_base / len(ref)
@@ -118,6 +143,7 @@ def oracle(args) -> dict:
     spec = SpecConfig(steps=K)
     rows = []
     for tau in args.taus:
+
         def run():
             first, _ = prefill(ft, prompt, spec, None)
             prop = OracleProposer(ref, K, tau - 1, cfg.vocab_size, device=ft.k.device)
@@ -127,27 +153,61 @@ def oracle(args) -> dict:
             t_draft = (time.perf_counter() - t0) / 100 / K
             prop.emitted = 1
             return decode_loop(ft, prop, [first], P - 1, N, spec, set()), t_draft
-        run()                                                                       # compile the verify graph
+
+        run()  # compile the verify graph
         (res, t_draft), t_spec = timed(run)
         ideal = res.stats.tau * t_step / (t_verify + K * t_draft)
         speedup = t_base / t_spec
-        rows.append({"tau_set": tau, "tau": round(res.stats.tau, 4), "k": K, "greedy_identical": res.tokens == ref,
-                     "tokens": len(res.tokens), "seconds": round(t_spec, 4), "tokens_per_s": round(len(res.tokens) / t_spec, 1),
-                     "speedup": round(speedup, 4), "ideal_speedup": round(ideal, 4), "efficiency": round(speedup / ideal, 4),
-                     "t_draft_ms": round(t_draft * 1e3, 5)})
-    return {"benchmark": "decoder_speed oracle", "smoke": bool(args.tiny), "hardware": hardware(), "torch": torch.__version__,
-            "target": {"shape": shape, "dtype": str(dtype), "weights": "random; residual branches × 0.01, lm_head row π(x) = "
-                                                                       "embedding of x (make_greedy_robust)"}, "prompt_tokens": P, "max_new_tokens": N,
-            "compile": dev == "cuda",
-            "baseline": {"seconds": round(t_base, 4), "tokens": len(ref), "tokens_per_s": round(len(ref) / t_base, 1),
-                         "t_step_ms": round(t_step * 1e3, 4), "t_step_forward_ms": round(t_step_forward * 1e3, 4),
-                         "t_verify_ms": round(t_verify * 1e3, 4)},
-            "formula": "ideal = τ · t_step / (t_verify + K · t_draft); efficiency = measured speedup / ideal; "
-                       "t_step = target-only seconds per token (same cache and CUDA graphs), t_verify = one forward of K+1 tokens",
-            "settings": rows, "goal": "efficiency ≥ 0.8", "goal_met": all(r["efficiency"] >= 0.8 for r in rows)}
+        rows.append(
+            {
+                "tau_set": tau,
+                "tau": round(res.stats.tau, 4),
+                "k": K,
+                "greedy_identical": res.tokens == ref,
+                "tokens": len(res.tokens),
+                "seconds": round(t_spec, 4),
+                "tokens_per_s": round(len(res.tokens) / t_spec, 1),
+                "speedup": round(speedup, 4),
+                "ideal_speedup": round(ideal, 4),
+                "efficiency": round(speedup / ideal, 4),
+                "t_draft_ms": round(t_draft * 1e3, 5),
+            }
+        )
+    return {
+        "benchmark": "decoder_speed oracle",
+        "smoke": bool(args.tiny),
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "target": {
+            "shape": shape,
+            "dtype": str(dtype),
+            "weights": "random; residual branches × 0.01, lm_head row π(x) = "
+            "embedding of x (make_greedy_robust)",
+        },
+        "prompt_tokens": P,
+        "max_new_tokens": N,
+        "compile": dev == "cuda",
+        "baseline": {
+            "seconds": round(t_base, 4),
+            "tokens": len(ref),
+            "tokens_per_s": round(len(ref) / t_base, 1),
+            "t_step_ms": round(t_step * 1e3, 4),
+            "t_step_forward_ms": round(t_step_forward * 1e3, 4),
+            "t_verify_ms": round(t_verify * 1e3, 4),
+        },
+        "formula": "ideal = τ · t_step / (t_verify + K · t_draft); efficiency = measured speedup / ideal; "
+        "t_step = target-only seconds per token (same cache and CUDA graphs), t_verify = one forward of K+1 tokens",
+        "settings": rows,
+        "goal": "efficiency ≥ 0.8",
+        "goal_met": all(r["efficiency"] >= 0.8 for r in rows),
+    }
 
 
-SMOLLM2_SETTINGS = [SpecConfig(steps=3), SpecConfig(steps=5), SpecConfig(mode="tree", steps=6, topk=10, num_draft_tokens=60)]
+SMOLLM2_SETTINGS = [
+    SpecConfig(steps=3),
+    SpecConfig(steps=5),
+    SpecConfig(mode="tree", steps=6, topk=10, num_draft_tokens=60),
+]
 
 
 def smollm2(args) -> dict:
@@ -163,10 +223,16 @@ def smollm2(args) -> dict:
     target.model.to(dtype)
     drafter = load_exported(Path(args.drafter), device=dev).to(dtype).eval()
     eot = target.end_of_turn_ids()
-    sets = {"mt_bench": dict(path=f"{args.shared}/data/prompts/mt_bench.jsonl"),
-            "gsm8k_heldout": dict(path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80)}
+    sets = {
+        "mt_bench": dict(path=f"{args.shared}/data/prompts/mt_bench.jsonl"),
+        "gsm8k_heldout": dict(path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80),
+    }
     N = args.max_new_tokens
-    settings = [SpecConfig(steps=3), SpecConfig(mode="tree", steps=3, topk=4, num_draft_tokens=12)] if args.tiny else SMOLLM2_SETTINGS
+    settings = (
+        [SpecConfig(steps=3), SpecConfig(mode="tree", steps=3, topk=4, num_draft_tokens=12)]
+        if args.tiny
+        else SMOLLM2_SETTINGS
+    )
     data = {}
     for name, src in sets.items():
         rows, _ = read_source(PromptSource(name=name, **src))
@@ -175,15 +241,29 @@ def smollm2(args) -> dict:
     max_len = max(len(p) for _, ps in data.values() for p in ps) + N + max(s.n_tokens for s in settings) + 2
     compile_ = dev == "cuda"
     ft = FastTarget(target.model, target.parts, drafter.config.aux_layer_ids, max_len, compile=compile_)
-    states = {s: DrafterState(drafter, ft.embed, ft.max_len + s.steps * s.topk + 1, s, target.vocab_size, compile=compile_)
-              for s in settings}
-    out = {"benchmark": "decoder_speed smollm2", "smoke": bool(args.tiny), "hardware": hardware(), "torch": torch.__version__,
-           "dtype": args.dtype, "drafter": str(args.drafter), "max_new_tokens": N, "every": args.every, "compile": compile_, "cache_slots": max_len,
-           "settings": [],
-           "baseline": {}}
+    states = {
+        s: DrafterState(
+            drafter, ft.embed, ft.max_len + s.steps * s.topk + 1, s, target.vocab_size, compile=compile_
+        )
+        for s in settings
+    }
+    out = {
+        "benchmark": "decoder_speed smollm2",
+        "smoke": bool(args.tiny),
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "drafter": str(args.drafter),
+        "max_new_tokens": N,
+        "every": args.every,
+        "compile": compile_,
+        "cache_slots": max_len,
+        "settings": [],
+        "baseline": {},
+    }
     for name, (rows, prompts) in data.items():
         cats = [r.get("category") or (r.get("meta") or {}).get("category") or name for r in rows]
-        target_generate(ft, prompts[0], 16, eot)                                     # compile, warm
+        target_generate(ft, prompts[0], 16, eot)  # compile, warm
         base = []
         for p in prompts:
             toks, s = timed(target_generate, ft, p, N, eot)
@@ -192,35 +272,65 @@ def smollm2(args) -> dict:
         out["baseline"][name] = {"tokens": bt, "seconds": round(bs, 3), "tokens_per_s": round(bt / bs, 1)}
         for spec in settings:
             ds = states[spec]
-            speculative_generate(target, drafter, prompts[0], 16, spec, eot, ft=ft, ds=ds)   # compile, warm
+            speculative_generate(target, drafter, prompts[0], 16, spec, eot, ft=ft, ds=ds)  # compile, warm
             per_cat: dict = {}
             pooled, st_tokens, st_seconds, mism = AcceptanceStats(spec.steps), 0, 0.0, []
             for i, (p, c) in enumerate(zip(prompts, cats)):
                 res, s = timed(speculative_generate, target, drafter, p, N, spec, eot, ft=ft, ds=ds)
                 if res.tokens != base[i][0]:
-                    j = next((k for k, (a, b) in enumerate(zip(res.tokens, base[i][0])) if a != b), min(len(res.tokens), len(base[i][0])))
+                    j = next(
+                        (k for k, (a, b) in enumerate(zip(res.tokens, base[i][0])) if a != b),
+                        min(len(res.tokens), len(base[i][0])),
+                    )
                     mism.append({"prompt_index": i, "first_difference_at": j})
                 pooled.merge(res.stats)
                 st_tokens += len(res.tokens)
                 st_seconds += s
-                pc = per_cat.setdefault(c, {"prompts": 0, "stats": AcceptanceStats(spec.steps), "tokens": 0, "seconds": 0.0,
-                                            "base_seconds": 0.0, "base_tokens": 0})
+                pc = per_cat.setdefault(
+                    c,
+                    {
+                        "prompts": 0,
+                        "stats": AcceptanceStats(spec.steps),
+                        "tokens": 0,
+                        "seconds": 0.0,
+                        "base_seconds": 0.0,
+                        "base_tokens": 0,
+                    },
+                )
                 pc["prompts"] += 1
                 pc["stats"].merge(res.stats)
                 pc["tokens"] += len(res.tokens)
                 pc["seconds"] += s
                 pc["base_seconds"] += base[i][1]
                 pc["base_tokens"] += len(base[i][0])
-            out["settings"].append({
-                "set": name, "mode": spec.mode, "steps": spec.steps, "topk": spec.topk, "num_draft_tokens": spec.n_tokens,
-                "prompts": len(prompts), "tau": round(pooled.tau, 4),
-                "per_position_acceptance": [round(x, 4) for x in pooled.cumulative_per_position],
-                "tokens_per_s": round(st_tokens / st_seconds, 1), "baseline_tokens_per_s": round(bt / bs, 1),
-                "speedup": round((st_tokens / st_seconds) / (bt / bs), 4), "greedy_identical": not mism, "mismatches": mism,
-                "per_category": {c: {"prompts": v["prompts"], "tau": round(v["stats"].tau, 4),
-                                     "speedup": round((v["tokens"] / v["seconds"]) / (v["base_tokens"] / v["base_seconds"]), 4)}
-                                 for c, v in per_cat.items()}})
-            Path(args.out).write_text(json.dumps(out, indent=1))                 # partial results survive a time limit
+            out["settings"].append(
+                {
+                    "set": name,
+                    "mode": spec.mode,
+                    "steps": spec.steps,
+                    "topk": spec.topk,
+                    "num_draft_tokens": spec.n_tokens,
+                    "prompts": len(prompts),
+                    "tau": round(pooled.tau, 4),
+                    "per_position_acceptance": [round(x, 4) for x in pooled.cumulative_per_position],
+                    "tokens_per_s": round(st_tokens / st_seconds, 1),
+                    "baseline_tokens_per_s": round(bt / bs, 1),
+                    "speedup": round((st_tokens / st_seconds) / (bt / bs), 4),
+                    "greedy_identical": not mism,
+                    "mismatches": mism,
+                    "per_category": {
+                        c: {
+                            "prompts": v["prompts"],
+                            "tau": round(v["stats"].tau, 4),
+                            "speedup": round(
+                                (v["tokens"] / v["seconds"]) / (v["base_tokens"] / v["base_seconds"]), 4
+                            ),
+                        }
+                        for c, v in per_cat.items()
+                    },
+                }
+            )
+            Path(args.out).write_text(json.dumps(out, indent=1))  # partial results survive a time limit
             print(table(out).splitlines()[-1], flush=True)
     return out
 
@@ -228,24 +338,39 @@ def smollm2(args) -> dict:
 def table(rec: dict) -> str:
     if rec["benchmark"].endswith("oracle"):
         b = rec["baseline"]
-        lines = [f"target-only: {b['tokens_per_s']} tok/s, t_step {b['t_step_ms']} ms (forward {b['t_step_forward_ms']} ms), "
-                 f"t_verify(K+1) {b['t_verify_ms']} ms", "| τ set | τ | speedup | ideal | efficiency | identical |", "|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['tau_set']} | {r['tau']} | {r['speedup']} | {r['ideal_speedup']} | {r['efficiency']} | {r['greedy_identical']} |"
-                  for r in rec["settings"]]
+        lines = [
+            f"target-only: {b['tokens_per_s']} tok/s, t_step {b['t_step_ms']} ms "
+            f"(forward {b['t_step_forward_ms']} ms), "
+            f"t_verify(K+1) {b['t_verify_ms']} ms",
+            "| τ set | τ | speedup | ideal | efficiency | identical |",
+            "|---:|---:|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['tau_set']} | {r['tau']} | {r['speedup']} | {r['ideal_speedup']} | {r['efficiency']} | "
+            f"{r['greedy_identical']} |"
+            for r in rec["settings"]
+        ]
     else:
-        lines = ["| set | mode | steps/topk/tokens | τ | tok/s | baseline tok/s | speedup | identical |", "|---|---|---|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['set']} | {r['mode']} | {r['steps']}/{r['topk']}/{r['num_draft_tokens']} | {r['tau']} | {r['tokens_per_s']} | "
-                  f"{r['baseline_tokens_per_s']} | {r['speedup']} | {r['greedy_identical']} |" for r in rec["settings"]]
+        lines = [
+            "| set | mode | steps/topk/tokens | τ | tok/s | baseline tok/s | speedup | identical |",
+            "|---|---|---|---:|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {r['set']} | {r['mode']} | {r['steps']}/{r['topk']}/{r['num_draft_tokens']} | {r['tau']} | "
+            f"{r['tokens_per_s']} | "
+            f"{r['baseline_tokens_per_s']} | {r['speedup']} | {r['greedy_identical']} |"
+            for r in rec["settings"]
+        ]
     return "\n".join(lines)
 
 
-torch.set_flush_denormal(True)          # CPU smoke runs: denormals from the scaled branches are slow
+torch.set_flush_denormal(True)  # CPU smoke runs: denormals from the scaled branches are slow
 
 
 def main() -> None:
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = 64             # one graph per (call shape, cache size, setting)
+    torch._dynamo.config.recompile_limit = 64  # one graph per (call shape, cache size, setting)
     torch._dynamo.config.accumulated_recompile_limit = 1024
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="which", required=True)
@@ -258,12 +383,19 @@ def main() -> None:
     s.add_argument("--drafter", required=True)
     s.add_argument("--shared", default="../shared")
     s.add_argument("--prompts", type=int, default=None, help="first N prompts of each set (default: all)")
-    s.add_argument("--every", type=int, default=1, help="every n-th prompt of each set (2: half, all MT-bench categories kept)")
+    s.add_argument(
+        "--every",
+        type=int,
+        default=1,
+        help="every n-th prompt of each set (2: half, all MT-bench categories kept)",
+    )
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--dtype", default="float32")
     for p in (o, s):
         p.add_argument("--out", required=True)
-        p.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes (measures nothing)")
+        p.add_argument(
+            "--tiny", action="store_true", help="CPU smoke run with tiny shapes (measures nothing)"
+        )
     args = ap.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rec = oracle(args) if args.which == "oracle" else smollm2(args)

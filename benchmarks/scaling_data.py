@@ -1,6 +1,7 @@
 """The scaling benchmark's data recipe: the evaluation sets' first turns, dropping pool rows that
 equal or nearly equal an evaluation prompt, and the stratified order whose prefixes are the
 nested subsets (``benchmarks/scaling_curve.py``)."""
+
 from __future__ import annotations
 
 import random
@@ -12,9 +13,13 @@ def eval_rows(shared: str) -> dict[str, list[dict]]:
     from eagle3kit.core.config import PromptSource
     from eagle3kit.data.sources import read_source
 
-    return {name: [{**r, "messages": r["messages"][:1]} for r in
-                   read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))[0]]
-            for name, spec in EVAL_SETS.items()}
+    return {
+        name: [
+            {**r, "messages": r["messages"][:1]}
+            for r in read_source(PromptSource(name=name, **{**spec, "path": f"{shared}/{spec['path']}"}))[0]
+        ]
+        for name, spec in EVAL_SETS.items()
+    }
 
 
 def user_text(row: dict) -> str:

@@ -16,6 +16,7 @@ Prints one table and writes benchmarks/results/train_paths.json.
 
     python benchmarks/train_paths.py --run RUN_DIR --shared ../shared [--seeds 0 1] [--epochs 6] [--ttt 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PATHS = {
     "reference": {"attention": "reference", "precision": "fp32", "loss_chunk": 0},
     "fast": {},
-    "fast+pack": {"pack_length": None},       # filled from --pack
+    "fast+pack": {"pack_length": None},  # filled from --pack
 }
 
 
@@ -58,30 +59,75 @@ def main() -> None:
             if name in state["train"]:
                 continue
             settings = {k: args.pack if k == "pack_length" else v for k, v in PATHS[path].items()}
-            res, seconds = train_variant(cfg, run, run / "paths" / name, target, seed=seed, epochs=args.epochs,
-                                         ttt_steps=args.ttt, **settings)
-            state["train"][name] = {"seconds": round(seconds, 1), "tokens_per_s": res.get("tokens_per_s"),
-                                    "best_val_tau": res.get("best_val_tau"), "final_loss": res.get("final_loss"),
-                                    "attention": res.get("attention"), "precision": res.get("precision")}
+            res, seconds = train_variant(
+                cfg,
+                run,
+                run / "paths" / name,
+                target,
+                seed=seed,
+                epochs=args.epochs,
+                ttt_steps=args.ttt,
+                **settings,
+            )
+            state["train"][name] = {
+                "seconds": round(seconds, 1),
+                "tokens_per_s": res.get("tokens_per_s"),
+                "best_val_tau": res.get("best_val_tau"),
+                "final_loss": res.get("final_loss"),
+                "attention": res.get("attention"),
+                "precision": res.get("precision"),
+            }
             state_path.write_text(json.dumps(state, indent=2))
 
     def keep(name, res):
         state["tau"][name] = res
         state_path.write_text(json.dumps(state, indent=2))
 
-    state["tau"], n_prompts = heldout_tau(run, target, args.shared, {n: run / "paths" / n / "drafter" for n in state["train"]},
-                                          device, args.eval_tokens, args.eval_prompts, state["tau"], keep)
+    state["tau"], n_prompts = heldout_tau(
+        run,
+        target,
+        args.shared,
+        {n: run / "paths" / n / "drafter" for n in state["train"]},
+        device,
+        args.eval_tokens,
+        args.eval_prompts,
+        state["tau"],
+        keep,
+    )
     rows, table = [], []
     for path in args.paths:
         names = [f"{path}-seed{s}" for s in args.seeds]
         taus = {s: [state["tau"].get(n, {}).get(s, {}).get("k3") for n in names] for s in n_prompts}
         tps = [state["train"][n]["tokens_per_s"] for n in names if n in state["train"]]
-        rows.append({"path": path, "settings": PATHS[path], "tau": taus, "tokens_per_s": tps,
-                     "final_loss": [state["train"][n]["final_loss"] for n in names if n in state["train"]]})
-        table.append((path, f"{sum(tps) / max(len(tps), 1):,.0f} tok/s; " + "; ".join(f"{s} τ {v}" for s, v in taus.items())))
-    out = {"machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "target": cfg.target.model, "epochs": args.epochs, "ttt_steps": args.ttt, "k": 3, "seeds": args.seeds,
-           "eval_tokens": args.eval_tokens, "sets": n_prompts, "paths": rows, "train": state["train"]}
+        rows.append(
+            {
+                "path": path,
+                "settings": PATHS[path],
+                "tau": taus,
+                "tokens_per_s": tps,
+                "final_loss": [state["train"][n]["final_loss"] for n in names if n in state["train"]],
+            }
+        )
+        table.append(
+            (
+                path,
+                f"{sum(tps) / max(len(tps), 1):,.0f} tok/s; "
+                + "; ".join(f"{s} τ {v}" for s, v in taus.items()),
+            )
+        )
+    out = {
+        "machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "target": cfg.target.model,
+        "epochs": args.epochs,
+        "ttt_steps": args.ttt,
+        "k": 3,
+        "seeds": args.seeds,
+        "eval_tokens": args.eval_tokens,
+        "sets": n_prompts,
+        "paths": rows,
+        "train": state["train"],
+    }
     print_table("training paths: tokens/s and τ (K=3, simulate)", table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

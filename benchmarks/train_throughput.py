@@ -25,8 +25,8 @@ S: TTT steps; A: attention FLOPs per token, causal, 2·n_layers·n_heads·head_d
 target's forward and 3·2·n_heads·head_dim·T·S for the drafter's step-0 attention (forward and
 backward; the diagonal terms of steps ≥ 1 are negligible); R: the bf16 matmul rate measured in
 the same run (8192³ torch.matmul). Under ``torchrun`` every rank runs the fast path on its own
-GPU with its own target replica and a DistributedDataParallel (``--parallel fsdp``: FSDP2) drafter; tokens/s is the sum over
-ranks and, with ``--single JSON`` (a one-GPU result), the scaling efficiency is printed.
+GPU with its own target replica and a DistributedDataParallel (``--parallel fsdp``: FSDP2) drafter;
+tokens/s is the sum over ranks and, with ``--single JSON`` (a one-GPU result), the scaling efficiency is printed.
 
 Prints one table and writes benchmarks/results/train_throughput.json (key ``mfu``).
 
@@ -34,6 +34,7 @@ Prints one table and writes benchmarks/results/train_throughput.json (key ``mfu`
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --single benchmarks/results/train_throughput.json \\
         --out benchmarks/results/train_throughput_ddp2.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ def matmul_rate(dev, n: int = 8192, iters: int = 30) -> float:
     for _ in range(iters):
         a @ b
     torch.cuda.synchronize(dev)
-    return 2 * n ** 3 * iters / (time.perf_counter() - t)
+    return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
 def linear_params(module: nn.Module) -> int:
@@ -88,9 +89,15 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--tiny", action="store_true", help="a small model and few tokens (a smoke run of the script)")
-    ap.add_argument("--compile", action="store_true", help="also measure the fast path with the drafter layer compiled")
-    ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="under torchrun: DDP or FSDP2 drafter")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a small model and few tokens (a smoke run of the script)"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="also measure the fast path with the drafter layer compiled"
+    )
+    ap.add_argument(
+        "--parallel", choices=["ddp", "fsdp"], default="ddp", help="under torchrun: DDP or FSDP2 drafter"
+    )
     ap.add_argument("--single", help="a one-GPU result JSON: print the scaling efficiency against it")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_throughput.json"))
     args = ap.parse_args()
@@ -102,11 +109,24 @@ def main() -> None:
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(dev)
     rate = matmul_rate(dev)
-    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    shape = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=args.layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
     if args.tiny:
-        shape.update(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+        shape.update(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        )
     cfg = LlamaConfig(**shape, tie_word_embeddings=False)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
@@ -118,11 +138,11 @@ def main() -> None:
     V, vd, S, T, B = cfg.vocab_size, args.draft_vocab, args.ttt, args.seq, args.batch
     N = cfg.num_hidden_layers
     aux_ids = (2, N // 2, N - 3)
-    draft_ids = torch.arange(vd, device=dev) * (V // vd)            # a spread-out draft vocabulary
+    draft_ids = torch.arange(vd, device=dev) * (V // vd)  # a spread-out draft vocabulary
     t2d = torch.zeros(V, dtype=torch.bool, device=dev)
     t2d[draft_ids] = True
     with torch.no_grad():
-        target.parts.lm_head.weight[~t2d] *= 0.01                   # argmax always in the draft vocabulary
+        target.parts.lm_head.weight[~t2d] *= 0.01  # argmax always in the draft vocabulary
 
     def new_drafter():
         torch.manual_seed(1)
@@ -138,15 +158,21 @@ def main() -> None:
         with torch.no_grad():
             aux, last = target_features(target, ids, None, aux_ids)
             argmax = teacher_argmax(target, last.reshape(-1, cfg.hidden_size), chunk=4096).view(b, T)
-        samples = [Sample(ids[i], torch.ones(T, dtype=torch.bool, device=dev), aux[i], last[i], argmax[i]) for i in range(b)]
+        samples = [
+            Sample(ids[i], torch.ones(T, dtype=torch.bool, device=dev), aux[i], last[i], argmax[i])
+            for i in range(b)
+        ]
         return make_batch(samples, list(range(b)), S, dev)
 
     tc = TrainConfig(ttt_steps=S, step_weight=0.8, grad_clip=0.5)
 
     def run(drafter, path: str, b: int, steps: int, warmup: int) -> dict:
         fast = path.startswith("fast")
-        speed = {"attention": "flex", "bf16": True, "loss_chunk": args.loss_chunk} if fast else \
-            {"attention": "reference", "bf16": False, "loss_chunk": 0}
+        speed = (
+            {"attention": "flex", "bf16": True, "loss_chunk": args.loss_chunk}
+            if fast
+            else {"attention": "reference", "bf16": False, "loss_chunk": 0}
+        )
         model_ = World(rank, world, dev).wrap(drafter, args.parallel)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
         losses, sup = [], []
@@ -161,10 +187,16 @@ def main() -> None:
             sup.append(sum(st["n"]) / (S * b * T))
         torch.cuda.synchronize(dev)
         sec = time.perf_counter() - t0
-        return {"path": path, "batch": b, "steps": steps, "seconds": round(sec, 3),
-                "tokens_per_s": b * T * steps / sec * world, "losses": losses,
-                "supervised_fraction": round(sum(sup) / len(sup), 4),
-                "peak_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 1)}
+        return {
+            "path": path,
+            "batch": b,
+            "steps": steps,
+            "seconds": round(sec, 3),
+            "tokens_per_s": b * T * steps / sec * world,
+            "losses": losses,
+            "supervised_fraction": round(sum(sup) / len(sup), 4),
+            "peak_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 1),
+        }
 
     def agreement(b: int = 2) -> dict:
         """The GPU formulation (flex attention, chunked loss) against the reference on one batch,
@@ -180,8 +212,13 @@ def main() -> None:
             got.append((float(loss.detach()), torch.cat([p.grad.flatten() for p in d.parameters()])))
             del d
         (l0, g0), (l1, g1) = got
-        return {"tokens": b * T, "loss_reference": l0, "loss_flex_chunked": l1, "loss_rel_diff": abs(l1 - l0) / abs(l0),
-                "grad_rel_diff": float((g1 - g0).norm() / g0.norm())}
+        return {
+            "tokens": b * T,
+            "loss_reference": l0,
+            "loss_flex_chunked": l1,
+            "loss_rel_diff": abs(l1 - l0) / abs(l0),
+            "grad_rel_diff": float((g1 - g0).norm() / g0.norm()),
+        }
 
     agree = agreement() if args.ref_steps else None
     drafter = new_drafter()
@@ -210,14 +247,25 @@ def main() -> None:
                 b //= 2
     mfu = flops_per_token * fast["tokens_per_s"] / (rate * world)
     out = {
-        "machine": f"{world} × {torch.cuda.get_device_name(dev)}", "torch": torch.__version__,
-        "python": platform.python_version(), "gpus": world,
+        "machine": f"{world} × {torch.cuda.get_device_name(dev)}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpus": world,
         "target": "Llama-3.1-8B shape, random bf16" if not args.tiny else "tiny Llama (smoke)",
-        "parallel": args.parallel if world > 1 else None, "seq": T, "batch_per_gpu": B, "ttt_steps": S, "draft_vocab": vd, "drafter_hidden": cfg.hidden_size,
-        "p_target": p_target, "p_drafter": p_drafter, "attention_flops_per_token": attn,
-        "flops_per_token": flops_per_token, "matmul_tflops_measured": round(rate / 1e12, 1),
+        "parallel": args.parallel if world > 1 else None,
+        "seq": T,
+        "batch_per_gpu": B,
+        "ttt_steps": S,
+        "draft_vocab": vd,
+        "drafter_hidden": cfg.hidden_size,
+        "p_target": p_target,
+        "p_drafter": p_drafter,
+        "attention_flops_per_token": attn,
+        "flops_per_token": flops_per_token,
+        "matmul_tflops_measured": round(rate / 1e12, 1),
         "formula": "MFU = (2*P_target + 3*2*P_drafter*S + A) * tokens_per_s / (R * gpus)",
-        "tokens_per_s": round(fast["tokens_per_s"], 1), "mfu": round(mfu, 4),
+        "tokens_per_s": round(fast["tokens_per_s"], 1),
+        "mfu": round(mfu, 4),
         "runs": results,
     }
     if args.compile:
@@ -234,8 +282,14 @@ def main() -> None:
         out["scaling_efficiency"] = round(fast["tokens_per_s"] / (world * one["tokens_per_s"]), 4)
     if rank == 0:
         rows = [(k, v) for k, v in out.items() if k != "runs"]
-        rows += [(f"{r['path']} (batch {r['batch']})", f"{r['tokens_per_s']:.0f} tok/s, peak {r['peak_memory_gb']} GB, "
-                  f"supervised {r['supervised_fraction']}") for r in results]
+        rows += [
+            (
+                f"{r['path']} (batch {r['batch']})",
+                f"{r['tokens_per_s']:.0f} tok/s, peak {r['peak_memory_gb']} GB, "
+                f"supervised {r['supervised_fraction']}",
+            )
+            for r in results
+        ]
         print_table("train throughput", rows)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

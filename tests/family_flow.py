@@ -7,6 +7,7 @@ the greedy continuations ``evaluate`` measured (vLLM's own, without speculation)
 
 Used by ``tests/test_family_runs.py`` (CI size) and ``benchmarks/families.py`` (the README table).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,16 +46,42 @@ def release_engines() -> None:
         release_vllm_engine()
 
 
-def write_config(work: Path, folder: Path, prompts: int = 200, tokens: int = 48, epochs: int = 20,
-                 eval_prompts: int = EVAL_PROMPTS, lr: float = 1.0e-3) -> Path:
+def write_config(
+    work: Path,
+    folder: Path,
+    prompts: int = 200,
+    tokens: int = 48,
+    epochs: int = 20,
+    eval_prompts: int = EVAL_PROMPTS,
+    lr: float = 1.0e-3,
+) -> Path:
     path = work / "config.yaml"
-    path.write_text(CONFIG.format(run=work / "run", target=folder, gsm8k=GSM8K, prompts=prompts, tokens=tokens,
-                                  epochs=epochs, eval_prompts=eval_prompts, lr=lr))
+    path.write_text(
+        CONFIG.format(
+            run=work / "run",
+            target=folder,
+            gsm8k=GSM8K,
+            prompts=prompts,
+            tokens=tokens,
+            epochs=epochs,
+            eval_prompts=eval_prompts,
+            lr=lr,
+        )
+    )
     return path
 
 
-def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
-               epochs: int = 20, eval_prompts: int = EVAL_PROMPTS, serve: bool = True, lr: float = 1.0e-3) -> dict:
+def run_family(
+    family: str,
+    work: str | Path,
+    smollm2_dir: str | Path,
+    prompts: int = 200,
+    tokens: int = 48,
+    epochs: int = 20,
+    eval_prompts: int = EVAL_PROMPTS,
+    serve: bool = True,
+    lr: float = 1.0e-3,
+) -> dict:
     """The family's row: whole-run result, ``check``'s verdict, and vLLM's (see the module)."""
     from eagle3kit.core.config import TargetConfig, load_config
     from eagle3kit.core.rundir import read_jsonl
@@ -72,16 +99,25 @@ def run_family(family: str, work: str | Path, smollm2_dir: str | Path, prompts: 
     errors = [f for f in findings if f.severity == "error"]
     ev = report["evaluate"]["sets"]["gsm8k_heldout"]
     manifest = json.loads((work / "run" / "manifest.json").read_text())
-    row = {"family": family, "run": "passed", "generate_backend": manifest["stages"]["generate"]["inputs"]["backend"],
-           "evaluate_tau": ev["tau"], "check": "servable" if not errors else "refused",
-           "check_errors": [f"{f.code}: {f.message}" for f in errors], "findings": [f.code for f in findings]}
-    if any(f.code == "mla_cpu_eagle3" for f in errors):      # and as check sees a server started with MLA off
+    row = {
+        "family": family,
+        "run": "passed",
+        "generate_backend": manifest["stages"]["generate"]["inputs"]["backend"],
+        "evaluate_tau": ev["tau"],
+        "check": "servable" if not errors else "refused",
+        "check_errors": [f"{f.code}: {f.message}" for f in errors],
+        "findings": [f.code for f in findings],
+    }
+    if any(f.code == "mla_cpu_eagle3" for f in errors):  # and as check sees a server started with MLA off
         with env(VLLM_MLA_DISABLE="1"):
-            row["check_errors_without_mla"] = [f"{f.code}: {f.message}" for f in check_drafter(drafter, TargetConfig(
-                model=str(folder))) if f.severity == "error"]
+            row["check_errors_without_mla"] = [
+                f"{f.code}: {f.message}"
+                for f in check_drafter(drafter, TargetConfig(model=str(folder)))
+                if f.severity == "error"
+            ]
     conts = [r for _, r in read_jsonl(ev["continuations"])]
     row["evaluate_backend"] = conts[0]["backend"]
-    row["_serve"] = (folder, drafter, conts, tokens, work)       # what serve_rows needs; summary() leaves it out
+    row["_serve"] = (folder, drafter, conts, tokens, work)  # what serve_rows needs; summary() leaves it out
     if serve:
         serve_rows([row])
     return row
@@ -116,7 +152,9 @@ def finish_row(row: dict, wait_s: float = 400) -> dict:
         if err:
             srv.kill()
             log = srv.log_path.read_text(errors="replace").strip().splitlines()
-            row.update({"vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), err)[:300]})
+            row.update(
+                {"vllm": "refused", "vllm_error": next((x for x in reversed(log) if "Error" in x), err)[:300]}
+            )
         else:
             row.update(measure_served(srv.url, *row["_serve"][2:4]))
     finally:
@@ -133,8 +171,14 @@ def spawn_server(row: dict) -> None:
     from eagle3kit.core.engines import VLLMServer, free_port
 
     folder, drafter, _, _, work = row["_serve"]
-    srv = VLLMServer(folder, free_port(), work / "vllm.log", served_name="target", max_model_len=1024,
-                     speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    srv = VLLMServer(
+        folder,
+        free_port(),
+        work / "vllm.log",
+        served_name="target",
+        max_model_len=1024,
+        speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3},
+    )
     row.update({"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env, "_server": srv})
     srv.spawn()
 
@@ -147,9 +191,18 @@ def measure_served(url: str, conts: list[dict], tokens: int) -> dict:
     before = spec_decode_counters(url)
     ids = completion_ids(url, [c["prompt_ids"] for c in conts], tokens)
     acc = spec_decode_delta(before, spec_decode_counters(url))
-    same = sum(a == c["continuation_ids"][: len(a)] and len(a) == len(c["continuation_ids"]) for a, c in zip(ids, conts))
-    return {"vllm": "served", "vllm_tau": acc["tau"], "vllm_drafts": acc["drafts"], "vllm_accepted": acc["accepted"],
-            "greedy_identical": f"{same}/{len(conts)}", "vllm_outputs": ids}
+    same = sum(
+        a == c["continuation_ids"][: len(a)] and len(a) == len(c["continuation_ids"])
+        for a, c in zip(ids, conts)
+    )
+    return {
+        "vllm": "served",
+        "vllm_tau": acc["tau"],
+        "vllm_drafts": acc["drafts"],
+        "vllm_accepted": acc["accepted"],
+        "greedy_identical": f"{same}/{len(conts)}",
+        "vllm_outputs": ids,
+    }
 
 
 def completion_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -157,14 +210,24 @@ def completion_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[
     ``return_token_ids``), all prompts in one request, in order."""
     import httpx
 
-    r = httpx.post(url + "/v1/completions", timeout=600, json={"model": "target", "prompt": prompts, "max_tokens": max_tokens,
-                                                                "temperature": 0.0, "return_token_ids": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=600,
+        json={
+            "model": "target",
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        },
+    )
     r.raise_for_status()
     return [list(c["token_ids"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
 
-def feature_sources_story(work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48,
-                          epochs: int = 20) -> dict:
+def feature_sources_story(
+    work: str | Path, smollm2_dir: str | Path, prompts: int = 200, tokens: int = 48, epochs: int = 20
+) -> dict:
     """DeepSeek-V3 without rope scaling, where vLLM's CPU build computes other hidden states than
     transformers (tests/test_deepseek_numerics.py): a whole run (its drafter trains on the
     transformers target's features, online), the same samples' features extracted by both
@@ -208,33 +271,64 @@ def feature_sources_story(work: str | Path, smollm2_dir: str | Path, prompts: in
     for name, run_dir, ev in (("transformers", run, report["evaluate"]), ("vllm", second, ev_b)):
         conts = [r for _, r in read_jsonl(ev["sets"]["gsm8k_heldout"]["continuations"])]
         (work / f"serve-{name}").mkdir(parents=True, exist_ok=True)
-        rows[name] = {"evaluate_tau": ev["tau"], "_serve": (folder, run_dir / "drafter", conts, tokens, work / f"serve-{name}")}
+        rows[name] = {
+            "evaluate_tau": ev["tau"],
+            "_serve": (folder, run_dir / "drafter", conts, tokens, work / f"serve-{name}"),
+        }
     serve_rows(list(rows.values()))
     for name, row in rows.items():
-        out["drafters"][name] = {k: v for k, v in row.items() if k != "vllm_outputs" and not k.startswith("_")}
+        out["drafters"][name] = {
+            k: v for k, v in row.items() if k != "vllm_outputs" and not k.startswith("_")
+        }
     return out
 
 
 def table(result: dict) -> str:
     """The README's family table (Markdown) and, when present, the feature-source story's."""
-    lines = ["| family | whole run | vLLM serves (path) | τ vLLM counters | τ evaluate | greedy with = without spec. | "
-             "check |", "|---|---|---|---:|---:|---|---|"]
+    lines = [
+        "| family | whole run | vLLM serves (path) | τ vLLM counters | τ evaluate | greedy with = without spec. | "
+        "check |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
     for r in result["rows"]:
-        path = ("MLA disabled" if r.get("vllm_env", {}).get("VLLM_MLA_DISABLE") else "as is") if r.get("vllm") == "served" \
+        path = (
+            ("MLA disabled" if r.get("vllm_env", {}).get("VLLM_MLA_DISABLE") else "as is")
+            if r.get("vllm") == "served"
             else "no"
-        tau = f"{r['vllm_tau']:.4f} ({r['vllm_accepted']}/{r['vllm_drafts']})" if r.get("vllm") == "served" else "—"
-        check = r["check"] + (" (servable with VLLM_MLA_DISABLE=1)" if r.get("check_errors_without_mla") == [] else "")
-        lines.append(f"| {r['family']} | {r['run']} | {r.get('vllm', '—')} ({path}) | {tau} | {r['evaluate_tau']:.4f} | "
-                     f"{r.get('greedy_identical', '—')} | {check} |")
+        )
+        tau = (
+            f"{r['vllm_tau']:.4f} ({r['vllm_accepted']}/{r['vllm_drafts']})"
+            if r.get("vllm") == "served"
+            else "—"
+        )
+        check = r["check"] + (
+            " (servable with VLLM_MLA_DISABLE=1)" if r.get("check_errors_without_mla") == [] else ""
+        )
+        lines.append(
+            f"| {r['family']} | {r['run']} | {r.get('vllm', '—')} ({path}) | {tau} | {r['evaluate_tau']:.4f} | "
+            f"{r.get('greedy_identical', '—')} | {check} |"
+        )
     story = result.get("feature_sources")
     if story:
-        lines += ["", f"parity, transformers vs vLLM features (DeepSeek-V3, no rope scaling): {story['parity']['verdict']}",
-                  "| layer | cosine | rel. error | top-1 |", "|---|---:|---:|---:|"]
-        lines += [f"| {k} | {v['cosine']:.6f} | {v['relative_error']:.2e} | {v['top1_agreement']:.3f} |"
-                  for k, v in story["parity"]["layers"].items()]
-        lines += ["", "| drafter trained on | τ evaluate (transformers) | τ vLLM counters |", "|---|---:|---:|"]
-        lines += [f"| {k} features | {d['evaluate_tau']:.4f} | {d.get('vllm_tau', float('nan')):.4f} |"
-                  for k, d in story["drafters"].items()]
+        lines += [
+            "",
+            f"parity, transformers vs vLLM features (DeepSeek-V3, no rope scaling): {story['parity']['verdict']}",
+            "| layer | cosine | rel. error | top-1 |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {k} | {v['cosine']:.6f} | {v['relative_error']:.2e} | {v['top1_agreement']:.3f} |"
+            for k, v in story["parity"]["layers"].items()
+        ]
+        lines += [
+            "",
+            "| drafter trained on | τ evaluate (transformers) | τ vLLM counters |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {k} features | {d['evaluate_tau']:.4f} | {d.get('vllm_tau', float('nan')):.4f} |"
+            for k, d in story["drafters"].items()
+        ]
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ which SGLang source files its shapes follow). It answers ``/v1/models``, ``/serv
 12 tokens (usage in the last chunk), and without streaming each prompt's fixed ``meta_info``. Like
 SGLang, it refuses ``return_meta_info`` on a streamed request (HTTP 400) and has no ``/tokenize``
 for chat messages; ``usage.prompt_tokens`` is the length of the real SmolLM2 template's render."""
+
 from __future__ import annotations
 
 import json
@@ -49,23 +50,51 @@ class SGLangReplay(AppThread):
                 self.seen["refused"] += 1
                 return JSONResponse(FIXTURE["stream_refusal"], status_code=400)
             i = PROMPTS.index(body["messages"][-1]["content"])
-            usage = {"prompt_tokens": len(render_prompt_ids(tokenizer, body["messages"])), "completion_tokens": 12,
-                     "total_tokens": 0}
+            usage = {
+                "prompt_tokens": len(render_prompt_ids(tokenizer, body["messages"])),
+                "completion_tokens": 12,
+                "total_tokens": 0,
+            }
             head = {"id": f"r{i}", "created": 0, "model": MODEL}
             if not stream:
-                choice = {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "one two three four "
-                          "five six seven eight nine ten eleven twelve"}}
+                choice = {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {
+                        "role": "assistant",
+                        "content": "one two three four five six seven eight nine ten eleven twelve",
+                    },
+                }
                 if meta:
                     choice["meta_info"] = FIXTURE["meta_info_by_prompt"][i]
                 return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
 
             def gen():
                 words = "one two three four five six seven eight nine ten eleven twelve".split()
-                for j in range(0, 12, 3):     # three tokens a chunk, as a speculative server streams them
-                    delta = {"content": " ".join(words[j:j + 3]) + " "}
-                    yield "data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [
-                        {"index": 0, "delta": delta, "finish_reason": "length" if j == 9 else None}]}) + "\n\n"
-                yield "data: " + json.dumps({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}) + "\n\n"
+                for j in range(0, 12, 3):  # three tokens a chunk, as a speculative server streams them
+                    delta = {"content": " ".join(words[j : j + 3]) + " "}
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {
+                                **head,
+                                "object": "chat.completion.chunk",
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "delta": delta,
+                                        "finish_reason": "length" if j == 9 else None,
+                                    }
+                                ],
+                            }
+                        )
+                        + "\n\n"
+                    )
+                yield (
+                    "data: "
+                    + json.dumps({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+                    + "\n\n"
+                )
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(gen(), media_type="text/event-stream")

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the thing and the fix, and loses nothing (found by an
 adversarial review; each case here once crashed with a traceback or did the wrong thing)."""
+
 import gzip
 
 import pytest
@@ -17,13 +18,16 @@ def _src(tmp_path, text: bytes, name="p.jsonl"):
     return PromptSource(path=str(p))
 
 
-@pytest.mark.parametrize("row,needle", [
-    (b'{"conversations": [{"from": "human", "value": null}]}\n', "must be a string"),
-    (b'{"messages": [{"role": "user", "content": 7}]}\n', "must be a string"),
-    (b'{"messages": "hi"}\n', "must be a list"),
-    (b'{"prompt": {"text": 123}}\n', "must be a string"),
-    (b'{"question": 5}\n', "field 'question' must be a string"),
-])
+@pytest.mark.parametrize(
+    "row,needle",
+    [
+        (b'{"conversations": [{"from": "human", "value": null}]}\n', "must be a string"),
+        (b'{"messages": [{"role": "user", "content": 7}]}\n', "must be a string"),
+        (b'{"messages": "hi"}\n', "must be a list"),
+        (b'{"prompt": {"text": 123}}\n', "must be a string"),
+        (b'{"question": 5}\n', "field 'question' must be a string"),
+    ],
+)
 def test_wrongly_typed_rows_name_file_line_and_field(tmp_path, row, needle):
     with pytest.raises(DataError) as e:
         read_source(_src(tmp_path, row))
@@ -79,19 +83,24 @@ def test_a_text_file_where_safetensors_belong(tmp_path):
 def test_empty_prompt_source_stops_at_the_prompts_stage(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nprompts:\n  sources: [{{path: {tmp_path / 'empty.jsonl'}}}]\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path / 'run'}\nprompts:\n  sources: [{{path: {tmp_path / 'empty.jsonl'}}}]\n"
+    )
     res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
     assert res.exit_code == 2 and "0 prompts" in " ".join(res.output.split())
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["evaluate", "--num-prompts", "-1"], "evaluate.num_prompts"),
-    (["evaluate", "--k", "0"], "evaluate.k"),
-    (["evaluate", "--max-new-tokens", "-5"], "evaluate.max_new_tokens"),
-    (["evaluate", "--mode", "fast"], "evaluate.mode"),
-    (["evaluate", "--section", "prompts"], "--section must start with 'evaluate'"),
-    (["generate", "--backend", "foo"], "generate.backend"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["evaluate", "--num-prompts", "-1"], "evaluate.num_prompts"),
+        (["evaluate", "--k", "0"], "evaluate.k"),
+        (["evaluate", "--max-new-tokens", "-5"], "evaluate.max_new_tokens"),
+        (["evaluate", "--mode", "fast"], "evaluate.mode"),
+        (["evaluate", "--section", "prompts"], "--section must start with 'evaluate'"),
+        (["generate", "--backend", "foo"], "generate.backend"),
+    ],
+)
 def test_cli_flags_are_validated_like_the_config(tmp_path, args, needle):
     res = CliRunner().invoke(app, args + ["--run-dir", str(tmp_path / "r")])
     assert res.exit_code == 2
@@ -101,11 +110,13 @@ def test_cli_flags_are_validated_like_the_config(tmp_path, args, needle):
 def test_every_stage_records_the_config_it_used(tmp_path):
     (tmp_path / "p.jsonl").write_text('"hello there friend"\n"second prompt here"\n')
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nprompts:\n  sources: [{{path: {tmp_path / 'p.jsonl'}}}]\n"
-                   "  heldout_fraction: 0.0\nvocab: {draft_vocab_size: 256}\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path / 'run'}\nprompts:\n  sources: [{{path: {tmp_path / 'p.jsonl'}}}]\n"
+        "  heldout_fraction: 0.0\nvocab: {draft_vocab_size: 256}\n"
+    )
     assert CliRunner().invoke(app, ["prompts", "-c", str(cfg)]).exit_code == 0
     stored = load_config(tmp_path / "run" / "config.yaml")
-    assert stored.vocab.draft_vocab_size == 256            # a later `--run-dir` alone uses it, not the defaults
+    assert stored.vocab.draft_vocab_size == 256  # a later `--run-dir` alone uses it, not the defaults
 
 
 def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
@@ -113,17 +124,19 @@ def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
     are each named by file:line and skipped; the good rows around them go on."""
     src = tmp_path / "mixed.jsonl"
     src.write_bytes(
-        b'{"turns": ["first good"]}\n'          # 1
-        b'{"turns": [\n'                         # 2 bad JSON
-        b'{"foo": 1}\n'                          # 3 no known format
-        b'{"messages": [{"role": "user"}]}\n'    # 4 message without content
-        b'{"turns": ["   "]}\n'                  # 5 empty prompt
-        b'"caf\xe9"\n'                           # 6 not UTF-8
-        b'{"question": 5}\n'                     # 7 wrong type
-        b'"second good"\n'                       # 8
+        b'{"turns": ["first good"]}\n'  # 1
+        b'{"turns": [\n'  # 2 bad JSON
+        b'{"foo": 1}\n'  # 3 no known format
+        b'{"messages": [{"role": "user"}]}\n'  # 4 message without content
+        b'{"turns": ["   "]}\n'  # 5 empty prompt
+        b'"caf\xe9"\n'  # 6 not UTF-8
+        b'{"question": 5}\n'  # 7 wrong type
+        b'"second good"\n'  # 8
     )
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nprompts:\n  heldout_fraction: 0\n  sources: [{{path: {src}}}]\n")
+    cfg.write_text(
+        f"run_dir: {tmp_path / 'run'}\nprompts:\n  heldout_fraction: 0\n  sources: [{{path: {src}}}]\n"
+    )
     res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
     assert res.exit_code == 0, res.output
     kept = [r["messages"][0]["content"] for _, r in read_jsonl(tmp_path / "run" / "prompts.jsonl")]
@@ -131,14 +144,26 @@ def test_malformed_prompt_rows_are_reported_by_line_and_skipped(tmp_path):
     rejected = [r for _, r in read_jsonl(tmp_path / "run" / "prompts_rejected.jsonl")]
     assert [r["line"] for r in rejected] == [2, 3, 4, 5, 6, 7]
     reasons = {r["line"]: r["reason"] for r in rejected}
-    assert "not valid JSON" in reasons[2] and "not UTF-8" in reasons[6] and "matches no prompt format" in reasons[3]
-    assert "'role' and 'content'" in reasons[4] and "empty prompt" in reasons[5] and "must be a string" in reasons[7]
+    assert (
+        "not valid JSON" in reasons[2]
+        and "not UTF-8" in reasons[6]
+        and "matches no prompt format" in reasons[3]
+    )
+    assert (
+        "'role' and 'content'" in reasons[4]
+        and "empty prompt" in reasons[5]
+        and "must be a string" in reasons[7]
+    )
     out = " ".join(res.output.split())
     assert "skipped 6 malformed or empty row(s)" in out and "mixed.jsonl:2" in out
     report = RunDir(tmp_path / "run").report["prompts"]
-    assert report["dropped_malformed"] == 5 and report["dropped_empty_prompt"] == 1 and report["rows_kept"] == 2
+    assert (
+        report["dropped_malformed"] == 5 and report["dropped_empty_prompt"] == 1 and report["rows_kept"] == 2
+    )
     # the strict setting stops at the first bad row instead
-    cfg.write_text(cfg.read_text().replace("heldout_fraction: 0\n", "heldout_fraction: 0\n  on_bad_row: error\n"))
+    cfg.write_text(
+        cfg.read_text().replace("heldout_fraction: 0\n", "heldout_fraction: 0\n  on_bad_row: error\n")
+    )
     res = CliRunner().invoke(app, ["prompts", "-c", str(cfg)])
     assert res.exit_code == 2 and "mixed.jsonl:2: not valid JSON" in " ".join(res.output.split())
 
@@ -154,8 +179,11 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["extract", "--run-dir", str(tmp_path / "run"), "--shard-tokens", "4096"])
     out = " ".join(res.output.split())
     assert res.exit_code == 130
-    assert "interrupted: `eagle3kit extract` keeps what it finished" in out and "run the same command again to resume" in out
-    assert not (tmp_path / "run" / "config.yaml").exists()          # an interrupted command stores no config
+    assert (
+        "interrupted: `eagle3kit extract` keeps what it finished" in out
+        and "run the same command again to resume" in out
+    )
+    assert not (tmp_path / "run" / "config.yaml").exists()  # an interrupted command stores no config
 
 
 def test_run_takes_its_config_as_an_argument_or_with_c_like_every_stage(tmp_path):
@@ -166,7 +194,7 @@ def test_run_takes_its_config_as_an_argument_or_with_c_like_every_stage(tmp_path
     from eagle3kit.cli import app
 
     bad = tmp_path / "c.yaml"
-    bad.write_text("train: {epochs: -3}\n")                   # refused by validation: no stage runs
+    bad.write_text("train: {epochs: -3}\n")  # refused by validation: no stage runs
     by_arg, by_opt = (CliRunner().invoke(app, args) for args in (["run", str(bad)], ["run", "-c", str(bad)]))
     assert by_arg.exit_code == by_opt.exit_code != 0 and "epochs" in by_opt.output
     assert " ".join(by_arg.output.split()) == " ".join(by_opt.output.split())
@@ -189,12 +217,18 @@ def test_check_on_a_folder_that_does_not_exist_says_so_and_exits_2(tmp_path):
     assert "missing_file" not in said
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "the file is empty"),                                    # ran the whole default SmolLM2 job, silently
-    ("# every line commented out\n", "the file is empty"),
-    ("train: {epochs: true}\n", "train.epochs: Value error, a number is needed here, not true/false"),   # was epochs 1
-    ("train: {lr: false}\n", "train.lr: Value error, a number is needed here"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "the file is empty"),  # ran the whole default SmolLM2 job, silently
+        ("# every line commented out\n", "the file is empty"),
+        (
+            "train: {epochs: true}\n",
+            "train.epochs: Value error, a number is needed here, not true/false",
+        ),  # was epochs 1
+        ("train: {lr: false}\n", "train.lr: Value error, a number is needed here"),
+    ],
+)
 def test_an_empty_config_or_true_for_a_number_is_refused(tmp_path, text, needle):
     """Hostile-input trial: `-c empty.yaml` ran the default job without a word, and `epochs: true`
     trained 1 epoch; both are refused (exit 2) before anything runs."""

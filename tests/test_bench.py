@@ -1,6 +1,7 @@
 """`eagle3kit bench` without a real engine: the acceptance arithmetic (C33, C34), the comparison
 of two records (C36), the SGLang paths against a replay of hand-written SGLang responses (marked:
 no SGLang server runs here), and bad input. The real vLLM runs are in tests/test_bench_vllm.py."""
+
 from __future__ import annotations
 
 import copy
@@ -22,9 +23,11 @@ def test_c33_acceptance_rate_and_tokens_per_step_are_named_apart():
 
 
 def test_c34_tau_comes_from_totals_with_its_formula():
-    steps = [2, 0, 3, 1]                       # accepted drafts per verify step, K = 3
+    steps = [2, 0, 3, 1]  # accepted drafts per verify step, K = 3
     per_position = {k: sum(a >= k for a in steps) for k in (1, 2, 3)}
-    got = acceptance_from_counters({"drafts": 4, "draft_tokens": 12, "accepted": sum(steps), "per_position": per_position})
+    got = acceptance_from_counters(
+        {"drafts": 4, "draft_tokens": 12, "accepted": sum(steps), "per_position": per_position}
+    )
     assert got["tau"] == 2.5 and "1 + accepted / drafts" in got["formula"]
     assert got["per_position_acceptance"] == [0.75, 0.5, 0.25]
     # SGLang: pooled Σ completion / Σ verify, not the mean of per-request ratios (which would be 2.4667)
@@ -34,17 +37,27 @@ def test_c34_tau_comes_from_totals_with_its_formula():
 
 def _record(version: str, tau: float, tok_s: float, ttft: float) -> dict:
     lat = {"p50": ttft, "p90": ttft, "p99": ttft, "mean": ttft}
-    level = {"concurrency": 4, "output_tokens_per_s": tok_s, "request_throughput": tok_s / 32, "ttft_ms": lat,
-             "itl_ms": lat, "tpot_ms": lat, "acceptance": {"tau": tau}}
-    return {"started": "t", "drafter": {"sha256": "d" * 64},
-            "servers": {"speculative": {"engine": {"name": "vllm", "version": version}, "results": [level]}}}
+    level = {
+        "concurrency": 4,
+        "output_tokens_per_s": tok_s,
+        "request_throughput": tok_s / 32,
+        "ttft_ms": lat,
+        "itl_ms": lat,
+        "tpot_ms": lat,
+        "acceptance": {"tau": tau},
+    }
+    return {
+        "started": "t",
+        "drafter": {"sha256": "d" * 64},
+        "servers": {"speculative": {"engine": {"name": "vllm", "version": version}, "results": [level]}},
+    }
 
 
 def test_c36_a_drop_beyond_the_tolerance_is_flagged_with_both_engine_versions(tmp_path):
     a = _record("0.31.0", 2.50, 100.0, 50.0)
-    ok = compare(a, _record("0.32.0", 2.45, 98.0, 51.0), tolerance=0.05)       # −2%, −2%, +2%: within
+    ok = compare(a, _record("0.32.0", 2.45, 98.0, 51.0), tolerance=0.05)  # −2%, −2%, +2%: within
     assert ok["regressions"] == [] and (ok["a"]["version"], ok["b"]["version"]) == ("0.31.0", "0.32.0")
-    bad = compare(a, _record("0.32.0", 2.20, 90.0, 60.0), tolerance=0.05)      # −12%, −10%, +20%
+    bad = compare(a, _record("0.32.0", 2.20, 90.0, 60.0), tolerance=0.05)  # −12%, −10%, +20%
     assert {r["metric"] for r in bad["regressions"]} >= {"tau", "output_tokens_per_s", "ttft_p50_ms"}
     assert all(r["concurrency"] == 4 for r in bad["regressions"])
     # through the CLI: exit 1 when something regressed, 0 when not
@@ -52,11 +65,20 @@ def test_c36_a_drop_beyond_the_tolerance_is_flagged_with_both_engine_versions(tm
 
     from eagle3kit.cli import app
 
-    for name, rec in (("a", a), ("b", _record("0.32.0", 2.20, 90.0, 60.0)), ("c", _record("0.32.0", 2.49, 100.0, 50.0))):
+    for name, rec in (
+        ("a", a),
+        ("b", _record("0.32.0", 2.20, 90.0, 60.0)),
+        ("c", _record("0.32.0", 2.49, 100.0, 50.0)),
+    ):
         (tmp_path / f"{name}.json").write_text(json.dumps(rec))
     run = CliRunner().invoke(app, ["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert run.exit_code == 1 and "REGRESSION" in run.output and "0.31.0" in run.output
-    assert CliRunner().invoke(app, ["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "c.json")]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(app, ["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "c.json")])
+        .exit_code
+        == 0
+    )
     (tmp_path / "x.json").write_text("[1, 2]")
     with pytest.raises(BenchError, match="not a bench record"):
         load_record(tmp_path / "x.json")
@@ -74,17 +96,29 @@ def test_sglang_paths_against_replayed_responses(tmp_path, smollm2_tokenizer):
         seen = dict(srv.seen)
     spec = rec["servers"]["speculative"]
     assert spec["engine"] == {"name": "sglang", "version": "0.5.23"}
-    assert spec["server_flags"]["max_running_requests"] == 64 and spec["server_flags"]["speculative_num_draft_tokens"] == 4
-    assert spec["template_check"]["method"] == "usage.prompt_tokens" and spec["template_check"]["checked"] == 3
-    assert seen.get("refused", 0) == 0                        # never asked for meta_info on a stream
+    assert (
+        spec["server_flags"]["max_running_requests"] == 64
+        and spec["server_flags"]["speculative_num_draft_tokens"] == 4
+    )
+    assert (
+        spec["template_check"]["method"] == "usage.prompt_tokens" and spec["template_check"]["checked"] == 3
+    )
+    assert seen.get("refused", 0) == 0  # never asked for meta_info on a stream
     for level, n in zip(spec["results"], (3, 4)):
         assert level["requests"] == n and level["failures"] == 0 and level["output_tokens"] == 12 * n
         assert level["completion_tokens_source"] == "usage"
         acc = level["acceptance"]
         # c=1: prompts 0,1,2 → 36 / 15; c=4: prompt 0 twice more → 48 / 20; both 2.4; accepted/drafted 21/45, 28/60
-        assert acc["tau"] == 2.4 and acc["acceptance_rate"] == round(7 / 15, 6) and acc["source"].startswith("sglang meta_info")
-        assert level["sglang_after_stream"] == {"spec_accept_length": 2.38, "spec_accept_rate": 0.46,
-                                                "server_info_avg_spec_accept_length": 2.41}
+        assert (
+            acc["tau"] == 2.4
+            and acc["acceptance_rate"] == round(7 / 15, 6)
+            and acc["source"].startswith("sglang meta_info")
+        )
+        assert level["sglang_after_stream"] == {
+            "spec_accept_length": 2.38,
+            "spec_accept_rate": 0.46,
+            "server_info_avg_spec_accept_length": 2.41,
+        }
         assert len(level["itl_ms"]) == 4 and level["ttft_ms"]["p50"] is not None
     paths = write_outputs(rec, tmp_path / "out")
     assert all(p.stat().st_size > 0 for p in paths.values())
@@ -98,7 +132,9 @@ def test_bad_input_names_the_thing_and_the_fix(tmp_path):
 
     p = tmp_path / "p.jsonl"
     p.write_text('{"turns": ["hi there"]}\n')
-    with pytest.raises(BenchError, match=r"no OpenAI-compatible server answers http://127.0.0.1:\d+/v1/models"):
+    with pytest.raises(
+        BenchError, match=r"no OpenAI-compatible server answers http://127.0.0.1:\d+/v1/models"
+    ):
         run_bench(f"http://127.0.0.1:{free_port()}/v1", p, [1], 8, warmup=0)
     with pytest.raises(BenchError, match="does not exist"):
         run_bench("http://127.0.0.1:1", tmp_path / "missing.jsonl", [1], 8)
@@ -132,24 +168,60 @@ def test_trial_findings_system_turns_failures_keys_and_dead_servers(tmp_path, mo
     with StandInServer() as srv:
         base = srv.url.removesuffix("/v1")
         # a system message before the user turn: both are sent (it used to send the system message only)
-        sys_first = _prompts(tmp_path, [{"messages": [{"role": "system", "content": "be brief"},
-                                                      {"role": "user", "content": "hello there"}]}])
+        sys_first = _prompts(
+            tmp_path,
+            [
+                {
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "hello there"},
+                    ]
+                }
+            ],
+        )
         rec = run_bench(base, sys_first, [1, 2], 4, template_check=False, warmup=0)
         assert srv.hits["hello there"] == 1 + 2
         lv = rec["servers"]["speculative"]["results"]
         assert [r["completed"] for r in lv] == [1, 2] and lv[0]["acceptance"] is None
-        assert lv[0]["acceptance_error"].startswith("/metrics unreadable")          # not a traceback
+        assert lv[0]["acceptance_error"].startswith("/metrics unreadable")  # not a traceback
         # a dead baseline and a baseline equal to the base are refused before any request
         before = sum(srv.hits.values())
         with pytest.raises(BenchError, match="fix --baseline-url"):
-            run_bench(base, sys_first, [1], 4, baseline_url=f"http://127.0.0.1:{free_port()}", template_check=False, warmup=0)
+            run_bench(
+                base,
+                sys_first,
+                [1],
+                4,
+                baseline_url=f"http://127.0.0.1:{free_port()}",
+                template_check=False,
+                warmup=0,
+            )
         with pytest.raises(BenchError, match="same server"):
             run_bench(base, sys_first, [1], 4, baseline_url=base + "/v1", template_check=False, warmup=0)
         assert sum(srv.hits.values()) == before
         # a stream that never finishes, an HTML page and a 401 echoing the key are failures; the key is never written
-        bad = _prompts(tmp_path, [{"turns": ["raw:no_finish"]}, {"turns": ["raw:html"]}, {"turns": ["raw:401"]}])
-        res = CliRunner().invoke(app, ["bench", "--base-url", base, "--prompts", str(bad), "--concurrency", "1",
-                                       "--max-tokens", "4", "--warmup", "0", "--no-template-check", "--out", str(tmp_path / "b")])
+        bad = _prompts(
+            tmp_path, [{"turns": ["raw:no_finish"]}, {"turns": ["raw:html"]}, {"turns": ["raw:401"]}]
+        )
+        res = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "--base-url",
+                base,
+                "--prompts",
+                str(bad),
+                "--concurrency",
+                "1",
+                "--max-tokens",
+                "4",
+                "--warmup",
+                "0",
+                "--no-template-check",
+                "--out",
+                str(tmp_path / "b"),
+            ],
+        )
         text = (tmp_path / "b" / "bench.json").read_text()
         lvl = json.loads(text)["servers"]["speculative"]["results"][0]
         assert res.exit_code == 1 and lvl["completed"] == 0 and lvl["failures"] == 3, res.output
@@ -158,7 +230,9 @@ def test_trial_findings_system_turns_failures_keys_and_dead_servers(tmp_path, mo
         # --out that is a file is refused before anything runs
         (tmp_path / "afile").write_text("x")
         n = sum(srv.hits.values())
-        res = CliRunner().invoke(app, ["bench", "--base-url", base, "--prompts", str(sys_first), "--out", str(tmp_path / "afile")])
+        res = CliRunner().invoke(
+            app, ["bench", "--base-url", base, "--prompts", str(sys_first), "--out", str(tmp_path / "afile")]
+        )
         assert res.exit_code == 2 and "--out" in res.output and sum(srv.hits.values()) == n
 
 
@@ -169,7 +243,7 @@ def test_compare_refuses_disjoint_records_and_flags_lost_tau_failures_and_change
     with pytest.raises(BenchError, match="share no concurrency level"):
         compare(a, b)
     lost = copy.deepcopy(a)
-    lost["servers"]["speculative"]["results"][0]["acceptance"] = None          # speculation stopped working
+    lost["servers"]["speculative"]["results"][0]["acceptance"] = None  # speculation stopped working
     lost["servers"]["speculative"]["results"][0]["failures"] = 2
     lost["max_tokens"] = 256
     res = compare(a, lost)

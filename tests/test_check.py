@@ -1,4 +1,5 @@
 """`eagle3kit check`: faults found in seconds, before any server starts (issue 5; C27–C32)."""
+
 import json
 
 import pytest
@@ -27,7 +28,11 @@ def good(tiny_target_dir, tmp_path_factory):
 
 
 def codes(folder, target_dir, **kw):
-    return [f.code for f in check_drafter(folder, TargetConfig(model=str(target_dir)), **kw) if f.severity == "error"]
+    return [
+        f.code
+        for f in check_drafter(folder, TargetConfig(model=str(target_dir)), **kw)
+        if f.severity == "error"
+    ]
 
 
 def variant(good, tmp_path, tensors=None, config=None):
@@ -46,11 +51,13 @@ def variant(good, tmp_path, tensors=None, config=None):
 def test_a_good_export_is_servable_and_the_cli_exits_0(good, tiny_target_dir):
     assert codes(good, tiny_target_dir, max_model_len=4096) == []
     res = CliRunner().invoke(app, ["check", str(good), "--target", str(tiny_target_dir), "--json"])
-    assert res.exit_code == 0 and json.loads(res.output[res.output.index("{"):])["ok"] is True
+    assert res.exit_code == 0 and json.loads(res.output[res.output.index("{") :])["ok"] is True
 
 
-@pytest.mark.parametrize("drop,code", [("fc.weight", "missing_tensor"), ("lm_head.weight", "missing_tensor"),
-                                       ("d2t", "missing_d2t")])
+@pytest.mark.parametrize(
+    "drop,code",
+    [("fc.weight", "missing_tensor"), ("lm_head.weight", "missing_tensor"), ("d2t", "missing_d2t")],
+)
 def test_c27_control_a_missing_fc_or_d2t_is_refused_with_exit_1(good, tiny_target_dir, tmp_path, drop, code):
     bad = variant(good, tmp_path, tensors=lambda t: {k: v for k, v in t.items() if k != drop})
     assert code in codes(bad, tiny_target_dir)
@@ -59,19 +66,37 @@ def test_c27_control_a_missing_fc_or_d2t_is_refused_with_exit_1(good, tiny_targe
 
 
 def test_control_aux_ids_shifted_by_one_are_refused_naming_both_lists(good, tiny_target_dir, tmp_path):
-    bad = variant(good, tmp_path, config=lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [3, 5, 6],
-                                                    "eagle_config": {**c["eagle_config"], "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}})
+    bad = variant(
+        good,
+        tmp_path,
+        config=lambda c: {
+            **c,
+            "eagle_aux_hidden_state_layer_ids": [3, 5, 6],
+            "eagle_config": {**c["eagle_config"], "eagle_aux_hidden_state_layer_ids": [2, 4, 5]},
+        },
+    )
     found = check_drafter(bad, TargetConfig(model=str(tiny_target_dir)))
     trained = next(f for f in found if f.code == "aux_ids_trained")
     assert "[3, 5, 6]" in trained.message and "[2, 4, 5]" in trained.message
 
 
 def test_c30_no_aux_ids_or_ids_past_the_last_layer(good, tiny_target_dir, tmp_path):
-    bad = variant(good, tmp_path, config=lambda c: {k: v for k, v in c.items() if k != "eagle_aux_hidden_state_layer_ids"})
+    bad = variant(
+        good,
+        tmp_path,
+        config=lambda c: {k: v for k, v in c.items() if k != "eagle_aux_hidden_state_layer_ids"},
+    )
     assert codes(bad, tiny_target_dir) == ["aux_ids_missing"]
-    past = variant(good, tmp_path / "p", config=lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [2, 4, 8],
-                                                            "eagle_config": {**c["eagle_config"], "eagle_aux_hidden_state_layer_ids": [1, 3, 7]}})
-    assert codes(past, tiny_target_dir) == ["aux_ids_range", "aux_ids_trained"]     # 8 layers: ids end at 7
+    past = variant(
+        good,
+        tmp_path / "p",
+        config=lambda c: {
+            **c,
+            "eagle_aux_hidden_state_layer_ids": [2, 4, 8],
+            "eagle_config": {**c["eagle_config"], "eagle_aux_hidden_state_layer_ids": [1, 3, 7]},
+        },
+    )
+    assert codes(past, tiny_target_dir) == ["aux_ids_range", "aux_ids_trained"]  # 8 layers: ids end at 7
 
 
 def test_c28_c29_lm_head_rows_and_widths_for_another_target(good, tiny_target_dir, tmp_path):
@@ -87,21 +112,38 @@ def test_c32_an_eagle1_head_is_recognised_from_its_shapes(good, tiny_target_dir,
         t["fc.weight"] = torch.zeros(64, 128)
         return t
 
-    bad = variant(good, tmp_path, tensors=eagle1, config=lambda c: {k: v for k, v in c.items() if k != "draft_vocab_size"})
+    bad = variant(
+        good,
+        tmp_path,
+        tensors=eagle1,
+        config=lambda c: {k: v for k, v in c.items() if k != "draft_vocab_size"},
+    )
     assert codes(bad, tiny_target_dir) == ["eagle1_head"]
 
 
 def test_tied_embeddings_short_max_positions_and_rope_are_caught(good, tiny_target_dir, tmp_path):
-    bad = variant(good, tmp_path, config=lambda c: {**c, "tie_word_embeddings": True, "max_position_embeddings": 2048,
-                                                    "rope_theta": 500000.0})
-    assert set(codes(bad, tiny_target_dir, max_model_len=4096)) == {"tied_embeddings", "max_positions", "rope"}
+    bad = variant(
+        good,
+        tmp_path,
+        config=lambda c: {
+            **c,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 2048,
+            "rope_theta": 500000.0,
+        },
+    )
+    assert set(codes(bad, tiny_target_dir, max_model_len=4096)) == {
+        "tied_embeddings",
+        "max_positions",
+        "rope",
+    }
 
 
 def test_sglang_aux_rule_per_family():
-    assert sglang_captured([1, 14, 26], "llama", 30) == [2, 15, 27]            # always +1
-    assert sglang_captured([2, 15, 27], "deepseek_v3", 61) == [2, 15, 27]     # first id is not 1: verbatim
-    assert sglang_captured([1, 29, 57], "kimi_k2", 61) == [2, 30, 58]         # first id is 1: +1
-    assert sglang_captured([2, 12, 24], "gpt_oss", 24) == [2, 12, 24]         # largest id = N: verbatim
+    assert sglang_captured([1, 14, 26], "llama", 30) == [2, 15, 27]  # always +1
+    assert sglang_captured([2, 15, 27], "deepseek_v3", 61) == [2, 15, 27]  # first id is not 1: verbatim
+    assert sglang_captured([1, 29, 57], "kimi_k2", 61) == [2, 30, 58]  # first id is 1: +1
+    assert sglang_captured([2, 12, 24], "gpt_oss", 24) == [2, 12, 24]  # largest id = N: verbatim
 
 
 def test_c31_engine_version_and_target_family(good, tiny_target_dir, tmp_path):
@@ -119,17 +161,29 @@ def test_c31_engine_version_and_target_family(good, tiny_target_dir, tmp_path):
     qwen, gemma = target("qwen2", "Qwen2ForCausalLM"), target("gemma3_text", "Gemma3ForCausalLM")
 
     def support(t, v):
-        return [f for f in check_drafter(good, TargetConfig(model=str(t)), engine_version=v) if f.code.startswith("engine_")]
+        return [
+            f
+            for f in check_drafter(good, TargetConfig(model=str(t)), engine_version=v)
+            if f.code.startswith("engine_")
+        ]
 
-    assert [f.severity for f in support(tiny_target_dir, "0.10.0")] == []                  # llama: allowed since 0.8.5
+    assert [f.severity for f in support(tiny_target_dir, "0.10.0")] == []  # llama: allowed since 0.8.5
     refused = support(qwen, "0.10.0")
     assert [f.severity for f in refused] == ["error"] and "['llama']" in refused[0].message
     assert refused[0].fix == "serve on vLLM ≥ 0.10.1"
-    assert [f.severity for f in support(qwen, "0.10.1")] == ["warning"]     # allowed; class interface not checkable here
-    assert support(gemma, "0.20.0")[0].fix.startswith("serve on vLLM ≥ 0.22.0")   # 'gemma4' is listed, gemma3 is not
+    assert [f.severity for f in support(qwen, "0.10.1")] == [
+        "warning"
+    ]  # allowed; class interface not checkable here
+    assert support(gemma, "0.20.0")[0].fix.startswith(
+        "serve on vLLM ≥ 0.22.0"
+    )  # 'gemma4' is listed, gemma3 is not
     assert "no EAGLE-3" in support(tiny_target_dir, "0.8.4")[0].message
-    assert [f.severity for f in support(tiny_target_dir, "0.32.0")] == []   # the installed CPU build: class checked for real
-    res = CliRunner().invoke(app, ["check", str(good), "--target", str(qwen), "--engine-version", "0.9.2", "--json"])
+    assert [
+        f.severity for f in support(tiny_target_dir, "0.32.0")
+    ] == []  # the installed CPU build: class checked for real
+    res = CliRunner().invoke(
+        app, ["check", str(good), "--target", str(qwen), "--engine-version", "0.9.2", "--json"]
+    )
     assert res.exit_code == 1 and "engine_support" in res.output
 
 
@@ -138,19 +192,26 @@ def test_the_speculators_layout_is_checked_as_such(good, tiny_target_dir, tmp_pa
     has no class for it; check renames layers.0.* itself, so nothing else is flagged."""
     from eagle3kit.model.folder import export_drafter, load_exported
 
-    spec = export_drafter(load_exported(good), tmp_path / "spec", json.loads((good / "config.json").read_text())["eagle3kit"],
-                          fmt="speculators", verifier={"name_or_path": "t", "architectures": ["LlamaForCausalLM"]})
+    spec = export_drafter(
+        load_exported(good),
+        tmp_path / "spec",
+        json.loads((good / "config.json").read_text())["eagle3kit"],
+        fmt="speculators",
+        verifier={"name_or_path": "t", "architectures": ["LlamaForCausalLM"]},
+    )
     target = TargetConfig(model=str(tiny_target_dir))
     assert codes(spec, tiny_target_dir) == []
     assert codes(spec, tiny_target_dir, engine_version="0.10.0") == ["layout"]
     assert "layout" not in codes(spec, tiny_target_dir, engine_version="0.10.1")
     assert "layout" in codes(spec, tiny_target_dir, engine="sglang")
     info = [f for f in check_drafter(good, target, engine="sglang") if f.severity == "info"]
-    assert info and "[2, 4, 5]" in info[0].message                          # what SGLang will capture, said out loud
+    assert info and "[2, 4, 5]" in info[0].message  # what SGLang will capture, said out loud
 
 
 @pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "vocab_size"])
-def test_a_target_config_without_its_sizes_is_named_not_blamed_on_the_drafter(good, tiny_target_dir, tmp_path, key):
+def test_a_target_config_without_its_sizes_is_named_not_blamed_on_the_drafter(
+    good, tiny_target_dir, tmp_path, key
+):
     """Hostile-input trial: a target config.json without hidden_size made `check` blame the drafter
     ("the target's hidden size is 4096", transformers' class default) in three findings; the
     target's config is the fault, and it is named (exit 2)."""

@@ -20,7 +20,10 @@ def test_c16_shallow_target_default_aux_ids_collide():
     assert "[2, 2, 1]" in str(e.value) and "collide" in str(e.value)
 
 
-@pytest.mark.parametrize("ids,needle", [([0, 2, 3], "outside"), ([1, 2, 8], "outside"), ([3, 2, 1], "sorted"), ([1, 2], "3 layer ids")])
+@pytest.mark.parametrize(
+    "ids,needle",
+    [([0, 2, 3], "outside"), ([1, 2, 8], "outside"), ([3, 2, 1], "sorted"), ([1, 2], "3 layer ids")],
+)
 def test_c15_bad_aux_ids_are_refused_with_the_ids(ids, needle):
     with pytest.raises(ConfigError) as e:
         validate_aux_layer_ids(ids, 8)
@@ -28,13 +31,19 @@ def test_c15_bad_aux_ids_are_refused_with_the_ids(ids, needle):
 
 
 def test_output_of_layer_convention_is_converted_to_hf_indices():
-    assert resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8) == (2, 5, 7)
+    assert resolve_aux_layer_ids(
+        TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8
+    ) == (2, 5, 7)
 
 
 @pytest.mark.parametrize("value", [0, -1, 4.0, "8"])
 def test_c20_draft_vocab_size_rejected_before_any_work(tmp_path, value):
     p = tmp_path / "c.yaml"
-    p.write_text(f"vocab:\n  draft_vocab_size: {value!r}\n" if isinstance(value, str) else f"vocab:\n  draft_vocab_size: {value}\n")
+    p.write_text(
+        f"vocab:\n  draft_vocab_size: {value!r}\n"
+        if isinstance(value, str)
+        else f"vocab:\n  draft_vocab_size: {value}\n"
+    )
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert "vocab.draft_vocab_size" in str(e.value)

@@ -7,6 +7,7 @@ lossless sampling.
   seeded draws, fits the target's exact distribution (χ², p > 0.01), for a sampled chain and a
   top-k tree, and a verifier that accepts every draft fails the same test.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,14 +32,33 @@ PROMPT = [1, 5, 3, 2, 7]
 def tiny_pair(layers: int = 3, dtype=torch.float32, seed: int = 0):
     """A random Llama target with a vocabulary of 8 (peaked: initializer 0.3) and a random drafter
     whose draft vocabulary leaves out tokens 2 and 5 (so d2t has non-zero offsets)."""
-    m = build_tiny_llama(layers, vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=8, dtype=dtype, tie_word_embeddings=False,
-                         initializer_range=0.3, seed=seed)
+    m = build_tiny_llama(
+        layers,
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        dtype=dtype,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        seed=seed,
+    )
     target = Target(model=m, tokenizer=None, parts=resolve_parts(m))
     torch.manual_seed(seed + 1)
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                        rms_norm_eps=1e-5, vocab_size=V, draft_vocab_size=6, target_hidden_size=16,
-                        aux_layer_ids=[min(i, layers - 1) for i in range(3)])
+    cfg = DrafterConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        vocab_size=V,
+        draft_vocab_size=6,
+        target_hidden_size=16,
+        aux_layer_ids=[min(i, layers - 1) for i in range(3)],
+    )
     d = Eagle3Drafter(cfg).to(dtype)
     d.set_vocab(DraftVocab(ids=torch.tensor([0, 1, 3, 4, 6, 7]), vocab_size=V))
     return target, d.eval()
@@ -61,7 +81,12 @@ def test_fast_target_equals_transformers_on_a_prefix_and_on_every_tree_node(fami
     # logits equal transformers' on prompt + its path (tree mask, depth positions, slots)
     P, tokens, parents, depths = 4, [5, 9, 70, 60], [-1, 0, 0, 1], [0, 1, 1, 2]
     ft(torch.tensor(ids[:P]), torch.arange(P), torch.arange(P), ft.causal_mask(0, P))
-    got, _ = ft(torch.tensor(tokens), torch.tensor(depths) + P, torch.arange(P, P + 4), tree_mask(parents, P - 1, 32, "cpu"))
+    got, _ = ft(
+        torch.tensor(tokens),
+        torch.tensor(depths) + P,
+        torch.arange(P, P + 4),
+        tree_mask(parents, P - 1, 32, "cpu"),
+    )
     for node, path in enumerate([[5], [5, 9], [5, 70], [5, 9, 60]]):
         ref = m(input_ids=torch.tensor([ids[:P] + path])).logits[0, -1]
         assert torch.allclose(got[node], ref, atol=1e-9), node
@@ -69,8 +94,12 @@ def test_fast_target_equals_transformers_on_a_prefix_and_on_every_tree_node(fami
 
 def test_greedy_chain_and_tree_equal_target_greedy_on_a_tiny_target():
     target, d = tiny_pair(dtype=torch.float64)
-    specs = [SpecConfig(steps=3), SpecConfig(steps=5), SpecConfig(mode="tree", steps=3, topk=3, num_draft_tokens=8),
-             SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=40)]
+    specs = [
+        SpecConfig(steps=3),
+        SpecConfig(steps=5),
+        SpecConfig(mode="tree", steps=3, topk=3, num_draft_tokens=8),
+        SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=40),
+    ]
     taus = {s: [] for s in specs}
     for p in ([1, 5, 3, 2, 7], [0, 0, 1], [6, 2, 2, 4, 1, 3, 5, 7, 0, 4]):
         ref = greedy_generate(target, p, 40, eot_ids=[V + 1])
@@ -91,13 +120,20 @@ def test_greedy_chain_and_tree_equal_target_greedy_on_a_tiny_target():
 def test_spec_config_names_and_refuses_impossible_trees():
     assert SpecConfig(steps=3).n_tokens == 4
     with pytest.raises(ValueError, match="outside"):
-        SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=9)        # at most 1 + 2 + 4 = 7
+        SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=9)  # at most 1 + 2 + 4 = 7
     with pytest.raises(ValueError, match="outside"):
         SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=0)
     with pytest.raises(ValueError, match="chain has topk 1"):
         SpecConfig(steps=3, topk=2)
-    for bad in (dict(temperature=1e-300), dict(temperature=float("inf")), dict(temperature=float("nan")),
-                dict(top_p=0.0), dict(top_p=1.5), dict(steps=2.5), dict(steps=True)):
+    for bad in (
+        dict(temperature=1e-300),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(steps=2.5),
+        dict(steps=True),
+    ):
         with pytest.raises(ValueError):
             SpecConfig(**bad)
 
@@ -110,8 +146,14 @@ def test_a_sure_drafter_ties_parent_and_child_and_the_tree_stays_closed():
         d.lm_head.weight.mul_(300)
     ref = greedy_generate(target, PROMPT, 24, eot_ids=[V + 1])
     for steps, topk, n in ((4, 3, 6), (4, 3, 9), (3, 2, 5)):
-        res = speculative_generate(target, d, PROMPT, 24, SpecConfig(mode="tree", steps=steps, topk=topk, num_draft_tokens=n),
-                                   eot_ids=[V + 1])
+        res = speculative_generate(
+            target,
+            d,
+            PROMPT,
+            24,
+            SpecConfig(mode="tree", steps=steps, topk=topk, num_draft_tokens=n),
+            eot_ids=[V + 1],
+        )
         assert res.tokens == ref
 
 
@@ -124,12 +166,24 @@ def test_decoder_refuses_what_it_cannot_decode():
     with pytest.raises(ValueError, match="non-empty prompt"):
         speculative_generate(target, d, [], 4, 3, eot_ids=[])
     with pytest.raises(ValueError, match="draft vocabulary"):
-        speculative_generate(target, d, PROMPT, 4, SpecConfig(mode="tree", steps=1, topk=7, num_draft_tokens=3), eot_ids=[])
+        speculative_generate(
+            target, d, PROMPT, 4, SpecConfig(mode="tree", steps=1, topk=7, num_draft_tokens=3), eot_ids=[]
+        )
     import transformers as T
 
-    m = T.MistralForCausalLM(T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                             num_key_value_heads=2, head_dim=8, vocab_size=64, sliding_window=16))
-    FastTarget(m, resolve_parts(m), [], 16)                                   # within the window: full attention is exact
+    m = T.MistralForCausalLM(
+        T.MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=64,
+            sliding_window=16,
+        )
+    )
+    FastTarget(m, resolve_parts(m), [], 16)  # within the window: full attention is exact
     with pytest.raises(NotImplementedError, match="sliding window of 16"):
         FastTarget(m, resolve_parts(m), [], 32)
     with pytest.raises(NotImplementedError):
@@ -138,9 +192,11 @@ def test_decoder_refuses_what_it_cannot_decode():
 
 # ---- lossless sampling: χ² over 10,000 draws -----------------------------------------------
 K, DRAWS = 3, 10_000
-SAMPLING = {"chain": SpecConfig(steps=K, temperature=1.0),
-            "tree": SpecConfig(mode="tree", steps=K, topk=2, num_draft_tokens=6, temperature=0.8, top_p=0.95),
-            "target_only": None}
+SAMPLING = {
+    "chain": SpecConfig(steps=K, temperature=1.0),
+    "tree": SpecConfig(mode="tree", steps=K, topk=2, num_draft_tokens=6, temperature=0.8, top_p=0.95),
+    "target_only": None,
+}
 
 
 def accept_always(tokens, parents, logits, probs, q, gen):
@@ -152,16 +208,25 @@ def accept_always(tokens, parents, logits, probs, q, gen):
 def _draws(args) -> list[tuple[int, ...]]:
     name, broken, seeds = args
     torch.set_num_threads(1)
-    target, d = tiny_pair(layers=1)                 # one layer: 10,000 draws in about 30 s per setting
+    target, d = tiny_pair(layers=1)  # one layer: 10,000 draws in about 30 s per setting
     ft = FastTarget(target.model, target.parts, d.config.aux_layer_ids, 16)
     out = []
     for seed in seeds:
         if SAMPLING[name] is None:
             toks = target_generate(ft, PROMPT, K + 1, temperature=1.0, seed=seed)
         else:
-            toks = speculative_generate(target, d, PROMPT, K + 1, SAMPLING[name], eot_ids=[], seed=seed, ft=ft,
-                                        accept_rule=accept_always if broken else None).tokens
-        out.append(tuple(toks[1:K + 1]))
+            toks = speculative_generate(
+                target,
+                d,
+                PROMPT,
+                K + 1,
+                SAMPLING[name],
+                eot_ids=[],
+                seed=seed,
+                ft=ft,
+                accept_rule=accept_always if broken else None,
+            ).tokens
+        out.append(tuple(toks[1 : K + 1]))
     return out
 
 
@@ -179,7 +244,7 @@ def exact_joint(spec: SpecConfig | None) -> dict[tuple[int, ...], float]:
     for j in range(K + 1):
         p *= probs[torch.arange(len(seqs)), P - 1 + j, seqs[:, P + j]]
     joint: dict = {}
-    for s, v in zip(seqs[:, P + 1:].tolist(), p.tolist()):
+    for s, v in zip(seqs[:, P + 1 :].tolist(), p.tolist()):
         joint[tuple(s)] = joint.get(tuple(s), 0.0) + v
     return joint
 
@@ -195,7 +260,15 @@ def chi2_pvalue(counts: dict, joint: dict, n: int) -> tuple[float, float, int]:
         obs, exp = obs[:-1], exp[:-1]
     chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     df = len(exp) - 1
-    return chi2, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64))), df
+    return (
+        chi2,
+        float(
+            torch.special.gammaincc(
+                torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)
+            )
+        ),
+        df,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +277,9 @@ def pool():
         yield p
 
 
-@pytest.mark.parametrize("name,broken", [("target_only", False), ("chain", False), ("tree", False), ("chain", True)])
+@pytest.mark.parametrize(
+    "name,broken", [("target_only", False), ("chain", False), ("tree", False), ("chain", True)]
+)
 def test_sampling_is_lossless_chi2_over_10000_draws(pool, name, broken):
     """Each lossless setting: 10,000 draws agree with the exact joint (p > 0.01). The broken
     verifier (accept every draft) is refused already at 2,000 draws (p < 1e-6; at 10,000, p is 0

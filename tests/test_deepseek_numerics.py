@@ -14,6 +14,7 @@ written out here) is the judge:
   only without rope scaling: with yarn ``rope_scaling`` (the real DeepSeek-V3 and Kimi configs) it
   takes ``DeepseekScalingRotaryEmbedding``, whose CPU path is PyTorch's, and agrees.
 """
+
 import importlib.util
 import math
 
@@ -48,7 +49,7 @@ def mla_float64(attn, cfg, h: torch.Tensor) -> torch.Tensor:
     q = _rms(h @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"], cfg.rms_norm_eps) @ w["q_b_proj.weight"].T
     q = q.view(T, H, dn + dr)
     kv_a = h @ w["kv_a_proj_with_mqa.weight"].T
-    c, k_pe = kv_a[:, : cfg.kv_lora_rank], kv_a[:, cfg.kv_lora_rank:]
+    c, k_pe = kv_a[:, : cfg.kv_lora_rank], kv_a[:, cfg.kv_lora_rank :]
     kv = (_rms(c, w["kv_a_layernorm.weight"], cfg.rms_norm_eps) @ w["kv_b_proj.weight"].T).view(T, H, dn + dv)
     pos = torch.arange(T)
     q_pe = rope_gptj(q[..., dn:], pos, cfg.rope_parameters["rope_theta"])
@@ -69,7 +70,9 @@ def layer():
     from family_targets import hub_config
 
     cfg_dict = hub_config("deepseek_v3_default_rope")
-    cfg = T.DeepseekV3Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
+    cfg = T.DeepseekV3Config(
+        **{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     m = T.DeepseekV3ForCausalLM(cfg).float().eval()
@@ -86,10 +89,13 @@ def test_transformers_mla_equals_the_float64_layer(layer):
         out, _ = attn(h, rotary(h, pos), mask)
     ref = mla_float64(attn, cfg, h[0])
     err = (out[0].double() - ref).abs().max() / ref.abs().max()
-    assert err < 1e-5, err                   # transformers: right, to float32 rounding
-    with torch.no_grad():                    # and the float64 judge can fail: drop the rotation, it disagrees
-        wrong = mla_float64(attn, type(cfg)(**{**cfg.to_dict(), "rope_parameters": {"rope_theta": 1e30,
-                                                                                   "rope_type": "default"}}), h[0])
+    assert err < 1e-5, err  # transformers: right, to float32 rounding
+    with torch.no_grad():  # and the float64 judge can fail: drop the rotation, it disagrees
+        wrong = mla_float64(
+            attn,
+            type(cfg)(**{**cfg.to_dict(), "rope_parameters": {"rope_theta": 1e30, "rope_type": "default"}}),
+            h[0],
+        )
     assert (wrong - ref).abs().max() / ref.abs().max() > 1e-2
 
 
@@ -101,18 +107,22 @@ def test_vllm_cpu_rotary_kernel_rotates_head_h_of_token_t_at_position_t_times_he
 
     T_, H, d = 6, 2, 64
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(d, max_position=4096, is_neox_style=False, rope_parameters={"rope_theta": 10000.0,
-                                                                                     "rope_type": "default"},
-                        dtype=torch.float32)
+        rope = get_rope(
+            d,
+            max_position=4096,
+            is_neox_style=False,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            dtype=torch.float32,
+        )
     torch.manual_seed(0)
     q, k = torch.randn(T_, H, d), torch.randn(T_, 1, d)
     pos = torch.arange(T_)
     right_q = rope_gptj(q.double(), pos, 10000.0)
     # DeepSeek's layout: 3-D query, heads > 1 — wrong from token 1 on
     got_q, got_k = rope.forward_cpu(pos, q.clone(), k.clone())
-    err = (got_q.double() - right_q).abs().amax(-1)           # [T, H]
+    err = (got_q.double() - right_q).abs().amax(-1)  # [T, H]
     assert err[0, 0] < 1e-5 and err[1:].min() > 1e-2
-    assert (got_k.double() - rope_gptj(k.double(), pos, 10000.0)).abs().max() < 1e-5     # one head: right
+    assert (got_k.double() - rope_gptj(k.double(), pos, 10000.0)).abs().max() < 1e-5  # one head: right
     # the mechanism: row r = t·H + h is rotated at position r (rows inside the positions tensor)
     rows = [(t, h) for t in range(T_) for h in range(H) if t * H + h < T_]
     for t, h in rows:

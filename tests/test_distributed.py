@@ -3,6 +3,7 @@ FSDP2-sharded drafter, a run killed mid-epoch and resumed from its step checkpoi
 loss curve of an uninterrupted run, and the two parallel modes train alike; TensorBoard events are
 written. Each launch is a real
 ``python -m torch.distributed.run --nproc-per-node 2 -m eagle3kit train``."""
+
 import json
 import os
 import shutil
@@ -37,28 +38,50 @@ def base_run(tmp_path_factory, tiny_target):
     compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
     top1 = sorted({int(t) for s in online for t in s.argmax})[:256]
     rest = [i for i in range(3, 49152, 97) if i not in top1][: 256 - len(top1)]
-    save_vocab(d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=49152), {})
+    save_vocab(
+        d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=49152), {}
+    )
     return d
 
 
 def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
     cfg = run_dir / "c.yaml"
-    cfg.write_text(f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
-                   "vocab: {draft_vocab_size: 256}\n"
-                   "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
-                   f"val_fraction: 0.1, device: cpu, parallel: {parallel}}}\nevaluate: {{k: 2}}\n")
+    cfg.write_text(
+        f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
+        "vocab: {draft_vocab_size: 256}\n"
+        "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
+        f"val_fraction: 0.1, device: cpu, parallel: {parallel}}}\nevaluate: {{k: 2}}\n"
+    )
     return cfg
 
 
-def _launch(run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp") -> subprocess.CompletedProcess:
+def _launch(
+    run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp"
+) -> subprocess.CompletedProcess:
     cfg = _write_cfg(run_dir, target_dir, parallel)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
     if stop_after:
         env["EAGLE3KIT_STOP_AFTER_STEPS"] = str(stop_after)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "eagle3kit", "train", "-c", str(cfg)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "eagle3kit",
+            "train",
+            "-c",
+            str(cfg),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _log(run_dir) -> list[dict]:
@@ -69,7 +92,9 @@ CURVES: dict = {}
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, tmp_path, tiny_target_dir, parallel):
+def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
+    base_run, tmp_path, tiny_target_dir, parallel
+):
     runs = {}
     for name in ("whole", "killed"):
         d = tmp_path / name
@@ -79,29 +104,33 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(base_run, t
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = _launch(runs["killed"], tiny_target_dir, stop_after=STEPS_BEFORE_KILL, parallel=parallel)
     assert killed.returncode != 0 and "stopped after 5 steps" in killed.stderr, killed.stderr[-3000:]
-    assert len(_log(runs["killed"])) == STEPS_BEFORE_KILL              # step 5 was logged, then the "kill"
+    assert len(_log(runs["killed"])) == STEPS_BEFORE_KILL  # step 5 was logged, then the "kill"
     resumed = _launch(runs["killed"], tiny_target_dir, parallel=parallel)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming at epoch 1 of 2, step 3 of" in " ".join(resumed.stderr.split())   # last checkpoint: step 3
+    assert "resuming at epoch 1 of 2, step 3 of" in " ".join(
+        resumed.stderr.split()
+    )  # last checkpoint: step 3
     a, b = _log(runs["whole"]), _log(runs["killed"])
     assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, len(a) + 1))
-    assert len(a) >= 2 * STEPS_BEFORE_KILL                             # the curve goes on well past the kill
-    assert [r["loss"] for r in b] == [r["loss"] for r in a]           # the same curve, to the logged digit
+    assert len(a) >= 2 * STEPS_BEFORE_KILL  # the curve goes on well past the kill
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # the same curve, to the logged digit
     assert [r["lr"] for r in b] == [r["lr"] for r in a]
     assert a[-1]["loss"] < a[0]["loss"]
     report = json.loads((runs["whole"] / "report.json").read_text())["train"]
     assert report["processes"] == 2 and report["attention"] == "reference" and report["precision"] == "fp32"
     assert report == json.loads((runs["killed"] / "report.json").read_text())["train"] | {
-        "tokens_per_s": report.get("tokens_per_s")}
+        "tokens_per_s": report.get("tokens_per_s")
+    }
     assert any(f.name.startswith("events.out.tfevents") for f in (runs["whole"] / "tensorboard").iterdir())
     assert RunDir(runs["whole"]).path.joinpath("checkpoints/best.safetensors").exists()
     CURVES[parallel] = [r["loss"] for r in a]
-    if parallel == "fsdp" and "ddp" in CURVES:           # sharded or replicated: the same training
+    if parallel == "fsdp" and "ddp" in CURVES:  # sharded or replicated: the same training
         assert CURVES["fsdp"] == pytest.approx(CURVES["ddp"], rel=1e-4)
 
 
-def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_files(base_run, tmp_path, tiny_target_dir,
-                                                                                  monkeypatch):
+def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_files(
+    base_run, tmp_path, tiny_target_dir, monkeypatch
+):
     """Changing a setting that does not change what is trained keeps the progress; weights and
     state from different steps (a kill between the two writes) are set aside, naming why; the log
     never holds a step twice; a finished run's report is kept as it was."""
@@ -116,19 +145,21 @@ def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_file
     cfg = load_config(_write_cfg(d, tiny_target_dir))
     monkeypatch.setenv("EAGLE3KIT_STOP_AFTER_STEPS", "5")
     with pytest.raises(SystemExit):
-        run_train(cfg, RunDir(d))                                   # checkpoint at step 3, "killed" after step 5
-    cfg.train.loss_chunk, cfg.train.tensorboard = 7, False          # logistics changed: progress kept
+        run_train(cfg, RunDir(d))  # checkpoint at step 3, "killed" after step 5
+    cfg.train.loss_chunk, cfg.train.tensorboard = 7, False  # logistics changed: progress kept
     with pytest.raises(SystemExit):
-        run_train(cfg, RunDir(d))                                   # resumes at 3, stops after 8
+        run_train(cfg, RunDir(d))  # resumes at 3, stops after 8
     assert not (d / "checkpoints.prev-1").exists()
     assert [r["step"] for r in _log(d)] == list(range(1, 9))
     last = d / "checkpoints/last.safetensors"
-    save_file(load_file(str(last)), str(last), metadata={"step": "1"})   # weights from another step than the state
+    save_file(
+        load_file(str(last)), str(last), metadata={"step": "1"}
+    )  # weights from another step than the state
     monkeypatch.delenv("EAGLE3KIT_STOP_AFTER_STEPS")
     with console.capture() as cap:
         res = run_train(cfg, RunDir(d))
     assert "from another step than train_state.pt" in " ".join(cap.get().split())
     assert (d / "checkpoints.prev-1" / "train_log.jsonl").exists()
     assert [r["step"] for r in _log(d)] == list(range(1, len(_log(d)) + 1)) and len(_log(d)) > 8
-    again = run_train(cfg, RunDir(d))                               # all done: the report is kept as it was
+    again = run_train(cfg, RunDir(d))  # all done: the report is kept as it was
     assert again["last_step"] == res["last_step"] and again["tokens_per_s"] == res["tokens_per_s"]

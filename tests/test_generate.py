@@ -1,4 +1,3 @@
-
 from conftest import GSM8K
 
 from eagle3kit.core.config import Config, GenerateConfig, PromptsConfig, PromptSource, TargetConfig
@@ -9,9 +8,12 @@ from eagle3kit.data.prompts import run_prompts
 
 
 def _cfg(tmp_path, tiny_target_dir, n):
-    return Config(run_dir=str(tmp_path / "run"), target=TargetConfig(model=str(tiny_target_dir), dtype="float64"),
-                  prompts=PromptsConfig(sources=[PromptSource(path=str(GSM8K), stop=n)], heldout_fraction=0.0),
-                  generate=GenerateConfig(backend="transformers", max_new_tokens=8, batch_size=3))
+    return Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(model=str(tiny_target_dir), dtype="float64"),
+        prompts=PromptsConfig(sources=[PromptSource(path=str(GSM8K), stop=n)], heldout_fraction=0.0),
+        generate=GenerateConfig(backend="transformers", max_new_tokens=8, batch_size=3),
+    )
 
 
 def test_generate_resumes_without_redoing_or_duplicating(tmp_path, tiny_target, tiny_target_dir):
@@ -39,7 +41,10 @@ def test_generate_resumes_without_redoing_or_duplicating(tmp_path, tiny_target, 
 
 def test_batched_generation_equals_one_by_one_greedy(tiny_target):
     tok = tiny_target.tokenizer
-    prompts = [render_prompt_ids(tok, [{"role": "user", "content": q}]) for q in ("Hi", "What is the capital of France?")]
+    prompts = [
+        render_prompt_ids(tok, [{"role": "user", "content": q}])
+        for q in ("Hi", "What is the capital of France?")
+    ]
     batched = transformers_generate(tiny_target, prompts, 10)
     single = [transformers_generate(tiny_target, [p], 10)[0] for p in prompts]
     assert batched == single

@@ -2,6 +2,7 @@
 (prompts → generate → tokenize → vocab → train → export), copied per test; each test changes one
 upstream input and asserts that the next stage refuses before doing any work, naming the stale
 file and the stage to rerun."""
+
 import json
 import shutil
 
@@ -31,8 +32,14 @@ def stages():
     from eagle3kit.serve.export import run_export
     from eagle3kit.train.stage import run_train
 
-    return {"prompts": run_prompts, "generate": run_generate, "tokenize": run_tokenize, "vocab": run_vocab,
-            "train": run_train, "export": run_export}
+    return {
+        "prompts": run_prompts,
+        "generate": run_generate,
+        "tokenize": run_tokenize,
+        "vocab": run_vocab,
+        "train": run_train,
+        "export": run_export,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +60,12 @@ def copy(base, tmp_path):
     """This test's own copy of the run and its target: ``(cfg, run)``."""
     shutil.copytree(base / "run", tmp_path / "run")
     shutil.copytree(base / "target", tmp_path / "target")
-    (tmp_path / "c.yaml").write_text(CONFIG.format(run=tmp_path / "run", target=tmp_path / "target", gsm8k=GSM8K))
-    m = json.loads((tmp_path / "run" / "manifest.json").read_text())       # the copy's records name the copy's files
+    (tmp_path / "c.yaml").write_text(
+        CONFIG.format(run=tmp_path / "run", target=tmp_path / "target", gsm8k=GSM8K)
+    )
+    m = json.loads(
+        (tmp_path / "run" / "manifest.json").read_text()
+    )  # the copy's records name the copy's files
     (tmp_path / "run" / "manifest.json").write_text(json.dumps(m).replace(str(base), str(tmp_path)))
     return load_config(tmp_path / "c.yaml"), RunDir(tmp_path / "run")
 
@@ -93,11 +104,17 @@ def test_every_stage_output_records_what_it_was_built_from(base):
     m = json.loads((base / "run" / "manifest.json").read_text())
     lin = m["lineage"]
     assert {k: v["stage"] for k, v in lin.items()} == {
-        "prompts.jsonl": "prompts", "heldout.jsonl": "prompts", "conversations.jsonl": "generate",
-        "tokens.safetensors": "tokenize", "vocab.safetensors": "vocab", "checkpoints/best.safetensors": "train",
-        "drafter/model.safetensors": "export"}
-    assert lin["drafter/model.safetensors"]["from"] == {"checkpoints/best.safetensors":
-                                                        lin["checkpoints/best.safetensors"]["sha256"]}
+        "prompts.jsonl": "prompts",
+        "heldout.jsonl": "prompts",
+        "conversations.jsonl": "generate",
+        "tokens.safetensors": "tokenize",
+        "vocab.safetensors": "vocab",
+        "checkpoints/best.safetensors": "train",
+        "drafter/model.safetensors": "export",
+    }
+    assert lin["drafter/model.safetensors"]["from"] == {
+        "checkpoints/best.safetensors": lin["checkpoints/best.safetensors"]["sha256"]
+    }
     assert set(lin["tokens.safetensors"]["from"]) == {"conversations.jsonl"}
     assert set(lin["checkpoints/best.safetensors"]["from"]) == {"tokens.safetensors", "vocab.safetensors"}
     assert lin["conversations.jsonl"]["target"] == lin["checkpoints/best.safetensors"]["target"] is not None
@@ -110,16 +127,16 @@ def test_generate_refuses_to_append_rows_made_by_other_weights_at_the_same_path(
     cfg, run = copy
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     interrupted(run, rows[:4])
-    stages()["generate"](cfg, run)         # the same weights in another folder (this copy's) are the same target
+    stages()["generate"](cfg, run)  # the same weights in another folder (this copy's) are the same target
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     assert len(rows) == 8 and len({r["target"] for r in rows}) == 2
-    interrupted(run, [r for r in rows if r["target"] == cfg.target.model])                          # and again
+    interrupted(run, [r for r in rows if r["target"] == cfg.target.model])  # and again
     replace_weights(cfg.target.model)
     with pytest.raises(ConfigError) as e:
         stages()["generate"](cfg, run)
     said = " ".join(str(e.value).split())
     assert "target_weights" in said and "were replaced" in said
-    assert len(list(read_jsonl(run / "conversations.jsonl"))) == 4            # nothing appended
+    assert len(list(read_jsonl(run / "conversations.jsonl"))) == 4  # nothing appended
 
 
 def test_a_config_edited_in_place_is_another_target_a_reindented_one_is_not(copy):
@@ -133,7 +150,7 @@ def test_a_config_edited_in_place_is_another_target_a_reindented_one_is_not(copy
     path = run.path.parent / "target" / "config.json"
     before = weights_fingerprint(TargetConfig(model=str(path.parent)))
     conf = json.loads(path.read_text())
-    path.write_text(json.dumps(conf, indent=7))                     # the same content, other whitespace
+    path.write_text(json.dumps(conf, indent=7))  # the same content, other whitespace
     assert weights_fingerprint(TargetConfig(model=str(path.parent))) == before
     conf["rope_parameters"]["rope_theta"] = 500.0
     path.write_text(json.dumps(conf))
@@ -160,7 +177,9 @@ def test_tokenize_refuses_conversations_changed_after_generate_wrote_them(copy):
     cfg, run = copy
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     write_jsonl(run / "conversations.jsonl", rows[1:])
-    said = refused("tokenize", cfg, run, "conversations.jsonl", "eagle3kit generate", "then `eagle3kit tokenize`")
+    said = refused(
+        "tokenize", cfg, run, "conversations.jsonl", "eagle3kit generate", "then `eagle3kit tokenize`"
+    )
     # hostile-input trial: "rerun generate" alone looped (generate refuses a changed file it only appends to)
     assert "move it away and rerun" in said
 
@@ -170,7 +189,9 @@ def test_train_refuses_a_vocab_built_from_other_tokens(copy):
     on a draft vocabulary counted over other tokens, without a word."""
     cfg, run = copy
     more_data(cfg, run)
-    said = refused("train", cfg, run, "vocab.safetensors", "from another tokens.safetensors", "eagle3kit vocab")
+    said = refused(
+        "train", cfg, run, "vocab.safetensors", "from another tokens.safetensors", "eagle3kit vocab"
+    )
     assert "then `eagle3kit train`" in said
 
 
@@ -185,7 +206,7 @@ def test_vocab_refuses_a_token_shard_changed_after_tokenize_wrote_it(copy, tmp_p
 
 def test_export_refuses_a_checkpoint_whose_data_changed_since_training(copy):
     cfg, run = copy
-    stages()["vocab"](cfg, run)                                # rebuilt (same tokens): the checkpoint is current
+    stages()["vocab"](cfg, run)  # rebuilt (same tokens): the checkpoint is current
     stages()["export"](cfg, run)
     more_data(cfg, run)
     stages()["vocab"](cfg, run)
@@ -231,9 +252,11 @@ def test_a_generate_killed_midway_leaves_conversations_every_later_stage_refuses
     cfg, run = copy
     rows = [r for _, r in read_jsonl(run / "conversations.jsonl")]
     interrupted(run, rows[:3])
-    said = refused("tokenize", cfg, run, "conversations.jsonl is unfinished", "`eagle3kit generate` was stopped")
+    said = refused(
+        "tokenize", cfg, run, "conversations.jsonl is unfinished", "`eagle3kit generate` was stopped"
+    )
     assert "rerun `eagle3kit generate" in said
-    out = stages()["generate"](cfg, run)                              # resumes: the missing rows only
+    out = stages()["generate"](cfg, run)  # resumes: the missing rows only
     assert out["already_done"] == 3 and out["generated"] == 5
     stages()["tokenize"](cfg, run)
 
@@ -246,8 +269,13 @@ def test_generate_refuses_to_bless_a_conversations_file_edited_after_it_finished
     rows[0]["content"] = "HAND EDITED WRONG ANSWER 42"
     write_jsonl(run / "conversations.jsonl", rows)
     refused("tokenize", cfg, run, "conversations.jsonl changed after `eagle3kit generate`")
-    said = refused("generate", cfg, run, "conversations.jsonl changed after `eagle3kit generate` finished it",
-                   "Restore the file, or move it away")
+    said = refused(
+        "generate",
+        cfg,
+        run,
+        "conversations.jsonl changed after `eagle3kit generate` finished it",
+        "Restore the file, or move it away",
+    )
     assert "would keep the changed ones" in said
 
 
@@ -273,7 +301,7 @@ def test_train_retrains_when_its_best_checkpoint_was_replaced(copy):
     refused("export", cfg, run, "best.safetensors changed after `eagle3kit train`")
     stages()["train"](cfg, run)
     assert list(run.path.glob("checkpoints.prev-*/best.safetensors"))
-    stages()["export"](cfg, run, overwrite=True)       # the export of the old checkpoint is moved aside, not lost
+    stages()["export"](cfg, run, overwrite=True)  # the export of the old checkpoint is moved aside, not lost
 
 
 def test_train_without_validation_keeps_a_best_checkpoint_and_refuses_an_epoch_that_supervises_nothing(copy):
@@ -290,11 +318,13 @@ def test_train_without_validation_keeps_a_best_checkpoint_and_refuses_an_epoch_t
     assert out["val_samples"] == 0 and (run / "checkpoints" / "best.safetensors").exists()
     vocab, meta = load_vocab(run / "vocab.safetensors")
     m = json.loads((run / "manifest.json").read_text())
-    del m["lineage"]                                    # as after a deleted manifest: nothing to check against
+    del m["lineage"]  # as after a deleted manifest: nothing to check against
     (run / "manifest.json").write_text(json.dumps(m))
     from eagle3kit.model.draft_vocab import DraftVocab
 
-    unused = torch.tensor(sorted(set(range(vocab.vocab_size)) - set(vocab.ids.tolist()))[-vocab.ids.numel():])
+    unused = torch.tensor(
+        sorted(set(range(vocab.vocab_size)) - set(vocab.ids.tolist()))[-vocab.ids.numel() :]
+    )
     save_vocab(run / "vocab.safetensors", DraftVocab(ids=unused, vocab_size=vocab.vocab_size), meta)
     cfg.train.epochs = 1
     cfg.train.seed = 1
@@ -307,16 +337,22 @@ def test_a_manifest_of_the_wrong_shape_is_one_line_not_a_traceback(copy):
     for bad in ("[]", '{"lineage": []}', '{"lineage": {"tokens.safetensors": {"sha256": "x"}}}'):
         (run / "manifest.json").write_text(bad)
         code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
-        assert code == 2 and "Traceback" not in res.output and "not an eagle3kit manifest.json" in said, (bad, said)
+        assert code == 2 and "Traceback" not in res.output and "not an eagle3kit manifest.json" in said, (
+            bad,
+            said,
+        )
 
 
-@pytest.mark.parametrize("name,args,fix", [
-    ("tokens.safetensors", ["vocab"], "rerun `eagle3kit tokenize`"),
-    ("vocab.safetensors", ["train"], "rerun `eagle3kit vocab`"),
-    ("checkpoints/best.safetensors", ["export", "--overwrite"], "rerun `eagle3kit train`"),
-    ("checkpoints/last.safetensors", ["train", "--epochs", "2"], "move checkpoints/ away"),
-    ("checkpoints/train_state.pt", ["train", "--epochs", "2"], "move checkpoints/ away"),
-])
+@pytest.mark.parametrize(
+    "name,args,fix",
+    [
+        ("tokens.safetensors", ["vocab"], "rerun `eagle3kit tokenize`"),
+        ("vocab.safetensors", ["train"], "rerun `eagle3kit vocab`"),
+        ("checkpoints/best.safetensors", ["export", "--overwrite"], "rerun `eagle3kit train`"),
+        ("checkpoints/last.safetensors", ["train", "--epochs", "2"], "move checkpoints/ away"),
+        ("checkpoints/train_state.pt", ["train", "--epochs", "2"], "move checkpoints/ away"),
+    ],
+)
 def test_a_truncated_file_is_one_line_naming_it_and_the_stage_that_writes_it(copy, name, args, fix):
     """Hostile-input trial: a run file cut short (an interrupted copy, a full disk) ended the next
     stage in safetensors' "incomplete metadata" traceback (torch's unpickling one for train_state.pt)."""
@@ -350,7 +386,7 @@ def test_a_second_train_on_the_same_run_dir_is_refused_while_one_trains(copy):
     cfg, run = copy
     before = (run / "checkpoints" / "best.safetensors").read_bytes()
     cfg.train.epochs = 2
-    with run.lock("train"):                                          # another train, still running
+    with run.lock("train"):  # another train, still running
         with pytest.raises(DataError, match="another `eagle3kit train`"):
             stages()["train"](cfg, run)
     assert (run / "checkpoints" / "best.safetensors").read_bytes() == before
@@ -369,6 +405,7 @@ def test_a_file_brought_without_a_record_is_taken_as_it_is(copy, tmp_path):
 
 
 # ---- no traceback on a full disk, a read-only folder, a target vLLM cannot import ----------------
+
 
 def cli(*args):
     from typer.testing import CliRunner
@@ -396,7 +433,10 @@ def test_a_full_disk_in_tokenize_is_one_line_naming_the_file_and_keeps_the_old_s
     io_error(monkeypatch, 28, "No space left on device")
     code, said, res = cli("tokenize", "--config", run.path.parent / "c.yaml")
     assert code == 2 and res.exception is None or isinstance(res.exception, SystemExit), res.exception
-    assert f"could not write {run / 'tokens.safetensors'}: No space left on device; free space on that disk" in said
+    assert (
+        f"could not write {run / 'tokens.safetensors'}: No space left on device; free space on that disk"
+        in said
+    )
     assert "Traceback" not in res.output and len(res.output.strip().splitlines()) <= 3
     assert (run / "tokens.safetensors").read_bytes() == before and not list(run.path.glob("*.tmp"))
 
@@ -406,10 +446,15 @@ def test_a_read_only_run_dir_in_vocab_is_one_line_naming_the_file(copy, monkeypa
     io_error(monkeypatch, 30, "Read-only file system")
     code, said, res = cli("vocab", "--config", run.path.parent / "c.yaml")
     assert code == 2 and "Traceback" not in res.output
-    assert f"could not write {run / 'vocab.safetensors'}: Read-only file system" in said and "writable one" in said
+    assert (
+        f"could not write {run / 'vocab.safetensors'}: Read-only file system" in said
+        and "writable one" in said
+    )
 
 
-@pytest.mark.parametrize("stage,what", [("tokenize", "tokenize's tokens.safetensors"), ("vocab", "vocab.safetensors")])
+@pytest.mark.parametrize(
+    "stage,what", [("tokenize", "tokenize's tokens.safetensors"), ("vocab", "vocab.safetensors")]
+)
 def test_tokenize_and_vocab_check_free_disk_before_any_work(copy, monkeypatch, stage, what):
     import shutil as sh
     from collections import namedtuple
@@ -464,7 +509,7 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(DataError, match="could not write .*bench.md: No space left on device; free space"):
         write_outputs(record, tmp_path / "b")
-    assert list((tmp_path / "b").iterdir()) == []                   # no bench.json, no empty bench.md
+    assert list((tmp_path / "b").iterdir()) == []  # no bench.json, no empty bench.md
 
 
 def test_a_read_only_run_dir_in_generate_is_one_line_with_the_fix(copy, monkeypatch):
@@ -484,7 +529,10 @@ def test_a_read_only_run_dir_in_generate_is_one_line_with_the_fix(copy, monkeypa
     monkeypatch.setattr(_os, "open", ro_open)
     code, said, res = cli("generate", "--config", run.path.parent / "c.yaml")
     assert code == 2 and "Traceback" not in res.output
-    assert f"could not write {run / '.generate.lock'}: Read-only file system; the file system is read-only" in said
+    assert (
+        f"could not write {run / '.generate.lock'}: Read-only file system; the file system is read-only"
+        in said
+    )
 
 
 def test_bench_checks_free_disk_before_anything_is_timed(tmp_path, monkeypatch):
@@ -495,6 +543,11 @@ def test_bench_checks_free_disk_before_anything_is_timed(tmp_path, monkeypatch):
     prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n")
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
-    code, said, res = cli("bench", "--base-url", "http://127.0.0.1:9", "--prompts", prompts, "--out", tmp_path / "b")
+    code, said, res = cli(
+        "bench", "--base-url", "http://127.0.0.1:9", "--prompts", prompts, "--out", tmp_path / "b"
+    )
     assert code == 2 and "Traceback" not in res.output
-    assert "bench's results (bench.json, bench.md, bench.png) needs about" in said and "nothing was started" in said
+    assert (
+        "bench's results (bench.json, bench.md, bench.png) needs about" in said
+        and "nothing was started" in said
+    )

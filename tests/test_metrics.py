@@ -23,7 +23,7 @@ def test_c34_tau_from_pooled_totals():
 def test_walk_replays_chain_decoding():
     seq = torch.arange(20)
     drafts = torch.stack([seq[(torch.arange(3) + t + 2).clamp(max=19)] for t in range(20)])
-    drafts[5, 1] = -1                               # at origin 5 only the first draft matches
+    drafts[5, 1] = -1  # at origin 5 only the first draft matches
     runs = match_runs(drafts, seq)
     assert runs[5] == 1 and runs[4] == 3 and (runs[16], runs[17], runs[18]) == (2, 1, 0)
     s = walk_chain(runs, 1, 20, 3)

@@ -1,6 +1,7 @@
 """`eagle3kit parity` (issue 11, point 2): two feature sources compared per aux layer and for the
 teacher; a storage change within tolerance agrees, and planted capture mistakes are flagged —
 features taken one layer off, and the teacher state taken before instead of after the final norm."""
+
 import json
 
 import pytest
@@ -21,15 +22,20 @@ def reference(run, tiny_target, tiny_target_dir, tmp_path_factory):  # noqa: F81
     return out
 
 
-def test_the_same_source_agrees_and_fp8_storage_stays_close(run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
+def test_the_same_source_agrees_and_fp8_storage_stays_close(
+    run, reference, tiny_target, tiny_target_dir, tmp_path
+):  # noqa: F811
     run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "again"))
     rep = compare_features(tiny_target, reference, tmp_path / "again")
-    assert rep["verdict"] == "agree" and all(v["relative_error"] == 0 and v["top1_agreement"] == 1
-                                             for v in rep["layers"].values()), rep["layers"]
+    assert rep["verdict"] == "agree" and all(
+        v["relative_error"] == 0 and v["top1_agreement"] == 1 for v in rep["layers"].values()
+    ), rep["layers"]
     # e4m3 storage: close in cosine and norm; a random tiny target's near-flat logits make its top-1 fragile
     run_extract(cfg_for(run, tiny_target_dir, dtype="fp8"), run, tiny_target, out_dir=str(tmp_path / "fp8"))
     rep = compare_features(tiny_target, reference, tmp_path / "fp8")
-    assert all(v["cosine"] > 0.999 and v["relative_error"] < 0.05 for v in rep["layers"].values()), rep["layers"]
+    assert all(v["cosine"] > 0.999 and v["relative_error"] < 0.05 for v in rep["layers"].values()), rep[
+        "layers"
+    ]
 
 
 def test_features_one_layer_off_are_flagged(run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
@@ -40,19 +46,37 @@ def test_features_one_layer_off_are_flagged(run, reference, tiny_target, tiny_ta
     rep = compare_features(tiny_target, reference, tmp_path / "off")
     aux = {k: v for k, v in rep["layers"].items() if k.startswith("aux")}
     assert rep["verdict"] == "disagree" and not any(v["pass"] for v in aux.values()), rep
-    assert rep["layers"]["teacher (post-norm last)"]["pass"]                 # the teacher state is the same
-    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(reference),
-                                   "--features", str(tmp_path / "off"), "--out", str(tmp_path / "p.json")])
+    assert rep["layers"]["teacher (post-norm last)"]["pass"]  # the teacher state is the same
+    res = CliRunner().invoke(
+        app,
+        [
+            "parity",
+            "--target",
+            str(tiny_target_dir),
+            "--features",
+            str(reference),
+            "--features",
+            str(tmp_path / "off"),
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
+    )
     assert res.exit_code == 1 and "disagree" in res.output
     assert json.loads((tmp_path / "p.json").read_text())["verdict"] == "disagree"
 
 
-def test_a_teacher_state_taken_before_the_final_norm_is_flagged(run, reference, tiny_target, tiny_target_dir, tmp_path,  # noqa: F811
-                                                                monkeypatch):
+def test_a_teacher_state_taken_before_the_final_norm_is_flagged(
+    run,
+    reference,
+    tiny_target,
+    tiny_target_dir,
+    tmp_path,  # noqa: F811
+    monkeypatch,
+):
     import eagle3kit.train.extract as ex
     from eagle3kit.model.target import capture_layer_inputs
 
-    def before_norm(target, input_ids, attention_mask, aux_ids):          # the planted capture mistake
+    def before_norm(target, input_ids, attention_mask, aux_ids):  # the planted capture mistake
         parts = target.parts
         with capture_layer_inputs(parts.layers, aux_ids, parts.final_norm) as store:
             parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -72,10 +96,12 @@ def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
     from eagle3kit.core.config import TrainConfig
     from eagle3kit.train.stage import feature_source_warning
 
-    assert feature_source_warning(None, None) is None                                   # nothing named for serving
+    assert feature_source_warning(None, None) is None  # nothing named for serving
     assert feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "vllm") is None
     w = feature_source_warning(None, "sglang")
-    assert "transformers" in w and "sglang" in w and "no SGLang capture backend" in w    # parity cannot help there
+    assert (
+        "transformers" in w and "sglang" in w and "no SGLang capture backend" in w
+    )  # parity cannot help there
     w = feature_source_warning(None, "vllm")
     assert "transformers" in w and "extract --backend vllm" in w and "eagle3kit parity" in w
     assert "vllm 0.32.0" in feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "sglang")
@@ -85,11 +111,14 @@ def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
 
 
 def test_other_shard_layouts_compare_sample_by_sample_and_another_target_is_refused(
-        run, reference, tiny_target, tiny_target_dir, tmp_path):  # noqa: F811
+    run, reference, tiny_target, tiny_target_dir, tmp_path
+):  # noqa: F811
     """Found by the issue-11 trials: folders cut into other shards compared only their common
     shards (or nothing), and a wrong --target failed on a shape or compared through another head."""
     total = sum(s["tokens"] for s in json.loads((reference / "index.json").read_text())["shards"])
-    run_extract(cfg_for(run, tiny_target_dir, shard_tokens=40), run, tiny_target, out_dir=str(tmp_path / "small"))
+    run_extract(
+        cfg_for(run, tiny_target_dir, shard_tokens=40), run, tiny_target, out_dir=str(tmp_path / "small")
+    )
     assert len(json.loads((tmp_path / "small" / "index.json").read_text())["shards"]) > 2
     rep = compare_features(tiny_target, reference, tmp_path / "small")
     assert rep["tokens"] == total and rep["verdict"] == "agree"
@@ -108,6 +137,18 @@ def test_other_shard_layouts_compare_sample_by_sample_and_another_target_is_refu
         compare_features(tiny_target, other, reference)
     rep = compare_features(tiny_target, reference, other)
     assert any("another target" in n for n in rep["notes"])
-    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(reference),
-                                   "--features", str(reference), "--out", str(tmp_path / "no" / "p.json")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "parity",
+            "--target",
+            str(tiny_target_dir),
+            "--features",
+            str(reference),
+            "--features",
+            str(reference),
+            "--out",
+            str(tmp_path / "no" / "p.json"),
+        ],
+    )
     assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())

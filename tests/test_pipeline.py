@@ -1,5 +1,6 @@
 """The whole `run` on a tiny random Llama (real SmolLM2 tokenizer and template, real prompts), then
 each stage alone from the CLI, decode vs simulate, and the train/eval overlap guard."""
+
 import json
 
 import pytest
@@ -18,7 +19,7 @@ def tiny_run(tmp_path_factory, tiny_target_dir):
     d = tmp_path_factory.mktemp("tiny-run")
     cfg_path = d / "config.yaml"
     cfg_path.write_text(f"""
-run_dir: {d / 'run'}
+run_dir: {d / "run"}
 target: {{model: {tiny_target_dir}, dtype: float64}}
 prompts:
   sources: [{{path: {GSM8K}, stop: 40}}]
@@ -37,16 +38,31 @@ evaluate:
 
 def test_run_writes_every_stage_and_the_report_keys(tiny_run):
     cfg, _, run, report = tiny_run
-    for name in ("prompts.jsonl", "conversations.jsonl", "tokens.safetensors", "vocab.safetensors",
-                 "checkpoints/best.safetensors", "drafter/config.json", "drafter/model.safetensors", "manifest.json"):
+    for name in (
+        "prompts.jsonl",
+        "conversations.jsonl",
+        "tokens.safetensors",
+        "vocab.safetensors",
+        "checkpoints/best.safetensors",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "manifest.json",
+    ):
         assert (run / name).exists(), name
     ev = report["evaluate"]
     assert ev["mode"] == "simulate" and ev["k"] == 3 and ev["num_prompts"] == 4
     assert len(ev["per_position_acceptance"]) == 3 and "mt_bench" in ev["sets"]
     assert 1.0 <= ev["tau"] <= 4.0
     assert report["prompts"]["rows_kept"] == 40 and report["generate"]["rows_kept"] == 40
-    assert report["tokenize"]["rows_kept"] + sum(v for k, v in report["tokenize"].items() if k.startswith("dropped_")) == 40
-    assert report["tokenize"]["selfcheck_rows"] == report["tokenize"]["rows_kept"] and report["tokenize"]["selfcheck_mismatch"] == 0
+    assert (
+        report["tokenize"]["rows_kept"]
+        + sum(v for k, v in report["tokenize"].items() if k.startswith("dropped_"))
+        == 40
+    )
+    assert (
+        report["tokenize"]["selfcheck_rows"] == report["tokenize"]["rows_kept"]
+        and report["tokenize"]["selfcheck_mismatch"] == 0
+    )
     assert 0 < report["vocab"]["coverage"] <= 1
     assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
     m = run.manifest
@@ -74,23 +90,52 @@ def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
     assert s["mismatches"] == []
     assert s["tau"] == pytest.approx(s["simulate_tau_same_prompts"], abs=1e-9)
     assert s["tau"] > 1.2
-    assert sum(1 for h in s["accept_histogram"] if h) >= 2    # partial acceptances and rejections both happened
+    assert sum(1 for h in s["accept_histogram"] if h) >= 2  # partial acceptances and rejections both happened
     assert s["draft"]["mode"] == "chain" and s["tokens_per_s"] > 0 and s["baseline_tokens_per_s"] > 0
-    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=0.01)   # both rounded
+    assert s["speedup"] == pytest.approx(
+        s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=0.01
+    )  # both rounded
 
 
 def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(tiny_run):
     _, cfg_path, run, _ = tiny_run
-    res = CliRunner().invoke(app, ["evaluate", "--config", str(cfg_path), "--mode", "decode", "--draft", "tree", "--k", "3",
-                                   "--topk", "4", "--num-draft-tokens", "12", "--section", "evaluate-tree"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--config",
+            str(cfg_path),
+            "--mode",
+            "decode",
+            "--draft",
+            "tree",
+            "--k",
+            "3",
+            "--topk",
+            "4",
+            "--num-draft-tokens",
+            "12",
+            "--section",
+            "evaluate-tree",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rep = json.loads((run / "report.json").read_text())["evaluate-tree"]
     s = rep["sets"]["mt_bench"]
-    assert rep["greedy_identical"] is True and s["draft"] == {"mode": "tree", "steps": 3, "topk": 4, "num_draft_tokens": 12,
-                                                              "temperature": 0.0, "top_p": 1.0}
+    assert rep["greedy_identical"] is True and s["draft"] == {
+        "mode": "tree",
+        "steps": 3,
+        "topk": 4,
+        "num_draft_tokens": 12,
+        "temperature": 0.0,
+        "top_p": 1.0,
+    }
     chain = json.loads((run / "report.json").read_text())["evaluate"]["sets"]["mt_bench"]
-    assert s["tau"] >= chain["tau"]                                  # 4 candidates per depth accept no less than 1
-    assert list(s["per_category"]) == ["writing"] and s["per_category"]["writing"]["prompts"] == s["num_prompts"] == 4
+    assert s["tau"] >= chain["tau"]  # 4 candidates per depth accept no less than 1
+    assert (
+        list(s["per_category"]) == ["writing"]
+        and s["per_category"]["writing"]["prompts"] == s["num_prompts"] == 4
+    )
     assert "speedup" in res.output
     bad = CliRunner().invoke(app, ["evaluate", "--config", str(cfg_path), "--draft", "tree"])
     assert bad.exit_code != 0 and "set evaluate.mode to decode" in " ".join(bad.output.split())
@@ -105,20 +150,35 @@ def test_each_stage_runs_alone_from_the_cli(tiny_run):
     assert res.exit_code == 0, res.output
     assert (run / "again/model.safetensors").exists()
     res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again")])
-    assert res.exit_code == 0 and "up_to_date" in res.output          # the same checkpoint: nothing to do
+    assert res.exit_code == 0 and "up_to_date" in res.output  # the same checkpoint: nothing to do
     from eagle3kit.train.checkpoints import load_drafter_checkpoint, save_drafter_checkpoint
 
     other = load_drafter_checkpoint(run / "checkpoints/best.safetensors")
     with torch.no_grad():
         other.norm.weight.add_(1.0)
     save_drafter_checkpoint(other, run / "other.safetensors", {})
-    res = r.invoke(app, ["export", "--config", str(cfg_path), "--out", str(run / "again"), "--checkpoint", str(run / "other.safetensors")])
-    assert res.exit_code == 2 and "overwrite" in res.output             # another drafter is never overwritten silently
+    res = r.invoke(
+        app,
+        [
+            "export",
+            "--config",
+            str(cfg_path),
+            "--out",
+            str(run / "again"),
+            "--checkpoint",
+            str(run / "other.safetensors"),
+        ],
+    )
+    assert res.exit_code == 2 and "overwrite" in res.output  # another drafter is never overwritten silently
 
 
 def test_a_stage_without_its_input_says_which_stage_to_run(tmp_path):
     res = CliRunner().invoke(app, ["tokenize", "--run-dir", str(tmp_path / "nonexistent")])
-    assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split()) and not (tmp_path / "nonexistent").exists()
+    assert (
+        res.exit_code == 2
+        and "does not exist" in " ".join(res.output.split())
+        and not (tmp_path / "nonexistent").exists()
+    )
     (tmp_path / "empty").mkdir()
     res = CliRunner().invoke(app, ["tokenize", "--run-dir", str(tmp_path / "empty")])
     assert res.exit_code == 2
@@ -156,12 +216,12 @@ def test_train_rerun_resumes_and_never_deletes_earlier_checkpoints(tiny_run):
 
     cfg, _, run, report = tiny_run
     target = None
-    again = run_train(cfg, run, target)                  # every epoch is done: nothing is retrained
+    again = run_train(cfg, run, target)  # every epoch is done: nothing is retrained
     assert again["history"] == report["train"]["history"]
     before = (run / "checkpoints/best.safetensors").read_bytes()
     changed = cfg.model_copy(deep=True)
     changed.train.epochs = 1
-    run_train(changed, run)                               # other inputs: the old state is set aside, not lost
+    run_train(changed, run)  # other inputs: the old state is set aside, not lost
     assert (run / "checkpoints.prev-1/best.safetensors").read_bytes() == before
     assert (run / "checkpoints.prev-1/train_log.jsonl").exists()
 
@@ -178,8 +238,11 @@ def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):
     other = RunDir(tmp_path / "other")
     for name in ("tokens.safetensors", "vocab.safetensors"):
         shutil.copy(run / name, other / name)
-    save_file(load_file(str(other / "vocab.safetensors")), str(other / "vocab.safetensors"),
-              metadata={"tokenizer_sha256": "0" * 64})
+    save_file(
+        load_file(str(other / "vocab.safetensors")),
+        str(other / "vocab.safetensors"),
+        metadata={"tokenizer_sha256": "0" * 64},
+    )
     with pytest.raises(ConfigError, match="another tokenizer"):
         run_train(cfg, other)
 
@@ -199,8 +262,10 @@ def test_rows_from_other_settings_or_other_prompts_never_reach_training(tiny_run
     shutil.copytree(run / "drafter", other / "drafter")
     c2 = cfg.model_copy(deep=True)
     c2.run_dir = str(other.path)
-    c2.generate.max_new_tokens = 16                       # other sampling settings: refuse to mix
-    with pytest.raises(ConfigError, match=r"other settings — sampling: .*max_new_tokens.: 32.* but now .*max_new_tokens.: 16"):
+    c2.generate.max_new_tokens = 16  # other sampling settings: refuse to mix
+    with pytest.raises(
+        ConfigError, match=r"other settings — sampling: .*max_new_tokens.: 32.* but now .*max_new_tokens.: 16"
+    ):
         run_generate(c2, other)
     # the prompt set shrinks: old conversations stay on disk but are not tokenized ... (the prompt file is
     # cut by hand here, which lineage would refuse — tests/test_lineage.py — so this run dir is one
@@ -236,9 +301,9 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tiny_run, tmp_pat
     smollm2_tokenizer.save_pretrained(d)
     c2 = cfg.model_copy(deep=True)
     c2.target.model = str(d)
-    with pytest.raises(ConfigError, match="trained on another target"):      # the drafter's own record
+    with pytest.raises(ConfigError, match="trained on another target"):  # the drafter's own record
         run_evaluate(c2, run, drafter_dir=str(run / "drafter"))
-    with pytest.raises(StaleInput, match="other target weights"):             # the run's chain, first
+    with pytest.raises(StaleInput, match="other target weights"):  # the run's chain, first
         run_evaluate(c2, run)
 
 
@@ -248,6 +313,8 @@ def test_an_empty_evaluation_set_is_an_error_not_tau_1(tiny_run, tmp_path):
 
     cfg, _, run, _ = tiny_run
     c2 = cfg.model_copy(deep=True)
-    c2.evaluate.sets[0].start = 10**6                     # past the end of the file: no rows
-    with pytest.raises(ConfigError, match="hold no prompts"):     # (the folder: other tests here retrain the run)
+    c2.evaluate.sets[0].start = 10**6  # past the end of the file: no rows
+    with pytest.raises(
+        ConfigError, match="hold no prompts"
+    ):  # (the folder: other tests here retrain the run)
         run_evaluate(c2, run, drafter_dir=str(run / "drafter"))

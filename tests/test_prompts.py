@@ -1,4 +1,3 @@
-
 import pytest
 from conftest import GSM8K, MT_BENCH, SHARED
 
@@ -10,14 +9,34 @@ from eagle3kit.data.sources import parse_row, read_source
 
 
 def test_every_prompt_format_is_read():
-    assert parse_row({"turns": ["a", "b"], "category": "writing"}, "auto", None, "x")[0] == [{"role": "user", "content": "a"}]
-    sg = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}
-    assert parse_row(sg, "auto", None, "x")[0] == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
-    oa = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"}]}
+    assert parse_row({"turns": ["a", "b"], "category": "writing"}, "auto", None, "x")[0] == [
+        {"role": "user", "content": "a"}
+    ]
+    sg = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "Q"},
+            {"from": "gpt", "value": "A"},
+        ]
+    }
+    assert parse_row(sg, "auto", None, "x")[0] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+    ]
+    oa = {
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A"},
+            {"role": "user", "content": "Q2"},
+        ]
+    }
     assert parse_row(oa, "auto", None, "x")[0] == [{"role": "user", "content": "Q"}]
     assert parse_row("just text", "auto", None, "x")[0] == [{"role": "user", "content": "just text"}]
     assert parse_row({"question": "Q?", "answer": "A"}, "auto", None, "x")[0][0]["content"] == "Q?"
-    assert parse_row({"prompt": {"text": "tree root", "replies": []}}, "auto", None, "x")[0][0]["content"] == "tree root"
+    assert (
+        parse_row({"prompt": {"text": "tree root", "replies": []}}, "auto", None, "x")[0][0]["content"]
+        == "tree root"
+    )
 
 
 def test_real_files_mt_bench_gsm8k_oasst_and_spec_bench_filters():
@@ -27,8 +46,21 @@ def test_real_files_mt_bench_gsm8k_oasst_and_spec_bench_filters():
     assert len(tail) == 80
     oa, _ = read_source(PromptSource(path=str(SHARED / "data/chats/oasst_en_100_tree.jsonl")))
     assert len(oa) == 100
-    sb, dropped = read_source(PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"),
-                                           exclude_categories=["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]))
+    sb, dropped = read_source(
+        PromptSource(
+            path=str(SHARED / "data/prompts/spec_bench.jsonl"),
+            exclude_categories=[
+                "writing",
+                "roleplay",
+                "reasoning",
+                "math",
+                "coding",
+                "extraction",
+                "stem",
+                "humanities",
+            ],
+        )
+    )
     assert len(sb) == 400 and dropped["category_filtered"] == 80
 
 
@@ -46,9 +78,14 @@ def test_dedupe_and_counts(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('"a"\n"b"\n"a"\n"  "\n')
     run = RunDir(tmp_path / "run")
-    cfg = Config(run_dir=str(run.path), prompts=PromptsConfig(sources=[PromptSource(path=str(p))], heldout_fraction=0.0))
+    cfg = Config(
+        run_dir=str(run.path),
+        prompts=PromptsConfig(sources=[PromptSource(path=str(p))], heldout_fraction=0.0),
+    )
     counts = run_prompts(cfg, run)
-    assert counts["rows_kept"] == 2 and counts["dropped_duplicate"] == 1 and counts["dropped_empty_prompt"] == 1
+    assert (
+        counts["rows_kept"] == 2 and counts["dropped_duplicate"] == 1 and counts["dropped_empty_prompt"] == 1
+    )
     rows = [r for _, r in read_jsonl(run / "prompts.jsonl")]
     assert [r["messages"][0]["content"] for r in rows] == ["a", "b"]
     assert run.report["prompts"]["rows_kept"] == 2
@@ -56,7 +93,11 @@ def test_dedupe_and_counts(tmp_path):
 
 def test_magpie_prefix_with_the_real_template(smollm2_tokenizer):
     prefix = magpie_prefix(smollm2_tokenizer)
-    assert prefix == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
+    assert (
+        prefix
+        == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n"
+    )
 
 
 def test_magpie_synthesis_gives_distinct_user_turns(tiny_target):
@@ -78,25 +119,43 @@ def test_synthesize_defaults_to_zero_with_sources_and_64_without():
 def test_magpie_prompts_are_added_to_the_sources_prompts(tmp_path, smollm2_target):
     """The scaling recipe's mix: file prompts plus open-chat prompts SmolLM2 writes itself."""
     run = RunDir(tmp_path / "run")
-    cfg = Config(run_dir=str(run.path), prompts=PromptsConfig(
-        sources=[PromptSource(path=str(GSM8K), limit=5, name="gsm8k")], synthesize=3, synthesize_max_tokens=48,
-        heldout_fraction=0.0))
+    cfg = Config(
+        run_dir=str(run.path),
+        prompts=PromptsConfig(
+            sources=[PromptSource(path=str(GSM8K), limit=5, name="gsm8k")],
+            synthesize=3,
+            synthesize_max_tokens=48,
+            heldout_fraction=0.0,
+        ),
+    )
     counts = run_prompts(cfg, run, target=smollm2_target)
     rows = [r for _, r in read_jsonl(run / "prompts.jsonl")]
     by_source = [r["source"] for r in rows]
     assert counts["rows_from_gsm8k"] == 5 and by_source.count("gsm8k") == 5
-    assert counts["rows_from_magpie"] == by_source.count("magpie") == 3 and "synthesize_shortfall" not in counts
+    assert (
+        counts["rows_from_magpie"] == by_source.count("magpie") == 3 and "synthesize_shortfall" not in counts
+    )
     assert run.manifest["stages"]["prompts"]["inputs"]["magpie"]["n"] == 3
 
 
-def test_magpie_gives_up_early_when_nothing_can_be_kept_and_sources_survive_a_shortfall(tmp_path, tiny_target):
+def test_magpie_gives_up_early_when_nothing_can_be_kept_and_sources_survive_a_shortfall(
+    tmp_path, tiny_target
+):
     """A 2-token limit can never hold a 3-word user turn that ends: synthesis stops after its first
     256 attempts instead of trying 4·n, and the file prompts still make the stage."""
     rows = synthesize(tiny_target, 100_000, 2, seed=0, batch_size=64)
     assert rows == []
     run = RunDir(tmp_path / "run")
-    cfg = Config(run_dir=str(run.path), prompts=PromptsConfig(
-        sources=[PromptSource(path=str(GSM8K), limit=3, name="gsm8k")], synthesize=5, synthesize_max_tokens=2,
-        heldout_fraction=0.0))
+    cfg = Config(
+        run_dir=str(run.path),
+        prompts=PromptsConfig(
+            sources=[PromptSource(path=str(GSM8K), limit=3, name="gsm8k")],
+            synthesize=5,
+            synthesize_max_tokens=2,
+            heldout_fraction=0.0,
+        ),
+    )
     counts = run_prompts(cfg, run, target=tiny_target)
-    assert counts["rows_kept"] == 3 and counts["rows_from_magpie"] == 0 and counts["synthesize_shortfall"] == 5
+    assert (
+        counts["rows_kept"] == 3 and counts["rows_from_magpie"] == 0 and counts["synthesize_shortfall"] == 5
+    )

@@ -1,5 +1,6 @@
 """Issue 21's numbered findings (those not in tests/test_lineage.py): each used to give wrong
 output without a word; each test is named after what it checks and fails on the code before."""
+
 import json
 
 import pytest
@@ -9,7 +10,9 @@ from eagle3kit.core.config import PromptSource
 from eagle3kit.core.rundir import DataError
 
 
-def test_f6_check_without_max_model_len_measures_the_drafter_against_the_targets_own_length(tiny_target_dir, tmp_path):
+def test_f6_check_without_max_model_len_measures_the_drafter_against_the_targets_own_length(
+    tiny_target_dir, tmp_path
+):
     """A drafter with max_position_embeddings 2048 beside a target served at its 4,096 by default:
     `check` without --max-model-len used to call it servable; with --max-model-len 2048 it is."""
     from family_flow import untrained_drafter
@@ -54,7 +57,7 @@ def test_f8_a_relative_run_dir_is_relative_to_the_config_file_like_its_prompt_pa
         monkeypatch.chdir(cwd)
         dirs.add(load_config(cfg_path).run_dir)
     assert dirs == {str((tmp_path / "proj" / "runs" / "a").resolve())}
-    monkeypatch.chdir(tmp_path / "elsewhere")          # --run-dir is typed in a shell: relative to where it is typed
+    monkeypatch.chdir(tmp_path / "elsewhere")  # --run-dir is typed in a shell: relative to where it is typed
     assert load_config(cfg_path, {"run_dir": "mine"}).run_dir == "mine"
 
 
@@ -66,14 +69,33 @@ def test_f9_prompt_rows_cut_to_their_first_user_turn_are_counted_and_duplicates_
     from eagle3kit.data.prompts import run_prompts
 
     q = {"role": "user", "content": "What is the weather in Paris?"}
-    rows = [{"messages": [q, {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{i}", "type": "function",
-                                                                              "function": {"name": "weather", "arguments": "{}"}}]},
-                          {"role": "tool", "tool_call_id": f"call_{i}", "content": f"{20 + i} C"}]} for i in range(2)]
+    rows = [
+        {
+            "messages": [
+                q,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": f"call_{i}",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": f"{20 + i} C"},
+            ]
+        }
+        for i in range(2)
+    ]
     rows.append({"messages": [{"role": "user", "content": "Name a prime."}]})
     src = tmp_path / "tools.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = Config(run_dir=str(tmp_path / "run"), prompts=PromptsConfig(sources=[PromptSource(path=str(src))],
-                                                                      heldout_fraction=0.0))
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        prompts=PromptsConfig(sources=[PromptSource(path=str(src))], heldout_fraction=0.0),
+    )
     from eagle3kit.core.ui import console
 
     with console.capture() as cap:
@@ -112,14 +134,30 @@ def test_f10_impossible_acceptance_numbers_are_flagged_never_reported():
     from eagle3kit.core.engines import acceptance_from_counters
     from eagle3kit.serve.bench import acceptance_from_meta, checked_acceptance
 
-    metas = [{"completion_tokens": 40, "spec_verify_ct": 20, "spec_accept_token_num": 34, "spec_draft_token_num": 30}]
+    metas = [
+        {
+            "completion_tokens": 40,
+            "spec_verify_ct": 20,
+            "spec_accept_token_num": 34,
+            "spec_draft_token_num": 30,
+        }
+    ]
     acc, why = checked_acceptance(acceptance_from_meta(metas))
     assert acc is None and "acceptance rate 1.133333 is outside [0, 1]" in why
-    fine = [{"completion_tokens": 40, "spec_verify_ct": 20, "spec_accept_token_num": 20, "spec_draft_token_num": 60}]
+    fine = [
+        {
+            "completion_tokens": 40,
+            "spec_verify_ct": 20,
+            "spec_accept_token_num": 20,
+            "spec_draft_token_num": 60,
+        }
+    ]
     acc, why = checked_acceptance(acceptance_from_meta(fine))
     assert why is None and acc["tau"] == 2.0 and acc["acceptance_rate"] == round(20 / 60, 6)
-    too_long = acceptance_from_counters({"drafts": 10, "draft_tokens": 30, "accepted": 30, "per_position": {}})
-    too_long["tau"] = 4.5                                     # K = 3: at most 4 tokens a verify step
+    too_long = acceptance_from_counters(
+        {"drafts": 10, "draft_tokens": 30, "accepted": 30, "per_position": {}}
+    )
+    too_long["tau"] = 4.5  # K = 3: at most 4 tokens a verify step
     acc, why = checked_acceptance(too_long)
     assert acc is None and "τ 4.5 is outside [1, 4]" in why
 
@@ -138,8 +176,10 @@ def test_f3_a_brought_reply_with_a_bare_think_close_is_split_like_a_generated_on
     tok = fam.r1_distill_qwen()
     q = [{"role": "user", "content": "What is 2 + 2?"}]
     shards = {}
-    for name, row in {"bare": {"content": "Two and two make four.\n</think>\n\nThe answer is 4."},
-                      "split": {"reasoning": "Two and two make four.", "content": "The answer is 4."}}.items():
+    for name, row in {
+        "bare": {"content": "Two and two make four.\n</think>\n\nThe answer is 4."},
+        "split": {"reasoning": "Two and two make four.", "content": "The answer is 4."},
+    }.items():
         run = RunDir(tmp_path / name)
         (run / "conversations.jsonl").write_text(json.dumps({"id": "a", "messages": q, **row}) + "\n")
         res = run_tokenize(Config(run_dir=str(run.path)), run, tokenizer=tok, eot_ids=[tok.eos_token_id])
@@ -148,11 +188,13 @@ def test_f3_a_brought_reply_with_a_bare_think_close_is_split_like_a_generated_on
         shards[name] = load_shard(run / "tokens.safetensors")[0]
     (ids, mask), (ids2, mask2) = shards["bare"], shards["split"]
     assert ids.tolist() == ids2.tolist() and mask.tolist() == mask2.tolist()
-    assert ids.tolist().count(151649) == 1 and ids.tolist().count(151648) == 1      # one </think>, one <think>
+    assert ids.tolist().count(151649) == 1 and ids.tolist().count(151648) == 1  # one </think>, one <think>
     assert "</think>" not in tok.decode(ids[mask.bool()].tolist()).split("</think>", 1)[1]
 
 
-def test_f4_openai_tool_call_ids_are_rewritten_in_kimis_own_form_for_a_kimi_template(tmp_path, tiny_target_dir):
+def test_f4_openai_tool_call_ids_are_rewritten_in_kimis_own_form_for_a_kimi_template(
+    tmp_path, tiny_target_dir
+):
     """Kimi-K2's template writes tool-call ids into the text and Kimi models emit
     ``functions.<name>:<index>``; OpenAI-style ``call_ab12`` ids used to be trained verbatim. They are
     rewritten, in the call and in its result alike, and the report counts them."""
@@ -163,10 +205,17 @@ def test_f4_openai_tool_call_ids_are_rewritten_in_kimis_own_form_for_a_kimi_temp
     from eagle3kit.data.tokenize import load_shard, run_tokenize
 
     tok = fam.kimi_standin(tiny_target_dir)
-    call = {"id": "call_ab12", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
-    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_ab12", "content": "21 C"},
-            {"role": "assistant", "content": "It is 21 C in Paris."}]
+    call = {
+        "id": "call_ab12",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_ab12", "content": "21 C"},
+        {"role": "assistant", "content": "It is 21 C in Paris."},
+    ]
     run = RunDir(tmp_path / "run")
     (run / "conversations.jsonl").write_text(json.dumps({"id": "a", "messages": msgs}) + "\n")
     cfg = Config(run_dir=str(run.path))
@@ -175,7 +224,7 @@ def test_f4_openai_tool_call_ids_are_rewritten_in_kimis_own_form_for_a_kimi_temp
     assert res["rows_kept"] == 1 and res["tool_call_ids_rewritten"] == 1, res
     text = "".join(tok.decode(ids.tolist()) for ids, _ in load_shard(run / "tokens.safetensors"))
     assert "call_ab12" not in text
-    assert text.count("functions.get_weather:0") == 2        # the call and "## Return of functions.get_weather:0"
+    assert text.count("functions.get_weather:0") == 2  # the call and "## Return of functions.get_weather:0"
 
 
 @pytest.mark.vllm
@@ -190,10 +239,20 @@ def test_check_on_a_target_vllm_cannot_import_is_a_finding_not_its_traceback(tmp
 
     from eagle3kit.cli import app
 
-    Llama4Config(text_config={"hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
-                              "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                              "vocab_size": 2048, "num_local_experts": 2},
-                 architectures=["Llama4ForConditionalGeneration"]).save_pretrained(tmp_path / "target")
+    Llama4Config(
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "intermediate_size_mlp": 128,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 2048,
+            "num_local_experts": 2,
+        },
+        architectures=["Llama4ForConditionalGeneration"],
+    ).save_pretrained(tmp_path / "target")
     drafter = untrained_drafter(tmp_path / "target", tmp_path / "drafter", draft_vocab_size=256)
     res = CliRunner().invoke(app, ["check", str(drafter), "--target", str(tmp_path / "target")])
     out = res.output + "".join(capfd.readouterr())
@@ -202,7 +261,9 @@ def test_check_on_a_target_vllm_cannot_import_is_a_finding_not_its_traceback(tmp
     assert "cannot import it here (ModuleNotFoundError: No module named 'torchvision')" in said
 
 
-def test_check_against_another_target_names_the_hidden_size_the_drafter_was_made_for(tiny_target_dir, tmp_path):
+def test_check_against_another_target_names_the_hidden_size_the_drafter_was_made_for(
+    tiny_target_dir, tmp_path
+):
     """Unclear before: a drafter for a hidden-64 target checked against a hidden-192 one was told
     "fc.weight takes 192 = 0.333333 × 576 inputs". Now fc's width names the target it was made for,
     and the aux-id count is not blamed for a width that belongs to another target."""
@@ -213,17 +274,29 @@ def test_check_against_another_target_names_the_hidden_size_the_drafter_was_made
     from eagle3kit.serve.check import check_drafter
 
     drafter = untrained_drafter(tiny_target_dir, tmp_path / "drafter")
-    LlamaConfig(hidden_size=192, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=49152).save_pretrained(tmp_path / "other")
-    found = {f.code: f.message for f in check_drafter(drafter, TargetConfig(model=str(tmp_path / "other")))
-             if f.severity == "error"}
+    LlamaConfig(
+        hidden_size=192,
+        intermediate_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+    ).save_pretrained(tmp_path / "other")
+    found = {
+        f.code: f.message
+        for f in check_drafter(drafter, TargetConfig(model=str(tmp_path / "other")))
+        if f.severity == "error"
+    }
     assert "aux_ids_count" not in found and "target_hidden_size" in found
-    assert found["fc_width"] == ("fc.weight takes 192 inputs, not 3 aux layers × 192 = 576 (this target's hidden size): "
-                                 "a drafter for a target of hidden size 64")
+    assert found["fc_width"] == (
+        "fc.weight takes 192 inputs, not 3 aux layers × 192 = 576 (this target's hidden size): "
+        "a drafter for a target of hidden size 64"
+    )
 
 
-def test_generate_sends_no_prompt_that_leaves_no_room_for_the_reply_in_the_targets_context(tmp_path, tiny_target,
-                                                                                         tiny_target_dir, capsys):
+def test_generate_sends_no_prompt_that_leaves_no_room_for_the_reply_in_the_targets_context(
+    tmp_path, tiny_target, tiny_target_dir, capsys
+):
     """Unclear before: a prompt longer than the target's context (4,096 for the tiny target) was
     generated (past the positions the target knows) and dropped only later by tokenize. Now it is
     not sent: counted as prompt_too_long, named on the console; the rows that fit are generated."""
@@ -233,22 +306,32 @@ def test_generate_sends_no_prompt_that_leaves_no_room_for_the_reply_in_the_targe
     from eagle3kit.data.prompts import run_prompts
 
     src = tmp_path / "p.jsonl"
-    src.write_text(json.dumps({"id": "short", "turns": ["What is 2+2?"]}) + "\n"
-                   + json.dumps({"id": "long", "turns": ["count: " + " one" * 4200]}) + "\n")
-    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(model=str(tiny_target_dir), dtype="float64"),
-                 prompts=PromptsConfig(sources=[PromptSource(path=str(src))], heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="transformers", max_new_tokens=8))
+    src.write_text(
+        json.dumps({"id": "short", "turns": ["What is 2+2?"]})
+        + "\n"
+        + json.dumps({"id": "long", "turns": ["count: " + " one" * 4200]})
+        + "\n"
+    )
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(model=str(tiny_target_dir), dtype="float64"),
+        prompts=PromptsConfig(sources=[PromptSource(path=str(src))], heldout_fraction=0.0),
+        generate=GenerateConfig(backend="transformers", max_new_tokens=8),
+    )
     run = RunDir(cfg.run_dir)
     run_prompts(cfg, run)
     out = run_generate(cfg, run, tiny_target)
-    said = " ".join(capsys.readouterr().err.split())          # eagle3kit's console writes to stderr
+    said = " ".join(capsys.readouterr().err.split())  # eagle3kit's console writes to stderr
     assert out["generated"] == 1 and out["prompt_too_long"] == 1 and out["rows_kept"] == 1
     assert "context of 4096 tokens" in said and "not generated" in said
-    assert [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")] == [r["id"] for _, r in read_jsonl(run / "prompts.jsonl")][:1]
+    assert [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")] == [
+        r["id"] for _, r in read_jsonl(run / "prompts.jsonl")
+    ][:1]
 
 
-def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_without_running_its_code(tmp_path,
-                                                                                                   smollm2_tokenizer):
+def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_without_running_its_code(
+    tmp_path, smollm2_tokenizer
+):
     """Unclear before: a target whose config needs the checkpoint's own code (InternVL's
     ``internvl_chat``: ``auto_map``, its Qwen2 text fields under ``llm_config``) was refused as
     unreadable. Its language model is now read from ``llm_config`` with transformers' own Qwen2
@@ -261,24 +344,48 @@ def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_witho
     from eagle3kit.model.target import load_target, load_target_config
 
     torch.manual_seed(0)
-    qc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, tie_word_embeddings=False)
+    qc = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     m = Qwen2ForCausalLM(qc).eval()
     d = tmp_path / "internvl"
     d.mkdir()
     weights = {f"language_model.{k}": v.contiguous() for k, v in m.state_dict().items()}
-    save_file({**weights, "vision_model.embeddings.patch_embedding.weight": torch.randn(8, 3, 2, 2)}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
-        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
-        "llm_config": {**qc.to_dict(), "architectures": ["Qwen2ForCausalLM"]},
-        "vision_config": {"model_type": "intern_vit_6b", "hidden_size": 32}}))
+    save_file(
+        {**weights, "vision_model.embeddings.patch_embedding.weight": torch.randn(8, 3, 2, 2)},
+        str(d / "model.safetensors"),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["InternVLChatModel"],
+                "model_type": "internvl_chat",
+                "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
+                "llm_config": {**qc.to_dict(), "architectures": ["Qwen2ForCausalLM"]},
+                "vision_config": {"model_type": "intern_vit_6b", "hidden_size": 32},
+            }
+        )
+    )
     smollm2_tokenizer.save_pretrained(d)
     config, text = load_target_config(TargetConfig(model=str(d)))
-    assert config.architectures == ["InternVLChatModel"] and type(text).__name__ == "Qwen2Config" and text.hidden_size == 64
+    assert (
+        config.architectures == ["InternVLChatModel"]
+        and type(text).__name__ == "Qwen2Config"
+        and text.hidden_size == 64
+    )
     target = load_target(TargetConfig(model=str(d)), device="cpu")
-    assert target.source["language_model"] == {"wrapper": "InternVLChatModel", "decoder_prefix": "language_model.model.",
-                                               "lm_head": "language_model.lm_head.weight"}
+    assert target.source["language_model"] == {
+        "wrapper": "InternVLChatModel",
+        "decoder_prefix": "language_model.model.",
+        "lm_head": "language_model.lm_head.weight",
+    }
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(target.model(input_ids=ids).logits, m(input_ids=ids).logits)

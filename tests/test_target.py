@@ -25,14 +25,19 @@ def test_c14_hidden_state_indices_on_a_4_layer_model():
     assert len(hs) == 5
     assert torch.equal(hs[0], m.model.embed_tokens(ids))
     seen = {}
-    hooks = [m.model.layers[i].register_forward_hook(lambda mod, a, kw, o, i=i: seen.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True)
-             for i in range(4)]
+    hooks = [
+        m.model.layers[i].register_forward_hook(
+            lambda mod, a, kw, o, i=i: seen.__setitem__(i, a[0] if a else kw["hidden_states"]),
+            with_kwargs=True,
+        )
+        for i in range(4)
+    ]
     with capture_layer_inputs(m.model.layers, [1, 2, 3]) as store:
         m(input_ids=ids)
     for h in hooks:
         h.remove()
     for i in (1, 2, 3):
-        assert torch.equal(store[i], seen[i])        # our capture = the input of layer i seen by a hook
+        assert torch.equal(store[i], seen[i])  # our capture = the input of layer i seen by a hook
         assert torch.allclose(store[i], hs[i], atol=0, rtol=0)  # = HF index i
     # HF index N is after the final norm: not equal to the pre-norm input of the norm
     assert not torch.allclose(hs[4], store[3])
@@ -42,7 +47,9 @@ def test_c13_output_of_layer_and_hf_numbering_select_the_same_tensors():
     m = build_tiny_llama(8, vocab_size=97)
     t = _wrap(m)
     ids = torch.randint(0, 97, (1, 12))
-    a = resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8)
+    a = resolve_aux_layer_ids(
+        TargetConfig(aux_layer_ids=[1, 4, 6], aux_layer_convention="output_of_layer"), 8
+    )
     b = resolve_aux_layer_ids(TargetConfig(aux_layer_ids=[2, 5, 7]), 8)
     assert a == b == (2, 5, 7)
     aux, _ = target_features(t, ids, None, a)
@@ -72,7 +79,11 @@ def test_resolver_finds_parts_through_a_wrapper():
 
     inner = build_tiny_llama(4, vocab_size=97)
     parts = resolve_parts(Wrapper(inner))
-    assert parts.layers is inner.model.layers and parts.lm_head is inner.lm_head and parts.final_norm is inner.model.norm
+    assert (
+        parts.layers is inner.model.layers
+        and parts.lm_head is inner.lm_head
+        and parts.final_norm is inner.model.norm
+    )
 
 
 @pytest.mark.smollm2
@@ -82,10 +93,14 @@ def test_smollm2_loads_from_the_package_without_a_hub(smollm2_target):
     assert resolve_aux_layer_ids(TargetConfig(), t.num_layers) == (2, 15, 27)
     assert t.source["gguf_file"].endswith(".gguf")
     assert t.end_of_turn_ids() == [2]  # <|im_end|>
-    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"]
+    ids = t.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     out = t.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=20, do_sample=False)
-    text = t.tokenizer.decode(out[0, len(ids):])
+    text = t.tokenizer.decode(out[0, len(ids) :])
     assert "4" in text
 
 
@@ -102,7 +117,9 @@ def test_gguf_tokenizer_is_cached_as_a_folder_and_loads_identically(tmp_path, mo
     again = load_tokenizer(TargetConfig())
     assert tokenizer_hash(again) == tokenizer_hash(first) == tokenizer_hash(smollm2_tokenizer)
     msgs = [{"role": "user", "content": "Résumé <|im_end|> 12 345"}]
-    assert again.apply_chat_template(msgs, add_generation_prompt=True) == first.apply_chat_template(msgs, add_generation_prompt=True)
+    assert again.apply_chat_template(msgs, add_generation_prompt=True) == first.apply_chat_template(
+        msgs, add_generation_prompt=True
+    )
 
 
 @pytest.mark.smollm2
@@ -113,17 +130,25 @@ def test_a_gguf_target_reloads_from_its_float32_export_bit_for_bit(smollm2_targe
     as the float32 weights (it holds bfloat16-rounded values)."""
     import copy
 
-    from eagle3kit.model.target import Target, export_fp32_folder, load_target, load_target_config, resolve_parts
+    from eagle3kit.model.target import (
+        Target,
+        export_fp32_folder,
+        load_target,
+        load_target_config,
+        resolve_parts,
+    )
 
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
     ref = smollm2_target
     half = copy.deepcopy(ref.model).to(torch.bfloat16)
-    bf16_dir = export_fp32_folder(Target(model=half, tokenizer=ref.tokenizer, parts=resolve_parts(half), source=ref.source))
+    bf16_dir = export_fp32_folder(
+        Target(model=half, tokenizer=ref.tokenizer, parts=resolve_parts(half), source=ref.source)
+    )
     assert bf16_dir.name.endswith("-bfloat16")
     fp32_dir = export_fp32_folder(ref)
     assert fp32_dir.parent == bf16_dir.parent == tmp_path / "fp32" and fp32_dir != bf16_dir
     again = load_target(TargetConfig(), device="cpu")
-    assert again.model.config._name_or_path == str(fp32_dir)          # read from the export, not the GGUF
+    assert again.model.config._name_or_path == str(fp32_dir)  # read from the export, not the GGUF
     assert again.source == ref.source
     a, b = ref.model.state_dict(), again.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,6 +1,7 @@
 """The GPU formulation of training-time test against the readable reference, on the CPU:
 flex attention with a block mask vs dense TTT attention, the chunked loss vs the unchunked one,
 packed rows vs one sample per row."""
+
 import random
 import warnings
 
@@ -22,7 +23,7 @@ def _samples(target, lengths, seed=0):
     for n in lengths:
         ids = torch.randint(0, V, (n,), generator=g)
         mask = torch.zeros(n, dtype=torch.bool)
-        mask[n // 3:] = True
+        mask[n // 3 :] = True
         aux, last = target_features(target, ids[None], None, (1, 2, 3))
         out.append(Sample(ids, mask, aux[0], last[0], teacher_argmax(target, last[0])))
     return out
@@ -42,7 +43,9 @@ def test_flex_attention_gives_the_reference_outputs_at_every_ttt_step():
     for r, f in zip(ref, flex):
         assert torch.allclose(r[real], f[real], atol=1e-6, rtol=1e-6)
     # and the function differs from plain causal attention over one step (so the test can fail)
-    assert not torch.allclose(ref[3][real], d.ttt_forward(b["aux"], embeds[3:], b["positions"], b["key_mask"])[0][real])
+    assert not torch.allclose(
+        ref[3][real], d.ttt_forward(b["aux"], embeds[3:], b["positions"], b["key_mask"])[0][real]
+    )
 
 
 @pytest.mark.parametrize("attention", ["reference", "flex"])
@@ -54,19 +57,25 @@ def test_a_packed_row_gives_each_sample_what_it_gets_alone(attention):
     packed = make_batch(ss, [[0, 1, 2]], 3, "cpu")
     assert packed["positions"][0].tolist() == list(range(11)) + list(range(17)) + list(range(6))
     emb = [t.parts.embed(x).to(torch.float64) for x in packed["tok"]]
-    outs = d.ttt_forward(packed["aux"], emb, packed["positions"], packed["key_mask"], doc=packed["doc"], attention=attention)
+    outs = d.ttt_forward(
+        packed["aux"], emb, packed["positions"], packed["key_mask"], doc=packed["doc"], attention=attention
+    )
     start = 0
     for j, s in enumerate(ss):
         alone = make_batch(ss, [j], 3, "cpu")
-        assert torch.equal(packed["tok"][2][0, start:start + len(s.ids)], alone["tok"][2][0])   # no token from the next sample
-        assert torch.equal(packed["sup"][2][0, start:start + len(s.ids)], alone["sup"][2][0])
+        assert torch.equal(
+            packed["tok"][2][0, start : start + len(s.ids)], alone["tok"][2][0]
+        )  # no token from the next sample
+        assert torch.equal(packed["sup"][2][0, start : start + len(s.ids)], alone["sup"][2][0])
         emb1 = [t.parts.embed(x).to(torch.float64) for x in alone["tok"]]
         ref = d.ttt_forward(alone["aux"], emb1, alone["positions"], alone["key_mask"])
         for k in range(3):
-            assert torch.allclose(outs[k][0, start:start + len(s.ids)], ref[k][0], atol=1e-6), (j, k)
+            assert torch.allclose(outs[k][0, start : start + len(s.ids)], ref[k][0], atol=1e-6), (j, k)
         start += len(s.ids)
     loss_p, st_p = ttt_loss(d, t, packed, torch.arange(V), 3, 0.8)
-    assert sum(st_p["n"]) == sum(sum(make_batch(ss, [j], 3, "cpu")["sup"][k].sum().item() for k in range(3)) for j in range(3))
+    assert sum(st_p["n"]) == sum(
+        sum(make_batch(ss, [j], 3, "cpu")["sup"][k].sum().item() for k in range(3)) for j in range(3)
+    )
 
 
 def test_chunked_loss_equals_the_unchunked_loss_and_gradients():
@@ -79,7 +88,7 @@ def test_chunked_loss_equals_the_unchunked_loss_and_gradients():
         loss.backward()
         grads.append((float(loss.detach()), st["acc"], {k: p.grad.clone() for k, p in d.named_parameters()}))
     (l0, a0, g0), (l1, a1, g1) = grads
-    assert l0 == pytest.approx(l1, rel=1e-6)          # the loss is taken in fp32
+    assert l0 == pytest.approx(l1, rel=1e-6)  # the loss is taken in fp32
     assert a0 == a1
     for k in g0:
         assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-7), k
@@ -92,19 +101,33 @@ def test_packing_fills_rows_and_keeps_every_sample_once():
     rows = [r for b in batches for r in b]
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= 16 for r in rows if len(r) > 1)
-    assert [r for r in rows if 7 in r] == [[7]]                  # longer than a row: a row of its own
-    assert all(len(b) <= 2 for b in batches)                     # 32 tokens a step = 2 rows of 16
-    assert sorted(sorted(lengths[i] for i in r) for r in rows) == [[2, 5, 8], [3, 12], [7, 9], [30]]   # first fit, decreasing
+    assert [r for r in rows if 7 in r] == [[7]]  # longer than a row: a row of its own
+    assert all(len(b) <= 2 for b in batches)  # 32 tokens a step = 2 rows of 16
+    assert sorted(sorted(lengths[i] for i in r) for r in rows) == [
+        [2, 5, 8],
+        [3, 12],
+        [7, 9],
+        [30],
+    ]  # first fit, decreasing
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
     from eagle3kit.core.config import ConfigError, TrainConfig
     from eagle3kit.train.stage import _resolve_speed
 
-    assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {"attention": "flex", "bf16": True, "loss_chunk": 4096}
-    assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {"attention": "reference", "bf16": False, "loss_chunk": 0}
-    assert _resolve_speed(TrainConfig(attention="reference", precision="fp32", loss_chunk=0), torch.device("cuda", 0)) == \
-        {"attention": "reference", "bf16": False, "loss_chunk": 0}
+    assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {
+        "attention": "flex",
+        "bf16": True,
+        "loss_chunk": 4096,
+    }
+    assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {
+        "attention": "reference",
+        "bf16": False,
+        "loss_chunk": 0,
+    }
+    assert _resolve_speed(
+        TrainConfig(attention="reference", precision="fp32", loss_chunk=0), torch.device("cuda", 0)
+    ) == {"attention": "reference", "bf16": False, "loss_chunk": 0}
     with pytest.raises(ConfigError, match="flex needs a CUDA device"):
         _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
 
@@ -116,7 +139,7 @@ def test_padding_in_packed_rows_keeps_every_gradient_finite():
     ss = _samples(t, [12, 9, 7], seed=3)
     d = tiny_drafter()
     b = make_batch(ss, [[0, 1], [2]], 2, "cpu")
-    assert (b["doc"][1] == -1).any()                                   # the second row is padded
+    assert (b["doc"][1] == -1).any()  # the second row is padded
     loss, st = ttt_loss(d, t, b, torch.arange(V), 2, 0.8)
     loss.backward()
     assert torch.isfinite(loss) and sum(st["n"]) > 0
@@ -144,7 +167,7 @@ def test_the_top1_is_computed_only_at_completion_tokens_and_the_loss_is_unchange
     compute_features(t, masked, (1, 2, 3), 4096, torch.device("cpu"), torch.device("cpu"))
     for f, m in zip(full, masked):
         assert torch.equal(m.argmax[m.mask], f.argmax[f.mask]) and not m.argmax[~m.mask].any()
-        assert bool((f.argmax[~f.mask] != 0).any())          # the full top-1 differs there: the skip is real
+        assert bool((f.argmax[~f.mask] != 0).any())  # the full top-1 differs there: the skip is real
     draft_ids = d.draft_to_target(torch.arange(d.config.draft_vocab_size))
     grads = []
     for samples in (full, masked):
@@ -167,7 +190,7 @@ def test_simulating_two_drafters_in_one_target_pass_gives_each_its_own_tau():
     t = tiny_target()
     a, b = tiny_drafter(seed=0), tiny_drafter(seed=1)
     with torch.no_grad():
-        a.lm_head.weight.mul_(40)                      # peaked: the two drafters accept differently
+        a.lm_head.weight.mul_(40)  # peaked: the two drafters accept differently
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (7, 11)]
     conts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 6)]

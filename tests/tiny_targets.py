@@ -4,6 +4,7 @@ native ``Kimi_K25ForConditionalGeneration``: decoder at ``model.language_model``
 the wrapper; the remote-code ``KimiK25ForConditionalGeneration``: a whole DeepSeek-V3 causal LM
 under ``language_model``) and gpt-oss (MoE, sliding-window layers). Hidden size 64, vocab 97 by
 default, a few MB each."""
+
 from __future__ import annotations
 
 import torch
@@ -11,11 +12,33 @@ from torch import nn
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "kimi_k25_remote", "gpt_oss")
 
-_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
-               rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                 n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
-                 n_shared_experts=1, n_group=1, topk_group=1)
+_COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+_DEEPSEEK = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+)
 
 
 def text_config(family: str, num_layers: int = 8, vocab_size: int = 97):
@@ -28,12 +51,20 @@ def text_config(family: str, num_layers: int = 8, vocab_size: int = 97):
     if family == "qwen3":
         return T.Qwen3Config(head_dim=16, **kw)
     if family == "qwen3_moe":
-        return T.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **kw)
+        return T.Qwen3MoeConfig(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **kw
+        )
     if family in ("deepseek_v3", "kimi_k25", "kimi_k25_remote"):
         return T.DeepseekV3Config(**{**kw, **_DEEPSEEK})
     if family == "gpt_oss":
-        return T.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                              layer_types=["sliding_attention", "full_attention"] * (num_layers // 2), **kw)
+        return T.GptOssConfig(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            **kw,
+        )
     raise ValueError(family)
 
 
@@ -60,14 +91,18 @@ def build(family: str, num_layers: int = 8, vocab_size: int = 97, seed: int = 0)
     torch.manual_seed(seed)
     tc = text_config(family, num_layers, vocab_size)
     if family == "kimi_k25":
-        cfg = T.Kimi_K25Config(text_config=tc.to_dict(),
-                               vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+        cfg = T.Kimi_K25Config(
+            text_config=tc.to_dict(),
+            vision_config=dict(
+                hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+            ),
+        )
         m = T.Kimi_K25ForConditionalGeneration(cfg)
     elif family == "kimi_k25_remote":
         m = KimiK25ForConditionalGeneration(T.AutoModelForCausalLM.from_config(tc))
     else:
         m = T.AutoModelForCausalLM.from_config(tc)
-    with torch.no_grad():       # norm weights away from 1, so a norm applied twice shows
+    with torch.no_grad():  # norm weights away from 1, so a norm applied twice shows
         for n, p in m.named_parameters():
             if n.endswith("norm.weight") or "layernorm" in n:
                 p.uniform_(0.5, 1.5)

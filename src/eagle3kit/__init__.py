@@ -3,4 +3,5 @@
 Pipeline stages (one module each, DESIGN.md §1): prompts → generate → tokenize → vocab → train →
 export → evaluate; :func:`eagle3kit.pipeline.run` chains them.
 """
+
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """``python -m eagle3kit`` = the ``eagle3kit`` command."""
+
 from eagle3kit.cli import app
 
 app()

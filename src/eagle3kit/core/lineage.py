@@ -24,6 +24,7 @@ taken as it is. Hashes are those of :mod:`eagle3kit.core.rundir`: a safetensors 
 (:func:`~eagle3kit.core.rundir.sha256_tensors`), any other file's bytes
 (:func:`~eagle3kit.core.rundir.sha256_file`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,14 @@ APPEND_ONLY = {"conversations.jsonl"}
 
 
 #: the command that rebuilds each stage's outputs
-RERUN = {"prompts": "prompts", "generate": "generate", "tokenize": "tokenize", "vocab": "vocab", "train": "train",
-         "export": "export"}
+RERUN = {
+    "prompts": "prompts",
+    "generate": "generate",
+    "tokenize": "tokenize",
+    "vocab": "vocab",
+    "train": "train",
+    "export": "export",
+}
 
 
 class StaleInput(DataError):
@@ -89,23 +96,37 @@ def check_inputs(run: RunDir, stage: str, names: list[str], target: str | None =
         redo = f"`eagle3kit {RERUN.get(rec['stage'], rec['stage'])} --run-dir {run.path}`"
         then = "" if stage == rec["stage"] else f", then `eagle3kit {stage}`"
         if rec["sha256"] is None:
-            raise StaleInput(f"{run / name} is unfinished: `eagle3kit {rec['stage']}` was stopped while writing it; "
-                             f"rerun {redo} to finish it{then}")
+            raise StaleInput(
+                f"{run / name} is unfinished: `eagle3kit {rec['stage']}` was stopped while writing it; "
+                f"rerun {redo} to finish it{then}"
+            )
         if current(name) != rec["sha256"]:
             # generate only appends: a rerun would keep the changed rows, so the file must go first
-            how, fix = (("edited, replaced, or cut short", f"restore it, or move it away and rerun {redo} to generate "
-                         "every row anew") if name in APPEND_ONLY else ("edited, replaced, or left by an interrupted run",
-                                                                         f"rerun {redo}"))
-            raise StaleInput(f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it ({how}); {fix}{then}, or "
-                             "start a new run_dir with the file you want")
+            how, fix = (
+                (
+                    "edited, replaced, or cut short",
+                    f"restore it, or move it away and rerun {redo} to generate every row anew",
+                )
+                if name in APPEND_ONLY
+                else ("edited, replaced, or left by an interrupted run", f"rerun {redo}")
+            )
+            raise StaleInput(
+                f"{run / name} changed after `eagle3kit {rec['stage']}` wrote it ({how}); {fix}{then}, or "
+                "start a new run_dir with the file you want"
+            )
         for up, sha in rec.get("from", {}).items():
             if (run / up).exists() and current(up) != sha:
-                raise StaleInput(f"{run / name} was built by `eagle3kit {rec['stage']}` from another {up} than the one in "
-                                 f"{run.path} now; rerun {redo}{then}")
+                raise StaleInput(
+                    f"{run / name} was built by `eagle3kit {rec['stage']}` from another {up} than the one in "
+                    f"{run.path} now; rerun {redo}{then}"
+                )
         if target and rec.get("target") and rec["target"] != target:
-            raise StaleInput(f"{run / name} was made by `eagle3kit {rec['stage']}` with other target weights (fingerprint "
-                             f"{rec['target'][:12]}…) than the target has now ({target[:12]}…): its weights or config.json were replaced. "
-                             "Start a new run_dir for these weights (data from two models must not be mixed)")
+            raise StaleInput(
+                f"{run / name} was made by `eagle3kit {rec['stage']}` with other target weights (fingerprint "
+                f"{rec['target'][:12]}…) than the target has now ({target[:12]}…): its weights or config.json were "
+                "replaced. "
+                "Start a new run_dir for these weights (data from two models must not be mixed)"
+            )
 
     for name in names:
         visit(name)

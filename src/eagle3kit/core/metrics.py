@@ -8,14 +8,17 @@ Conventions (named everywhere they are reported):
 * cumulative per-position acceptance a_k = (verify steps whose first k drafts were all accepted)
   / drafts, k = 1..K — what vLLM's per-position counter gives; conditional α_k = a_k / a_{k−1}.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-TAU_FORMULA = ("tau = 1 + accepted / drafts, where drafts = verify steps (vLLM's num_drafts) and accepted = accepted "
-               "draft tokens, pooled over all steps; the bonus token is counted")
+TAU_FORMULA = (
+    "tau = 1 + accepted / drafts, where drafts = verify steps (vLLM's num_drafts) and accepted = accepted "
+    "draft tokens, pooled over all steps; the bonus token is counted"
+)
 
 
 @dataclass
@@ -23,9 +26,9 @@ class AcceptanceStats:
     """Pooled counters for chain drafting with K draft tokens per verify step."""
 
     k: int
-    drafts: int = 0                   # verify steps
-    accepted: int = 0                 # accepted draft tokens
-    hist: list[int] = field(default_factory=list)   # hist[a] = verify steps that accepted exactly a
+    drafts: int = 0  # verify steps
+    accepted: int = 0  # accepted draft tokens
+    hist: list[int] = field(default_factory=list)  # hist[a] = verify steps that accepted exactly a
 
     def __post_init__(self) -> None:
         if not self.hist:
@@ -68,9 +71,13 @@ class AcceptanceStats:
 
     def as_dict(self) -> dict:
         return {
-            "tau": round(self.tau, 4), "k": self.k, "drafts": self.drafts, "draft_tokens": self.drafts * self.k,
+            "tau": round(self.tau, 4),
+            "k": self.k,
+            "drafts": self.drafts,
+            "draft_tokens": self.drafts * self.k,
             "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4), "accept_histogram": list(self.hist),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accept_histogram": list(self.hist),
             "per_position_acceptance": [round(x, 4) for x in self.cumulative_per_position],
             "per_position_kind": "cumulative a_k = steps whose first k drafts were all accepted / steps",
             "conditional_acceptance": [round(x, 4) for x in self.conditional_per_position],
@@ -91,14 +98,16 @@ def match_runs(draft_tokens: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
     """
     T, K = draft_tokens.shape
     L = seq.numel()
-    idx = torch.arange(T)[:, None] + torch.arange(K)[None, :] + 2          # [T, K]
+    idx = torch.arange(T)[:, None] + torch.arange(K)[None, :] + 2  # [T, K]
     valid = idx < L
     ref = seq[idx.clamp(max=L - 1)]
     ok = (draft_tokens == ref) & valid
     return ok.long().cumprod(dim=1).sum(dim=1)
 
 
-def walk_chain(runs: torch.Tensor, start: int, end: int, k: int, stats: AcceptanceStats | None = None) -> AcceptanceStats:
+def walk_chain(
+    runs: torch.Tensor, start: int, end: int, k: int, stats: AcceptanceStats | None = None
+) -> AcceptanceStats:
     """Replay greedy chain decoding over a known greedy sequence.
 
     The first verify step has origin ``start`` (the last prompt position: the target's prefill

@@ -11,6 +11,7 @@ Layout of a run directory::
     tokens.safetensors   token shard               vocab.safetensors  d2t/t2d
     checkpoints/         training state            drafter/           exported drafter
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,9 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
-import safetensors.torch
 
 from eagle3kit import __version__
 
@@ -48,15 +49,19 @@ def folder_lock(folder: str | Path, stage: str, alternative: str) -> Iterator[No
     folder = Path(folder)
     try:
         fd = os.open(folder / f".{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:      # a read-only folder (EROFS, EACCES, EPERM): the stage could write nothing there either
+    except (
+        OSError
+    ) as e:  # a read-only folder (EROFS, EACCES, EPERM): the stage could write nothing there either
         raise write_failed(folder / f".{stage}.lock", e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         other = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        raise DataError(f"another `eagle3kit {stage}` (pid {other or '?'}) is writing to {folder}; wait for it to "
-                        f"finish, or {alternative}") from None
+        raise DataError(
+            f"another `eagle3kit {stage}` (pid {other or '?'}) is writing to {folder}; wait for it to "
+            f"finish, or {alternative}"
+        ) from None
     try:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -82,14 +87,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 #: what to do about an unreadable file of a run directory, by name (what its one-line error says):
 #: stage outputs are written again by their stage; report.json holds only the stages' summaries (the
 #: next stage writes a new one); manifest.json holds the lineage every stage checks its inputs against
-REWRITE = {"tokens.safetensors": "rerun `eagle3kit tokenize`", "vocab.safetensors": "rerun `eagle3kit vocab`",
-           "best.safetensors": "rerun `eagle3kit train` (move checkpoints/ away first to train anew)",
-           "last.safetensors": "move checkpoints/ away and rerun `eagle3kit train`, which then starts anew",
-           "model.safetensors": "export the drafter again (`eagle3kit export`)",
-           "report.json": "restore it, or delete report.json alone (it holds only the stages' summaries; "
-                          "the next stage writes a new one)",
-           "manifest.json": "restore it, or start a new run_dir (without it no stage can tell what its inputs were "
-                            "built from)"}
+REWRITE = {
+    "tokens.safetensors": "rerun `eagle3kit tokenize`",
+    "vocab.safetensors": "rerun `eagle3kit vocab`",
+    "best.safetensors": "rerun `eagle3kit train` (move checkpoints/ away first to train anew)",
+    "last.safetensors": "move checkpoints/ away and rerun `eagle3kit train`, which then starts anew",
+    "model.safetensors": "export the drafter again (`eagle3kit export`)",
+    "report.json": "restore it, or delete report.json alone (it holds only the stages' summaries; "
+    "the next stage writes a new one)",
+    "manifest.json": "restore it, or start a new run_dir (without it no stage can tell what its inputs were "
+    "built from)",
+}
 
 
 def open_safetensors(path: str | Path, fix: str | None = None):
@@ -102,14 +110,18 @@ def open_safetensors(path: str | Path, fix: str | None = None):
 
     path = Path(path)
     if path.is_dir():
-        raise DataError(f"{path} is a directory, not a safetensors file; {fix or REWRITE.get(path.name, 'write it again')}")
+        raise DataError(
+            f"{path} is a directory, not a safetensors file; {fix or REWRITE.get(path.name, 'write it again')}"
+        )
     try:
         return safe_open(str(path), "pt")
     except FileNotFoundError:
         raise
     except Exception as e:  # SafetensorError, OSError
-        raise DataError(f"{path} is unreadable: truncated, or not a readable safetensors file ({type(e).__name__}: "
-                        f"{e}); {fix or REWRITE.get(path.name, 'write it again')}") from None
+        raise DataError(
+            f"{path} is unreadable: truncated, or not a readable safetensors file ({type(e).__name__}: "
+            f"{e}); {fix or REWRITE.get(path.name, 'write it again')}"
+        ) from None
 
 
 def sha256_tensors(path: str | Path) -> str:
@@ -147,18 +159,22 @@ def write_failed(path: str | Path, e: BaseException) -> "DataError":
 
     code = getattr(e, "errno", None)
     text = str(e)
-    if code is None and "os error" in text:        # safetensors' SafetensorError: "… (os error 28) …"
+    if code is None and "os error" in text:  # safetensors' SafetensorError: "… (os error 28) …"
         try:
             code = int(text.split("os error", 1)[1].split(")", 1)[0])
         except ValueError:
             code = None
     why = os.strerror(code) if code else text.splitlines()[0][:200]
-    fix = {errno.ENOSPC: "free space on that disk, or give a run_dir on another",
-           errno.EDQUOT: "free space within your quota, or give a run_dir elsewhere",
-           errno.EROFS: "the file system is read-only: give a run_dir on a writable one",
-           errno.EACCES: "make the folder writable for you, or give another run_dir",
-           errno.EPERM: "make the folder writable for you, or give another run_dir"}.get(code, "fix the folder or give another run_dir")
-    return DataError(f"could not write {path}: {why}; {fix} (nothing was left half-written: the earlier file, if any, is as it was)")
+    fix = {
+        errno.ENOSPC: "free space on that disk, or give a run_dir on another",
+        errno.EDQUOT: "free space within your quota, or give a run_dir elsewhere",
+        errno.EROFS: "the file system is read-only: give a run_dir on a writable one",
+        errno.EACCES: "make the folder writable for you, or give another run_dir",
+        errno.EPERM: "make the folder writable for you, or give another run_dir",
+    }.get(code, "fix the folder or give another run_dir")
+    return DataError(
+        f"could not write {path}: {why}; {fix} (nothing was left half-written: the earlier file, if any, is as it was)"
+    )
 
 
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
@@ -173,9 +189,9 @@ def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = N
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)   # looked up per call: tests fail it
+        safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)  # looked up per call: tests fail it
         os.replace(tmp, path)
-    except Exception as e:      # OSError, SafetensorError (an I/O error inside the Rust writer)
+    except Exception as e:  # OSError, SafetensorError (an I/O error inside the Rust writer)
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
@@ -194,8 +210,10 @@ def require_free(folder: str | Path, need: int, what: str) -> None:
     probe = folder if folder.exists() else folder.parent
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise DataError(f"{what} needs about {need:,} bytes in {folder} but its disk has {free:,} free; free space, or "
-                        "give a run_dir on another disk (nothing was started)")
+        raise DataError(
+            f"{what} needs about {need:,} bytes in {folder} but its disk has {free:,} free; free space, or "
+            "give a run_dir on another disk (nothing was started)"
+        )
 
 
 def sha256_json(obj: Any) -> str:
@@ -237,7 +255,11 @@ def read_jsonl(path: str | Path, bad_lines: list | None = None) -> Iterator[tupl
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as e:
-                    torn = "" if line.endswith("\n") else " (the last line has no newline: an interrupted append?)"
+                    torn = (
+                        ""
+                        if line.endswith("\n")
+                        else " (the last line has no newline: an interrupted append?)"
+                    )
                     msg = f"not valid JSON ({e.msg}){torn}; fix or delete that line"
                     if bad_lines is None:
                         raise DataError(f"{path}:{n}: {msg}") from None
@@ -245,7 +267,9 @@ def read_jsonl(path: str | Path, bad_lines: list | None = None) -> Iterator[tupl
                     continue
                 yield n, value
     except (gzip.BadGzipFile, EOFError) as e:
-        raise DataError(f"{path}: named .gz but not a valid gzip file ({e}); rename or recompress it") from None
+        raise DataError(
+            f"{path}: named .gz but not a valid gzip file ({e}); rename or recompress it"
+        ) from None
 
 
 def repair_torn_tail(path: str | Path) -> int:
@@ -361,10 +385,17 @@ def set_aside(path: str | Path) -> Path:
     return dest
 
 
-def _set_lineage(manifest: dict, name: str, stage: str, sha: str | None, consumed: dict, target: str | None) -> None:
+def _set_lineage(
+    manifest: dict, name: str, stage: str, sha: str | None, consumed: dict, target: str | None
+) -> None:
     """``manifest["lineage"][name]``: written by ``stage``, content hash ``sha`` (None: unfinished),
     from the run-dir files ``consumed`` ({name: hash}) and the target fingerprint ``target``."""
-    manifest.setdefault("lineage", {})[name] = {"stage": stage, "sha256": sha, "from": dict(consumed), "target": target}
+    manifest.setdefault("lineage", {})[name] = {
+        "stage": stage,
+        "sha256": sha,
+        "from": dict(consumed),
+        "target": target,
+    }
 
 
 class RunDir:
@@ -381,7 +412,9 @@ class RunDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except (NotADirectoryError, FileExistsError):
-            raise DataError(f"cannot create run directory {self.path}: a parent is a file; choose another run_dir") from None
+            raise DataError(
+                f"cannot create run directory {self.path}: a parent is a file; choose another run_dir"
+            ) from None
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
@@ -393,13 +426,24 @@ class RunDir:
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {REWRITE[name]}") from None
+            raise DataError(
+                f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {REWRITE[name]}"
+            ) from None
         shapes = {"stages": dict, "lineage": dict}
-        bad = not isinstance(data, dict) or next((k for k, t in shapes.items() if not isinstance(data.get(k, t()), t)), None)
-        if bad or (name == "manifest.json" and any(not isinstance(r, dict) or not {"stage", "sha256"} <= set(r)
-                                                   for r in data.get("lineage", {}).values())):
-            raise DataError(f"{p}: not an eagle3kit {name} (a JSON object whose stages and lineage are objects, each "
-                            f"lineage record with its stage and sha256); {REWRITE[name]}")
+        bad = not isinstance(data, dict) or next(
+            (k for k, t in shapes.items() if not isinstance(data.get(k, t()), t)), None
+        )
+        if bad or (
+            name == "manifest.json"
+            and any(
+                not isinstance(r, dict) or not {"stage", "sha256"} <= set(r)
+                for r in data.get("lineage", {}).values()
+            )
+        ):
+            raise DataError(
+                f"{p}: not an eagle3kit {name} (a JSON object whose stages and lineage are objects, each "
+                f"lineage record with its stage and sha256); {REWRITE[name]}"
+            )
         return data
 
     @property
@@ -417,8 +461,15 @@ class RunDir:
         write_json(self.path / "manifest.json", m)
         return m
 
-    def record_stage(self, stage: str, inputs: dict, counts: dict, outputs: dict | None = None,
-                     consumed: dict | None = None, target: str | None = None) -> None:
+    def record_stage(
+        self,
+        stage: str,
+        inputs: dict,
+        counts: dict,
+        outputs: dict | None = None,
+        consumed: dict | None = None,
+        target: str | None = None,
+    ) -> None:
         """Record a finished stage: its inputs in the manifest, its counts in the report, and — with
         ``consumed`` ({run-dir file: content hash} of what it read) — the lineage of each of its
         ``outputs`` ({run-dir file: content hash}), made from the target weights fingerprint
@@ -462,5 +513,7 @@ class RunDir:
         """Path of a previous stage's output, or a FileNotFoundError naming the stage to run."""
         p = self.path / name
         if not p.exists():
-            raise FileNotFoundError(f"{p} is missing: run `eagle3kit {stage_hint} --run-dir {self.path}` first")
+            raise FileNotFoundError(
+                f"{p} is missing: run `eagle3kit {stage_hint} --run-dir {self.path}` first"
+            )
         return p

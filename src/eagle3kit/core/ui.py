@@ -1,4 +1,5 @@
 """Console output: one progress bar style (rows, tokens/s, ETA) and summary tables, via rich."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ from rich.text import Text
 # a long path is never folded mid-name (file:line stays copyable); written to a log or a pipe, which has
 # no width, rich would cut each progress line at 80 columns ("0:00:… ETA 0:00:…"): 160 keeps it whole
 # unless COLUMNS says otherwise
-console = Console(stderr=True, soft_wrap=True,
-                  width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160)
+console = Console(
+    stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160
+)
 
 
 class _TokensPerSecond(ProgressColumn):
@@ -37,9 +39,17 @@ def progress(disable: bool = False) -> Progress:
     """A progress display: description, bar, done/total, tokens/s (task field ``tokens``), elapsed, ETA
     (``disable``: show nothing, for the non-main processes of a distributed run)."""
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), _TokensPerSecond(),
-        TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=console, transient=False, disable=disable,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        _TokensPerSecond(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=disable,
     )
 
 
@@ -64,8 +74,14 @@ class Timer:
         return time.perf_counter() - self.t0
 
 
-_PIECE_STYLE = {"content": "bold green", "reasoning": "bold cyan", "think_marker": "bold magenta",
-                "end_of_turn": "bold yellow", "tool_calls": "bold blue", "template": "dim red"}
+_PIECE_STYLE = {
+    "content": "bold green",
+    "reasoning": "bold cyan",
+    "think_marker": "bold magenta",
+    "end_of_turn": "bold yellow",
+    "tool_calls": "bold blue",
+    "template": "dim red",
+}
 
 
 #: control characters of the data (an ANSI escape sequence, a carriage return, a bell) written as
@@ -88,10 +104,13 @@ def show_samples(tokenizer, samples) -> None:
     out = Console(soft_wrap=True)
     plain = out.color_system is None
     for n, s in enumerate(samples):
-        t = Text(f"── sample {n} (ends at message {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
-                 f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n", style="bold")
-        runs: list[tuple[str, str, bool]] = []   # (text, style, supervised)
-        for tid, m in zip(s.ids[:s.prompt_len], s.mask[:s.prompt_len]):
+        t = Text(
+            f"── sample {n} (ends at message {s.turn}, {len(s.ids)} tokens, {sum(s.mask)} supervised, "
+            f"{'returned ids' if s.returned_ids else 'rebuilt from text'}) ──\n",
+            style="bold",
+        )
+        runs: list[tuple[str, str, bool]] = []  # (text, style, supervised)
+        for tid, m in zip(s.ids[: s.prompt_len], s.mask[: s.prompt_len]):
             runs.append((visible(tokenizer.decode([tid])), "bold green" if m else "dim", bool(m)))
         for p in s.pieces:
             text = visible(tokenizer.decode(p.ids))
@@ -109,6 +128,11 @@ def show_samples(tokenizer, samples) -> None:
                 t.append("»")
             prev = sup
         out.print(t)
-    out.print(Text("legend: prompt dim · content green · reasoning cyan · think markers magenta · end-of-turn yellow · "
-                   "tool calls blue · not supervised dim red" + (" · «supervised» ‹not supervised›" if plain else ""),
-                   style="italic"))
+    out.print(
+        Text(
+            "legend: prompt dim · content green · reasoning cyan · think markers magenta · end-of-turn yellow · "
+            "tool calls blue · not supervised dim red"
+            + (" · «supervised» ‹not supervised›" if plain else ""),
+            style="italic",
+        )
+    )

@@ -7,6 +7,7 @@ prompt, exactly the token ids the target emitted (end-of-turn included when emit
 OpenAI-compatible server backend is :mod:`eagle3kit.data.server_backend`; the stage that picks a
 backend is :mod:`eagle3kit.data.generate`.
 """
+
 from __future__ import annotations
 
 import gc
@@ -38,8 +39,12 @@ def _cut_at_end_of_turn(ids: Sequence[int], eot: set[int]) -> list[int]:
 
 @torch.no_grad()
 def transformers_generate(
-    target: Target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-    top_p: float = 1.0, seed: int = 0,
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> list[list[int]]:
     """Generate completions for a batch of prompt id lists with ``model.generate``.
 
@@ -53,15 +58,20 @@ def transformers_generate(
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     kw: dict = {"do_sample": False}
     if temperature > 0:
         torch.manual_seed(seed)
         kw = {"do_sample": True, "temperature": temperature, "top_p": top_p}
     out = target.model.generate(
-        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), max_new_tokens=max_new_tokens,
-        eos_token_id=eot, pad_token_id=pad, top_k=None, **kw,
+        input_ids=ids.to(target.device),
+        attention_mask=mask.to(target.device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eot,
+        pad_token_id=pad,
+        top_k=None,
+        **kw,
     )
     gen = out[:, width:].tolist()
     return [_cut_at_end_of_turn(g, set(eot)) for g in gen]
@@ -93,11 +103,16 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     launch = vllm_launch(folder, speculative=False)
     from vllm import LLM
 
-    release_vllm_engine()   # one engine per process: the old one's teardown would break a new one's groups
+    release_vllm_engine()  # one engine per process: the old one's teardown would break a new one's groups
     with launched_env(launch):
         llm = LLM(
-            model=str(folder), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
-            kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)), **launch.engine_args,
+            model=str(folder),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=seed,
+            kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
+            **launch.engine_args,
         )
     _VLLM[key] = llm
     return llm
@@ -140,19 +155,27 @@ def vllm_version() -> str | None:
 
 
 def vllm_generate(
-    target: Target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-    top_p: float = 1.0, seed: int = 0,
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> list[list[int]]:
     """Same contract as :func:`transformers_generate`, through vLLM's offline engine."""
     from vllm import SamplingParams
 
     need = max(4096, max(len(p) for p in prompts) + max_new_tokens + 8)
-    context = target_context(target)           # vLLM refuses a max_model_len past the model's own
+    context = target_context(target)  # vLLM refuses a max_model_len past the model's own
     llm = vllm_engine(target, max_model_len=min(need, context) if context else need)
     eot = target.end_of_turn_ids()
     params = SamplingParams(
-        temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
-        seed=seed if temperature > 0 else None, stop_token_ids=eot, detokenize=False,
+        temperature=temperature,
+        top_p=top_p if temperature > 0 else 1.0,
+        max_tokens=max_new_tokens,
+        seed=seed if temperature > 0 else None,
+        stop_token_ids=eot,
+        detokenize=False,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [_cut_at_end_of_turn(list(o.outputs[0].token_ids), set(eot)) for o in outs]
@@ -165,5 +188,3 @@ def target_context(target: Target) -> int | None:
     """The target's context in tokens (its config's ``max_position_embeddings``), None if unknown."""
     n = getattr(target.config, "max_position_embeddings", None)
     return int(n) if isinstance(n, int) and n > 0 else None
-
-

@@ -6,6 +6,7 @@ whatever the target samples from there up to its end of turn is a new user promp
 OpenAI-compatible completions endpoint (:func:`synthesize_via_server`, resumable from
 ``magpie_attempts.jsonl``). Both keep candidates by the same rule (:class:`MagpieCollector`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,7 +78,6 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     max(256, 4·batch_size) attempts kept nothing. Returns prompt rows with ``source: "magpie"``.
     """
 
-
     tok = target.tokenizer
     prefix_ids = tok(magpie_prefix(tok), add_special_tokens=False)["input_ids"]
     eot = set(target.end_of_turn_ids())
@@ -90,11 +90,15 @@ def synthesize(target, n: int, max_new_tokens: int, seed: int, batch_size: int =
     made_tokens = 0
     while not keep.full and attempts < 4 * n:
         if not keep.rows and attempts >= max(256, 4 * batch_size):
-            break   # nothing usable so far: more of the same sampling will not help
+            break  # nothing usable so far: more of the same sampling will not help
         b = min(batch_size, 4 * n - attempts)
         attempts += b
         outs = transformers_generate(
-            target, [prefix_ids] * b, max_new_tokens, temperature=1.0, top_p=0.95,
+            target,
+            [prefix_ids] * b,
+            max_new_tokens,
+            temperature=1.0,
+            top_p=0.95,
             seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
         )
         made_tokens += sum(len(o) for o in outs)
@@ -115,15 +119,16 @@ def _synthesize_via_server(cfg: Config, run: RunDir) -> tuple[list[dict], dict]:
     pc = cfg.prompts
     prefix, stop_ids = pc.magpie_prefix, []
     try:
-
         tok = load_tokenizer(cfg.target)
         prefix = prefix or magpie_prefix(tok)
         stop_ids = [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
-    except Exception as e:   # a server-only target may have no local tokenizer
+    except Exception as e:  # a server-only target may have no local tokenizer
         if prefix is None:
-            raise ConfigError(f"Magpie through a server needs the target's chat template to build the prefix, but its "
-                              f"tokenizer did not load ({type(e).__name__}: {str(e)[:120]}); set prompts.magpie_prefix to "
-                              "the template rendered up to the start of a user message's text") from None
+            raise ConfigError(
+                f"Magpie through a server needs the target's chat template to build the prefix, but its "
+                f"tokenizer did not load ({type(e).__name__}: {str(e)[:120]}); set prompts.magpie_prefix to "
+                "the template rendered up to the start of a user message's text"
+            ) from None
     rows, counts = synthesize_via_server(cfg, prefix, stop_ids, run / "magpie_attempts.jsonl")
     return rows, counts
 
@@ -131,17 +136,31 @@ def _synthesize_via_server(cfg: Config, run: RunDir) -> tuple[list[dict], dict]:
 def _magpie_settings(cfg: Config, prefix: str) -> dict:
 
     pc = cfg.prompts
-    return {"server_model": cfg.generate.model, "prefix_sha256": hashlib.sha256(prefix.encode()).hexdigest()[:16],
-            "max_tokens": pc.synthesize_max_tokens, "temperature": 1.0, "top_p": 0.95, "seed": pc.seed}
+    return {
+        "server_model": cfg.generate.model,
+        "prefix_sha256": hashlib.sha256(prefix.encode()).hexdigest()[:16],
+        "max_tokens": pc.synthesize_max_tokens,
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "seed": pc.seed,
+    }
 
 
-async def _magpie_attempts(cfg: Config, prefix: str, stop_ids: list[int], indices: list[int], settings: dict,
-                           sink: JsonlAppender, log: dict, counts: Counter) -> None:
+async def _magpie_attempts(
+    cfg: Config,
+    prefix: str,
+    stop_ids: list[int],
+    indices: list[int],
+    settings: dict,
+    sink: JsonlAppender,
+    log: dict,
+    counts: Counter,
+) -> None:
     import openai
 
     sem = asyncio.Semaphore(cfg.generate.concurrency)
     client = _client(cfg)
-    extra: dict = {"add_special_tokens": False}   # the prefix already holds the template's special tokens
+    extra: dict = {"add_special_tokens": False}  # the prefix already holds the template's special tokens
     if stop_ids:
         extra["stop_token_ids"] = stop_ids
 
@@ -149,17 +168,37 @@ async def _magpie_attempts(cfg: Config, prefix: str, stop_ids: list[int], indice
         async with sem:
             try:
                 resp = await client.completions.create(
-                    model=cfg.generate.model, prompt=prefix, max_tokens=settings["max_tokens"], temperature=1.0,
-                    top_p=0.95, seed=settings["seed"] * 1_000_003 + i, extra_body=extra)
+                    model=cfg.generate.model,
+                    prompt=prefix,
+                    max_tokens=settings["max_tokens"],
+                    temperature=1.0,
+                    top_p=0.95,
+                    seed=settings["seed"] * 1_000_003 + i,
+                    extra_body=extra,
+                )
                 choice = resp.choices[0]
                 if not isinstance(choice.text, str):
                     raise MalformedReply(f"choices[0].text is {type(choice.text).__name__}, not a string")
-                row = {"attempt": i, "text": choice.text, "finish_reason": choice.finish_reason,
-                       "completion_tokens": _usage(resp).get("completion_tokens") if resp.usage else None, "settings": settings}
-            except (openai.APIError, httpx.HTTPError, MalformedReply, AttributeError, IndexError, TypeError) as e:
+                row = {
+                    "attempt": i,
+                    "text": choice.text,
+                    "finish_reason": choice.finish_reason,
+                    "completion_tokens": _usage(resp).get("completion_tokens") if resp.usage else None,
+                    "settings": settings,
+                }
+            except (
+                openai.APIError,
+                httpx.HTTPError,
+                MalformedReply,
+                AttributeError,
+                IndexError,
+                TypeError,
+            ) as e:
                 counts["magpie_failed"] += 1
                 if counts["magpie_failed"] <= 5:
-                    console.print(f"[yellow]prompts: Magpie attempt {i} failed: {type(e).__name__} {redact(str(e), cfg)[:160]}")
+                    console.print(
+                        f"[yellow]prompts: Magpie attempt {i} failed: {type(e).__name__} {redact(str(e), cfg)[:160]}"
+                    )
                 return
         sink.append(row)
         log[i] = row
@@ -170,7 +209,27 @@ async def _magpie_attempts(cfg: Config, prefix: str, stop_ids: list[int], indice
         await client.close()
 
 
-def synthesize_via_server(cfg: Config, prefix: str, stop_ids: list[int], log_path) -> tuple[list[dict], Counter]:
+def _attempts_made(log_path, settings: dict) -> dict[int, dict]:
+    """The attempts already in ``log_path`` by attempt number (a torn last line repaired first).
+
+    Raises:
+        ConfigError: an attempt made with other settings."""
+    repair_torn_tail(log_path)
+    log: dict[int, dict] = {}
+    if log_path.exists():
+        for ln, r in read_jsonl(log_path):
+            if r.get("settings") != settings:
+                raise ConfigError(
+                    f"{log_path}:{ln} was made with other Magpie settings ({r.get('settings')}; now {settings}); "
+                    "move the file away or use a new run_dir"
+                )
+            log[r["attempt"]] = r
+    return log
+
+
+def synthesize_via_server(
+    cfg: Config, prefix: str, stop_ids: list[int], log_path
+) -> tuple[list[dict], Counter]:
     """Magpie through an OpenAI-compatible completions endpoint: the raw templated ``prefix`` (the
     chat template up to a user message's text) is sent as the prompt, and the model's
     continuation up to its end of turn is a new user prompt (Xu et al. 2024, "Magpie").
@@ -193,14 +252,7 @@ def synthesize_via_server(cfg: Config, prefix: str, stop_ids: list[int], log_pat
     if not gc.base_url or not gc.model:
         raise ConfigError("Magpie through a server needs generate.base_url and generate.model")
     settings = _magpie_settings(cfg, prefix)
-    repair_torn_tail(log_path)
-    log: dict[int, dict] = {}
-    if log_path.exists():
-        for ln, r in read_jsonl(log_path):
-            if r.get("settings") != settings:
-                raise ConfigError(f"{log_path}:{ln} was made with other Magpie settings ({r.get('settings')}; now {settings}); "
-                                  "move the file away or use a new run_dir")
-            log[r["attempt"]] = r
+    log = _attempts_made(log_path, settings)
     counts: Counter = Counter(magpie_failed=0)
 
     def collect() -> MagpieCollector:
@@ -227,16 +279,24 @@ def synthesize_via_server(cfg: Config, prefix: str, stop_ids: list[int], log_pat
             before = len(log)
             asyncio.run(_magpie_attempts(cfg, prefix, stop_ids, wave, settings, sink, log, counts))
             if len(log) == before:
-                raise ConfigError(f"the server at {gc.base_url} answered none of {len(wave)} Magpie requests (see the "
-                                  "errors above); check generate.base_url and generate.model. Attempts made so far are kept.")
+                raise ConfigError(
+                    f"the server at {gc.base_url} answered none of {len(wave)} Magpie requests (see the "
+                    "errors above); check generate.base_url and generate.model. Attempts made so far are kept."
+                )
             keep = collect()
-            bar.update(task, completed=min(len(keep.rows), n), tokens=sum(r.get("completion_tokens") or 0 for r in log.values()),
-                       note=f"{len(log)} sampled, failed {counts['magpie_failed']}")
+            bar.update(
+                task,
+                completed=min(len(keep.rows), n),
+                tokens=sum(r.get("completion_tokens") or 0 for r in log.values()),
+                note=f"{len(log)} sampled, failed {counts['magpie_failed']}",
+            )
     counts["magpie_attempts"] = len(log)
     counts["magpie_kept"] = len(keep.rows)
     if not keep.full and len(log) >= cap:
         cut = sum(r.get("finish_reason") != "stop" for r in log.values())
-        console.print(f"[yellow]prompts: all {cap} Magpie attempts (4·n) in {log_path} are used: {len(keep.rows)} kept, "
-                      f"{cut} did not end their turn (cut at prompts.synthesize_max_tokens or no stop token), the rest were "
-                      f"too short or repeats. Move {log_path.name} away to sample afresh, or raise synthesize_max_tokens.")
+        console.print(
+            f"[yellow]prompts: all {cap} Magpie attempts (4·n) in {log_path} are used: {len(keep.rows)} kept, "
+            f"{cut} did not end their turn (cut at prompts.synthesize_max_tokens or no stop token), the rest were "
+            f"too short or repeats. Move {log_path.name} away to sample afresh, or raise synthesize_max_tokens."
+        )
     return keep.rows, counts

@@ -14,6 +14,7 @@ Servers return a model's thinking in different places:
 came from and flags what it could not resolve (two fields that disagree, an unclosed block, a
 special-token string inside the reasoning) instead of guessing.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,7 +32,12 @@ REASONING_KEYS = ("reasoning", "reasoning_content")
 
 # flags that keep a reply out of training as it is (C02 disagreeing fields, C04 cut block, C06 special token,
 # a reply without finish_reason that may be incomplete)
-UNTRAINABLE_FLAGS = ("reasoning_fields_disagree", "unclosed_think", "special_token_in_reasoning", "no_finish_reason")
+UNTRAINABLE_FLAGS = (
+    "reasoning_fields_disagree",
+    "unclosed_think",
+    "special_token_in_reasoning",
+    "no_finish_reason",
+)
 
 
 @dataclass
@@ -63,7 +69,7 @@ class Reply:
         if not self.content.strip() and not self.tool_calls:
             return False
         if self.truncated and self.reasoning is not None:
-            return False          # a cut-off reasoning block (C04)
+            return False  # a cut-off reasoning block (C04)
         return not (set(UNTRAINABLE_FLAGS) & set(self.flags))
 
 
@@ -101,13 +107,15 @@ def _field_reasoning(message: Any) -> tuple[str | None, str | None, list[str]]:
     return found[src], src, flags
 
 
-def split_inline_think(content: str, prompt_opens_think: bool) -> tuple[str | None, str, str | None, list[str]]:
+def split_inline_think(
+    content: str, prompt_opens_think: bool
+) -> tuple[str | None, str, str | None, list[str]]:
     """Split ``<think>…</think>`` (or a bare ``…</think>`` after a prompt that opened the block)
     off the start of ``content``. Returns (reasoning, content, source, flags)."""
     text = content or ""
     stripped = text.lstrip()
     if stripped.startswith(THINK_OPEN):
-        body = stripped[len(THINK_OPEN):]
+        body = stripped[len(THINK_OPEN) :]
         if THINK_CLOSE not in body:
             return body.strip(), "", "inline_think", ["unclosed_think"]
         reasoning, _, rest = body.partition(THINK_CLOSE)
@@ -123,7 +131,9 @@ def split_inline_think(content: str, prompt_opens_think: bool) -> tuple[str | No
 
 
 def parse_reply(
-    message: Any, finish_reason: str | None = None, prompt_opens_think: bool = False,
+    message: Any,
+    finish_reason: str | None = None,
+    prompt_opens_think: bool = False,
     special_tokens: Iterable[str] = (),
 ) -> Reply:
     """Parse a non-streamed ``choices[0].message`` (a dict or an OpenAI SDK object).
@@ -149,8 +159,15 @@ def parse_reply(
         if bad:
             flags.append("special_token_in_reasoning")
     truncated = finish_reason == "length" or "unclosed_think" in flags
-    return Reply(content=content, reasoning=reasoning, reasoning_source=source, finish_reason=finish_reason,
-                 truncated=truncated, flags=flags, tool_calls=_tool_calls(message))
+    return Reply(
+        content=content,
+        reasoning=reasoning,
+        reasoning_source=source,
+        finish_reason=finish_reason,
+        truncated=truncated,
+        flags=flags,
+        tool_calls=_tool_calls(message),
+    )
 
 
 def _tool_calls(message: Any) -> list[dict] | None:
@@ -161,8 +178,13 @@ def _tool_calls(message: Any) -> list[dict] | None:
     for c in calls:
         c = c.model_dump(exclude_none=True) if hasattr(c, "model_dump") else dict(c)
         fn = dict(c.get("function") or {})
-        out.append({"id": c.get("id"), "type": c.get("type") or "function",
-                    "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""}})
+        out.append(
+            {
+                "id": c.get("id"),
+                "type": c.get("type") or "function",
+                "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""},
+            }
+        )
     return out
 
 
@@ -173,7 +195,7 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
     keys the stream used, so :func:`parse_reply` treats both modes alike (source names are
     rewritten to ``stream.*`` by :func:`parse_stream`)."""
     parts: dict[str, list[str]] = {"content": [], "reasoning": [], "reasoning_content": []}
-    calls: dict[int, dict] = {}   # streamed tool calls, merged by index: id/name once, arguments in pieces
+    calls: dict[int, dict] = {}  # streamed tool calls, merged by index: id/name once, arguments in pieces
     finish = None
     for chunk in chunks:
         choices = _get(chunk, "choices") or []
@@ -187,11 +209,13 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
                 parts[key].append(piece)
         for tc in _get(delta, "tool_calls") or []:
             index = _get(tc, "index")
-            if index is None:   # a server that omits the index: a new id starts a new call
+            if index is None:  # a server that omits the index: a new id starts a new call
                 index = max(calls, default=0)
                 if _get(tc, "id") and calls.get(index, {}).get("id") not in (None, _get(tc, "id")):
                     index += 1
-            slot = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+            slot = calls.setdefault(
+                index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+            )
             slot["id"] = _get(tc, "id") or slot["id"]
             fn = _get(tc, "function")
             slot["function"]["name"] = _get(fn, "name") or slot["function"]["name"]
@@ -204,7 +228,9 @@ def accumulate_stream(chunks: Iterable[Any]) -> tuple[dict, str | None]:
     return msg, finish
 
 
-def parse_stream(chunks: Iterable[Any], prompt_opens_think: bool = False, special_tokens: Iterable[str] = ()) -> Reply:
+def parse_stream(
+    chunks: Iterable[Any], prompt_opens_think: bool = False, special_tokens: Iterable[str] = ()
+) -> Reply:
     """:func:`parse_reply` over a stream of chunks (dicts or SDK objects)."""
     msg, finish = accumulate_stream(chunks)
     reply = parse_reply(msg, finish, prompt_opens_think, special_tokens)
@@ -213,8 +239,9 @@ def parse_stream(chunks: Iterable[Any], prompt_opens_think: bool = False, specia
     return reply
 
 
-def assistant_history_message(content: str, reasoning: str | None, server_reads: str = "both",
-                              tool_calls: list[dict] | None = None) -> dict:
+def assistant_history_message(
+    content: str, reasoning: str | None, server_reads: str = "both", tool_calls: list[dict] | None = None
+) -> dict:
     """An earlier assistant turn for the next request, with its reasoning under the key the target
     server reads (``reasoning``, ``reasoning_content`` or ``both``) — C01 — and its tool calls (C05)."""
     msg: dict = {"role": "assistant", "content": content}
@@ -240,8 +267,9 @@ def template_reasoning_key(chat_template: str | None) -> str:
     return "both"
 
 
-def next_turn_messages(messages: list[dict], reply: Reply, tool_results: list[dict] | None = None,
-                       server_reads: str = "both") -> list[dict]:
+def next_turn_messages(
+    messages: list[dict], reply: Reply, tool_results: list[dict] | None = None, server_reads: str = "both"
+) -> list[dict]:
     """The messages of the next request after ``reply``: the history, the reply as an assistant
     turn (reasoning under ``server_reads``, tool calls kept), then one ``tool`` message per
     ``tool_results`` item (``{"tool_call_id", "content"}``) — the multi-step tool exchange of C05.
@@ -250,9 +278,13 @@ def next_turn_messages(messages: list[dict], reply: Reply, tool_results: list[di
         ValueError: a tool result answers no tool call of the reply (names the id).
     """
     ids = {c["id"] for c in reply.tool_calls or []}
-    out = list(messages) + [assistant_history_message(reply.content, reply.reasoning, server_reads, reply.tool_calls)]
+    out = list(messages) + [
+        assistant_history_message(reply.content, reply.reasoning, server_reads, reply.tool_calls)
+    ]
     for res in tool_results or []:
         if res["tool_call_id"] not in ids:
-            raise ValueError(f"tool result for {res['tool_call_id']!r} answers no tool call of the reply (calls: {sorted(ids)})")
+            raise ValueError(
+                f"tool result for {res['tool_call_id']!r} answers no tool call of the reply (calls: {sorted(ids)})"
+            )
         out.append({"role": "tool", "tool_call_id": res["tool_call_id"], "content": res["content"]})
     return out

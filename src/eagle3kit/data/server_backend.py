@@ -12,6 +12,7 @@ records ``reasoning_source`` and ``flags``. With ``generate.expect_reasoning`` t
 as soon as the first rows arrive without reasoning instead of generating thousands of useless rows.
 The API key is read from the environment variable named by ``generate.api_key_env`` and never logged.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ from eagle3kit.data.reasoning import REASONING_KEYS, parse_reply, parse_stream
 EXPECT_REASONING_PROBE = 8
 
 
-FATAL_STATUS = (401, 403, 404)   # the key, the permission or the model is wrong: every row would fail alike
+FATAL_STATUS = (401, 403, 404)  # the key, the permission or the model is wrong: every row would fail alike
 
 
 class MalformedReply(ValueError):
@@ -53,32 +54,45 @@ def check_server(cfg: Config) -> list[str]:
             URL is not the API root) or a model the server does not serve — each with its fix.
     """
 
-
     gc = cfg.generate
     url = (gc.base_url or "").rstrip("/")
     if not re.match(r"https?://[^/]+", url):
-        raise ConfigError(f"generate.base_url {gc.base_url!r} is not an http(s) URL; give the API root, e.g. http://localhost:8000/v1")
+        raise ConfigError(
+            f"generate.base_url {gc.base_url!r} is not an http(s) URL; give the API root, e.g. http://localhost:8000/v1"
+        )
     if url.endswith(("/chat/completions", "/completions")):
-        raise ConfigError(f"generate.base_url {gc.base_url!r} names an endpoint; give the API root, e.g. {url.rsplit('/', 2)[0]}")
+        raise ConfigError(
+            f"generate.base_url {gc.base_url!r} names an endpoint; give the API root, e.g. {url.rsplit('/', 2)[0]}"
+        )
     key = os.environ.get(gc.api_key_env) or "EMPTY"
     try:
-        r = httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=min(gc.timeout_s, 15.0))
+        r = httpx.get(
+            url + "/models", headers={"Authorization": f"Bearer {key}"}, timeout=min(gc.timeout_s, 15.0)
+        )
     except httpx.HTTPError as e:
-        raise ConfigError(f"cannot reach the server at {url} ({type(e).__name__}: {redact(str(e), cfg)[:120]}); is it "
-                          "running, and is generate.base_url right?") from None
+        raise ConfigError(
+            f"cannot reach the server at {url} ({type(e).__name__}: {redact(str(e), cfg)[:120]}); is it "
+            "running, and is generate.base_url right?"
+        ) from None
     if r.status_code in (401, 403):
-        raise ConfigError(f"the server at {url} refused the API key (HTTP {r.status_code}); put the right key in the "
-                          f"environment variable {gc.api_key_env} (generate.api_key_env)")
+        raise ConfigError(
+            f"the server at {url} refused the API key (HTTP {r.status_code}); put the right key in the "
+            f"environment variable {gc.api_key_env} (generate.api_key_env)"
+        )
     if r.status_code == 404:
-        raise ConfigError(f"{url}/models does not exist (HTTP 404): generate.base_url must be the API root, which for "
-                          "vLLM and SGLang ends in /v1")
+        raise ConfigError(
+            f"{url}/models does not exist (HTTP 404): generate.base_url must be the API root, which for "
+            "vLLM and SGLang ends in /v1"
+        )
     try:
         served = [str(m["id"]) for m in r.json()["data"]] if r.status_code == 200 else []
     except Exception:
         served = []
     if served and gc.model not in served:
-        raise ConfigError(f"the server at {url} serves {served}, not generate.model {gc.model!r}; set generate.model "
-                          "to one of them")
+        raise ConfigError(
+            f"the server at {url} serves {served}, not generate.model {gc.model!r}; set generate.model "
+            "to one of them"
+        )
     return served
 
 
@@ -107,11 +121,17 @@ def _client(cfg: Config):
 
 def _request(cfg: Config, row: dict) -> dict:
     gc = cfg.generate
-    extra: dict = {"return_token_ids": True}   # vLLM returns prompt/completion ids; other servers ignore it
+    extra: dict = {"return_token_ids": True}  # vLLM returns prompt/completion ids; other servers ignore it
     if gc.template_flags:
         extra["chat_template_kwargs"] = dict(gc.template_flags)
-    req = {"model": gc.model, "messages": row["messages"], "max_tokens": gc.max_new_tokens,
-           "temperature": gc.temperature, "top_p": gc.top_p, "extra_body": extra}
+    req = {
+        "model": gc.model,
+        "messages": row["messages"],
+        "max_tokens": gc.max_new_tokens,
+        "temperature": gc.temperature,
+        "top_p": gc.top_p,
+        "extra_body": extra,
+    }
     if gc.temperature > 0:
         req["seed"] = gc.seed
     return req
@@ -121,7 +141,7 @@ async def _streamed(client, req: dict, special_tokens) -> tuple:
     """Send a streamed request; returns (reply, completion ids or None, prompt ids or None, usage, model)."""
     stream = await client.chat.completions.create(**req, stream=True, stream_options={"include_usage": True})
     chunks, prompt_ids, usage, model = [], None, None, None
-    ids: list[int] | None = None   # None when the server sent no token ids at all
+    ids: list[int] | None = None  # None when the server sent no token ids at all
     async for chunk in stream:
         chunks.append(chunk)
         model = chunk.model or model
@@ -133,7 +153,9 @@ async def _streamed(client, req: dict, special_tokens) -> tuple:
             piece = (getattr(ch, "model_extra", None) or {}).get("token_ids")
             if piece is not None:
                 if not isinstance(piece, list) or not all(isinstance(t, int) for t in piece):
-                    raise MalformedReply(f"a streamed chunk's token_ids is {str(piece)[:40]!r}, not a list of ints")
+                    raise MalformedReply(
+                        f"a streamed chunk's token_ids is {str(piece)[:40]!r}, not a list of ints"
+                    )
                 ids = (ids or []) + piece
     reply = parse_stream(chunks, special_tokens=special_tokens)
     return reply, ids, prompt_ids, usage, model
@@ -157,7 +179,9 @@ def _check_message(message) -> None:
 def _ids(value, what: str) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
         raise MalformedReply(f"{what} is {str(value)[:40]!r}, not a list of token ids")
     return value
 
@@ -182,12 +206,14 @@ def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dic
     """
     from openai.types.chat import ChatCompletion
 
-    if isinstance(resp, tuple):   # streamed
+    if isinstance(resp, tuple):  # streamed
         reply, completion_ids, prompt_ids, usage, model = resp
         completion_ids = _ids(completion_ids, "token_ids")
     else:
         if not isinstance(resp, ChatCompletion):
-            raise MalformedReply(f"the reply is a {type(resp).__name__} ({str(resp)[:60]!r}), not a chat completion")
+            raise MalformedReply(
+                f"the reply is a {type(resp).__name__} ({str(resp)[:60]!r}), not a chat completion"
+            )
         if not isinstance(resp.choices, list) or not resp.choices:
             raise MalformedReply(f"the reply has no choices ({resp.choices!r})")
         choice = resp.choices[0]
@@ -195,33 +221,106 @@ def _row_from_response(row: dict, resp, req: dict, special_tokens, settings: dic
             raise MalformedReply("choices[0].message is null")
         _check_message(choice.message)
         reply = parse_reply(choice.message, choice.finish_reason, special_tokens=special_tokens)
-        completion_ids = _ids((getattr(choice, "model_extra", None) or {}).get("token_ids"), "choices[0].token_ids")
-        prompt_ids = _ids((getattr(resp, "model_extra", None) or {}).get("prompt_token_ids"), "prompt_token_ids")
+        completion_ids = _ids(
+            (getattr(choice, "model_extra", None) or {}).get("token_ids"), "choices[0].token_ids"
+        )
+        prompt_ids = _ids(
+            (getattr(resp, "model_extra", None) or {}).get("prompt_token_ids"), "prompt_token_ids"
+        )
         usage = _usage(resp)
         model = resp.model
     if reply.finish_reason is None:
-        reply.flags.append("no_finish_reason")   # the reply may be incomplete: never a training turn as it is
+        reply.flags.append("no_finish_reason")  # the reply may be incomplete: never a training turn as it is
     return {
-        "id": row["id"], "messages": row["messages"], "source": row.get("source"), "category": row.get("category"),
-        "content": reply.content, "reasoning": reply.reasoning, "reasoning_source": reply.reasoning_source,
-        "flags": reply.flags, "finish_reason": reply.finish_reason, "truncated": reply.truncated,
+        "id": row["id"],
+        "messages": row["messages"],
+        "source": row.get("source"),
+        "category": row.get("category"),
+        "content": reply.content,
+        "reasoning": reply.reasoning,
+        "reasoning_source": reply.reasoning_source,
+        "flags": reply.flags,
+        "finish_reason": reply.finish_reason,
+        "truncated": reply.truncated,
         "tool_calls": reply.tool_calls,
-        "prompt_ids": prompt_ids, "completion_ids": completion_ids,
-        "token_ids_returned": completion_ids is not None, "usage": usage,
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "token_ids_returned": completion_ids is not None,
+        "usage": usage,
         "template_flags": dict((req["extra_body"] or {}).get("chat_template_kwargs", {})),
         "request": {k: v for k, v in req.items() if k not in ("messages", "extra_body")},
-        "server_model": model, "backend": "openai", "streamed": isinstance(resp, tuple),
+        "server_model": model,
+        "backend": "openai",
+        "streamed": isinstance(resp, tuple),
         **{k: settings[k] for k in ("target", "target_weights", "served_model", "sampling")},
     }
 
 
-async def _run(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dict, special_tokens, bar, task) -> Counter:
+_COUNTERS = (
+    "generated",
+    "failed",
+    "with_reasoning",
+    "without_reasoning",
+    "truncated",
+    "empty_content",
+    "token_ids_returned",
+    "flagged",
+    "no_finish_reason",
+    "completion_tokens",
+)
+
+
+def _count(counts: Counter, out: dict, done_tokens: int) -> None:
+    """Count one finished row (``out``, a conversations.jsonl row)."""
+    counts["generated"] += 1
+    counts["with_reasoning"] += out["reasoning"] is not None
+    counts["without_reasoning"] += out["reasoning"] is None
+    counts["truncated"] += out["finish_reason"] == "length"
+    counts["empty_content"] += not out["content"].strip()
+    counts["token_ids_returned"] += out["token_ids_returned"]
+    counts["completion_tokens"] += done_tokens
+    counts["flagged"] += bool(out["flags"])
+    counts["no_finish_reason"] += out["finish_reason"] is None
+
+
+def _verdict(cfg: Config, counts: Counter, fatal: list[str], stopped: bool) -> None:
+    """Raise when the run cannot have given what was asked (rows already written are kept).
+
+    Raises:
+        ConfigError: the server refused a request for good (``fatal``), every request failed, or
+            ``expect_reasoning`` stopped the run (``stopped``)."""
+    gc = cfg.generate
+    if fatal:
+        raise ConfigError(
+            f"the server refused a request with {fatal[0]}; every row would fail alike, so generation "
+            "stopped. Check generate.model, generate.base_url and the key in "
+            f"{gc.api_key_env}. Rows already written are kept."
+        )
+    if counts["failed"] and not counts["generated"]:
+        raise ConfigError(
+            f"all {counts['failed']} requests failed ({', '.join(k for k in counts if k.startswith('failed_'))}); "
+            "nothing was written. See the errors above; rerun once the server answers."
+        )
+    if stopped:
+        raise ConfigError(
+            f"generate.expect_reasoning is true but the first {counts['generated']} replies carry no reasoning "
+            "(no `reasoning`/`reasoning_content` field, no <think> block): start the server with its reasoning "
+            "parser (vLLM/SGLang: --reasoning-parser NAME), check generate.template_flags (enable_thinking), "
+            "or set expect_reasoning: false. The rows already written are kept."
+        )
+
+
+async def _run(
+    cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dict, special_tokens, bar, task
+) -> Counter:
+    """Send ``todo`` with at most ``generate.concurrency`` in flight; append each finished row to
+    ``sink`` at once; returns the counts (:data:`_COUNTERS`, ``failed_<status>``). A 401/403/404
+    stops every request (each would fail alike); so does ``expect_reasoning`` when the first
+    replies carry none."""
     import openai
 
     gc = cfg.generate
-    counts: Counter = Counter({k: 0 for k in ("generated", "failed", "with_reasoning", "without_reasoning", "truncated",
-                                              "empty_content", "token_ids_returned", "flagged", "no_finish_reason",
-                                              "completion_tokens")})
+    counts: Counter = Counter(dict.fromkeys(_COUNTERS, 0))
     sem = asyncio.Semaphore(gc.concurrency)
     client = _client(cfg)
     stop = asyncio.Event()
@@ -243,17 +342,24 @@ async def _run(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dic
                 return
             req = _request(cfg, row)
             try:
-                resp = await (_streamed(client, req, special_tokens) if gc.stream else client.chat.completions.create(**req))
+                resp = await (
+                    _streamed(client, req, special_tokens)
+                    if gc.stream
+                    else client.chat.completions.create(**req)
+                )
                 out = _row_from_response(row, resp, req, special_tokens, settings)
                 done_tokens = int((out["usage"] or {}).get("completion_tokens") or 0)
             except openai.APIResponseValidationError as e:
                 failed(row, "malformed_reply", f"malformed reply: {e}")
                 return
-            except (openai.APIError, httpx.HTTPError) as e:   # after the SDK's retries
+            except (openai.APIError, httpx.HTTPError) as e:  # after the SDK's retries
                 status = getattr(e, "status_code", None)
                 retried = status is None or status in (408, 409, 429) or status >= 500
-                failed(row, str(status or type(e).__name__),
-                       f"{type(e).__name__} {status or ''} ({'after retries' if retried else 'not retried'}): {e}")
+                failed(
+                    row,
+                    str(status or type(e).__name__),
+                    f"{type(e).__name__} {status or ''} ({'after retries' if retried else 'not retried'}): {e}",
+                )
                 if status in FATAL_STATUS and not stop.is_set():
                     fatal.append(f"HTTP {status}: {redact(str(e), cfg)[:200]}")
                     stop.set()
@@ -261,47 +367,30 @@ async def _run(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dic
             except MalformedReply as e:
                 failed(row, "malformed_reply", f"malformed reply: {e}")
                 return
-            except Exception as e:   # what the SDK raises on a nonsense body (broken JSON, wrong types)
+            except Exception as e:  # what the SDK raises on a nonsense body (broken JSON, wrong types)
                 failed(row, "malformed_reply", f"malformed reply ({type(e).__name__}: {e})")
                 return
         sink.append(out)
-        counts["generated"] += 1
-        counts["with_reasoning"] += out["reasoning"] is not None
-        counts["without_reasoning"] += out["reasoning"] is None
-        counts["truncated"] += out["finish_reason"] == "length"
-        counts["empty_content"] += not out["content"].strip()
-        counts["token_ids_returned"] += out["token_ids_returned"]
-        counts["completion_tokens"] += done_tokens
-        counts["flagged"] += bool(out["flags"])
-        counts["no_finish_reason"] += out["finish_reason"] is None
+        _count(counts, out, done_tokens)
         bar.update(task, advance=1, tokens=counts["completion_tokens"], note=f"failed {counts['failed']}")
-        if gc.expect_reasoning and counts["generated"] >= min(EXPECT_REASONING_PROBE, len(todo)) \
-                and counts["with_reasoning"] == 0:
+        if (
+            gc.expect_reasoning
+            and counts["generated"] >= min(EXPECT_REASONING_PROBE, len(todo))
+            and counts["with_reasoning"] == 0
+        ):
             stop.set()
 
     try:
         await asyncio.gather(*(one(r) for r in todo))
     finally:
         await client.close()
-    if fatal:
-        raise ConfigError(f"the server refused a request with {fatal[0]}; every row would fail alike, so generation "
-                          "stopped. Check generate.model, generate.base_url and the key in "
-                          f"{gc.api_key_env}. Rows already written are kept.")
-    if counts["failed"] and not counts["generated"]:
-        raise ConfigError(f"all {counts['failed']} requests failed ({', '.join(k for k in counts if k.startswith('failed_'))}); "
-                          "nothing was written. See the errors above; rerun once the server answers.")
-    if stop.is_set():
-        raise ConfigError(
-            f"generate.expect_reasoning is true but the first {counts['generated']} replies carry no reasoning "
-            "(no `reasoning`/`reasoning_content` field, no <think> block): start the server with its reasoning "
-            "parser (vLLM/SGLang: --reasoning-parser NAME), check generate.template_flags (enable_thinking), "
-            "or set expect_reasoning: false. The rows already written are kept."
-        )
+    _verdict(cfg, counts, fatal, stop.is_set())
     return counts
 
 
-def generate_via_server(cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dict,
-                        special_tokens=(), bar=None, task=None) -> Counter:
+def generate_via_server(
+    cfg: Config, todo: list[dict], sink: JsonlAppender, settings: dict, special_tokens=(), bar=None, task=None
+) -> Counter:
     """Send every row of ``todo`` to the server; append each finished row to ``sink``.
 
     Returns counters: generated, failed (+ by status or ``malformed_reply``), with/without
@@ -316,6 +405,8 @@ def generate_via_server(cfg: Config, todo: list[dict], sink: JsonlAppender, sett
     """
     gc = cfg.generate
     if not gc.base_url or not gc.model:
-        raise ConfigError("generate.backend openai needs generate.base_url (e.g. http://localhost:8000/v1) and generate.model")
+        raise ConfigError(
+            "generate.backend openai needs generate.base_url (e.g. http://localhost:8000/v1) and generate.model"
+        )
     check_server(cfg)
     return asyncio.run(_run(cfg, todo, sink, settings, special_tokens, bar, task))

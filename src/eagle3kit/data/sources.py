@@ -8,6 +8,7 @@ cannot be read is skipped and listed with its file and line (:func:`report_bad_r
 the stage with ``prompts.on_bad_row: error``. A prompt's id (:func:`prompt_id`) is the sha256 of
 its messages (16 hex), so a rerun finds the same ids.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,12 +23,20 @@ from eagle3kit.core.ui import console
 _TEXT_FIELDS = ("prompt", "question", "instruction", "text", "input")
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 def prompt_id(messages: list[dict]) -> str:
     """Stable id of a prompt: first 16 hex of SHA-256 over the canonical JSON of its messages."""
-    canon = json.dumps([{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False, sort_keys=True)
+    canon = json.dumps(
+        [{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False, sort_keys=True
+    )
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
@@ -38,19 +47,25 @@ def normalize_text(text: str) -> str:
 
 def _text(value, where: str, what: str) -> str:
     if not isinstance(value, str):
-        raise DataError(f"{where}: {what} must be a string, got {type(value).__name__} {str(value)[:40]!r}; fix or drop that row")
+        raise DataError(
+            f"{where}: {what} must be a string, got {type(value).__name__} {str(value)[:40]!r}; fix or drop that row"
+        )
     return value
 
 
 def _first_user_prefix(messages, where: str) -> list[dict]:
     if not isinstance(messages, list):
-        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}")
+        raise DataError(
+            f"{where}: 'messages' must be a list of {{role, content}} objects, got {type(messages).__name__}"
+        )
     out = []
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{where}: each message needs 'role' and 'content', got {str(m)[:80]!r}")
         if m["role"] == "system":
-            out.append({"role": "system", "content": _text(m["content"], where, "a system message's content")})
+            out.append(
+                {"role": "system", "content": _text(m["content"], where, "a system message's content")}
+            )
         elif m["role"] == "user":
             out.append({"role": "user", "content": _text(m["content"], where, "a user message's content")})
             return out
@@ -87,7 +102,9 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
                 raise DataError(f"{where}: ShareGPT turns need 'from' and 'value', got {str(m)[:80]!r}")
             role = _SHAREGPT_ROLES.get(m["from"])
             if role is None:
-                raise DataError(f"{where}: unknown ShareGPT speaker {m['from']!r} (known: {sorted(_SHAREGPT_ROLES)})")
+                raise DataError(
+                    f"{where}: unknown ShareGPT speaker {m['from']!r} (known: {sorted(_SHAREGPT_ROLES)})"
+                )
             msgs.append({"role": role, "content": _text(m["value"], where, "a ShareGPT 'value'")})
         return _first_user_prefix(msgs, where), cat
     if fmt in ("auto", "oasst") and isinstance(row.get("prompt"), dict) and "text" in row["prompt"]:
@@ -125,10 +142,15 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
         present = {r.get("category") for _, r in rows if isinstance(r, dict)}
         unknown = sorted(c for c in wanted if c not in present)
         if unknown:
-            have = ", ".join(sorted(str(c) for c in present if c is not None)) or "none (its rows carry no 'category')"
-            raise DataError(f"{src.path}: the source {src.label!r} names categories no row of the file has: "
-                            f"{', '.join(map(repr, unknown))}; the file's categories are {have}. Fix the spelling "
-                            "(a category that matches nothing would silently give 0 prompts)")
+            have = (
+                ", ".join(sorted(str(c) for c in present if c is not None))
+                or "none (its rows carry no 'category')"
+            )
+            raise DataError(
+                f"{src.path}: the source {src.label!r} names categories no row of the file has: "
+                f"{', '.join(map(repr, unknown))}; the file's categories are {have}. Fix the spelling "
+                "(a category that matches nothing would silently give 0 prompts)"
+            )
     rows = rows[slice(src.start, src.stop)]
     out = []
     for n, raw in rows:
@@ -138,7 +160,7 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
         except DataError as e:
             if bad_rows is None:
                 raise
-            bad_rows.append({"path": src.path, "line": n, "reason": str(e)[len(where) + 2:]})
+            bad_rows.append({"path": src.path, "line": n, "reason": str(e)[len(where) + 2 :]})
             dropped["malformed"] += 1
             continue
         if src.categories is not None and cat not in src.categories:
@@ -150,18 +172,24 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
         if not any(m["content"].strip() for m in msgs if m["role"] == "user"):
             dropped["empty_prompt"] += 1
             if bad_rows is not None:
-                bad_rows.append({"path": src.path, "line": n, "reason": "empty prompt (the user text is blank)"})
+                bad_rows.append(
+                    {"path": src.path, "line": n, "reason": "empty prompt (the user text is blank)"}
+                )
             continue
         try:
             pid = prompt_id(msgs)
         except UnicodeEncodeError:
             if bad_rows is None:
-                raise DataError(f"{where}: the text holds a lone surrogate (invalid Unicode); fix or drop that row") from None
-            bad_rows.append({"path": src.path, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"})
+                raise DataError(
+                    f"{where}: the text holds a lone surrogate (invalid Unicode); fix or drop that row"
+                ) from None
+            bad_rows.append(
+                {"path": src.path, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"}
+            )
             dropped["malformed"] += 1
             continue
         row = {"id": pid, "messages": msgs, "source": src.label, "category": cat}
-        if _turns_after(raw, msgs):             # counted with the drops: its turns after the first user turn are
+        if _turns_after(raw, msgs):  # counted with the drops: its turns after the first user turn are
             dropped["history_cut"] += 1
             row["history_cut"] = True
         out.append(row)
@@ -180,7 +208,7 @@ def _turns_after(raw, msgs: list[dict]) -> int:
         return 0
     for key, role in (("messages", "role"), ("conversations", "from")):
         if isinstance(raw.get(key), list):
-            rest = raw[key][len(msgs):]
+            rest = raw[key][len(msgs) :]
             return sum(1 for m in rest if isinstance(m, dict) and m.get(role) not in ("user", "human"))
     return 0
 

@@ -30,6 +30,7 @@ Whitespace around reasoning (``think_layout``) differs by family: DeepSeek-R1 an
 ``<think>\\n…\\n</think>\\n\\n``, Kimi-K2 and DeepSeek-V3.1 ``<think>…</think>``. It is detected
 from the template (a ``<think>\\n`` anywhere in it means the newline layout) unless configured.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,7 +89,9 @@ def think_spec(tokenizer, layout: dict | str | None = None) -> ThinkSpec:
     if layout is None:
         tmpl = tokenizer.chat_template or ""
         layout = NEWLINE_LAYOUT if ("<think>\\n" in tmpl or "<think>\n" in tmpl) else COMPACT_LAYOUT
-    return ThinkSpec(special_token_id(tokenizer, THINK_OPEN), special_token_id(tokenizer, THINK_CLOSE), dict(layout))
+    return ThinkSpec(
+        special_token_id(tokenizer, THINK_OPEN), special_token_id(tokenizer, THINK_CLOSE), dict(layout)
+    )
 
 
 def render(tokenizer, messages: list[dict], flags: dict | None, generation_prompt: bool, tools=None) -> str:
@@ -96,19 +99,24 @@ def render(tokenizer, messages: list[dict], flags: dict | None, generation_promp
     kw = dict(flags or {})
     if tools:
         kw["tools"] = tools
-    if not messages:   # transformers refuses an empty conversation; the template itself may not (C08)
+    if not messages:  # transformers refuses an empty conversation; the template itself may not (C08)
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         return _compile_jinja_template(tokenizer.chat_template).render(
-            messages=[], add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map, **kw)
+            messages=[], add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map, **kw
+        )
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kw
+        )
     except Exception:
         if not any(m.get("content") is None for m in messages):
             raise
         # a template that cannot render a tool-call turn's null content (SmolLM2's concatenates it): use ""
         messages = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in messages]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kw
+        )
 
 
 def encode_template(tokenizer, text: str) -> list[int]:
@@ -152,7 +160,9 @@ def wants_argument_objects(chat_template: str | None) -> bool:
     Llama 3.1's does) and so needs them as an object, not the OpenAI JSON string (which it would
     encode twice). Templates that test ``is string`` (Kimi) or concatenate (DeepSeek) take strings."""
     t = chat_template or ""
-    return bool(re.search(r"arguments\s*\|\s*tojson", t)) and not re.search(r"arguments'?\]?\s+is\s+string", t)
+    return bool(re.search(r"arguments\s*\|\s*tojson", t)) and not re.search(
+        r"arguments'?\]?\s+is\s+string", t
+    )
 
 
 def _tool_arguments(calls: list[dict], as_objects: bool) -> list[dict]:
@@ -182,11 +192,13 @@ def history_message(msg: dict, reads: str, argument_objects: bool = False) -> di
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
     out = {k: v for k, v in msg.items() if k not in ("reasoning", "reasoning_content")}
     if out.get("tool_calls") and not out.get("content"):
-        out["content"] = None   # the OpenAI form of a tool-call-only turn (R1's template renders "" as a 2nd turn)
+        out["content"] = (
+            None  # the OpenAI form of a tool-call-only turn (R1's template renders "" as a 2nd turn)
+        )
     if out.get("tool_calls"):
         out["tool_calls"] = _tool_arguments(out["tool_calls"], argument_objects)
     if reasoning:
-        for k in (("reasoning", "reasoning_content") if reads == "both" else (reads,)):
+        for k in ("reasoning", "reasoning_content") if reads == "both" else (reads,):
             out[k] = reasoning
     return out
 
@@ -203,7 +215,9 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 # an empty think block or a lone closer a template renders around a turn; _SPAN without the trailing whitespace
-_TEMPLATE_THINK_SPAN_PATTERN = r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + ")"
+_TEMPLATE_THINK_SPAN_PATTERN = (
+    r"\s*(" + re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + "|" + re.escape(THINK_CLOSE) + ")"
+)
 
 
 _TEMPLATE_THINK = re.compile(_TEMPLATE_THINK_SPAN_PATTERN + r"\s*")
@@ -233,8 +247,10 @@ def _turn_form(tokenizer, history: list[dict], plain: dict, flags, tools) -> tup
         cut = _common_prefix(gen, full)
         if not _MARKERS_ONLY.sub("", gen[cut:]):
             return gen[cut:], full[cut:]
-    raise TemplateError(f"the template's generation prompt ends in {gen[-80:]!r}, which its render of the finished "
-                        "turn does not contain; cannot tell what the model emitted")
+    raise TemplateError(
+        f"the template's generation prompt ends in {gen[-80:]!r}, which its render of the finished "
+        "turn does not contain; cannot tell what the model emitted"
+    )
 
 
 @dataclass
@@ -248,8 +264,15 @@ class Piece:
 
 
 def rebuild_completion(
-    tokenizer, history: list[dict], msg: dict, flags: dict | None, spec: ThinkSpec, eot_ids: list[int],
-    rule: MaskRule | None = None, truncated: bool = False, tools=None,
+    tokenizer,
+    history: list[dict],
+    msg: dict,
+    flags: dict | None,
+    spec: ThinkSpec,
+    eot_ids: list[int],
+    rule: MaskRule | None = None,
+    truncated: bool = False,
+    tools=None,
 ) -> tuple[str, list[Piece]]:
     """The generation prompt text and the model's emission for assistant message ``msg`` after
     ``history``, as :class:`Piece` s (see the module docstring for the rule).
@@ -275,17 +298,23 @@ def rebuild_completion(
     if plain["content"] and plain["content"] not in body:
         # the template rewrites or ignores the content (Llama's tool-call turns, R1's cut after a
         # typed "</think>"): the model's text, then what the template renders without it
-        _, tail0 = _turn_form(tokenizer, history, {**plain, "content": None if plain.get("tool_calls") else ""}, flags, tools)
+        _, tail0 = _turn_form(
+            tokenizer, history, {**plain, "content": None if plain.get("tool_calls") else ""}, flags, tools
+        )
         body_without_content = _split_turn(tail0, "", spec, eot_strs)[1]
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
     if reasoning and gen.rstrip().endswith(THINK_CLOSE):
-        raise TemplateError("the reply has reasoning but the generation prompt already closed the think block (the "
-                            "recorded template flags turn thinking off); the row's flags and its reply disagree")
+        raise TemplateError(
+            "the reply has reasoning but the generation prompt already closed the think block (the "
+            "recorded template flags turn thinking off); the row's flags and its reply disagree"
+        )
     lay = spec.layout
     pieces: list[Piece] = []
     if reasoning:
         if spec.open_id is None or spec.close_id is None:
-            raise TemplateError("the reply has reasoning but the tokenizer has no <think>/</think> special tokens")
+            raise TemplateError(
+                "the reply has reasoning but the tokenizer has no <think>/</think> special tokens"
+            )
         if not opened:
             pieces.append(Piece([spec.open_id], rule.think_markers, "think_marker"))
             text = lay["after_open"] + reasoning + lay["before_close"]
@@ -294,15 +323,19 @@ def rebuild_completion(
         pieces.append(Piece(encode_model_text(tokenizer, text), rule.reasoning, "reasoning"))
         pieces.append(Piece([spec.close_id], rule.think_markers, "think_marker"))
         body = lay["after_close"] + body.lstrip()
-    elif opened:   # the prompt opened a block the model closed at once
+    elif opened:  # the prompt opened a block the model closed at once
         if spec.close_id is None:
-            raise TemplateError("the generation prompt opens <think> but the tokenizer has no </think> special token")
+            raise TemplateError(
+                "the generation prompt opens <think> but the tokenizer has no </think> special token"
+            )
         pieces.append(Piece([spec.close_id], rule.think_markers, "think_marker"))
         body = lay["after_close"] + body.lstrip()
     elif template_think.strip():
         # an empty block (or a lone closer) the template inserts around a reply without reasoning (C09)
         pieces.append(Piece(encode_template(tokenizer, template_think), False, "template"))
-    pieces.extend(_body_pieces(tokenizer, body, plain["content"], eot_strs, rule, truncated, body_without_content))
+    pieces.extend(
+        _body_pieces(tokenizer, body, plain["content"], eot_strs, rule, truncated, body_without_content)
+    )
     return gen, [p for p in pieces if p.ids]
 
 
@@ -312,21 +345,28 @@ def _split_turn(tail: str, content: str | None, spec: ThinkSpec, eot_strs: list[
     markers and the model's content does not itself start with that text."""
     m = _TEMPLATE_THINK.match(tail)
     think = m.group(0) if m and spec.close_id is not None else ""
-    if think and content and tail.lstrip().startswith(content.lstrip()[:max(1, len(think.strip()))]):
+    if think and content and tail.lstrip().startswith(content.lstrip()[: max(1, len(think.strip()))]):
         think = ""
-    body = tail[len(think):]
+    body = tail[len(think) :]
     ends = [(body.find(x), x) for x in eot_strs if x and body.find(x) >= 0]
     if ends:
         at, x = min(ends)
-        if content and x in content:   # the content itself spells the end-of-turn string: cut after it
+        if content and x in content:  # the content itself spells the end-of-turn string: cut after it
             at2 = body.find(x, body.find(content) + len(content)) if content in body else -1
             at = at2 if at2 >= 0 else at
-        body = body[:at + len(x)]
+        body = body[: at + len(x)]
     return think, body
 
 
-def _body_pieces(tokenizer, body: str, content: str | None, eot_strs: list[str], rule: MaskRule, truncated: bool,
-                 body_without_content: str | None = None) -> list[Piece]:
+def _body_pieces(
+    tokenizer,
+    body: str,
+    content: str | None,
+    eot_strs: list[str],
+    rule: MaskRule,
+    truncated: bool,
+    body_without_content: str | None = None,
+) -> list[Piece]:
     """Content (model text), then whatever the template renders after it (tool-call sections,
     their special tokens real), then the end-of-turn token."""
     eot = next((s for s in eot_strs if s and body.endswith(s)), None)
@@ -334,9 +374,10 @@ def _body_pieces(tokenizer, body: str, content: str | None, eot_strs: list[str],
         body = body[: -len(eot)]
     at = body.find(content) if content else -1
     if at >= 0:
-        before, after = body[:at], body[at + len(content):]
+        before, after = body[:at], body[at + len(content) :]
         pieces = [Piece(encode_model_text(tokenizer, before + content), True, "content")]
-    elif content:   # the template rewrote the content: keep the model's text, then the rest as rendered without it
+    # the template rewrote the content: keep the model's text, then the rest as rendered without it
+    elif content:
         lead = body[: len(body) - len(body.lstrip())]
         pieces, after = [Piece(encode_model_text(tokenizer, lead + content), True, "content")], ""
         if body_without_content:
@@ -347,13 +388,17 @@ def _body_pieces(tokenizer, body: str, content: str | None, eot_strs: list[str],
         after = body
         pieces = []
     if after:
-        pieces.append(Piece(encode_template(tokenizer, after), True, "tool_calls" if after.strip() else "content"))
+        pieces.append(
+            Piece(encode_template(tokenizer, after), True, "tool_calls" if after.strip() else "content")
+        )
     if eot and not truncated:
         pieces.append(Piece(encode_template(tokenizer, eot), rule.end_of_turn, "end_of_turn"))
     return pieces
 
 
-def classify_returned(ids: list[int], spec: ThinkSpec, eot_ids: list[int], opened: bool, rule: MaskRule) -> list[Piece]:
+def classify_returned(
+    ids: list[int], spec: ThinkSpec, eot_ids: list[int], opened: bool, rule: MaskRule
+) -> list[Piece]:
     """The server's returned completion ids as :class:`Piece` s: think markers, reasoning (inside
     the block, which the prompt may have opened), end-of-turn, content — so the mask rule applies
     to returned ids as to rebuilt ones."""
@@ -406,8 +451,9 @@ class Sample:
     returned_ids: bool
 
 
-def _turn_spans(tokenizer, conv_h: list[dict], upto: int, prompt: str, flags, eot_strs, tools,
-                has_think: bool) -> list[tuple[int, int]]:
+def _turn_spans(
+    tokenizer, conv_h: list[dict], upto: int, prompt: str, flags, eot_strs, tools, has_think: bool
+) -> list[tuple[int, int]]:
     """Character spans of the earlier assistant turns inside the rendered ``prompt`` (the turns
     as the template renders history), without a template-inserted think block: a turn starts
     where the render of the history before it (with the generation prompt) leaves the prompt and
@@ -420,14 +466,21 @@ def _turn_spans(tokenizer, conv_h: list[dict], upto: int, prompt: str, flags, eo
         stop = _common_prefix(render(tokenizer, conv_h[: j + 1], flags, False, tools), prompt)
         mt = _TEMPLATE_THINK_SPAN.match(prompt, start) if has_think else None
         content = m.get("content") or ""
-        if mt and not prompt[start:].lstrip().startswith(content.lstrip()[:max(1, len(mt.group(0).strip()))] if content else "\0"):
-            start = mt.end()   # an empty block or a lone closer the template renders for history: not the model's
-        ends = [prompt.rfind(x, start, stop) + len(x) for x in eot_strs if x and prompt.rfind(x, start, stop) >= 0]
+        if mt and not prompt[start:].lstrip().startswith(
+            content.lstrip()[: max(1, len(mt.group(0).strip()))] if content else "\0"
+        ):
+            # an empty block or a lone closer the template renders for history: not the model's
+            start = mt.end()
+        ends = [
+            prompt.rfind(x, start, stop) + len(x) for x in eot_strs if x and prompt.rfind(x, start, stop) >= 0
+        ]
         spans.append((start, max(ends) if ends else stop))
     return spans
 
 
-def _apply_rule(ids: list[int], mask: list[int], spec: ThinkSpec, eot_ids: list[int], rule: MaskRule) -> list[int]:
+def _apply_rule(
+    ids: list[int], mask: list[int], spec: ThinkSpec, eot_ids: list[int], rule: MaskRule
+) -> list[int]:
     """The mask rule on earlier turns inside a one-sequence prompt: drop end-of-turn tokens, think
     markers and the reasoning between them from the supervised spans when the rule says so."""
     out, inside, eot = list(mask), False, set(eot_ids)
@@ -443,7 +496,12 @@ def _apply_rule(ids: list[int], mask: list[int], spec: ThinkSpec, eot_ids: list[
 
 
 def build_samples(
-    tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], mode: str = "per_turn", rule: MaskRule | None = None,
+    tokenizer,
+    row: dict,
+    spec: ThinkSpec,
+    eot_ids: list[int],
+    mode: str = "per_turn",
+    rule: MaskRule | None = None,
 ) -> list[Sample]:
     """Training samples of one conversation row.
 
@@ -471,13 +529,27 @@ def build_samples(
         last = i == len(conv) - 1 and "content" in row
         truncated = last and row.get("finish_reason") == "length"
         returned = last and row.get("completion_ids") is not None
-        if returned:   # the engine's ids are the emission: nothing to rebuild
+        if returned:  # the engine's ids are the emission: nothing to rebuild
             gen = render(tokenizer, conv_h[:i], flags, True, tools)
-            pieces = classify_returned([int(t) for t in row["completion_ids"]], spec, eot_ids,
-                                       gen.rstrip().endswith(THINK_OPEN), rule)
+            pieces = classify_returned(
+                [int(t) for t in row["completion_ids"]],
+                spec,
+                eot_ids,
+                gen.rstrip().endswith(THINK_OPEN),
+                rule,
+            )
         else:
-            gen, pieces = rebuild_completion(tokenizer, conv_h[:i], {**conv_h[i], "reasoning": conv[i].get(
-                "reasoning_content", conv[i].get("reasoning"))}, flags, spec, eot_ids, rule, truncated, tools)
+            gen, pieces = rebuild_completion(
+                tokenizer,
+                conv_h[:i],
+                {**conv_h[i], "reasoning": conv[i].get("reasoning_content", conv[i].get("reasoning"))},
+                flags,
+                spec,
+                eot_ids,
+                rule,
+                truncated,
+                tools,
+            )
         prompt_ids = encode_template(tokenizer, gen)
         prompt_mask = [0] * len(prompt_ids)
         if mode == "one_sequence":
@@ -485,7 +557,9 @@ def build_samples(
             spans = _turn_spans(tokenizer, conv_h, i, gen, flags, eot_strs, tools, spec.close_id is not None)
             enc = tokenizer(gen, add_special_tokens=False, return_offsets_mapping=True)
             prompt_ids = list(enc["input_ids"])
-            prompt_mask = [int(b > a and any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]]
+            prompt_mask = [
+                int(b > a and any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]
+            ]
             prompt_mask = _apply_rule(prompt_ids, prompt_mask, spec, eot_ids, rule)
         ids = prompt_ids + [t for p in pieces for t in p.ids]
         mask = prompt_mask + [int(p.supervised) for p in pieces for _ in p.ids]
@@ -535,10 +609,18 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     wrong template flags or a prompt the server changed — those show only in returned prompt ids.
     """
 
-    conv = [history_message(m, template_reasoning_key(tokenizer.chat_template), wants_argument_objects(tokenizer.chat_template))
-            for m in conversation(row)]
-    full = encode_template(tokenizer, render(tokenizer, conv[: sample.turn + 1], row.get("template_flags"), False,
-                                             row.get("tools")))
+    conv = [
+        history_message(
+            m,
+            template_reasoning_key(tokenizer.chat_template),
+            wants_argument_objects(tokenizer.chat_template),
+        )
+        for m in conversation(row)
+    ]
+    full = encode_template(
+        tokenizer,
+        render(tokenizer, conv[: sample.turn + 1], row.get("template_flags"), False, row.get("tools")),
+    )
     cache: dict[int, bool] = {}
 
     def is_space(t: int) -> bool:
@@ -546,12 +628,12 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
             cache[t] = t not in (spec.open_id, spec.close_id) and tokenizer.decode([t]).strip() == ""
         return cache[t]
 
-    a = strip_think(sample.ids, spec, is_space)   # a think block the prompt opened starts at its marker
+    a = strip_think(sample.ids, spec, is_space)  # a think block the prompt opened starts at its marker
     b = strip_think(full, spec, is_space)
     eot = set(eot_ids)
 
     def fits(x: list, y: list, rest_ok) -> bool:
-        return y[: len(x)] == x and rest_ok(y[len(x):])
+        return y[: len(x)] == x and rest_ok(y[len(x) :])
 
     cut = row.get("finish_reason") == "length" and sample.turn == len(conv) - 1
 
@@ -563,18 +645,20 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     if fits(a, b, rest_ids):
         return "ok"
     ta, tb = tokenizer.decode(a), tokenizer.decode(b)
-    if cut:   # a reply cut at the limit may end inside a character, which the server's text drops
+    if cut:  # a reply cut at the limit may end inside a character, which the server's text drops
         ta = ta.rstrip("\ufffd").rstrip()
     if tb.startswith(ta):
-        rest = tb[len(ta):].lstrip() if cut else tb[len(ta):]
+        rest = tb[len(ta) :].lstrip() if cut else tb[len(ta) :]
         for s in (tokenizer.convert_ids_to_tokens(t) for t in eot):
             if cut and rest.startswith(s):
-                rest = rest[len(s):]
+                rest = rest[len(s) :]
         if not rest.strip():
             return "retokenized"
     squeeze = re.compile(r"\s+")
     na, nb = squeeze.sub("", ta), squeeze.sub("", tb)
-    if nb.startswith(na) and (nb[len(na):] == "" or (cut and any(nb[len(na):] == squeeze.sub("", tokenizer.convert_ids_to_tokens(t))
-                                                                   for t in eot))):
-        return "whitespace"   # the template trims or adds whitespace at the turn's edges (Llama's `| trim`)
+    if nb.startswith(na) and (
+        nb[len(na) :] == ""
+        or (cut and any(nb[len(na) :] == squeeze.sub("", tokenizer.convert_ids_to_tokens(t)) for t in eot))
+    ):
+        return "whitespace"  # the template trims or adds whitespace at the turn's edges (Llama's `| trim`)
     return "mismatch"

@@ -22,6 +22,7 @@ to the report and ``--strict`` turns a mismatch into an error.
 Shard (``tokens.safetensors``): ``input_ids`` int32 [total], ``loss_mask`` uint8 [total],
 ``offsets`` int64 [samples + 1] (sample i is ``[offsets[i], offsets[i+1])``).
 """
+
 from __future__ import annotations
 
 import random
@@ -57,6 +58,7 @@ def check_row(row, where: str) -> None:
             ``{role: str, content: str | null}`` objects, ``content``/``reasoning`` not strings,
             ``template_flags`` not an object, ``tools``/``tool_calls`` not lists, ids not ints.
     """
+
     def bad(what: str) -> DataError:
         return DataError(f"{where}: {what}; fix or delete that line")
 
@@ -66,7 +68,10 @@ def check_row(row, where: str) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"each message needs a string 'role', got {str(m)[:60]!r}")
         if m.get("content") is not None and not isinstance(m["content"], str):
-            raise bad(f"a {m['role']} message's content is a {type(m['content']).__name__}; only text content can be trained on")
+            raise bad(
+                f"a {m['role']} message's content is a {type(m['content']).__name__}; only text content can be "
+                "trained on"
+            )
     for key in ("content", "reasoning"):
         if row.get(key) is not None and not isinstance(row[key], str):
             raise bad(f"'{key}' is a {type(row[key]).__name__}, not a string")
@@ -81,8 +86,16 @@ def check_row(row, where: str) -> None:
             raise bad(f"'{key}' must be a list of integer token ids")
 
 
-def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], max_length: int, mode: str = "per_turn",
-                    rule: MaskRule | None = None, errors: list | None = None) -> tuple[list[Sample], str | None]:
+def samples_for_row(
+    tokenizer,
+    row: dict,
+    spec: ThinkSpec,
+    eot_ids: list[int],
+    max_length: int,
+    mode: str = "per_turn",
+    rule: MaskRule | None = None,
+    errors: list | None = None,
+) -> tuple[list[Sample], str | None]:
     """One conversation row → (samples cut to ``max_length``, drop reason or None). With
     ``errors`` (a list), the template's own message for a ``template_error`` is appended to it.
 
@@ -96,12 +109,16 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
     if "content" in row and (content is None or not str(content).strip()) and not row.get("tool_calls"):
         return [], "empty_completion"
     if row.get("reasoning") and row.get("completion_ids") is None and spec.close_id is None:
-        return [], "reasoning_without_think_tokens"   # the tokenizer has no <think>/</think> to rebuild with
-    if "content" not in row and not any(isinstance(m, dict) and m.get("role") == "assistant" for m in row["messages"]):
+        return [], "reasoning_without_think_tokens"  # the tokenizer has no <think>/</think> to rebuild with
+    if "content" not in row and not any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in row["messages"]
+    ):
         return [], "no_assistant_turn"
     try:
         samples = build_samples(tokenizer, row, spec, eot_ids, mode, rule)
-    except Exception as e:   # TemplateError, or the template itself refusing this chat (raise_exception, undefined)
+    except (
+        Exception
+    ) as e:  # TemplateError, or the template itself refusing this chat (raise_exception, undefined)
         if errors is not None:
             errors.append(f"{type(e).__name__}: {str(e)[:160]}")
         return [], "template_error"
@@ -110,12 +127,13 @@ def samples_for_row(tokenizer, row: dict, spec: ThinkSpec, eot_ids: list[int], m
     for s in samples:
         ids, mask = s.ids[:max_length], s.mask[:max_length]
         if not any(m and t not in eot for t, m in zip(ids, mask)):
-            continue   # nothing but end-of-turn tokens supervised within the limit
+            continue  # nothing but end-of-turn tokens supervised within the limit
         s.ids, s.mask = ids, mask
         kept.append(s)
     if not kept:
-        return [], "prompt_reaches_max_length" if samples and all(s.prompt_len >= max_length - 1 for s in samples) \
-            else "empty_completion"
+        return [], "prompt_reaches_max_length" if samples and all(
+            s.prompt_len >= max_length - 1 for s in samples
+        ) else "empty_completion"
     return kept, None
 
 
@@ -135,7 +153,9 @@ def split_brought_think(row: dict, spec: ThinkSpec) -> tuple[dict, int]:
         nonlocal n
         if has_reasoning or not isinstance(content, str) or THINK_CLOSE not in content:
             return None, content
-        reasoning, rest, _, _ = split_inline_think(content, prompt_opens_think=not content.lstrip().startswith(THINK_OPEN))
+        reasoning, rest, _, _ = split_inline_think(
+            content, prompt_opens_think=not content.lstrip().startswith(THINK_OPEN)
+        )
         n += 1
         return reasoning, rest
 
@@ -147,7 +167,9 @@ def split_brought_think(row: dict, spec: ThinkSpec) -> tuple[dict, int]:
     msgs = []
     for m in row.get("messages") or []:
         if isinstance(m, dict) and m.get("role") == "assistant":
-            r, c = split(m.get("content"), m.get("reasoning") is not None or m.get("reasoning_content") is not None)
+            r, c = split(
+                m.get("content"), m.get("reasoning") is not None or m.get("reasoning_content") is not None
+            )
             if r is not None:
                 m = {**m, "reasoning": r, "content": c}
         msgs.append(m)
@@ -214,7 +236,9 @@ def untrainable_reason(row: dict) -> str | None:
     return None
 
 
-def save_shard(path: str | Path, samples: list[tuple[list[int], list[int]]], meta: dict | None = None) -> None:
+def save_shard(
+    path: str | Path, samples: list[tuple[list[int], list[int]]], meta: dict | None = None
+) -> None:
     """Write samples (input_ids, loss_mask) to a safetensors token shard."""
     lengths = [len(s[0]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
@@ -223,8 +247,11 @@ def save_shard(path: str | Path, samples: list[tuple[list[int], list[int]]], met
     ids = torch.tensor([t for s in samples for t in s[0]], dtype=torch.int32)
     mask = torch.tensor([t for s in samples for t in s[1]], dtype=torch.uint8)
 
-    write_safetensors(path, {"input_ids": ids, "loss_mask": mask, "offsets": offsets},
-                      {k: str(v) for k, v in (meta or {}).items()})
+    write_safetensors(
+        path,
+        {"input_ids": ids, "loss_mask": mask, "offsets": offsets},
+        {k: str(v) for k, v in (meta or {}).items()},
+    )
 
 
 def load_shard(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -236,11 +263,17 @@ def load_shard(path: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
             raise DataError(f"{path}: not a token shard (missing {k}); rerun `eagle3kit tokenize`")
     off = d["offsets"].tolist()
     ids, mask = d["input_ids"].long(), d["loss_mask"].bool()
-    return [(ids[off[i]:off[i + 1]], mask[off[i]:off[i + 1]]) for i in range(len(off) - 1)]
+    return [(ids[off[i] : off[i + 1]], mask[off[i] : off[i + 1]]) for i in range(len(off) - 1)]
 
 
-def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | None = None, strict: bool | None = None,
-                 show: int = 0) -> dict:
+def run_tokenize(
+    cfg: Config,
+    run: RunDir,
+    tokenizer=None,
+    eot_ids: list[int] | None = None,
+    strict: bool | None = None,
+    show: int = 0,
+) -> dict:
     """Tokenize ``conversations.jsonl`` into ``tokens.safetensors``; returns stage counts.
 
     Args:
@@ -252,7 +285,6 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
         DataError: a row that is not a conversation, ids outside the vocabulary, or (strict) a
             self-check mismatch, naming the line.
     """
-
     tc = cfg.tokenize
     strict = tc.strict if strict is None else strict
     src = run.require("conversations.jsonl", "generate")
@@ -264,19 +296,75 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
     spec = think_spec(tok, None if tc.think_layout == "auto" else tc.think_layout)
     rule = MaskRule(**tc.supervise.model_dump())
     counts: Counter = Counter()
-    samples: list[Sample] = []
+    rows, samples = _build_rows(cfg, run, src, tok, spec, eot_ids, rule, counts)
+    counts["rows_kept"] += 0  # present (0) even when every row was dropped
+    counts["samples"] = len(samples)
+    if not samples:
+        why = ", ".join(f"{k[8:]} {v}" for k, v in counts.items() if k.startswith("dropped_")) or "no rows"
+        hint = (
+            " — the rows' ids are not in this run's prompts.jsonl (tokenize trains only on the current prompts); "
+            "delete or regenerate prompts.jsonl"
+            if counts["dropped_not_in_prompts"]
+            else ""
+        )
+        raise DataError(
+            f"tokenize: 0 training samples from {counts['rows_in']} rows of {src} (dropped: {why}){hint}; "
+            "the previous tokens.safetensors is left as it was"
+        )
+    counts["truncated_kept_share"] = round(counts["truncated_kept"] / max(counts["rows_kept"], 1), 4)
+    checked = _self_check_rows(tok, rows, spec, eot_ids, tc.self_check_rows, rule, counts, src)
+    if checked:
+        what = (
+            f"{len(checked)} self-check mismatch(es) in {src.name} ({counts['selfcheck_mismatch']} against the "
+            f"template's render, {counts['selfcheck_returned_prompt_mismatch']} returned prompt ids) at line(s) "
+            f"{', '.join(checked[:10])}{' …' if len(checked) > 10 else ''}"
+        )
+        if strict:
+            raise DataError(
+                f"tokenize --strict: {what}; nothing was written. Compare those rows' ids with their text "
+                "(`eagle3kit tokenize --show N`), fix the template flags or the rows"
+            )
+        console.print(f"[yellow]tokenize: {what}; their samples are kept as built (`--strict` refuses them)")
+    if show:
+        show_samples(tok, samples[:show])
+    out = run / "tokens.safetensors"
+    save_shard(out, [(s.ids, s.mask) for s in samples], {"tokenizer_sha256": tokenizer_hash(tok)})
+    res = {k: v for k, v in counts.items()}
+    inputs = {
+        "conversations.jsonl": sha256_file(src),
+        "tokenizer": tokenizer_hash(tok),
+        "max_length": tc.max_length,
+        "multi_turn": tc.multi_turn,
+        "supervise": tc.supervise.model_dump(),
+        "think_layout": spec.layout,
+    }
+    run.record_stage("tokenize", inputs, res, {"tokens.safetensors": sha256_tensors(out)}, consumed=consumed)
+    run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
+    return res
+
+
+def _build_rows(
+    cfg: Config, run: RunDir, src, tok, spec: ThinkSpec, eot_ids: list[int], rule: MaskRule, counts: Counter
+) -> tuple[list, list[Sample]]:
+    """Every row of ``src`` checked, repaired (inline reasoning split off, Kimi tool-call ids) and
+    built into samples; a row that cannot be trained on is counted as ``dropped_<why>``. Returns
+    ``(kept rows as (line, row, samples), all samples)``; fills ``counts``.
+
+    Raises:
+        DataError: a row that is not a conversation, or ids outside the target's vocabulary."""
+    tc = cfg.tokenize
     prompts_path = run / "prompts.jsonl"
     current = {r["id"] for _, r in read_jsonl(prompts_path)} if prompts_path.exists() else None
     V = model_vocab_size(cfg.target, tok)
     kimi_ids = renders_kimi_tool_ids(tok)
-    rows = []
+    rows, samples = [], []
     template_lines: list[int] = []
     template_errors: list[str] = []
     for n, row in read_jsonl(src):
         counts["rows_in"] += 1
         check_row(row, f"{src}:{n}")
         if current is not None and row.get("id") not in current:
-            counts["dropped_not_in_prompts"] += 1   # generated for an earlier prompt set: never trained on
+            counts["dropped_not_in_prompts"] += 1  # generated for an earlier prompt set: never trained on
             continue
         row, split = split_brought_think(row, spec)
         counts["reasoning_split_from_text"] += split
@@ -289,12 +377,16 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
             continue
         bad = [t for t in row.get("completion_ids") or [] if not 0 <= t < V]
         if bad:
-            raise DataError(f"{src}:{n}: completion_ids holds {bad[:3]} outside the target's [0, {V}); "
-                            "the row comes from another tokenizer or is corrupt")
+            raise DataError(
+                f"{src}:{n}: completion_ids holds {bad[:3]} outside the target's [0, {V}); "
+                "the row comes from another tokenizer or is corrupt"
+            )
         if tc.drop_truncated and row.get("finish_reason") == "length":
             counts["dropped_truncated"] += 1
             continue
-        got, reason = samples_for_row(tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule, template_errors)
+        got, reason = samples_for_row(
+            tok, row, spec, eot_ids, tc.max_length, tc.multi_turn, rule, template_errors
+        )
         if reason:
             counts[f"dropped_{reason}"] += 1
             if reason == "template_error":
@@ -309,60 +401,47 @@ def run_tokenize(cfg: Config, run: RunDir, tokenizer=None, eot_ids: list[int] | 
             counts["tokens"] += len(s.ids)
             counts["supervised_tokens"] += sum(s.mask)
             samples.append(s)
+    _say_repairs(src, counts, template_lines, template_errors)
+    return rows, samples
+
+
+def _say_repairs(src, counts: Counter, template_lines: list[int], template_errors: list[str]) -> None:
+    """Print the rows the template could not render and the rows whose ids or reasoning were rewritten."""
     if template_lines:
-
-        console.print(f"[yellow]tokenize: the chat template could not render {len(template_lines)} row(s) of {src.name} "
-                      f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {template_errors[0]}")
-    if counts["tool_call_ids_rewritten"] or counts["reasoning_split_from_text"]:
-
-        if counts["tool_call_ids_rewritten"]:
-            console.print(f"tokenize: rewrote {counts['tool_call_ids_rewritten']} tool-call id(s) of {src.name} in the "
-                          "target's own form functions.<name>:<index> (calls and their results alike; the template writes "
-                          "ids into the text, and Kimi models emit only that form)")
-        if counts["reasoning_split_from_text"]:
-            console.print(f"tokenize: split the inline reasoning (…</think>) off {counts['reasoning_split_from_text']} "
-                          f"reply(ies) of {src.name}, as generate splits a server's reply")
-    counts["rows_kept"] += 0   # present (0) even when every row was dropped
-    counts["samples"] = len(samples)
-    if not samples:
-        why = ", ".join(f"{k[8:]} {v}" for k, v in counts.items() if k.startswith("dropped_")) or "no rows"
-        hint = (" — the rows' ids are not in this run's prompts.jsonl (tokenize trains only on the current prompts); "
-                "delete or regenerate prompts.jsonl" if counts["dropped_not_in_prompts"] else "")
-        raise DataError(f"tokenize: 0 training samples from {counts['rows_in']} rows of {src} (dropped: {why}){hint}; "
-                        "the previous tokens.safetensors is left as it was")
-    counts["truncated_kept_share"] = round(counts["truncated_kept"] / max(counts["rows_kept"], 1), 4)
-    checked = _self_check_rows(tok, rows, spec, eot_ids, tc.self_check_rows, rule, counts, src)
-    if checked:
-        what = (f"{len(checked)} self-check mismatch(es) in {src.name} ({counts['selfcheck_mismatch']} against the "
-                f"template's render, {counts['selfcheck_returned_prompt_mismatch']} returned prompt ids) at line(s) "
-                f"{', '.join(checked[:10])}{' …' if len(checked) > 10 else ''}")
-        if strict:
-            raise DataError(f"tokenize --strict: {what}; nothing was written. Compare those rows' ids with their text "
-                            "(`eagle3kit tokenize --show N`), fix the template flags or the rows")
-
-        console.print(f"[yellow]tokenize: {what}; their samples are kept as built (`--strict` refuses them)")
-    if show:
-
-        show_samples(tok, samples[:show])
-    out = run / "tokens.safetensors"
-    save_shard(out, [(s.ids, s.mask) for s in samples], {"tokenizer_sha256": tokenizer_hash(tok)})
-    res = {k: v for k, v in counts.items()}
-    run.record_stage("tokenize", {"conversations.jsonl": sha256_file(src), "tokenizer": tokenizer_hash(tok),
-                                  "max_length": tc.max_length, "multi_turn": tc.multi_turn,
-                                  "supervise": tc.supervise.model_dump(), "think_layout": spec.layout},
-                     res, {"tokens.safetensors": sha256_tensors(out)}, consumed=consumed)
-    run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
-    return res
+        console.print(
+            f"[yellow]tokenize: the chat template could not render {len(template_lines)} row(s) of {src.name} "
+            f"(line(s) {', '.join(map(str, template_lines[:10]))}); first: {template_errors[0]}"
+        )
+    if counts["tool_call_ids_rewritten"]:
+        console.print(
+            f"tokenize: rewrote {counts['tool_call_ids_rewritten']} tool-call id(s) of {src.name} in the "
+            "target's own form functions.<name>:<index> (calls and their results alike; the template writes "
+            "ids into the text, and Kimi models emit only that form)"
+        )
+    if counts["reasoning_split_from_text"]:
+        console.print(
+            f"tokenize: split the inline reasoning (…</think>) off {counts['reasoning_split_from_text']} "
+            f"reply(ies) of {src.name}, as generate splits a server's reply"
+        )
 
 
-def _self_check_rows(tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit: int, rule: MaskRule, counts: Counter,
-                     src) -> list[str]:
+def _self_check_rows(
+    tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit: int, rule: MaskRule, counts: Counter, src
+) -> list[str]:
     """Self-check a seeded sample of ``limit`` kept rows (all when fewer); fills ``counts`` and
     returns the line of each mismatch (``"12"``, or ``"12 (returned prompt ids)"``)."""
     pick = rows if len(rows) <= limit else random.Random(0).sample(rows, limit)
     bad: list[str] = []
-    counts.update({"selfcheck_rows": 0, "selfcheck_mismatch": 0, "selfcheck_retokenized": 0, "selfcheck_whitespace_only": 0,
-                   "selfcheck_returned_prompt_mismatch": 0, "selfcheck_rebuild_differs_from_returned": 0})
+    counts.update(
+        {
+            "selfcheck_rows": 0,
+            "selfcheck_mismatch": 0,
+            "selfcheck_retokenized": 0,
+            "selfcheck_whitespace_only": 0,
+            "selfcheck_returned_prompt_mismatch": 0,
+            "selfcheck_rebuild_differs_from_returned": 0,
+        }
+    )
     for n, row, got in pick:
         counts["selfcheck_rows"] += 1
         where = str(n)
@@ -376,11 +455,15 @@ def _self_check_rows(tok, rows: list, spec: ThinkSpec, eot_ids: list[int], limit
             counts["selfcheck_whitespace_only"] += 1
         last = got[-1]
         if last.returned_ids and row.get("prompt_ids") is not None:
-            if list(row["prompt_ids"]) != last.ids[:last.prompt_len]:
+            if list(row["prompt_ids"]) != last.ids[: last.prompt_len]:
                 counts["selfcheck_returned_prompt_mismatch"] += 1
                 bad.append(where + " (returned prompt ids)")
             text_row = {k: v for k, v in row.items() if k != "completion_ids"}
-            (rebuilt,) = [s for s in build_samples(tok, text_row, spec, eot_ids, "per_turn", rule) if s.turn == last.turn]
-            if rebuilt.ids[rebuilt.prompt_len:] != [int(t) for t in row["completion_ids"]]:
+            (rebuilt,) = [
+                s
+                for s in build_samples(tok, text_row, spec, eot_ids, "per_turn", rule)
+                if s.turn == last.turn
+            ]
+            if rebuilt.ids[rebuilt.prompt_len :] != [int(t) for t in row["completion_ids"]]:
                 counts["selfcheck_rebuild_differs_from_returned"] += 1
     return bad

@@ -12,6 +12,7 @@ Maps, in the engines' convention (EAGLE-3 reference code, vLLM ``llama_eagle3.py
 
 When ``draft_vocab_size == V`` no maps are written (the full vocabulary, C19).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -45,12 +46,20 @@ def build_draft_vocab(
         ConfigError: Vd outside [1, V] (C20).
     """
     V = int(token_counts.numel())
-    if not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or not 1 <= draft_vocab_size <= V:
-        raise ConfigError(f"vocab.draft_vocab_size must be an integer in [1, {V}] (the target vocabulary), got {draft_vocab_size!r}")
+    if (
+        not isinstance(draft_vocab_size, int)
+        or isinstance(draft_vocab_size, bool)
+        or not 1 <= draft_vocab_size <= V
+    ):
+        raise ConfigError(
+            f"vocab.draft_vocab_size must be an integer in [1, {V}] (the target vocabulary), got {draft_vocab_size!r}"
+        )
     counts = token_counts.to(torch.int64).clone()
     keep = sorted({int(i) for i in always_keep if 0 <= int(i) < V})
     if len(keep) > draft_vocab_size:
-        raise ConfigError(f"vocab.draft_vocab_size {draft_vocab_size} cannot hold the {len(keep)} always-kept tokens {keep}")
+        raise ConfigError(
+            f"vocab.draft_vocab_size {draft_vocab_size} cannot hold the {len(keep)} always-kept tokens {keep}"
+        )
     # rank: always-kept first, then by count desc, then id asc (stable sort on ids)
     order = torch.argsort(-counts, stable=True)
     chosen: list[int] = list(keep)
@@ -69,14 +78,22 @@ def build_draft_vocab(
         for _ in range(never):
             chosen.append(next(pad))
         never_seen = draft_vocab_size - int((counts[torch.tensor(chosen)] > 0).sum())
-        warnings.warn(f"draft vocabulary of {draft_vocab_size}: {never_seen} entries never occur in the training data "
-                      f"(padded with the smallest unused ids); a smaller vocab.draft_vocab_size would do", stacklevel=2)
+        warnings.warn(
+            f"draft vocabulary of {draft_vocab_size}: {never_seen} entries never occur in the training data "
+            f"(padded with the smallest unused ids); a smaller vocab.draft_vocab_size would do",
+            stacklevel=2,
+        )
     ids = torch.tensor(sorted(chosen), dtype=torch.int64)
     total = int(counts.sum())
     covered = int(counts[ids].sum())
     never_seen = int((counts[ids] == 0).sum())
-    stats = {"coverage": round(covered / total, 6) if total else 0.0, "distinct_ids": int((counts > 0).sum()),
-             "never_seen_entries": never_seen, "draft_vocab_size": draft_vocab_size, "target_vocab_size": V}
+    stats = {
+        "coverage": round(covered / total, 6) if total else 0.0,
+        "distinct_ids": int((counts > 0).sum()),
+        "never_seen_entries": never_seen,
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": V,
+    }
     return DraftVocab(ids=ids, vocab_size=V), stats
 
 
@@ -86,28 +103,33 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     shard_path = run.require("tokens.safetensors", "tokenize")
     consumed = check_inputs(run, "vocab", ["tokens.safetensors"])
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
-    V = model_vocab_size(cfg.target, tok)       # t2d has one entry per id the target can emit
+    V = model_vocab_size(cfg.target, tok)  # t2d has one entry per id the target can emit
     require_free(run.path, 8 * cfg.vocab.draft_vocab_size + V + (1 << 16), "vocab.safetensors")
     counts = torch.zeros(V, dtype=torch.int64)
     for ids, mask in load_shard(shard_path):
         sel = ids[mask]
         if sel.numel() and int(sel.max()) >= V:
-            raise DataError(f"{shard_path}: token id {int(sel.max())} ≥ the target's vocabulary size {V}; the shard is "
-                            "from another tokenizer")
+            raise DataError(
+                f"{shard_path}: token id {int(sel.max())} ≥ the target's vocabulary size {V}; the shard is "
+                "from another tokenizer"
+            )
         counts += torch.bincount(sel, minlength=V)
     keep = [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
     for marker in ("<think>", "</think>"):
         tid = tok.convert_tokens_to_ids(marker)
         if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
             keep.append(tid)
-    with warnings.catch_warnings(record=True) as said:      # a console line for the user, not a Python warning
+    with warnings.catch_warnings(record=True) as said:  # a console line for the user, not a Python warning
         warnings.simplefilter("always")
         vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
     if said:
-
         for w in said:
             console.print(f"[yellow]vocab: {w.message}")
-    meta = {"data_sha256": consumed["tokens.safetensors"], "tokenizer_sha256": tokenizer_hash(tok), "draft_vocab_size": vocab.size}
+    meta = {
+        "data_sha256": consumed["tokens.safetensors"],
+        "tokenizer_sha256": tokenizer_hash(tok),
+        "draft_vocab_size": vocab.size,
+    }
     out = run / "vocab.safetensors"
     save_vocab(out, vocab, meta)
     vocab_sha = sha256_tensors(out)

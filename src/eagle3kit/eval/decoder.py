@@ -24,6 +24,7 @@ Parameters are named as SGLang names them: ``steps`` (``--speculative-num-steps`
 root included). A chain of K drafts is steps = K, topk = 1, num_draft_tokens = K + 1 (vLLM's
 ``num_speculative_tokens`` = K).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -88,11 +89,21 @@ class DrafterState:
     prefix and are overwritten by the next refresh. ``compile``: CUDA graphs for the fixed-shape
     calls. Any object with ``propose`` and ``accepted`` can stand in for it (:class:`OracleProposer`)."""
 
-    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, max_len: int, spec: "SpecConfig",
-                 vocab_size: int, gen: torch.Generator | None = None, compile: bool = False):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        embed: torch.nn.Module,
+        max_len: int,
+        spec: "SpecConfig",
+        vocab_size: int,
+        gen: torch.Generator | None = None,
+        compile: bool = False,
+    ):
         self.d, self.max_len, self.spec, self.vocab_size, self.gen = drafter, max_len, spec, vocab_size, gen
         self.runner = _DraftRunner(drafter, embed, max_len)
-        self._compiled = torch.compile(self.runner, mode="reduce-overhead", fullgraph=True) if compile else None
+        self._compiled = (
+            torch.compile(self.runner, mode="reduce-overhead", fullgraph=True) if compile else None
+        )
         self.slots = torch.arange(max_len, device=drafter.fc.weight.device)
         self.h: torch.Tensor | None = None
         self.logp: torch.Tensor | None = None
@@ -107,8 +118,16 @@ class DrafterState:
         h, logp = self.refresh(aux, torch.tensor(new, device=aux.device), start)
         self.h, self.logp = h[-1], logp[-1]
 
-    def run(self, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            mask: torch.Tensor, from_aux: bool = False, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        from_aux: bool = False,
+        eager: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter call (see :class:`_DraftRunner`); outputs are copies, safe across calls."""
         if self._compiled is not None and not eager:
             torch.compiler.cudagraph_mark_step_begin()
@@ -116,19 +135,23 @@ class DrafterState:
             return h.clone(), logp.clone()
         return self.runner(x, tokens, positions, slots, mask, from_aux)
 
-    def refresh(self, aux: torch.Tensor, next_tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def refresh(
+        self, aux: torch.Tensor, next_tokens: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write target features: aux [n, 3H] at positions start … start+n−1 with the embedding of
         each one's next token; returns outputs [n, H] and log-probs [n, Vd] (the last row drafts
         next). After a verify step (n ≤ steps + 1) the call is padded to steps + 1 rows, one shape
         for CUDA graphs; the padding's slots lie past the prefix and are overwritten before use."""
         n = aux.shape[0]
-        eager = n > self.spec.steps + 1                          # the prompt's prefill
+        eager = n > self.spec.steps + 1  # the prompt's prefill
         if not eager and n < self.spec.steps + 1:
             pad = self.spec.steps + 1 - n
             aux = torch.cat([aux, aux.new_zeros(pad, aux.shape[1])])
             next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(pad)])
-        pos = self.slots[start:start + aux.shape[0]]
-        h, logp = self.run(aux, next_tokens, pos, pos, self.slots[None, :] <= pos[:, None], from_aux=True, eager=eager)
+        pos = self.slots[start : start + aux.shape[0]]
+        h, logp = self.run(
+            aux, next_tokens, pos, pos, self.slots[None, :] <= pos[:, None], from_aux=True, eager=eager
+        )
         return h[:n], logp[:n]
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -142,37 +165,47 @@ class OracleProposer:
 
     def __init__(self, reference: list[int], k: int, correct: int, vocab_size: int, device="cpu"):
         self.ref, self.k, self.correct, self.vocab, self.device = reference, k, correct, vocab_size, device
-        self.emitted = 1                                           # the prefill's token
+        self.emitted = 1  # the prefill's token
 
     def propose(self, root: int, t: int) -> "Draft":
-        drafts = (self.ref[self.emitted:self.emitted + self.k] + [0] * self.k)[: self.k]
+        drafts = (self.ref[self.emitted : self.emitted + self.k] + [0] * self.k)[: self.k]
         if self.correct < self.k:
             drafts[self.correct] = (drafts[self.correct] + 1) % self.vocab
-        return Draft(torch.tensor([root] + drafts, device=self.device), list(range(-1, self.k)), list(range(self.k + 1)))
+        return Draft(
+            torch.tensor([root] + drafts, device=self.device),
+            list(range(-1, self.k)),
+            list(range(self.k + 1)),
+        )
 
     def accepted(self, aux: torch.Tensor, new: list[int], start: int) -> None:
         self.emitted += len(new)
 
 
-def draft(ds: DrafterState, root: int, t: int, spec: SpecConfig, vocab_size: int, gen: torch.Generator | None) -> Draft:
+def draft(
+    ds: DrafterState, root: int, t: int, spec: SpecConfig, vocab_size: int, gen: torch.Generator | None
+) -> Draft:
     """Propose a draft tree below ``root`` (the target's last token, at position t+1) from the
     drafter's state at position t. Stays on the device: a chain needs no host sync, a tree one."""
     dev = ds.h.device
-    prefix = ds.slots <= t                                        # [max_len]
-    h, lp = ds.h[None], ds.logp[None]                             # [1, H], [1, Vd]
+    prefix = ds.slots <= t  # [max_len]
+    h, lp = ds.h[None], ds.logp[None]  # [1, H], [1, Vd]
     if spec.mode == "chain":
         tokens, q_rows = [torch.tensor([root], device=dev)], []
         for j in range(spec.steps):
             if j:
-                slot = ds.slots[t + j: t + j + 1]
+                slot = ds.slots[t + j : t + j + 1]
                 h, lp = ds.run(h, tokens[-1], slot, slot, (ds.slots <= t + j)[None])
-            if spec.temperature > 0:                              # sample the draft, keep q for verification
+            if spec.temperature > 0:  # sample the draft, keep q for verification
                 qd = torch.softmax(lp[0] / spec.temperature, -1)
                 tokens.append(ds.to_target(torch.multinomial(qd, 1, generator=gen)))
-                q_rows.append(torch.zeros(vocab_size, device=dev).index_copy_(0, ds.to_target(torch.arange(len(qd), device=dev)), qd))
+                q_rows.append(
+                    torch.zeros(vocab_size, device=dev).index_copy_(
+                        0, ds.to_target(torch.arange(len(qd), device=dev)), qd
+                    )
+                )
             else:
                 tokens.append(ds.to_target(lp[0].argmax(-1, keepdim=True)))
-        q = torch.stack([q_rows[0]] + q_rows) if q_rows else None   # row 0 (root) unused
+        q = torch.stack([q_rows[0]] + q_rows) if q_rows else None  # row 0 (root) unused
         return Draft(torch.cat(tokens), list(range(-1, spec.steps)), list(range(spec.steps + 1)), q)
 
     # tree (EAGLE-2): candidates kept on the device; score = cumulative log-prob, parents by global index
@@ -181,15 +214,15 @@ def draft(ds: DrafterState, root: int, t: int, spec: SpecConfig, vocab_size: int
     scores, toks = [top.values], [ds.to_target(top.indices)]
     parents = [torch.zeros(k, dtype=torch.long, device=dev)]
     depths = [1] * k
-    front = torch.arange(1, k + 1, device=dev)                    # global ids of the frontier (root = 0)
+    front = torch.arange(1, k + 1, device=dev)  # global ids of the frontier (root = 0)
     fscore, ftok, hidden = top.values, toks[0], h.expand(k, -1).contiguous()
-    fmask = prefix.expand(k, -1).clone()                          # each frontier node's mask row
+    fmask = prefix.expand(k, -1).clone()  # each frontier node's mask row
     ar = torch.arange(k, device=dev)
     for depth in range(1, spec.steps):
-        slots = ds.slots[t + 1 + (depth - 1) * k: t + 1 + depth * k]
+        slots = ds.slots[t + 1 + (depth - 1) * k : t + 1 + depth * k]
         fmask[ar, slots] = True
         out, lp = ds.run(hidden, ftok, torch.full((k,), t + depth, device=dev), slots, fmask)
-        ctop = lp.topk(k)                                         # [k, k]
+        ctop = lp.topk(k)  # [k, k]
         total = (fscore[:, None] + ctop.values).flatten()
         ctok = ds.to_target(ctop.indices).flatten()
         base = 1 + sum(len(x) for x in scores)
@@ -202,10 +235,14 @@ def draft(ds: DrafterState, root: int, t: int, spec: SpecConfig, vocab_size: int
     # a child's score is ≤ its parent's (log-probs ≤ 0) and parents are created first, so a stable
     # sort keeps every chosen node's parent ahead of it, ties included (a sure drafter adds 0.0)
     order = torch.sort(torch.cat(scores), descending=True, stable=True).indices
-    chosen = order[: spec.n_tokens - 1].sort().values             # creation order: parents first
+    chosen = order[: spec.n_tokens - 1].sort().values  # creation order: parents first
     ids, tok, par = torch.stack([chosen + 1, torch.cat(toks)[chosen], torch.cat(parents)[chosen]]).tolist()
     index = {0: 0} | {g: i + 1 for i, g in enumerate(ids)}
-    return Draft(torch.tensor([root] + tok, device=dev), [-1] + [index[p] for p in par], [0] + [depths[g - 1] for g in ids])
+    return Draft(
+        torch.tensor([root] + tok, device=dev),
+        [-1] + [index[p] for p in par],
+        [0] + [depths[g - 1] for g in ids],
+    )
 
 
 def tree_mask(parents: list[int], t: int, max_len: int, device) -> torch.Tensor:
@@ -218,13 +255,20 @@ def tree_mask(parents: list[int], t: int, max_len: int, device) -> torch.Tensor:
         anc[i, i] = True
     mask = torch.zeros(n, max_len, dtype=torch.bool)
     mask[:, : t + 1] = True
-    mask[:, t + 1: t + 1 + n] = anc
+    mask[:, t + 1 : t + 1 + n] = anc
     return mask.to(device)
 
 
 @torch.no_grad()
-def speculative_step(ft: FastTarget, proposer, root: int, t: int, spec: SpecConfig, gen: torch.Generator | None,
-                     accept_rule: AcceptRule | None = None) -> tuple[list[int], list[int]]:
+def speculative_step(
+    ft: FastTarget,
+    proposer,
+    root: int,
+    t: int,
+    spec: SpecConfig,
+    gen: torch.Generator | None,
+    accept_rule: AcceptRule | None = None,
+) -> tuple[list[int], list[int]]:
     """One draft–verify–accept–refresh step from the target's last token ``root`` at position
     t+1. Returns (accepted drafts, new tokens = accepted drafts + the target's token)."""
     dev = ft.k.device
@@ -235,16 +279,18 @@ def speculative_step(ft: FastTarget, proposer, root: int, t: int, spec: SpecConf
     mask = ft.causal_mask(t + 1, n) if chain else tree_mask(d.parents, t, ft.max_len, dev)
     logits, aux = ft(d.tokens, slots if chain else torch.tensor(d.depths, device=dev) + t + 1, slots, mask)
     probs = target_probs(logits, spec.temperature, spec.top_p)
-    tokens = d.tokens.tolist()                                    # the step's one host sync (greedy)
+    tokens = d.tokens.tolist()  # the step's one host sync (greedy)
     path, bonus = (accept_rule or accept)(tokens, d.parents, logits, probs, d.q, gen)
-    if path != list(range(1, len(path) + 1)):                     # a tree path: move it behind the root
-        ft.move_slots(slots[torch.tensor(path, device=dev)], slots[1: len(path) + 1])
+    if path != list(range(1, len(path) + 1)):  # a tree path: move it behind the root
+        ft.move_slots(slots[torch.tensor(path, device=dev)], slots[1 : len(path) + 1])
     new = [tokens[i] for i in path] + [bonus]
     proposer.accepted(aux[torch.tensor([0] + path, device=dev)], new, t + 1)
     return new[:-1], new
 
 
-def prefill(ft: FastTarget, prompt_ids: list[int], spec: SpecConfig, gen: torch.Generator | None) -> tuple[int, torch.Tensor]:
+def prefill(
+    ft: FastTarget, prompt_ids: list[int], spec: SpecConfig, gen: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
     """The target's forward over the prompt (eager): its first new token (argmax, or sampled)
     and the prompt's aux hidden states [P, 3H]."""
     P = len(prompt_ids)
@@ -256,10 +302,18 @@ def prefill(ft: FastTarget, prompt_ids: list[int], spec: SpecConfig, gen: torch.
 
 
 @torch.no_grad()
-def speculative_generate(target: Target | None, drafter: Eagle3Drafter, prompt_ids: list[int], max_new_tokens: int,
-                         spec: SpecConfig | int = 3, eot_ids: list[int] | None = None, seed: int | None = None,
-                         accept_rule: AcceptRule | None = None, ft: FastTarget | None = None,
-                         ds: DrafterState | None = None) -> DecodeResult:
+def speculative_generate(
+    target: Target | None,
+    drafter: Eagle3Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    spec: SpecConfig | int = 3,
+    eot_ids: list[int] | None = None,
+    seed: int | None = None,
+    accept_rule: AcceptRule | None = None,
+    ft: FastTarget | None = None,
+    ds: DrafterState | None = None,
+) -> DecodeResult:
     """Speculative decoding of one prompt.
 
     Args:
@@ -276,27 +330,44 @@ def speculative_generate(target: Target | None, drafter: Eagle3Drafter, prompt_i
     spec = SpecConfig(steps=spec) if isinstance(spec, int) else spec
     P = len(prompt_ids)
     if P < 1 or max_new_tokens < 1:
-        raise ValueError(f"speculative_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P} prompt ids, "
-                         f"max_new_tokens {max_new_tokens})")
+        raise ValueError(
+            f"speculative_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P} prompt ids, "
+            f"max_new_tokens {max_new_tokens})"
+        )
     if spec.topk > drafter.config.draft_vocab_size:
-        raise ValueError(f"topk {spec.topk} exceeds the drafter's draft vocabulary ({drafter.config.draft_vocab_size} tokens)")
+        raise ValueError(
+            f"topk {spec.topk} exceeds the drafter's draft vocabulary ({drafter.config.draft_vocab_size} tokens)"
+        )
     need = P + max_new_tokens + spec.n_tokens + 1
     ft = ft or FastTarget(target.model, target.parts, drafter.config.aux_layer_ids, need)
     if ft.max_len < need:
         raise ValueError(f"the target cache holds {ft.max_len} slots; this prompt needs {need}")
     if ds is not None and ds.max_len < need + spec.steps * spec.topk:
-        raise ValueError(f"the drafter cache holds {ds.max_len} slots; this prompt and spec need {need + spec.steps * spec.topk}")
+        raise ValueError(
+            f"the drafter cache holds {ds.max_len} slots; this prompt and spec need {need + spec.steps * spec.topk}"
+        )
     eot = set(eot_ids if eot_ids is not None else target.end_of_turn_ids())
     gen = torch.Generator(device=ft.k.device).manual_seed(seed) if seed is not None else None
-    ds = ds or DrafterState(drafter, ft.embed, ft.max_len + spec.steps * spec.topk + 1, spec, ft.lm_head.weight.shape[0])
+    ds = ds or DrafterState(
+        drafter, ft.embed, ft.max_len + spec.steps * spec.topk + 1, spec, ft.lm_head.weight.shape[0]
+    )
     ds.spec, ds.gen = spec, gen
     first, aux = prefill(ft, prompt_ids, spec, gen)
     ds.accepted(aux, list(prompt_ids[1:]) + [first], 0)
     return decode_loop(ft, ds, [first], P - 1, max_new_tokens, spec, eot, gen, accept_rule)
 
 
-def decode_loop(ft: FastTarget, proposer, out: list[int], t: int, max_new_tokens: int, spec: SpecConfig, eot: set[int],
-                gen: torch.Generator | None = None, accept_rule: AcceptRule | None = None) -> DecodeResult:
+def decode_loop(
+    ft: FastTarget,
+    proposer,
+    out: list[int],
+    t: int,
+    max_new_tokens: int,
+    spec: SpecConfig,
+    eot: set[int],
+    gen: torch.Generator | None = None,
+    accept_rule: AcceptRule | None = None,
+) -> DecodeResult:
     """Speculative steps after the prefill until ``max_new_tokens`` or an end-of-turn id; ``out``
     holds the first token (from the prefill), at position t+1."""
     stats = AcceptanceStats(spec.steps)
@@ -312,8 +383,15 @@ def decode_loop(ft: FastTarget, proposer, out: list[int], t: int, max_new_tokens
 
 
 @torch.no_grad()
-def target_generate(ft: FastTarget, prompt_ids: list[int], max_new_tokens: int, eot_ids: list[int] | None = None,
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> list[int]:
+def target_generate(
+    ft: FastTarget,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eot_ids: list[int] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> list[int]:
     """Target-only decoding, one token per forward, with the same cache and compilation as the
     speculative decoder (the speedup's baseline; greedy when temperature is 0)."""
     eot = set(eot_ids or [])
@@ -321,24 +399,37 @@ def target_generate(ft: FastTarget, prompt_ids: list[int], max_new_tokens: int, 
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     P = len(prompt_ids)
     if P < 1 or max_new_tokens < 1:
-        raise ValueError(f"target_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P}, {max_new_tokens})")
+        raise ValueError(
+            f"target_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P}, {max_new_tokens})"
+        )
     out = [prefill(ft, prompt_ids, SpecConfig(temperature=temperature, top_p=top_p), gen)[0]]
     while len(out) < max_new_tokens and out[-1] not in eot:
         p = torch.tensor([P + len(out) - 1], device=dev)
         logits, _ = ft(torch.tensor(out[-1:], device=dev), p, p, ft.causal_mask(P + len(out) - 1, 1))
         probs = target_probs(logits, temperature, top_p)
-        out.append(int(logits[-1].argmax()) if probs is None else int(torch.multinomial(probs[0], 1, generator=gen)))
+        out.append(
+            int(logits[-1].argmax()) if probs is None else int(torch.multinomial(probs[0], 1, generator=gen))
+        )
     return out
 
 
 @torch.no_grad()
-def greedy_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, eot_ids: list[int] | None = None) -> list[int]:
+def greedy_generate(
+    target: Target, prompt_ids: list[int], max_new_tokens: int, eot_ids: list[int] | None = None
+) -> list[int]:
     """Target-only greedy decoding with transformers' ``generate`` (the losslessness reference)."""
     eot = eot_ids if eot_ids is not None else target.end_of_turn_ids()
     ids = torch.tensor([prompt_ids], device=target.device)
-    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=eot, pad_token_id=eot[0], top_k=None)
-    gen = out[0, len(prompt_ids):].tolist()
+    out = target.model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eot,
+        pad_token_id=eot[0],
+        top_k=None,
+    )
+    gen = out[0, len(prompt_ids) :].tolist()
     for i, tok in enumerate(gen):
         if tok in eot:
             return gen[: i + 1]
@@ -351,9 +442,18 @@ def first_divergence(target: Target, prompt_ids: list[int], a: list[int], b: lis
     n = min(len(a), len(b))
     idx = next((i for i in range(n) if a[i] != b[i]), None)
     if idx is None:
-        return None if len(a) == len(b) else {"position": n, "reason": "length differs", "len_a": len(a), "len_b": len(b)}
+        return (
+            None
+            if len(a) == len(b)
+            else {"position": n, "reason": "length differs", "len_a": len(a), "len_b": len(b)}
+        )
     ids = torch.tensor([list(prompt_ids) + a[:idx]], device=target.device)
     logits = target.model(input_ids=ids).logits[0, -1].float()
     top = logits.topk(2)
-    return {"position": idx, "spec_token": a[idx], "reference_token": b[idx],
-            "top2_margin": float(top.values[0] - top.values[1]), "top2_ids": top.indices.tolist()}
+    return {
+        "position": idx,
+        "spec_token": a[idx],
+        "reference_token": b[idx],
+        "top2_margin": float(top.values[0] - top.values[1]),
+        "top2_ids": top.indices.tolist(),
+    }

@@ -12,6 +12,7 @@
 With ``evaluate.untrained_baseline`` an untrained drafter (same shape, seeded) is measured the same
 way, so a report always shows what training added. Prompts seen in training are refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,13 +55,17 @@ def eval_sets(cfg: Config, run: RunDir) -> dict[str, list[dict]]:
         path = run.require("heldout.jsonl", "prompts")
         sets["heldout"] = [r for _, r in read_jsonl(path)]
         if not sets["heldout"]:
-            raise ConfigError(f"{path} holds no prompts: rerun `eagle3kit prompts` with prompts.heldout_fraction > 0, "
-                              "or give evaluate.sets")
+            raise ConfigError(
+                f"{path} holds no prompts: rerun `eagle3kit prompts` with prompts.heldout_fraction > 0, "
+                "or give evaluate.sets"
+            )
     if cfg.evaluate.num_prompts:
         sets = {k: v[: cfg.evaluate.num_prompts] for k, v in sets.items()}
     empty = [k for k, v in sets.items() if not v]
     if empty:
-        raise ConfigError(f"evaluation sets {empty} hold no prompts after their filters; fix their path, categories or slice")
+        raise ConfigError(
+            f"evaluation sets {empty} hold no prompts after their filters; fix their path, categories or slice"
+        )
     return sets
 
 
@@ -70,8 +75,11 @@ def trained_prompt_rows(run: RunDir) -> list[dict]:
     rows = []
     for name in ("prompts.jsonl", "conversations.jsonl"):
         if (run / name).exists():
-            rows += [{"id": r.get("id"), "messages": r["messages"]} for _, r in read_jsonl(run / name)
-                     if isinstance(r, dict) and isinstance(r.get("messages"), list)]
+            rows += [
+                {"id": r.get("id"), "messages": r["messages"]}
+                for _, r in read_jsonl(run / name)
+                if isinstance(r, dict) and isinstance(r.get("messages"), list)
+            ]
     return rows
 
 
@@ -88,6 +96,7 @@ def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold:
     Raises:
         DataError: listing up to 5 overlapping prompts.
     """
+
     def text(r):
         return " ".join(m["content"] for m in r["messages"] if m["role"] == "user")
 
@@ -96,8 +105,10 @@ def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold:
     exact = [r for r in eval_rows if r["id"] in train_ids or normalize_text(text(r)) in train_norm]
     if exact:
         shown = "; ".join(repr(text(r)[:60]) for r in exact[:5])
-        raise DataError(f"{len(exact)} evaluation prompts were trained on (exact overlap), e.g. {shown}; "
-                        "remove them from the training sources or evaluate on another set")
+        raise DataError(
+            f"{len(exact)} evaluation prompts were trained on (exact overlap), e.g. {shown}; "
+            "remove them from the training sources or evaluate on another set"
+        )
     train_sets = [_word_set(text(r)) for r in train_rows]
     near = 0
     for r in eval_rows:
@@ -107,7 +118,9 @@ def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold:
     return {"exact_overlap": 0, "near_duplicates": near}
 
 
-def greedy_continuations(target: Target, prompts: list[list[int]], max_new_tokens: int, backend: str, batch: int) -> list[list[int]]:
+def greedy_continuations(
+    target: Target, prompts: list[list[int]], max_new_tokens: int, backend: str, batch: int
+) -> list[list[int]]:
     """The target's greedy continuation of every prompt (batched through the generation backend)."""
     out: list[list[int]] = []
     with progress() as bar:
@@ -115,23 +128,37 @@ def greedy_continuations(target: Target, prompts: list[list[int]], max_new_token
         n = 0
         step = batch if backend == "transformers" else max(batch, 64)
         for i in range(0, len(prompts), step):
-            got = generate_completions(target, prompts[i:i + step], max_new_tokens, backend)
+            got = generate_completions(target, prompts[i : i + step], max_new_tokens, backend)
             out.extend(got)
             n += sum(len(g) for g in got)
             bar.update(task, advance=len(got), tokens=n)
     return out
 
 
-def simulate(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], continuations: list[list[int]],
-             k: int, device, label: str = "simulate") -> tuple[AcceptanceStats, list[float]]:
+def simulate(
+    drafter: Eagle3Drafter,
+    target: Target,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    k: int,
+    device,
+    label: str = "simulate",
+) -> tuple[AcceptanceStats, list[float]]:
     """Simulated greedy-chain acceptance over (prompt, continuation) pairs.
 
     Returns pooled stats and the per-prompt τ (for the report's spread)."""
     return simulate_drafters([drafter], target, prompts, continuations, k, device, label)[0]
 
 
-def simulate_drafters(drafters: list[Eagle3Drafter], target: Target, prompts: list[list[int]],
-                      continuations: list[list[int]], k: int, device, label: str = "simulate") -> list[tuple]:
+def simulate_drafters(
+    drafters: list[Eagle3Drafter],
+    target: Target,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    k: int,
+    device,
+    label: str = "simulate",
+) -> list[tuple]:
     """:func:`simulate` for several drafters of the same aux layers on the same pairs, with one
     target pass: [(pooled stats, per-prompt τ)] in the order of ``drafters``."""
     aux_ids = drafters[0].config.aux_layer_ids
@@ -141,7 +168,7 @@ def simulate_drafters(drafters: list[Eagle3Drafter], target: Target, prompts: li
     for p, c in zip(prompts, continuations):
         ids = torch.tensor(p + c, dtype=torch.long)
         mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(p):] = True
+        mask[len(p) :] = True
         samples.append(Sample(ids, mask))
     compute_features(target, samples, aux_ids, 8192, device, device, label=f"target features ({label})")
     out = [(AcceptanceStats(k), []) for _ in drafters]
@@ -154,8 +181,16 @@ def simulate_drafters(drafters: list[Eagle3Drafter], target: Target, prompts: li
     return out
 
 
-def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max_new_tokens: int, spec,
-           categories: list[str | None] | None = None, seed: int = 0, baseline: bool = True) -> dict:
+def decode(
+    drafter: Eagle3Drafter,
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    spec,
+    categories: list[str | None] | None = None,
+    seed: int = 0,
+    baseline: bool = True,
+) -> dict:
     """Run the reference decoder (:mod:`eagle3kit.eval.decoder`) on every prompt, and target-only
     decoding with the same cache for the speedup; greedy outputs are also compared with
     transformers' ``generate`` (the losslessness check).
@@ -169,27 +204,33 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
     Raises: ValueError when ``baseline`` is False for a sampling ``spec`` (its reference is the
     target-only sample).
     """
-
-
     spec = SpecConfig(steps=spec) if isinstance(spec, int) else spec
     greedy = spec.temperature == 0
     if not (baseline or greedy):
-        raise ValueError("decode: a sampling spec needs baseline=True (target-only sampling is its reference)")
+        raise ValueError(
+            "decode: a sampling spec needs baseline=True (target-only sampling is its reference)"
+        )
     eot = target.end_of_turn_ids()
-    ft = FastTarget(target.model, target.parts, drafter.config.aux_layer_ids,
-                    max(len(p) for p in prompts) + max_new_tokens + spec.n_tokens + 2)
+    longest = max(len(p) for p in prompts) + max_new_tokens + spec.n_tokens + 2
+    ft = FastTarget(target.model, target.parts, drafter.config.aux_layer_ids, longest)
     ds = DrafterState(drafter, ft.embed, ft.max_len + spec.steps * spec.topk + 1, spec, target.vocab_size)
     pooled = AcceptanceStats(spec.steps)
     mismatches, refs, outs = [], [], []
     cats: dict = {}
-    totals = {"tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0}
+    totals = _timing()
     with progress() as bar:
         task = bar.add_task(f"reference decode ({spec.mode})", total=len(prompts), tokens=0, note="")
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
-            res = speculative_generate(target, drafter, p, max_new_tokens, spec, eot, seed=seed + i, ft=ft, ds=ds)
+            res = speculative_generate(
+                target, drafter, p, max_new_tokens, spec, eot, seed=seed + i, ft=ft, ds=ds
+            )
             t1 = time.perf_counter()
-            base = target_generate(ft, p, max_new_tokens, eot, spec.temperature, spec.top_p, seed=seed + i) if baseline else []
+            base = []
+            if baseline:
+                base = target_generate(
+                    ft, p, max_new_tokens, eot, spec.temperature, spec.top_p, seed=seed + i
+                )
             t2 = time.perf_counter()
             ref = greedy_generate(target, p, max_new_tokens) if greedy else base
             refs.append(ref)
@@ -197,8 +238,7 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
             pooled.merge(res.stats)
             if greedy and res.tokens != ref:
                 mismatches.append({"prompt_index": i, **(first_divergence(target, p, res.tokens, ref) or {})})
-            c = cats.setdefault((categories or [None] * len(prompts))[i] or "-",
-                                {"stats": AcceptanceStats(spec.steps), "n": 0, "tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0})
+            c = cats.setdefault((categories or [None] * len(prompts))[i] or "-", _timing(spec.steps))
             c["stats"].merge(res.stats)
             c["n"] += 1
             for d in (c, totals):
@@ -207,27 +247,59 @@ def decode(drafter: Eagle3Drafter, target: Target, prompts: list[list[int]], max
                 d["base_tokens"] += len(base)
                 d["base_seconds"] += t2 - t1
             bar.update(task, advance=1, tokens=totals["tokens"], note=f"τ {pooled.tau:.2f}")
+    return {
+        "stats": pooled,
+        "greedy_identical": (not mismatches) if greedy else None,
+        "mismatches": mismatches,
+        "outputs": outs,
+        "references": refs,
+        **_speed(totals, baseline),
+        "per_category": {
+            k: {"prompts": v["n"], "tau": round(v["stats"].tau, 4), **_speed(v, baseline)}
+            for k, v in cats.items()
+        },
+    }
 
-    def speed(d: dict) -> dict:
-        if not baseline:
-            return {"tokens_per_s": None, "baseline_tokens_per_s": None, "speedup": None}
-        tps, btps = d["tokens"] / max(d["seconds"], 1e-9), d["base_tokens"] / max(d["base_seconds"], 1e-9)
-        return {"tokens_per_s": round(tps, 2), "baseline_tokens_per_s": round(btps, 2), "speedup": round(tps / btps, 4)}
 
-    return {"stats": pooled, "greedy_identical": (not mismatches) if greedy else None, "mismatches": mismatches,
-            "outputs": outs, "references": refs, **speed(totals),
-            "per_category": {k: {"prompts": v["n"], "tau": round(v["stats"].tau, 4), **speed(v)} for k, v in cats.items()}}
+def _timing(k: int | None = None) -> dict:
+    """Token and second counters of :func:`decode` (with per-category ``stats`` and ``n`` when ``k``)."""
+    d = {"tokens": 0, "seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0}
+    return d if k is None else {"stats": AcceptanceStats(k), "n": 0, **d}
 
 
-def write_continuations(run: RunDir, section: str, name: str, rows: list[dict], prompts: list[list[int]],
-                        continuations: list[list[int]], backend: str) -> Path:
+def _speed(d: dict, baseline: bool) -> dict:
+    """Tokens/s with and without speculation and their ratio (None without a timed baseline)."""
+    if not baseline:
+        return {"tokens_per_s": None, "baseline_tokens_per_s": None, "speedup": None}
+    tps, btps = d["tokens"] / max(d["seconds"], 1e-9), d["base_tokens"] / max(d["base_seconds"], 1e-9)
+    return {
+        "tokens_per_s": round(tps, 2),
+        "baseline_tokens_per_s": round(btps, 2),
+        "speedup": round(tps / btps, 4),
+    }
+
+
+def write_continuations(
+    run: RunDir,
+    section: str,
+    name: str,
+    rows: list[dict],
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    backend: str,
+) -> Path:
     """Write the target's greedy continuations that τ was measured on, one JSON row per prompt
     (``id``, ``prompt_ids``, ``continuation_ids``, ``backend``), to ``<run>/evaluate/<section>-<set>.jsonl``
     (replaced atomically), so an engine's outputs on the same prompts can be compared with them."""
 
     path = run / "evaluate" / f"{section}-{name}.jsonl"
-    write_jsonl(path, ({"id": r.get("id"), "prompt_ids": p, "continuation_ids": c, "backend": backend}
-                       for r, p, c in zip(rows, prompts, continuations)))
+    write_jsonl(
+        path,
+        (
+            {"id": r.get("id"), "prompt_ids": p, "continuation_ids": c, "backend": backend}
+            for r, p, c in zip(rows, prompts, continuations)
+        ),
+    )
     return path
 
 
@@ -240,9 +312,16 @@ def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafte
     return d.eval()
 
 
-def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter_dir: str | None = None,
-                 mode: str | None = None, k: int | None = None, only_sets: list[str] | None = None,
-                 section: str = "evaluate") -> dict:
+def run_evaluate(
+    cfg: Config,
+    run: RunDir,
+    target: Target | None = None,
+    drafter_dir: str | None = None,
+    mode: str | None = None,
+    k: int | None = None,
+    only_sets: list[str] | None = None,
+    section: str = "evaluate",
+) -> dict:
     """Evaluate the exported drafter (``<run>/drafter`` or ``drafter_dir``) on every prompt set
     (or those named in ``only_sets``); the result goes to ``report.json`` under ``section``.
 
@@ -251,85 +330,51 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
             something it was built from changed since (see :mod:`eagle3kit.core.lineage`).
         ConfigError: the drafter was trained for another target.
     """
-
     ec = cfg.evaluate
-    mode = mode or ec.mode
-    k = k or ec.k
+    mode, k = mode or ec.mode, k or ec.k
     device = pick_device(ec.device)
-    folder = Path(drafter_dir) if drafter_dir else run.require("drafter/model.safetensors", "export").parent
-    if not drafter_dir:     # the run's own drafter: its chain (checkpoint, tokens, vocab, target weights) before any work
-
-        fp = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
-        check_inputs(run, "evaluate", ["drafter/model.safetensors", "heldout.jsonl"], target=fp)
-    if target is None:
-        target = load_target(cfg.target, device=device)
-    drafter = load_exported(folder, device=device).eval()
-    if drafter.config.target_hidden_size != target.hidden_size or drafter.config.vocab_size != target.vocab_size:
-        raise ConfigError(f"{folder} was trained for another target (hidden {drafter.config.target_hidden_size}, "
-                          f"vocab {drafter.config.vocab_size}) than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})")
-    trained_on = (json.loads((folder / "config.json").read_text()).get("eagle3kit") or {}).get("target") or {}
-    fp, now = trained_on.get("weights_fingerprint"), target.source.get("weights_fingerprint")
-    if fp and now and fp != now and trained_on.get("fingerprint_format") != target.source.get("fingerprint_format"):
-        console.print(f"[yellow]warning:[/] {folder} records its target's weights with an older fingerprint rule; "
-                      f"the target's identity cannot be checked (same model name: {trained_on.get('model')})")
-    elif fp and now and fp != now:
-        raise ConfigError(f"{folder} was trained on another target ({trained_on.get('model')}, weights {fp[:12]}…) than "
-                          f"{cfg.target.model} (weights {now[:12]}…); evaluate it with the target it was trained for")
-    if max(drafter.config.aux_layer_ids) >= target.num_layers:
-        raise ConfigError(f"{folder} reads aux layers {drafter.config.aux_layer_ids}, but {cfg.target.model} has "
-                          f"{target.num_layers} layers: it was trained for another target")
-    drafter = drafter.to(target.dtype)
+    target, drafter, folder = _checked_drafter(cfg, run, target, drafter_dir, device)
     train_rows = trained_prompt_rows(run)
     backend = check_backend(pick_backend(cfg.generate.backend), cfg.generate.backend, target)
     baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
-    report: dict = {"mode": mode, "k": k, "max_new_tokens": ec.max_new_tokens, "sets": {}, "drafter": str(folder)}
+    report: dict = {
+        "mode": mode,
+        "k": k,
+        "max_new_tokens": ec.max_new_tokens,
+        "sets": {},
+        "drafter": str(folder),
+    }
     all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
-    n_prompts, identical = 0, None                    # None: nothing compared (sampling)
-    sets = eval_sets(cfg, run)
-    if only_sets:
-        unknown = sorted(set(only_sets) - set(sets))
-        if unknown:
-            raise ConfigError(f"no evaluation set named {unknown}; the config has {sorted(sets)}")
-        sets = {k_: v for k_, v in sets.items() if k_ in only_sets}
-    for name, rows in sets.items():
-        overlap = check_overlap(train_rows, rows)
+    n_prompts, identical = 0, None  # None: nothing compared (sampling)
+    for name, rows in _chosen_sets(cfg, run, only_sets).items():
         prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
-        entry: dict = {"num_prompts": len(rows), **overlap}
+        entry: dict = {"num_prompts": len(rows), **check_overlap(train_rows, rows)}
         if mode == "simulate":
-            conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
-            both = simulate_drafters([drafter] + ([baseline] if baseline is not None else []), target, prompts, conts, k,
-                                     device, f"{name}, trained drafter" + (" and untrained" if baseline is not None else ""))
-            stats, per_prompt = both[0]
-            base_sim = both[1][0] if baseline is not None else None
-            hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
-            entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
-            entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
+            stats, conts, base = _simulate_set(
+                cfg, run, section, name, rows, prompts, drafter, baseline, target, backend, k, device, entry
+            )
         else:
-            spec = ec.model_copy(update={"k": k}).spec()
-            dec = decode(drafter, target, prompts, ec.max_new_tokens, spec, [r.get("category") or name for r in rows])
-            stats = dec["stats"]
-            entry.update({k_: dec[k_] for k_ in ("greedy_identical", "mismatches", "tokens_per_s", "baseline_tokens_per_s",
-                                                 "speedup", "per_category")})
-            entry["draft"] = {"mode": spec.mode, "steps": spec.steps, "topk": spec.topk,
-                              "num_draft_tokens": spec.n_tokens, "temperature": spec.temperature, "top_p": spec.top_p}
-            if dec["greedy_identical"] is not None:
-                identical = dec["greedy_identical"] if identical is None else identical and dec["greedy_identical"]
-            conts = dec["references"]
-            if spec.mode == "chain" and spec.temperature == 0:     # simulate replays exactly greedy chain drafting
-                sim, _ = simulate(drafter, target, prompts, conts, k, device, f"{name}, simulate on decoded outputs")
-                entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
-                entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
+            stats, conts = _decode_set(cfg, name, rows, prompts, drafter, target, k, device, entry)
+            if entry["greedy_identical"] is not None:
+                identical = (
+                    entry["greedy_identical"]
+                    if identical is None
+                    else identical and entry["greedy_identical"]
+                )
+            base = None
+            if baseline is not None:
+                base = simulate(baseline, target, prompts, conts, k, device, f"{name}, untrained drafter")[0]
         entry.update(stats.as_dict())
-        if baseline is not None:
-            base = base_sim if mode == "simulate" else simulate(baseline, target, prompts, conts, k, device,
-                                                                 f"{name}, untrained drafter")[0]
+        if base is not None:
             entry["untrained_tau"] = round(base.tau, 4)
             all_base.merge(base)
         report["sets"][name] = entry
         all_stats.merge(stats)
         n_prompts += len(rows)
-        console.print(f"evaluate {name}: τ(K={k}, {mode}) = {stats.tau:.3f} over {len(rows)} prompts"
-                      + (f"; untrained {entry['untrained_tau']:.3f}" if baseline is not None else ""))
+        console.print(
+            f"evaluate {name}: τ(K={k}, {mode}) = {stats.tau:.3f} over {len(rows)} prompts"
+            + (f"; untrained {entry['untrained_tau']:.3f}" if baseline is not None else "")
+        )
     report.update(all_stats.as_dict())
     report["num_prompts"] = n_prompts
     if baseline is not None:
@@ -338,3 +383,121 @@ def run_evaluate(cfg: Config, run: RunDir, target: Target | None = None, drafter
         report["greedy_identical"] = identical
     run.record_stage(section, {"drafter": str(folder), "mode": mode, "k": k}, report)
     return report
+
+
+def _checked_drafter(cfg: Config, run: RunDir, target: Target | None, drafter_dir: str | None, device):
+    """``(target, drafter, folder)``: the drafter loaded in the target's dtype after its lineage (the
+    run's own drafter) and its target (widths, vocabulary, weights fingerprint, layers) are checked.
+
+    Raises:
+        StaleInput, ConfigError: as :func:`run_evaluate`."""
+    folder = Path(drafter_dir) if drafter_dir else run.require("drafter/model.safetensors", "export").parent
+    if not drafter_dir:  # the run's own drafter: its chain (checkpoint, tokens, vocab, target weights) first
+        fp = (
+            target.source.get("weights_fingerprint")
+            if target is not None
+            else weights_fingerprint(cfg.target)
+        )
+        check_inputs(run, "evaluate", ["drafter/model.safetensors", "heldout.jsonl"], target=fp)
+    if target is None:
+        target = load_target(cfg.target, device=device)
+    drafter = load_exported(folder, device=device).eval()
+    dc = drafter.config
+    if dc.target_hidden_size != target.hidden_size or dc.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"{folder} was trained for another target (hidden {dc.target_hidden_size}, vocab {dc.vocab_size}) "
+            f"than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})"
+        )
+    trained_on = (json.loads((folder / "config.json").read_text()).get("eagle3kit") or {}).get("target") or {}
+    fp, now = trained_on.get("weights_fingerprint"), target.source.get("weights_fingerprint")
+    if (
+        fp
+        and now
+        and fp != now
+        and trained_on.get("fingerprint_format") != target.source.get("fingerprint_format")
+    ):
+        console.print(
+            f"[yellow]warning:[/] {folder} records its target's weights with an older fingerprint rule; "
+            f"the target's identity cannot be checked (same model name: {trained_on.get('model')})"
+        )
+    elif fp and now and fp != now:
+        raise ConfigError(
+            f"{folder} was trained on another target ({trained_on.get('model')}, weights {fp[:12]}…) than "
+            f"{cfg.target.model} (weights {now[:12]}…); evaluate it with the target it was trained for"
+        )
+    if max(dc.aux_layer_ids) >= target.num_layers:
+        raise ConfigError(
+            f"{folder} reads aux layers {dc.aux_layer_ids}, but {cfg.target.model} has "
+            f"{target.num_layers} layers: it was trained for another target"
+        )
+    return target, drafter.to(target.dtype), folder
+
+
+def _chosen_sets(cfg: Config, run: RunDir, only_sets: list[str] | None) -> dict:
+    """The evaluation sets (:func:`eval_sets`), or those named in ``only_sets``.
+
+    Raises:
+        ConfigError: a name the config does not have."""
+    sets = eval_sets(cfg, run)
+    if only_sets:
+        unknown = sorted(set(only_sets) - set(sets))
+        if unknown:
+            raise ConfigError(f"no evaluation set named {unknown}; the config has {sorted(sets)}")
+        sets = {k_: v for k_, v in sets.items() if k_ in only_sets}
+    return sets
+
+
+def _simulate_set(
+    cfg, run, section, name, rows, prompts, drafter, baseline, target, backend, k, device, entry
+):
+    """Simulate mode on one set: the target's greedy continuations (written beside the report),
+    then the trained (and untrained) drafter over them. Fills ``entry``; returns
+    ``(stats, continuations, untrained stats or None)``."""
+    ec = cfg.evaluate
+    conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
+    both = simulate_drafters(
+        [drafter] + ([baseline] if baseline is not None else []),
+        target,
+        prompts,
+        conts,
+        k,
+        device,
+        f"{name}, trained drafter" + (" and untrained" if baseline is not None else ""),
+    )
+    hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
+    entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
+    entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
+    return both[0][0], conts, (both[1][0] if baseline is not None else None)
+
+
+_DECODE_KEYS = (
+    "greedy_identical",
+    "mismatches",
+    "tokens_per_s",
+    "baseline_tokens_per_s",
+    "speedup",
+    "per_category",
+)
+
+
+def _decode_set(cfg, name, rows, prompts, drafter, target, k, device, entry):
+    """Decode mode on one set: the reference decoder (:func:`decode`) and, for a greedy chain,
+    simulate on the decoded outputs beside it. Fills ``entry``; returns ``(stats, references)``."""
+    ec = cfg.evaluate
+    spec = ec.model_copy(update={"k": k}).spec()
+    dec = decode(drafter, target, prompts, ec.max_new_tokens, spec, [r.get("category") or name for r in rows])
+    entry.update({k_: dec[k_] for k_ in _DECODE_KEYS})
+    entry["draft"] = {
+        "mode": spec.mode,
+        "steps": spec.steps,
+        "topk": spec.topk,
+        "num_draft_tokens": spec.n_tokens,
+        "temperature": spec.temperature,
+        "top_p": spec.top_p,
+    }
+    stats, conts = dec["stats"], dec["references"]
+    if spec.mode == "chain" and spec.temperature == 0:  # simulate replays exactly greedy chain drafting
+        sim, _ = simulate(drafter, target, prompts, conts, k, device, f"{name}, simulate on decoded outputs")
+        entry["simulate_tau_same_prompts"] = round(sim.tau, 4)
+        entry["decode_vs_simulate_rel_diff"] = round(abs(stats.tau - sim.tau) / sim.tau, 4)
+    return stats, conts

@@ -19,6 +19,7 @@ next-token distribution after node i's prefix.
 Both sampling rules emit tokens distributed exactly as target-only sampling from ``probs``
 (tested by a χ² test in ``tests/test_decoder.py``).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -26,8 +27,17 @@ from typing import Callable
 import torch
 
 #: ``accept(tokens, parents, logits, probs, q, generator) -> (accepted node indices, bonus token id)``
-AcceptRule = Callable[[list[int], list[int], torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Generator | None"],
-                      tuple[list[int], int]]
+AcceptRule = Callable[
+    [
+        list[int],
+        list[int],
+        torch.Tensor,
+        "torch.Tensor | None",
+        "torch.Tensor | None",
+        "torch.Generator | None",
+    ],
+    tuple[list[int], int],
+]
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor | None:
@@ -39,7 +49,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     p = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sp, idx = p.sort(dim=-1, descending=True)
-        drop = sp.cumsum(-1) - sp > top_p              # tokens after the mass already reached top_p
+        drop = sp.cumsum(-1) - sp > top_p  # tokens after the mass already reached top_p
         sp = sp.masked_fill(drop, 0.0)
         p = torch.zeros_like(p).scatter_(-1, idx, sp)
         p = p / p.sum(-1, keepdim=True)
@@ -72,8 +82,13 @@ def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -
         u = nxt
 
 
-def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor, q: torch.Tensor | None,
-                   gen: torch.Generator | None) -> tuple[list[int], int]:
+def accept_sampled(
+    tokens: list[int],
+    parents: list[int],
+    probs: torch.Tensor,
+    q: torch.Tensor | None,
+    gen: torch.Generator | None,
+) -> tuple[list[int], int]:
     """Lossless verification (module docstring). probs float32 [N, V]: the target's distribution
     after each node; q float32 [N, V] or None: the distribution node i's token was sampled from
     (row i; only for chains, row 0 unused); gen: the random source. Returns the accepted node
@@ -86,14 +101,14 @@ def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor, q
         for c in kids.get(u, []):
             x = tokens[c]
             r = float(torch.rand((), generator=gen, device=p.device))
-            if q is not None:                            # a draft sampled from q[c]
+            if q is not None:  # a draft sampled from q[c]
                 if r < min(1.0, float(p[x]) / max(float(q[c, x]), 1e-30)):
                     moved = True
                 else:
                     p = torch.clamp(p - q[c], min=0.0)
-                    if float(p.sum()) <= 0:             # p == q: any residual is p itself
+                    if float(p.sum()) <= 0:  # p == q: any residual is p itself
                         p = probs[u].clone()
-            else:                                        # a point-mass proposal
+            else:  # a point-mass proposal
                 if r * float(p.sum()) < float(p[x]):
                     moved = True
                 else:
@@ -103,13 +118,19 @@ def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor, q
                 u = c
                 break
             if q is not None:
-                break                                    # a sampled chain has one child per node
+                break  # a sampled chain has one child per node
         if not moved:
             return path, _draw(p, gen)
 
 
-def accept(tokens: list[int], parents: list[int], logits: torch.Tensor, probs: torch.Tensor | None,
-           q: torch.Tensor | None, gen: torch.Generator | None) -> tuple[list[int], int]:
+def accept(
+    tokens: list[int],
+    parents: list[int],
+    logits: torch.Tensor,
+    probs: torch.Tensor | None,
+    q: torch.Tensor | None,
+    gen: torch.Generator | None,
+) -> tuple[list[int], int]:
     """Greedy when ``probs`` is None, else :func:`accept_sampled`."""
     if probs is None:
         return accept_greedy(tokens, parents, logits)

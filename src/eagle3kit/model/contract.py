@@ -15,6 +15,7 @@ in a drafter folder, in one place.
 
 Reading and writing whole folders is :mod:`eagle3kit.model.folder`.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -33,7 +34,7 @@ class ExportError(ValueError):
 
 def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the engines create for this config, with its shape (d2t/t2d excluded)."""
-    H, I, d = c.hidden_size, c.intermediate_size, c.head_dim
+    H, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
     return {
         "fc.weight": (H, 3 * c.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,),
@@ -43,9 +44,9 @@ def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
         "midlayer.self_attn.k_proj.weight": (c.num_key_value_heads * d, 2 * H),
         "midlayer.self_attn.v_proj.weight": (c.num_key_value_heads * d, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, c.num_attention_heads * d),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
         "norm.weight": (H,),
         "lm_head.weight": (c.draft_vocab_size, H),
     }
@@ -59,7 +60,9 @@ def contract_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return want
 
 
-def contract_mismatches(shapes: dict[str, tuple], want: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
+def contract_mismatches(
+    shapes: dict[str, tuple], want: dict[str, tuple]
+) -> tuple[list[str], list[str], list[str]]:
     """Tensor names against a contract: ``(missing, unexpected, misshapen)``, each in order (the
     contract's for missing and misshapen, ``shapes``' for unexpected)."""
     missing = [k for k in want if k not in shapes]
@@ -75,14 +78,23 @@ def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None
     """
     want = contract_shapes(c)
     reduced = c.draft_vocab_size < c.vocab_size
-    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    missing, unexpected, misshapen = contract_mismatches(
+        {k: tuple(v.shape) for k, v in tensors.items()}, want
+    )
     problems = [f"missing {name} (the engine would create it empty)" for name in missing]
-    problems += [f"{name} has shape {tuple(tensors[name].shape)}, expected {want[name]}" for name in misshapen]
-    problems += [f"unexpected tensor {name}" + (" (the drafter borrows the target's embedding)" if "embed" in name else "")
-                 for name in unexpected]
+    problems += [
+        f"{name} has shape {tuple(tensors[name].shape)}, expected {want[name]}" for name in misshapen
+    ]
+    problems += [
+        f"unexpected tensor {name}"
+        + (" (the drafter borrows the target's embedding)" if "embed" in name else "")
+        for name in unexpected
+    ]
     if reduced and "d2t" in tensors and "t2d" in tensors and not problems:
         if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
-            problems.append(f"d2t must be int64 and t2d bool, got {tensors['d2t'].dtype}/{tensors['t2d'].dtype}")
+            problems.append(
+                f"d2t must be int64 and t2d bool, got {tensors['d2t'].dtype}/{tensors['t2d'].dtype}"
+            )
         else:
             try:
                 check_maps(tensors["d2t"], tensors["t2d"], c.vocab_size)
@@ -118,9 +130,16 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
         "norm_before_residual": False,
         "torch_dtype": torch_dtype,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids]},
-        "eagle3kit": {"version": __version__, "aux_layer_ids_convention": "top-level: HF output_hidden_states index "
-                      "(= vLLM); eagle_config: output of layer j (= SGLang/SpecForge, HF index - 1)", **(provenance or {})},
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids],
+        },
+        "eagle3kit": {
+            "version": __version__,
+            "aux_layer_ids_convention": "top-level: HF output_hidden_states index "
+            "(= vLLM); eagle_config: output of layer j (= SGLang/SpecForge, HF index - 1)",
+            **(provenance or {}),
+        },
     }
     return cfg
 
@@ -128,11 +147,16 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
 FORMATS = ("dual", "speculators")
 
 
-SPECULATORS_LAYER_PREFIX = "layers.0."     # speculators (and vLLM internally) name the decoder layer so
+SPECULATORS_LAYER_PREFIX = "layers.0."  # speculators (and vLLM internally) name the decoder layer so
 
 
-def speculators_config(c: DrafterConfig, torch_dtype: str, verifier: dict, num_speculative_tokens: int = 3,
-                       provenance: dict | None = None) -> dict:
+def speculators_config(
+    c: DrafterConfig,
+    torch_dtype: str,
+    verifier: dict,
+    num_speculative_tokens: int = 3,
+    provenance: dict | None = None,
+) -> dict:
     """``config.json`` for vLLM's speculators layout (DESIGN.md §5): no top-level ``model_type``;
     ``transformer_layer_config`` holds the Llama layer; aux ids top-level in vLLM numbering (HF
     index); ``norm_before_residual: false`` written out (vLLM assumes true when it is missing).
@@ -142,10 +166,27 @@ def speculators_config(c: DrafterConfig, torch_dtype: str, verifier: dict, num_s
         num_speculative_tokens: K of the default greedy proposal method.
     """
     dual = engine_config(c, torch_dtype)
-    layer = {k: dual[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                  "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
-                                  "max_position_embeddings", "vocab_size", "num_hidden_layers", "tie_word_embeddings",
-                                  "attention_bias", "mlp_bias", "torch_dtype")}
+    layer = {
+        k: dual[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "hidden_act",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+            "vocab_size",
+            "num_hidden_layers",
+            "tie_word_embeddings",
+            "attention_bias",
+            "mlp_bias",
+            "torch_dtype",
+        )
+    }
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -157,19 +198,35 @@ def speculators_config(c: DrafterConfig, torch_dtype: str, verifier: dict, num_s
         "torch_dtype": torch_dtype,
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}
+            ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+            "verifier": {
+                "name_or_path": verifier["name_or_path"],
+                "architectures": list(verifier["architectures"]),
+            },
         },
-        "eagle3kit": {**dual["eagle3kit"], "aux_layer_ids_convention": "HF output_hidden_states index (= vLLM)",
-                      **(provenance or {})},
+        "eagle3kit": {
+            **dual["eagle3kit"],
+            "aux_layer_ids_convention": "HF output_hidden_states index (= vLLM)",
+            **(provenance or {}),
+        },
     }
 
 
 LAYOUTS = ("eagle3kit", "eagle", "specforge", "speculators", "modelopt")
 
 
-_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
+_UNSUPPORTED_FLAGS = (
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "attention_bias",
+    "mlp_bias",
+    "bias",
+)
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -229,20 +286,26 @@ def drafter_fields(cfg, where: str) -> tuple[DrafterFields, list[int] | None]:
     for inner in ("transformer_layer_config", "text_config"):
         if inner in cfg:
             if not isinstance(cfg[inner], dict):
-                raise DrafterImportError(f"{where}: {inner} must be a JSON object, got {type(cfg[inner]).__name__}")
+                raise DrafterImportError(
+                    f"{where}: {inner} must be a JSON object, got {type(cfg[inner]).__name__}"
+                )
             merged = {**cfg[inner], **{k: v for k, v in cfg.items() if k != inner}}
             if "vocab_size" not in cfg and "vocab_size" in cfg[inner]:
                 merged["vocab_size"] = cfg[inner]["vocab_size"]
     try:
         f = DrafterFields.model_validate(merged)
     except ValidationError as e:
-        bad = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {str(err.get('input'))[:40]!r})"
-                        for err in e.errors())
+        bad = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {str(err.get('input'))[:40]!r})"
+            for err in e.errors()
+        )
         raise DrafterImportError(f"{where}: {bad}") from None
     nested = None
     if f.eagle_config is not None:
         nested = f.eagle_config.get("eagle_aux_hidden_state_layer_ids")
         if nested is not None and (not isinstance(nested, list) or not all(type(i) is int for i in nested)):
-            raise DrafterImportError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ints, "
-                                     f"got {nested!r}")
+            raise DrafterImportError(
+                f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ints, "
+                f"got {nested!r}"
+            )
     return f, nested

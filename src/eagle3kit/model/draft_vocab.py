@@ -8,6 +8,7 @@ The draft ids are sorted ascending, so ``d2t`` is non-decreasing and every targe
 most once. :func:`check_maps` refuses maps that break this (field cases C27, C28). The stage that
 builds the vocabulary from token counts is :mod:`eagle3kit.data.vocab`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,19 +67,27 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> 
     """
     tid = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.long()
     if tid.numel() and (tid.min() < 0 or tid.max() >= vocab_size):
-        raise DataError(f"d2t maps outside [0, {vocab_size}): target ids {tid.min().item()}..{tid.max().item()}; "
-                        "d2t must hold offsets (target id = draft id + d2t[draft id]), not ids")
+        raise DataError(
+            f"d2t maps outside [0, {vocab_size}): target ids {tid.min().item()}..{tid.max().item()}; "
+            "d2t must hold offsets (target id = draft id + d2t[draft id]), not ids"
+        )
     if tid.numel() > 1 and not bool((tid[1:] > tid[:-1]).all()):
-        raise DataError("arange(Vd) + d2t is not strictly increasing; the draft vocabulary must be sorted ascending")
+        raise DataError(
+            "arange(Vd) + d2t is not strictly increasing; the draft vocabulary must be sorted ascending"
+        )
     if t2d is not None:
         if t2d.numel() != vocab_size:
             raise DataError(f"t2d has {t2d.numel()} entries but the target vocabulary has {vocab_size}")
         nz = t2d.nonzero().flatten()
         if nz.numel() == d2t.numel() and torch.equal(nz, d2t.long()) and bool(d2t.any()):
-            raise DataError("d2t holds the target ids themselves, not offsets (target id = draft id + d2t[draft id]); "
-                            "store d2t = ids − arange(Vd)")
+            raise DataError(
+                "d2t holds the target ids themselves, not offsets (target id = draft id + d2t[draft id]); "
+                "store d2t = ids − arange(Vd)"
+            )
         if nz.numel() != tid.numel() or not torch.equal(nz, tid):
-            raise DataError(f"t2d marks {nz.numel()} ids but d2t maps {tid.numel()}, or they differ; rebuild the vocab")
+            raise DataError(
+                f"t2d marks {nz.numel()} ids but d2t maps {tid.numel()}, or they differ; rebuild the vocab"
+            )
 
 
 def save_vocab(path, vocab: DraftVocab, meta: dict) -> None:
@@ -90,7 +99,6 @@ def save_vocab(path, vocab: DraftVocab, meta: dict) -> None:
 def load_vocab(path, expected_size: int | None = None) -> tuple[DraftVocab, dict]:
     """Read ``vocab.safetensors`` and check its invariants; with ``expected_size``, refuse a file
     built for another ``draft_vocab_size`` (C21), naming both numbers."""
-
 
     d = load_safetensors(path, "rerun `eagle3kit vocab`")
     with safe_open(str(path), "pt") as f:

@@ -20,6 +20,7 @@ Two forwards compute the same function:
   (:class:`DraftKVCache`), used by the reference decoder; writing position p overwrites whatever
   was there, so rejected drafts need no rollback.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,10 +44,10 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    vocab_size: int                 # target V
-    draft_vocab_size: int           # Vd
-    target_hidden_size: int         # Ht
-    aux_layer_ids: list[int]        # HF output_hidden_states indices
+    vocab_size: int  # target V
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int  # Ht
+    aux_layer_ids: list[int]  # HF output_hidden_states indices
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
@@ -54,19 +55,27 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def from_target(cls, tc, draft_vocab_size: int, aux_layer_ids, vocab_size: int | None = None) -> "DrafterConfig":
+    def from_target(
+        cls, tc, draft_vocab_size: int, aux_layer_ids, vocab_size: int | None = None
+    ) -> "DrafterConfig":
         """Copy widths, attention shape, norm eps, rope and max positions from a target text config."""
 
         heads = int(tc.num_attention_heads)
         head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
         rope = rope_settings(tc)
         return cls(
-            hidden_size=int(tc.hidden_size), intermediate_size=int(tc.intermediate_size),
-            num_attention_heads=heads, num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-            head_dim=head_dim, rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            vocab_size=int(vocab_size or tc.vocab_size), draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=int(tc.hidden_size), aux_layer_ids=[int(i) for i in aux_layer_ids],
-            rope_theta=float(rope["rope_theta"]), rope_scaling=rope["rope_scaling"],
+            hidden_size=int(tc.hidden_size),
+            intermediate_size=int(tc.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            vocab_size=int(vocab_size or tc.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=int(tc.hidden_size),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=rope["rope_scaling"],
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
         )
 
@@ -100,8 +109,13 @@ class Rotary(nn.Module):
         if cfg.rope_scaling:
             params.update(cfg.rope_scaling)
             params.setdefault("rope_type", params.get("type", "default"))
-        lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params)
+        lc = LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=params,
+        )
         self.inner = LlamaRotaryEmbedding(config=lc)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +144,7 @@ def compiled(fn):
 _FLEX: dict = {}
 
 
-_BLOCK_MASKS: dict = {}     # (T, steps so far, device) → BlockMask of unpacked rows
+_BLOCK_MASKS: dict = {}  # (T, steps so far, device) → BlockMask of unpacked rows
 
 
 def _flex_kernels(device: torch.device):
@@ -140,12 +154,13 @@ def _flex_kernels(device: torch.device):
     if device.type != "cuda":
         return flex_attention, create_block_mask
     if "cuda" not in _FLEX:
-        _FLEX["cuda"] = compiled(flex_attention)       # keys are T·(k+1) long: shapes change every step
+        _FLEX["cuda"] = compiled(flex_attention)  # keys are T·(k+1) long: shapes change every step
     return _FLEX["cuda"], create_block_mask
 
 
-def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor],
-                       doc: torch.Tensor | None = None) -> torch.Tensor:
+def flex_ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor], doc: torch.Tensor | None = None
+) -> torch.Tensor:
     """TTT attention of step k = len(keys) − 1 through flex attention.
 
     Args:
@@ -158,7 +173,7 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[tor
     """
     B, _, T, _ = q.shape
     flex, create_block_mask = _flex_kernels(q.device)
-    if torch.is_autocast_enabled(q.device.type):      # rotary promotes q/k to fp32: attend in the autocast dtype
+    if torch.is_autocast_enabled(q.device.type):  # rotary promotes q/k to fp32: attend in the autocast dtype
         dt = torch.get_autocast_dtype(q.device.type)
         q, keys, vals = q.to(dt), [k.to(dt) for k in keys], [v.to(dt) for v in vals]
 
@@ -171,15 +186,23 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[tor
         return causal | ((seg > 0) & (j == qi))
 
     key = (T, len(keys), str(q.device))
-    block = _BLOCK_MASKS.get(key) if doc is None else None     # without packing the mask depends on (T, step) only
+    # without packing the mask depends on (T, step) only
+    block = _BLOCK_MASKS.get(key) if doc is None else None
     if block is None:
-        block = create_block_mask(mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device)
+        block = create_block_mask(
+            mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device
+        )
         if doc is None:
             if len(_BLOCK_MASKS) >= 256:
                 _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
             _BLOCK_MASKS[key] = block
-    return flex(q, torch.cat(keys, dim=2), torch.cat(vals, dim=2), block_mask=block,
-                enable_gqa=q.shape[1] != keys[0].shape[1])
+    return flex(
+        q,
+        torch.cat(keys, dim=2),
+        torch.cat(vals, dim=2),
+        block_mask=block,
+        enable_gqa=q.shape[1] != keys[0].shape[1],
+    )
 
 
 class DraftKVCache:
@@ -230,11 +253,13 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = nn.ModuleDict({
-            "gate_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
-            "up_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
-            "down_proj": nn.Linear(cfg.intermediate_size, h, bias=False),
-        })
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
+                "up_proj": nn.Linear(h, cfg.intermediate_size, bias=False),
+                "down_proj": nn.Linear(cfg.intermediate_size, h, bias=False),
+            }
+        )
 
     def attn_input(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """cat(input_layernorm(embeds), hidden_norm(hidden)) → [B, T, 2H]."""
@@ -294,8 +319,13 @@ class Eagle3Drafter(nn.Module):
         return self.ttt_forward(*args, **kwargs)
 
     def ttt_forward(
-        self, aux: torch.Tensor, embeds: list[torch.Tensor], positions: torch.Tensor, key_mask: torch.Tensor | None = None,
-        doc: torch.Tensor | None = None, attention: str = "reference",
+        self,
+        aux: torch.Tensor,
+        embeds: list[torch.Tensor],
+        positions: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        doc: torch.Tensor | None = None,
+        attention: str = "reference",
     ) -> list[torch.Tensor]:
         """Unroll ``len(embeds)`` TTT steps over whole sequences.
 
@@ -332,7 +362,7 @@ class Eagle3Drafter(nn.Module):
         elif attention != "flex":
             raise ValueError(f"attention must be 'reference' or 'flex', not {attention!r}")
         scale = 1.0 / math.sqrt(attn.d)
-        keys: list[torch.Tensor] = []       # per step, [B, nkv, T, d]; the reference keeps them GQA-expanded
+        keys: list[torch.Tensor] = []  # per step, [B, nkv, T, d]; the reference keeps them GQA-expanded
         vals: list[torch.Tensor] = []
         outs = []
         for k, emb in enumerate(embeds):
@@ -346,13 +376,13 @@ class Eagle3Drafter(nn.Module):
             else:
                 keys.append(attn.expand(kk))
                 vals.append(attn.expand(vv))
-                s0 = (q @ keys[0].transpose(-1, -2)) * scale                              # [B, nh, T, T]
+                s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, nh, T, T]
                 s0 = s0.masked_fill(~allowed[:, None], float("-inf"))
-                sd = [((q * dk).sum(-1, keepdim=True)) * scale for dk in keys[1:]]       # each [B, nh, T, 1]
+                sd = [((q * dk).sum(-1, keepdim=True)) * scale for dk in keys[1:]]  # each [B, nh, T, 1]
                 p = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
                 o = p[..., :T] @ vals[0]
                 for j, dv in enumerate(vals[1:]):
-                    o = o + p[..., T + j: T + j + 1] * dv
+                    o = o + p[..., T + j : T + j + 1] * dv
             hidden = self.midlayer.finish(attn.out(o), hidden)
             outs.append(hidden)
         return outs
@@ -360,11 +390,24 @@ class Eagle3Drafter(nn.Module):
     # ---- cached autoregressive step -----------------------------------------------------
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> DraftKVCache:
         w = self.fc.weight
-        return DraftKVCache(batch, self.config.num_key_value_heads, self.config.head_dim, max_len,
-                            device or w.device, dtype or w.dtype)
+        return DraftKVCache(
+            batch,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            max_len,
+            device or w.device,
+            dtype or w.dtype,
+        )
 
-    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: DraftKVCache,
-             slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftKVCache,
+        slots: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the layer for q new tokens over a position-indexed KV cache (chain or tree drafting).
 
         Args:
@@ -387,6 +430,6 @@ class Eagle3Drafter(nn.Module):
         if mask is None:
             mask = torch.arange(cache.k.shape[2], device=q.device)[None, :] <= slots[:, None]
         keys, vals = attn.expand(cache.k.to(q.dtype)), attn.expand(cache.v.to(q.dtype))
-        s = (q @ keys.transpose(-1, -2)) / math.sqrt(attn.d)        # softmax in fp32, as in training
+        s = (q @ keys.transpose(-1, -2)) / math.sqrt(attn.d)  # softmax in fp32, as in training
         o = torch.softmax(s.float().masked_fill(~mask[None, None], float("-inf")), dim=-1).to(q.dtype) @ vals
         return self.midlayer.finish(attn.out(o), hidden)

@@ -30,6 +30,7 @@ Writing (:func:`export_drafter`) validates the tensors against :mod:`eagle3kit.m
 writes ``config.json`` + ``model.safetensors`` into a temporary sibling folder and moves it into
 place; a folder that held something else is moved to ``<out>.prev-N``, never mixed or deleted.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,7 +64,12 @@ from eagle3kit.model.contract import (
 )
 from eagle3kit.model.draft_vocab import DraftVocab, check_maps
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.model.target import default_aux_layer_ids, load_target_config, rope_settings, validate_aux_layer_ids
+from eagle3kit.model.target import (
+    default_aux_layer_ids,
+    load_target_config,
+    rope_settings,
+    validate_aux_layer_ids,
+)
 
 
 def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -72,7 +78,9 @@ def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) ->
     c = drafter.config
     state = drafter.state_dict()
     dtype = dtype or drafter.fc.weight.dtype
-    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items() if k in required_shapes(c)}
+    tensors = {
+        k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items() if k in required_shapes(c)
+    }
     if c.draft_vocab_size < c.vocab_size:
         tensors["d2t"] = state["d2t"].cpu().to(torch.int64).contiguous()
         tensors["t2d"] = state["t2d"].cpu().to(torch.bool).contiguous()
@@ -80,9 +88,16 @@ def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) ->
     return tensors
 
 
-def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict | None = None,
-                   dtype: torch.dtype | None = None, overwrite: bool = False, fmt: str = "dual",
-                   verifier: dict | None = None, num_speculative_tokens: int = 3) -> Path:
+def export_drafter(
+    drafter: Eagle3Drafter,
+    out_dir: str | Path,
+    provenance: dict | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    fmt: str = "dual",
+    verifier: dict | None = None,
+    num_speculative_tokens: int = 3,
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in ``fmt`` (``dual``: vLLM + SGLang;
     ``speculators``: vLLM's speculators layout, which needs ``verifier``), after
     :func:`validate_tensors`. Weights are cast to ``dtype`` (default: the drafter's).
@@ -96,9 +111,11 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict
     check_out_dir(out, overwrite)
     c = drafter.config
     if c.hidden_size != c.target_hidden_size:
-        raise ExportError(f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
-                          "embed_tokens [V, H] (neither engine shares the target's across widths; DESIGN.md §5), and "
-                          "eagle3kit builds drafters as wide as their target only")
+        raise ExportError(
+            f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
+            "embed_tokens [V, H] (neither engine shares the target's across widths; DESIGN.md §5), and "
+            "eagle3kit builds drafters as wide as their target only"
+        )
     tensors = drafter_tensors(drafter, dtype)
     dtype_name = str(tensors["fc.weight"].dtype).replace("torch.", "")
     if fmt == "speculators":
@@ -141,8 +158,10 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         if parent.exists() and not parent.is_dir():
             raise ExportError(f"--out {out}: {parent} is a file, not a folder")
     if held and not overwrite:
-        raise FileExistsError(f"{out} is not empty (it holds {', '.join(held[:4])}); pass --overwrite to move it to "
-                              "<out>.prev-N and write a new one, or give another --out")
+        raise FileExistsError(
+            f"{out} is not empty (it holds {', '.join(held[:4])}); pass --overwrite to move it to "
+            "<out>.prev-N and write a new one, or give another --out"
+        )
 
 
 def commit_out_dir(tmp: Path, out: Path) -> Path:
@@ -199,14 +218,18 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     Raises:
         FileNotFoundError: none of those files; DataError / DrafterImportError: an unreadable file."""
     if (folder / "model.safetensors").is_file():
-        return load_safetensors(folder / "model.safetensors", "give the drafter's weights file"), "model.safetensors"
+        return load_safetensors(
+            folder / "model.safetensors", "give the drafter's weights file"
+        ), "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             wmap = json.loads(index.read_text())["weight_map"]
             assert isinstance(wmap, dict)
         except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
-            raise DrafterImportError(f"{index} is not a safetensors index (a JSON object with a weight_map object)") from None
+            raise DrafterImportError(
+                f"{index} is not a safetensors index (a JSON object with a weight_map object)"
+            ) from None
         out: dict[str, torch.Tensor] = {}
         loaded: dict[str, dict] = {}
         for name, shard in wmap.items():
@@ -219,22 +242,32 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
         for shard, tensors in loaded.items():
             extra = [k for k in tensors if wmap.get(k) != shard]
             if extra:
-                raise DrafterImportError(f"{shard} holds {extra[:4]}, which {index.name} maps elsewhere or not at all")
+                raise DrafterImportError(
+                    f"{shard} holds {extra[:4]}, which {index.name} maps elsewhere or not at all"
+                )
         return out, f"{len(loaded)} shards"
     if (folder / "pytorch_model.bin").is_file():
         try:
             sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
         except Exception as e:
-            raise DataError(f"{folder / 'pytorch_model.bin'} is not a plain tensor state dict ({type(e).__name__}); "
-                            "convert it to safetensors first") from None
+            raise DataError(
+                f"{folder / 'pytorch_model.bin'} is not a plain tensor state dict ({type(e).__name__}); "
+                "convert it to safetensors first"
+            ) from None
         if not isinstance(sd, dict):
-            raise DrafterImportError(f"{folder / 'pytorch_model.bin'} holds a {type(sd).__name__}, not a name → tensor dict")
+            raise DrafterImportError(
+                f"{folder / 'pytorch_model.bin'} holds a {type(sd).__name__}, not a name → tensor dict"
+            )
         odd = [repr(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if odd:
-            raise DrafterImportError(f"{folder / 'pytorch_model.bin'}: entries that are not named tensors: {odd[:6]}; "
-                                     "save the drafter's state dict alone")
+            raise DrafterImportError(
+                f"{folder / 'pytorch_model.bin'}: entries that are not named tensors: {odd[:6]}; "
+                "save the drafter's state dict alone"
+            )
         return dict(sd), "pytorch_model.bin"
-    raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    raise FileNotFoundError(
+        f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )
 
 
 def detect_layout(cfg: dict, keys: set[str]) -> str:
@@ -243,11 +276,14 @@ def detect_layout(cfg: dict, keys: set[str]) -> str:
     layers0 = any(k.startswith(("layers.", "model.layers.")) for k in keys)
     if "speculators_model_type" in cfg or "speculators_config" in cfg:
         return "speculators"
-    if any(k.startswith("eagle_module.") for k in keys) \
-            or {"use_input_layernorm_in_first_layer", "use_last_layernorm", "next_layer_regular"} & set(nested):
+    if any(k.startswith("eagle_module.") for k in keys) or {
+        "use_input_layernorm_in_first_layer",
+        "use_last_layernorm",
+        "next_layer_regular",
+    } & set(nested):
         return "modelopt"
     if cfg.get("eagle_aux_hidden_state_layer_ids"):
-        return "eagle3kit"      # top-level ids in HF numbering: eagle3kit's (or any dual-engine) folder
+        return "eagle3kit"  # top-level ids in HF numbering: eagle3kit's (or any dual-engine) folder
     if nested.get("eagle_aux_hidden_state_layer_ids") is not None:
         return "modelopt" if layers0 else "specforge"
     return "modelopt" if layers0 else "eagle"
@@ -259,14 +295,16 @@ def _rename(tensors: dict[str, torch.Tensor], notes: list[str]) -> dict[str, tor
         base = [k for k in tensors if not k.startswith("eagle_module.")]
         if base:
             notes.append(f"skipped {len(base)} base-model tensors stored beside eagle_module.*")
-        tensors = {k[len("eagle_module."):]: v for k, v in tensors.items() if k.startswith("eagle_module.")}
+        tensors = {k[len("eagle_module.") :]: v for k, v in tensors.items() if k.startswith("eagle_module.")}
     renamed = 0
     for k, v in tensors.items():
-        new = k[len("model."):] if k.startswith("model.") else k
+        new = k[len("model.") :] if k.startswith("model.") else k
         if new.startswith("layers.0."):
-            new = "midlayer." + new[len("layers.0."):]
+            new = "midlayer." + new[len("layers.0.") :]
         elif new.startswith("layers."):
-            raise DrafterImportError(f"{k}: a drafter with more than one decoder layer; eagle3kit trains and serves one")
+            raise DrafterImportError(
+                f"{k}: a drafter with more than one decoder layer; eagle3kit trains and serves one"
+            )
         if new in out:
             raise DrafterImportError(f"{k} and another tensor both become {new}")
         renamed += new != k
@@ -276,14 +314,27 @@ def _rename(tensors: dict[str, torch.Tensor], notes: list[str]) -> dict[str, tor
     return out
 
 
-def _aux_ids(f: DrafterFields, nested: list[int] | None, layout: str, num_layers: int | None, notes: list[str]) -> list[int]:
+def _aux_ids(
+    f: DrafterFields, nested: list[int] | None, layout: str, num_layers: int | None, notes: list[str]
+) -> list[int]:
     top = f.eagle_aux_hidden_state_layer_ids
-    reads = {"eagle3kit": "top", "speculators": "top", "specforge": "nested", "modelopt": "nested", "eagle": None}[layout]
+    reads = {
+        "eagle3kit": "top",
+        "speculators": "top",
+        "specforge": "nested",
+        "modelopt": "nested",
+        "eagle": None,
+    }[layout]
     held = [w for w, ids in (("top", top), ("nested", nested)) if ids]
     if held and reads not in held:
-        where = {"top": "top-level eagle_aux_hidden_state_layer_ids", "nested": "eagle_config.eagle_aux_hidden_state_layer_ids"}
-        raise DrafterImportError(f"layout {layout} does not read {where[held[0]]}, which this source holds: the ids "
-                                 "would be lost; use --layout auto or the layout that wrote the folder")
+        where = {
+            "top": "top-level eagle_aux_hidden_state_layer_ids",
+            "nested": "eagle_config.eagle_aux_hidden_state_layer_ids",
+        }
+        raise DrafterImportError(
+            f"layout {layout} does not read {where[held[0]]}, which this source holds: the ids "
+            "would be lost; use --layout auto or the layout that wrote the folder"
+        )
     if reads == "top" and top:
         ids = list(top)
     elif reads == "nested" and nested:
@@ -291,18 +342,21 @@ def _aux_ids(f: DrafterFields, nested: list[int] | None, layout: str, num_layers
         notes.append(f"aux ids {list(nested)} (output of layer j, {layout}) → HF indices {ids}")
     else:
         if num_layers is None:
-            raise DrafterImportError(f"the {layout} source names no aux layer ids: give --target so the default layers "
-                                     "(2, N//2, N−3) of the target's N layers can be used")
+            raise DrafterImportError(
+                f"the {layout} source names no aux layer ids: give --target so the default layers "
+                "(2, N//2, N−3) of the target's N layers can be used"
+            )
 
         ids = list(default_aux_layer_ids(num_layers))
         notes.append(f"no aux ids in the source: EAGLE-3's default for {num_layers} layers, HF indices {ids}")
     if len(ids) != 3:
-        raise DrafterImportError(f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)")
+        raise DrafterImportError(
+            f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)"
+        )
     if ids != sorted(ids):
         notes.append(f"aux ids {ids} sorted to {sorted(ids)} (engines concatenate aux states in layer order)")
         ids = sorted(ids)
     if num_layers is not None:
-
         try:
             validate_aux_layer_ids(ids, num_layers)
         except ConfigError as e:
@@ -310,22 +364,31 @@ def _aux_ids(f: DrafterFields, nested: list[int] | None, layout: str, num_layers
     return ids
 
 
-def _drafter_config(f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str]) -> DrafterConfig:
+def _drafter_config(
+    f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str]
+) -> DrafterConfig:
     H, heads = f.hidden_size, f.num_attention_heads
     Vd = f.draft_vocab_size
     if Vd is None:
         if "lm_head.weight" not in tensors:
-            raise DrafterImportError("no draft_vocab_size in config.json and no lm_head.weight: the drafter has no head "
-                                     "(an EAGLE-1 drafter, or a broken export)")
+            raise DrafterImportError(
+                "no draft_vocab_size in config.json and no lm_head.weight: the drafter has no head "
+                "(an EAGLE-1 drafter, or a broken export)"
+            )
         Vd = int(tensors["lm_head.weight"].shape[0])
     if Vd > f.vocab_size:
         raise DrafterImportError(f"draft_vocab_size {Vd} exceeds vocab_size {f.vocab_size}")
     if H % heads and f.head_dim is None:
-        raise DrafterImportError(f"hidden_size {H} is not a multiple of num_attention_heads {heads}; give head_dim")
+        raise DrafterImportError(
+            f"hidden_size {H} is not a multiple of num_attention_heads {heads}; give head_dim"
+        )
 
-
-    own = rope_settings(SimpleNamespace(rope_parameters=f.rope_parameters, rope_theta=f.rope_theta or 10000.0,
-                                        rope_scaling=f.rope_scaling))   # read as the target's rope is read
+    # read as the target's rope is read
+    own = rope_settings(
+        SimpleNamespace(
+            rope_parameters=f.rope_parameters, rope_theta=f.rope_theta or 10000.0, rope_scaling=f.rope_scaling
+        )
+    )
     rope_theta, rope_scaling = own["rope_theta"], own["rope_scaling"]
     mpe = f.max_position_embeddings or 2048
     if target_tc is not None:
@@ -334,20 +397,38 @@ def _drafter_config(f: DrafterFields, tensors: dict, ids: list[int], target_tc, 
             notes.append(f"max_position_embeddings {mpe} → the target's {t_mpe}")
             mpe = t_mpe
         rope = rope_settings(target_tc)
-        if float(rope_theta) != float(rope["rope_theta"]) or (rope_scaling or None) != (rope.get("rope_scaling") or None):
-            raise DrafterImportError(f"the source's rope (theta {rope_theta}, scaling {rope_scaling}) differs from the target's "
-                                     f"(theta {rope['rope_theta']}, scaling {rope.get('rope_scaling')}): the drafter was "
-                                     "trained with other positions than the target serves; retrain it for this target")
+        if float(rope_theta) != float(rope["rope_theta"]) or (rope_scaling or None) != (
+            rope.get("rope_scaling") or None
+        ):
+            raise DrafterImportError(
+                f"the source's rope (theta {rope_theta}, scaling {rope_scaling}) differs from the target's "
+                f"(theta {rope['rope_theta']}, scaling {rope.get('rope_scaling')}): the drafter was "
+                "trained with other positions than the target serves; retrain it for this target"
+            )
     return DrafterConfig(
-        hidden_size=H, intermediate_size=f.intermediate_size, num_attention_heads=heads,
-        num_key_value_heads=f.num_key_value_heads or heads, head_dim=f.head_dim or H // heads,
-        rms_norm_eps=float(f.rms_norm_eps), vocab_size=f.vocab_size, draft_vocab_size=Vd,
-        target_hidden_size=f.target_hidden_size or H, aux_layer_ids=ids, rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling, max_position_embeddings=mpe, hidden_act=f.hidden_act)
+        hidden_size=H,
+        intermediate_size=f.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=f.num_key_value_heads or heads,
+        head_dim=f.head_dim or H // heads,
+        rms_norm_eps=float(f.rms_norm_eps),
+        vocab_size=f.vocab_size,
+        draft_vocab_size=Vd,
+        target_hidden_size=f.target_hidden_size or H,
+        aux_layer_ids=ids,
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=mpe,
+        hidden_act=f.hidden_act,
+    )
 
 
 def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Imported:
     """Read the drafter in ``folder`` (any layout of the module table), strictly.
+
+    Steps: config.json, the weights and their layout (:func:`_pick_layout`), renamed tensors,
+    aux ids and config (checked against ``target`` when given), the vocab maps
+    (:func:`_vocab_maps`), the strict load (:func:`_strict_weights`), the provenance.
 
     Args:
         layout: ``auto`` (detected from config and tensor names) or one of :data:`LAYOUTS`.
@@ -373,37 +454,62 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
         raise DrafterImportError(f"{folder / 'config.json'} is not UTF-8 JSON ({e})") from None
     f, nested = drafter_fields(cfg, str(folder / "config.json"))
     raw, source_file = read_weights(folder)
-    found = detect_layout(cfg, set(raw))
-    if layout == "auto":
-        layout = found
-    elif layout not in LAYOUTS:
-        raise DrafterImportError(f"unknown layout {layout!r}; one of auto, {', '.join(LAYOUTS)}")
-    elif (layout == "speculators") != (found == "speculators"):
-        raise DrafterImportError(f"{folder} is {'not ' if layout == 'speculators' else ''}in the speculators layout "
-                                 f"(detected: {found}); use --layout auto")
-    flags = {k: getattr(f, k) for k in _UNSUPPORTED_FLAGS}
-    if layout == "speculators" and f.norm_before_residual is None:
-        flags["norm_before_residual"] = True     # vLLM's default for a speculators config (algos.update_eagle3)
-    on = [k for k, v in flags.items() if v]
-    if on:
-        raise DrafterImportError(f"{folder}: {', '.join(f'{k}: true' for k in on)} — a drafter variant eagle3kit does not "
-                                 "implement (it builds norm_before_residual false, no extra norms, no biases)")
+    layout, found = _pick_layout(folder, cfg, f, set(raw), layout)
     notes = [f"read {source_file} as layout {layout}" + ("" if layout == found else f" (detected: {found})")]
     tensors = _rename(raw, notes)
     if "embed_tokens.weight" in tensors:
         tensors.pop("embed_tokens.weight")
         notes.append("dropped embed_tokens.weight (the engines use the target's embedding)")
-    tc = None
-    if target is not None:
-
-        _, tc = load_target_config(target)
+    tc = load_target_config(target)[1] if target is not None else None
     ids = _aux_ids(f, nested, layout, int(tc.num_hidden_layers) if tc is not None else None, notes)
     c = _drafter_config(f, tensors, ids, tc, notes)
+    _vocab_maps(folder, tensors, c, notes)
+    weights = _strict_weights(folder, layout, tensors, c)
+    if tc is not None:
+        _check_target(c, tc, folder)
+    d = Eagle3Drafter(c).to(next(iter(weights.values())).dtype)
+    if c.draft_vocab_size >= c.vocab_size:  # a full vocabulary: identity maps
+        d.set_vocab(DraftVocab.full(c.vocab_size))
+        tensors = {**tensors, "d2t": d.d2t, "t2d": d.t2d}
+    d.load_state_dict(tensors, strict=True)
+    return Imported(d, layout, notes, _provenance(cfg, ids, layout, folder, notes))
+
+
+def _pick_layout(folder: Path, cfg, f: DrafterFields, names: set[str], layout: str) -> tuple[str, str]:
+    """``(layout used, layout detected)``; refuses an unknown layout, a speculators mismatch and a
+    variant eagle3kit does not implement."""
+    found = detect_layout(cfg, names)
+    if layout == "auto":
+        layout = found
+    elif layout not in LAYOUTS:
+        raise DrafterImportError(f"unknown layout {layout!r}; one of auto, {', '.join(LAYOUTS)}")
+    elif (layout == "speculators") != (found == "speculators"):
+        raise DrafterImportError(
+            f"{folder} is {'not ' if layout == 'speculators' else ''}in the speculators layout "
+            f"(detected: {found}); use --layout auto"
+        )
+    flags = {k: getattr(f, k) for k in _UNSUPPORTED_FLAGS}
+    if layout == "speculators" and f.norm_before_residual is None:
+        flags["norm_before_residual"] = True  # vLLM's default for a speculators config (algos.update_eagle3)
+    on = [k for k, v in flags.items() if v]
+    if on:
+        raise DrafterImportError(
+            f"{folder}: {', '.join(f'{k}: true' for k in on)} — a drafter variant eagle3kit does not "
+            "implement (it builds norm_before_residual false, no extra norms, no biases)"
+        )
+    return layout, found
+
+
+def _vocab_maps(folder: Path, tensors: dict, c: DrafterConfig, notes: list[str]) -> None:
+    """In place: refuse non-integer maps, synthesize ``t2d`` from ``d2t`` when absent, drop all-zero
+    maps of a full vocabulary (refuse non-zero ones)."""
     reduced = c.draft_vocab_size < c.vocab_size
     for k, want_dtype in (("d2t", "an integer"), ("t2d", "a bool or integer")):
         t = tensors.get(k)
         if t is not None and (t.dtype.is_floating_point or t.dim() != 1):
-            raise DrafterImportError(f"{k} must be a 1-D {want_dtype} tensor, got {t.dtype} of shape {list(t.shape)}")
+            raise DrafterImportError(
+                f"{k} must be a 1-D {want_dtype} tensor, got {t.dtype} of shape {list(t.shape)}"
+            )
     if reduced and "d2t" in tensors and "t2d" not in tensors:
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         tid = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
@@ -415,13 +521,24 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
         for k in ("d2t", "t2d"):
             t = tensors.pop(k, None)
             if k == "d2t" and t is not None and bool(t.any()):
-                raise DrafterImportError(f"{folder}: draft vocab = target vocab but d2t is not all zero offsets")
+                raise DrafterImportError(
+                    f"{folder}: draft vocab = target vocab but d2t is not all zero offsets"
+                )
+
+
+def _strict_weights(folder: Path, layout: str, tensors: dict, c: DrafterConfig) -> dict:
+    """Every tensor against the contract (none missing, none left over, every shape), one float
+    dtype, finite values, valid maps (cast in place to int64/bool); returns the weights (no maps)."""
     want = contract_shapes(c)
-    missing, unexpected, misshapen = contract_mismatches({k: tuple(v.shape) for k, v in tensors.items()}, want)
+    missing, unexpected, misshapen = contract_mismatches(
+        {k: tuple(v.shape) for k, v in tensors.items()}, want
+    )
     shapes = [f"{k} {list(tensors[k].shape)} ≠ {list(want[k])}" for k in misshapen]
     if missing or unexpected or shapes:
-        raise DrafterImportError(f"{folder} ({layout}) does not load strictly: missing {missing}, unexpected {unexpected}"
-                                 + (f", shapes {shapes}" if shapes else ""))
+        raise DrafterImportError(
+            f"{folder} ({layout}) does not load strictly: missing {missing}, unexpected {unexpected}"
+            + (f", shapes {shapes}" if shapes else "")
+        )
     weights = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     dtypes = {str(v.dtype) for v in weights.values()}
     if len(dtypes) != 1 or not next(iter(weights.values())).dtype.is_floating_point:
@@ -429,30 +546,34 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
     bad = [k for k, v in weights.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise DrafterImportError(f"non-finite values (NaN or inf) in {bad[:6]}")
-    if reduced:
+    if c.draft_vocab_size < c.vocab_size:
         try:
             check_maps(tensors["d2t"].long(), tensors["t2d"].bool(), c.vocab_size)
         except DataError as e:
             raise DrafterImportError(f"{folder}: {e}") from None
         tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
-    if tc is not None:
-        _check_target(c, tc, folder)
-    d = Eagle3Drafter(c).to(next(iter(weights.values())).dtype)
-    if not reduced:
+    return weights
 
-        d.set_vocab(DraftVocab.full(c.vocab_size))
-        tensors = {**tensors, "d2t": d.d2t, "t2d": d.t2d}
-    d.load_state_dict(tensors, strict=True)
+
+def _provenance(cfg: dict, ids: list[int], layout: str, folder: Path, notes: list[str]) -> dict:
+    """eagle3kit's own provenance block as written (its trained aux ids must equal the config's),
+    or, for another tool's drafter, where it was imported from."""
     block = cfg.get("eagle3kit") if isinstance(cfg.get("eagle3kit"), dict) else {}
     prov = {k: v for k, v in block.items() if k not in ("version", "aux_layer_ids_convention")}
-    trained = (prov.get("aux_layer_ids") or {}).get("ids") if isinstance(prov.get("aux_layer_ids"), dict) else None
+    trained = (
+        (prov.get("aux_layer_ids") or {}).get("ids") if isinstance(prov.get("aux_layer_ids"), dict) else None
+    )
     if trained is not None and list(trained) != ids:
-        raise DrafterImportError(f"config aux ids {ids} but its eagle3kit block says the features were trained on {trained}; "
-                                 f"set eagle_aux_hidden_state_layer_ids to {trained}")
-    if not prov:        # not written by eagle3kit (whose provenance block is kept as it is)
-        prov = {"aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": ids},
-                "imported_from": {"layout": layout, "path": str(folder.resolve()), "notes": notes}}
-    return Imported(d, layout, notes, prov)
+        raise DrafterImportError(
+            f"config aux ids {ids} but its eagle3kit block says the features were trained on {trained}; "
+            f"set eagle_aux_hidden_state_layer_ids to {trained}"
+        )
+    if not prov:  # not written by eagle3kit (whose provenance block is kept as it is)
+        prov = {
+            "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": ids},
+            "imported_from": {"layout": layout, "path": str(folder.resolve()), "notes": notes},
+        }
+    return prov
 
 
 def _check_target(c: DrafterConfig, tc, folder: Path) -> None:
@@ -463,9 +584,9 @@ def _check_target(c: DrafterConfig, tc, folder: Path) -> None:
     if c.target_hidden_size != int(tc.hidden_size):
         problems.append(f"target hidden size {c.target_hidden_size} ≠ the target's {tc.hidden_size}")
     if c.hidden_size != int(tc.hidden_size):
-        problems.append(f"drafter hidden size {c.hidden_size} ≠ the target's {tc.hidden_size} (a narrower drafter "
-                        "needs its own embedding, which eagle3kit does not build)")
+        problems.append(
+            f"drafter hidden size {c.hidden_size} ≠ the target's {tc.hidden_size} (a narrower drafter "
+            "needs its own embedding, which eagle3kit does not build)"
+        )
     if problems:
         raise DrafterImportError(f"{folder} was made for another target: " + "; ".join(problems))
-
-

@@ -5,6 +5,7 @@ index. Index 0 is the embedding output; index i (1 ≤ i < N) is the residual st
 decoder layer i, before any norm. Capture is by forward pre-hooks on the resolved decoder layers,
 never by asking for all N+1 hidden states.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,9 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ..
             f"set target.aux_layer_ids to 3 distinct HF indices in [1, {num_layers - 1}]"
         )
     if list(ids) != sorted(ids):
-        raise ConfigError(f"aux layer ids {list(ids)} must be sorted ascending (the fc input order); write {sorted(ids)}")
+        raise ConfigError(
+            f"aux layer ids {list(ids)} must be sorted ascending (the fc input order); write {sorted(ids)}"
+        )
     bad = [i for i in ids if not 1 <= i <= num_layers - 1]
     if bad:
         raise ConfigError(
@@ -91,13 +94,18 @@ _TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 def text_config(config) -> object:
     """The config that carries the language model's fields (``hidden_size`` …), looking inside
     ``text_config`` / ``llm_config`` when they are not at the top level (DESIGN.md §2)."""
-    if getattr(config, "hidden_size", None) is not None and getattr(config, "num_hidden_layers", None) is not None:
+    if (
+        getattr(config, "hidden_size", None) is not None
+        and getattr(config, "num_hidden_layers", None) is not None
+    ):
         return config
     for key in _TEXT_CONFIG_KEYS:
         sub = getattr(config, key, None)
         if sub is not None:
             return text_config(sub)
-    raise ConfigError(f"cannot find hidden_size/num_hidden_layers in the target config ({type(config).__name__})")
+    raise ConfigError(
+        f"cannot find hidden_size/num_hidden_layers in the target config ({type(config).__name__})"
+    )
 
 
 def rope_settings(tc) -> dict:
@@ -110,21 +118,31 @@ def rope_settings(tc) -> dict:
         if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
             scaling = None
         return {"rope_theta": theta, "rope_scaling": scaling}
-    return {"rope_theta": getattr(tc, "rope_theta", 10000.0), "rope_scaling": getattr(tc, "rope_scaling", None)}
+    return {
+        "rope_theta": getattr(tc, "rope_theta", 10000.0),
+        "rope_scaling": getattr(tc, "rope_scaling", None),
+    }
 
 
 @dataclass
 class TargetParts:
     """What the drafter pipeline needs from a target, found through any wrapper."""
 
-    decoder: nn.Module          # the module whose forward runs embedding → layers → final norm
-    layers: nn.ModuleList       # decoder layers, length N
-    embed: nn.Embedding         # token embedding [V, Ht]
+    decoder: nn.Module  # the module whose forward runs embedding → layers → final norm
+    layers: nn.ModuleList  # decoder layers, length N
+    embed: nn.Embedding  # token embedding [V, Ht]
     final_norm: nn.Module
-    lm_head: nn.Module          # Linear(Ht → V)
+    lm_head: nn.Module  # Linear(Ht → V)
 
 
-_DECODER_PATHS = ("model", "model.language_model", "language_model.model", "language_model", "transformer", "model.model")
+_DECODER_PATHS = (
+    "model",
+    "model.language_model",
+    "language_model.model",
+    "language_model",
+    "transformer",
+    "model.model",
+)
 
 
 def _get(obj, dotted: str):
@@ -235,7 +253,12 @@ def smollm2_gguf_path() -> Path:
     return ggufs[0]
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 #: the rule of :func:`located_fingerprint`; drafters trained before it was recorded carry an older rule
@@ -317,17 +340,23 @@ def locate_target(cfg: TargetConfig) -> dict:
     if cfg.model.startswith("pkg:"):
         pkg = cfg.model[4:]
         if pkg != SMOLLM2_PACKAGE:
-            raise ConfigError(f"target.model {cfg.model!r}: only pkg:{SMOLLM2_PACKAGE} is a known packaged target")
+            raise ConfigError(
+                f"target.model {cfg.model!r}: only pkg:{SMOLLM2_PACKAGE} is a known packaged target"
+            )
         gguf = smollm2_gguf_path()
         return {"model": cfg.model, "path": str(gguf.parent), "gguf_file": cfg.gguf_file or gguf.name}
     p = Path(cfg.model).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise ConfigError(f"target.model {cfg.model!r} is a file; give the folder that holds it (and gguf_file for a GGUF)")
+            raise ConfigError(
+                f"target.model {cfg.model!r} is a file; give the folder that holds it (and gguf_file for a GGUF)"
+            )
         if not cfg.gguf_file and not any(p.glob("*.safetensors")) and any(p.glob("*.bin")):
-            raise ConfigError(f"target.model {cfg.model!r} holds only pickled weights (*.bin); eagle3kit loads weights "
-                              "from safetensors or GGUF only: convert them once with transformers "
-                              "(from_pretrained(...).save_pretrained(folder), which writes safetensors)")
+            raise ConfigError(
+                f"target.model {cfg.model!r} holds only pickled weights (*.bin); eagle3kit loads weights "
+                "from safetensors or GGUF only: convert them once with transformers "
+                "(from_pretrained(...).save_pretrained(folder), which writes safetensors)"
+            )
         return {"model": cfg.model, "path": str(p.resolve()), "gguf_file": cfg.gguf_file}
     if not cfg.allow_download:
         raise ConfigError(
@@ -338,8 +367,11 @@ def locate_target(cfg: TargetConfig) -> dict:
 
 
 #: the sizes a target's config.json must state (or their names in older configs, mapped by transformers)
-_SIZE_KEYS = {"hidden_size": ("n_embd", "d_model", "dim"), "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
-              "vocab_size": ("padded_vocab_size",)}
+_SIZE_KEYS = {
+    "hidden_size": ("n_embd", "d_model", "dim"),
+    "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+    "vocab_size": ("padded_vocab_size",),
+}
 
 
 def load_target_config(cfg: TargetConfig):
@@ -352,44 +384,58 @@ def load_target_config(cfg: TargetConfig):
         ConfigError: the target cannot be located (see :func:`locate_target`)."""
     from transformers import AutoConfig
 
-
     loc = locate_target(cfg)
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
     raw: dict = {}
     if not loc["gguf_file"] and Path(loc["path"]).is_dir():
-        raw = read_config_json(loc["path"])           # a clear error for a missing / malformed / null-text config
+        raw = read_config_json(loc["path"])  # a clear error for a missing / malformed / null-text config
         for c in (raw, raw.get("text_config") or {}):
             if c and "model_type" not in c:
-                raise ConfigError(f"{loc['path']}/config.json: a config with no model_type; restore the checkpoint's "
-                                  "own config.json")
+                raise ConfigError(
+                    f"{loc['path']}/config.json: a config with no model_type; restore the checkpoint's "
+                    "own config.json"
+                )
         parts = [raw, *(raw.get(k) for k in ("text_config", "llm_config") if isinstance(raw.get(k), dict))]
-        for key, aliases in _SIZE_KEYS.items():      # else transformers fills in its class default (hidden_size 4096 …)
+        for (
+            key,
+            aliases,
+        ) in _SIZE_KEYS.items():  # else transformers fills in its class default (hidden_size 4096 …)
             if raw and not any(a in c for c in parts for a in (key, *aliases)):
-                raise ConfigError(f"{loc['path']}/config.json has no {key} (nor in text_config): transformers would "
-                                  "fill in its class default, and every check would measure a model that does not "
-                                  "exist; restore the checkpoint's own config.json")
+                raise ConfigError(
+                    f"{loc['path']}/config.json has no {key} (nor in text_config): transformers would "
+                    "fill in its class default, and every check would measure a model that does not "
+                    "exist; restore the checkpoint's own config.json"
+                )
     cached = _gguf_cache_entry(loc, "configs")
     if cached is not None and (cached / "config.json").is_file():
         try:
             config = AutoConfig.from_pretrained(cached, local_files_only=True)
             config._name_or_path = loc["path"]
             return config, text_config(config)
-        except Exception:   # a damaged cache entry: read the GGUF again below
+        except Exception:  # a damaged cache entry: read the GGUF again below
             pass
     try:
-        config = AutoConfig.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw)
-    except Exception as e:   # KeyError, OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
+        config = AutoConfig.from_pretrained(
+            loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw
+        )
+    except (
+        Exception
+    ) as e:  # KeyError, OSError, ValueError, huggingface_hub's strict-dataclass validation errors …
         import transformers
 
         wrapper = _remote_code_wrapper(raw) if isinstance(e, (KeyError, ValueError)) else None
-        if wrapper is not None:     # only its own code reads it; its language model's config transformers reads
+        if wrapper is not None:  # only its own code reads it; its language model's config transformers reads
             return wrapper, text_config(wrapper)
         if isinstance(e, KeyError):
-            raise ConfigError(f"cannot read the target's config in {loc['path']}: model type {e} is unknown to "
-                              f"transformers {transformers.__version__} (no remote code is run); use a transformers "
-                              "that has the family, or the checkpoint's own config.json") from None
-        raise ConfigError(f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
-                          "give a model folder with a valid config.json (or a GGUF file)") from None
+            raise ConfigError(
+                f"cannot read the target's config in {loc['path']}: model type {e} is unknown to "
+                f"transformers {transformers.__version__} (no remote code is run); use a transformers "
+                "that has the family, or the checkpoint's own config.json"
+            ) from None
+        raise ConfigError(
+            f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
+            "give a model folder with a valid config.json (or a GGUF file)"
+        ) from None
     if cached is not None:
         _write_cache_entry(cached, config.save_pretrained)
     return config, text_config(config)
@@ -404,14 +450,25 @@ def _remote_code_wrapper(raw: dict):
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if raw.get("model_type") in CONFIG_MAPPING:      # transformers' own class refused it: that error stands
+    if raw.get("model_type") in CONFIG_MAPPING:  # transformers' own class refused it: that error stands
         return None
     for key in _TEXT_CONFIG_KEYS:
         sub = raw.get(key)
         if isinstance(sub, dict) and sub.get("model_type") in CONFIG_MAPPING:
-            top = PretrainedConfig(**{k: v for k, v in raw.items() if k not in (*_TEXT_CONFIG_KEYS, "model_type", "auto_map")
-                                      and not k.endswith("_config")})
-            setattr(top, key, AutoConfig.for_model(sub["model_type"], **{k: v for k, v in sub.items() if k != "model_type"}))
+            top = PretrainedConfig(
+                **{
+                    k: v
+                    for k, v in raw.items()
+                    if k not in (*_TEXT_CONFIG_KEYS, "model_type", "auto_map") and not k.endswith("_config")
+                }
+            )
+            setattr(
+                top,
+                key,
+                AutoConfig.for_model(
+                    sub["model_type"], **{k: v for k, v in sub.items() if k != "model_type"}
+                ),
+            )
             return top
     return None
 
@@ -470,18 +527,24 @@ def load_tokenizer(cfg: TargetConfig):
     loc = locate_target(cfg)
     if not loc["gguf_file"]:
         try:
-            return AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False)
+            return AutoTokenizer.from_pretrained(
+                loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False
+            )
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load the target's tokenizer from {loc['path']}: {str(e).splitlines()[0][:160]}; "
-                              "the folder needs the checkpoint's tokenizer files (tokenizer.json or its vocab files "
-                              "and tokenizer_config.json)") from None
+            raise ConfigError(
+                f"cannot load the target's tokenizer from {loc['path']}: {str(e).splitlines()[0][:160]}; "
+                "the folder needs the checkpoint's tokenizer files (tokenizer.json or its vocab files "
+                "and tokenizer_config.json)"
+            ) from None
     cached = _gguf_cache_entry(loc, "tokenizers")
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-        except Exception:   # a damaged cache entry: rebuild it below
+        except Exception:  # a damaged cache entry: rebuild it below
             pass
-    tok = AutoTokenizer.from_pretrained(loc["path"], local_files_only=not cfg.allow_download, gguf_file=loc["gguf_file"])
+    tok = AutoTokenizer.from_pretrained(
+        loc["path"], local_files_only=not cfg.allow_download, gguf_file=loc["gguf_file"]
+    )
     _write_cache_entry(cached, tok.save_pretrained)
     return tok
 
@@ -527,24 +590,32 @@ def language_model_plan(config, folder: str | Path) -> dict | None:
     if sub is None:
         if getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             return None
-        raise ConfigError(f"target {archs[0]} (model_type {getattr(config, 'model_type', None)!r}): transformers has no "
-                          "causal-LM class for it and its config has no text_config; eagle3kit runs no remote code")
+        raise ConfigError(
+            f"target {archs[0]} (model_type {getattr(config, 'model_type', None)!r}): transformers has no "
+            "causal-LM class for it and its config has no text_config; eagle3kit runs no remote code"
+        )
     # the class's model type: an instance may carry the hub's own name (Kimi-K2.5's text_config says "kimi_k2")
     text_type = getattr(type(sub), "model_type", None) or getattr(sub, "model_type", None)
     if text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(f"target {archs[0]}: its language model (text_config model_type {text_type!r}) has no causal-LM "
-                          "class in transformers, so eagle3kit cannot load it alone (it runs no remote code)")
-    sub.model_type = text_type      # transformers picks weight conversions (MoE experts) by the instance's name
+        raise ConfigError(
+            f"target {archs[0]}: its language model (text_config model_type {text_type!r}) has no causal-LM "
+            "class in transformers, so eagle3kit cannot load it alone (it runs no remote code)"
+        )
+    sub.model_type = text_type  # transformers picks weight conversions (MoE experts) by the instance's name
     names = checkpoint_tensor_names(folder)
     embeds = sorted((n for n in names if n.endswith("embed_tokens.weight")), key=len)
     if not embeds:
-        raise ConfigError(f"target {archs[0]} in {folder}: no *.embed_tokens.weight tensor in its safetensors files, so "
-                          "the language model's weights cannot be found; give the folder of the whole checkpoint")
+        raise ConfigError(
+            f"target {archs[0]} in {folder}: no *.embed_tokens.weight tensor in its safetensors files, so "
+            "the language model's weights cannot be found; give the folder of the whole checkpoint"
+        )
     prefix = embeds[0][: -len("embed_tokens.weight")]
     heads = sorted((n for n in names if n.endswith("lm_head.weight")), key=len)
     mapping = {}
-    if any(n.startswith(prefix + "blocks.") for n in names) and not any(n.startswith(prefix + "layers.") for n in names):
-        mapping[f"^{re.escape(prefix)}blocks\\."] = "model.layers."      # transformers 5.19's own Kimi-K2.5 save
+    if any(n.startswith(prefix + "blocks.") for n in names) and not any(
+        n.startswith(prefix + "layers.") for n in names
+    ):
+        mapping[f"^{re.escape(prefix)}blocks\\."] = "model.layers."  # transformers 5.19's own Kimi-K2.5 save
     if prefix != "model.":
         mapping[f"^{re.escape(prefix)}"] = "model."
     head = heads[0] if heads else None
@@ -552,9 +623,17 @@ def language_model_plan(config, folder: str | Path) -> dict | None:
         mapping[f"^{re.escape(head[: -len('weight')])}"] = "lm_head."
     if head is None:
         if not (getattr(config, "tie_word_embeddings", False) or getattr(sub, "tie_word_embeddings", False)):
-            raise ConfigError(f"target {archs[0]} in {folder}: no lm_head tensor and tie_word_embeddings is false")
+            raise ConfigError(
+                f"target {archs[0]} in {folder}: no lm_head tensor and tie_word_embeddings is false"
+            )
         sub.tie_word_embeddings = True
-    return {"config": sub, "key_mapping": mapping, "wrapper": archs[0], "decoder_prefix": prefix, "head": head}
+    return {
+        "config": sub,
+        "key_mapping": mapping,
+        "wrapper": archs[0],
+        "decoder_prefix": prefix,
+        "head": head,
+    }
 
 
 _TIED_HEAD = {"lm_head.weight"}
@@ -573,6 +652,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         ConfigError: unknown package, missing folder, download needed but not allowed, a target
             with no loadable language model (names its class), a checkpoint missing some of the
             model's weights (they would silently be random; names them).
+    Over 80 lines because it is one sequence of loading steps shared by every weight source (GGUF,
+    folder, device map, remote-code wrapper); not split yet.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -583,57 +664,83 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
     kw = {"gguf_file": loc["gguf_file"]} if loc["gguf_file"] else {}
     config = plan = None
     if not loc["gguf_file"] and Path(loc["path"]).is_dir():
-        config, _ = load_target_config(cfg)           # config faults named before the tokenizer's own errors
+        config, _ = load_target_config(cfg)  # config faults named before the tokenizer's own errors
     tok = load_tokenizer(cfg)
     if cfg.device_map:
-        kw["device_map"] = cfg.device_map       # layers spread over the GPUs; accelerate moves activations
+        kw["device_map"] = cfg.device_map  # layers spread over the GPUs; accelerate moves activations
     if config is not None:
         plan = language_model_plan(config, loc["path"])
     if plan is not None:
         kw |= {"config": plan["config"], "key_mapping": plan["key_mapping"]}
     fingerprint = located_fingerprint(loc)
     weights_from = loc["path"]
-    if loc["gguf_file"] and cfg.dtype == "float32" and (export := _fp32_export_of(loc, fingerprint)) is not None:
-        weights_from = str(export)          # the same tensors, read from safetensors instead of de-quantized again
+    if (
+        loc["gguf_file"]
+        and cfg.dtype == "float32"
+        and (export := _fp32_export_of(loc, fingerprint)) is not None
+    ):
+        weights_from = str(export)  # the same tensors, read from safetensors instead of de-quantized again
         kw.pop("gguf_file")
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()        # its loading report lists a wrapper's vision tensors; ours names what matters
+    hf_logging.set_verbosity_error()  # its loading report lists a wrapper's vision tensors; ours names what matters
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            weights_from, dtype=_DTYPES[cfg.dtype], local_files_only=not cfg.allow_download, trust_remote_code=False,
-            output_loading_info=True, **kw)
+            weights_from,
+            dtype=_DTYPES[cfg.dtype],
+            local_files_only=not cfg.allow_download,
+            trust_remote_code=False,
+            output_loading_info=True,
+            **kw,
+        )
     except RuntimeError as e:
         if "mismatched" not in str(e) and "size mismatch" not in str(e):
             raise
-        raise ConfigError(f"target {loc['path']}: the checkpoint's tensors have other shapes than its config.json "
-                          f"describes (model_type {getattr(text_config(kw.get('config') or config), 'model_type', '?')!r}); "
-                          "give the checkpoint's own config.json") from None
+        raise ConfigError(
+            f"target {loc['path']}: the checkpoint's tensors have other shapes than its config.json "
+            f"describes (model_type {getattr(text_config(kw.get('config') or config), 'model_type', '?')!r}); "
+            "give the checkpoint's own config.json"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    missing = sorted(set(info.get("missing_keys") or []) - _TIED_HEAD if getattr(model.config, "tie_word_embeddings", False)
-                     else set(info.get("missing_keys") or []))
+    missing = sorted(
+        set(info.get("missing_keys") or []) - _TIED_HEAD
+        if getattr(model.config, "tie_word_embeddings", False)
+        else set(info.get("missing_keys") or [])
+    )
     n_layers = int(getattr(text_config(model.config), "num_hidden_layers", 0) or 0)
-    n_layers += int(getattr(text_config(model.config), "num_nextn_predict_layers", 0) or 0)   # DeepSeek-V3's MTP layer
-    beyond = sorted(k for k in info.get("unexpected_keys") or []
-                    if (m := re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.", k)) and int(m.group(1)) >= n_layers
-                    and not re.search(r"vision|visual|mm_projector|audio", k))
+    # DeepSeek-V3's MTP layer
+    n_layers += int(getattr(text_config(model.config), "num_nextn_predict_layers", 0) or 0)
+    beyond = sorted(
+        k
+        for k in info.get("unexpected_keys") or []
+        if (m := re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.", k))
+        and int(m.group(1)) >= n_layers
+        and not re.search(r"vision|visual|mm_projector|audio", k)
+    )
     if beyond:
-        raise ConfigError(f"target {loc['path']}: the checkpoint holds decoder layers the config does not "
-                          f"({', '.join(beyond[:2])}{' …' if len(beyond) > 2 else ''}; config.json says "
-                          f"num_hidden_layers {n_layers}): the model would load cut short. Give the checkpoint's own "
-                          "config.json")
+        raise ConfigError(
+            f"target {loc['path']}: the checkpoint holds decoder layers the config does not "
+            f"({', '.join(beyond[:2])}{' …' if len(beyond) > 2 else ''}; config.json says "
+            f"num_hidden_layers {n_layers}): the model would load cut short. Give the checkpoint's own "
+            "config.json"
+        )
     if missing:
-        raise ConfigError(f"target {loc['path']}: the checkpoint holds no weights for {len(missing)} of the model's tensors "
-                          f"({', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}): they would be random. The folder's "
-                          "config.json does not describe its weights; give the checkpoint's own config")
+        raise ConfigError(
+            f"target {loc['path']}: the checkpoint holds no weights for {len(missing)} of the model's tensors "
+            f"({', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}): they would be random. The folder's "
+            "config.json does not describe its weights; give the checkpoint's own config"
+        )
     if not cfg.device_map:
         model.to(dev)
     model.eval()
     model.requires_grad_(False)
     source = dict(loc)
     if plan is not None:
-        source["language_model"] = {"wrapper": plan["wrapper"], "decoder_prefix": plan["decoder_prefix"],
-                                    "lm_head": plan["head"]}
+        source["language_model"] = {
+            "wrapper": plan["wrapper"],
+            "decoder_prefix": plan["decoder_prefix"],
+            "lm_head": plan["head"],
+        }
     source["weights_fingerprint"] = fingerprint
     source["fingerprint_format"] = FINGERPRINT_FORMAT
     source["revision"] = getattr(model.config, "_commit_hash", None)
@@ -653,7 +760,9 @@ def chat_template_hash(tok) -> str:
 
 
 @contextlib.contextmanager
-def capture_layer_inputs(layers: nn.ModuleList, ids: Sequence[int], final_norm: nn.Module | None = None) -> Iterator[dict]:
+def capture_layer_inputs(
+    layers: nn.ModuleList, ids: Sequence[int], final_norm: nn.Module | None = None
+) -> Iterator[dict]:
     """Record the hidden state entering each decoder layer in ``ids`` (HF index i = input of
     layer i) and, if ``final_norm`` is given, the pre-norm state entering it (under key ``"final"``).
 
@@ -730,7 +839,9 @@ def embed_tokens(target: Target, ids: torch.Tensor, like: torch.Tensor) -> torch
     return emb(ids.to(emb.weight.device)).to(like.device, like.dtype)
 
 
-def teacher_argmax(target: Target, last: torch.Tensor, chunk: int = 1024, where: torch.Tensor | None = None) -> torch.Tensor:
+def teacher_argmax(
+    target: Target, last: torch.Tensor, chunk: int = 1024, where: torch.Tensor | None = None
+) -> torch.Tensor:
     """The target's full-vocabulary top-1 at each position: ``last`` [T, Ht] post-norm → int64 [T]
     (logits computed ``chunk`` positions at a time, so [T, V] never exists at once).
 
@@ -751,8 +862,12 @@ def serving_folder(target: Target) -> Path:
     such as Kimi-K2.5 as it lies on disk, vision tower included), else, for a GGUF target, its
     float32 safetensors export (:func:`export_fp32_folder`)."""
     path = target.source.get("path")
-    if path and not target.source.get("gguf_file") and (Path(path) / "config.json").is_file() \
-            and any(Path(path).glob("*.safetensors")):
+    if (
+        path
+        and not target.source.get("gguf_file")
+        and (Path(path) / "config.json").is_file()
+        and any(Path(path).glob("*.safetensors"))
+    ):
         return Path(path)
     return export_fp32_folder(target)
 
@@ -773,14 +888,29 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     from transformers import AutoModelForCausalLM
 
     loaded_as = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-    record = {**target.source, "loaded_dtype": loaded_as}    # a bfloat16 target's export holds bfloat16-rounded values
-    out = Path(out_dir) if out_dir is not None else cache_dir() / "fp32" / (
-        (target.source.get("weights_fingerprint") or "model")[:16] + ("" if loaded_as == "float32" else f"-{loaded_as}"))
+    record = {
+        **target.source,
+        "loaded_dtype": loaded_as,
+    }  # a bfloat16 target's export holds bfloat16-rounded values
+    out = (
+        Path(out_dir)
+        if out_dir is not None
+        else cache_dir()
+        / "fp32"
+        / (
+            (target.source.get("weights_fingerprint") or "model")[:16]
+            + ("" if loaded_as == "float32" else f"-{loaded_as}")
+        )
+    )
 
     def done() -> bool:
         marker = out / "eagle3kit-source.json"
         try:
-            return marker.is_file() and json.loads(marker.read_text()) == record and (out / "config.json").exists()
+            return (
+                marker.is_file()
+                and json.loads(marker.read_text()) == record
+                and (out / "config.json").exists()
+            )
         except ValueError:
             return False
 
@@ -789,7 +919,9 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file: give a folder for the float32 export")
     if out.is_dir() and any(out.iterdir()) and not (out / "eagle3kit-source.json").exists():
-        raise ConfigError(f"{out} holds files that are not an eagle3kit float32 export; give an empty or new folder")
+        raise ConfigError(
+            f"{out} holds files that are not an eagle3kit float32 export; give an empty or new folder"
+        )
     cfg = target.model.config.__class__.from_dict(
         {k: v for k, v in target.model.config.to_dict().items() if k != "quantization_config"}
     )
@@ -805,15 +937,17 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     if getattr(target.model, "generation_config", None) is not None:
         target.model.generation_config.save_pretrained(tmp)
     (tmp / "eagle3kit-source.json").write_text(json.dumps(record))
-    if done():                        # another process finished first: keep its folder
+    if done():  # another process finished first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
         return out
-    if out.exists():                  # an export of another source, or empty
+    if out.exists():  # an export of another source, or empty
         foreign = sorted({p.name for p in out.iterdir()} - {p.name for p in tmp.iterdir()})
-        if foreign:                   # never delete what an export did not write
+        if foreign:  # never delete what an export did not write
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ConfigError(f"{out} holds an older export and files it did not write ({', '.join(foreign[:3])}): move "
-                              "them out or give another folder")
+            raise ConfigError(
+                f"{out} holds an older export and files it did not write ({', '.join(foreign[:3])}): move "
+                "them out or give another folder"
+            )
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
@@ -829,8 +963,13 @@ def _fp32_export_of(loc: dict, fingerprint: str | None) -> Path | None:
         mark = json.loads((out / "eagle3kit-source.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = (mark.get("weights_fingerprint") == fingerprint and mark.get("gguf_file") == loc["gguf_file"]
-          and mark.get("loaded_dtype") == "float32" and (out / "config.json").is_file() and any(out.glob("*.safetensors")))
+    ok = (
+        mark.get("weights_fingerprint") == fingerprint
+        and mark.get("gguf_file") == loc["gguf_file"]
+        and mark.get("loaded_dtype") == "float32"
+        and (out / "config.json").is_file()
+        and any(out.glob("*.safetensors"))
+    )
     return out if ok else None
 
 

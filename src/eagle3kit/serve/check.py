@@ -13,6 +13,7 @@ positions against the serving length, rope settings against the target, text fie
 vLLM's EAGLE-3 gate by release (:data:`VLLM_EAGLE3_GATE`) and whether the installed vLLM's class
 for the target implements EAGLE-3. Speculators-layout folders are read as such.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,14 @@ from eagle3kit.model.target import load_target_config, locate_target, rope_setti
 # SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
 # "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
 # reads them verbatim when the largest id equals N (else adds 1).
-SGLANG_AUX_RULE = {"deepseek_v2": "if_first_is_1", "deepseek_v3": "if_first_is_1", "kimi_k2": "if_first_is_1",
-                   "kimi_k25": "if_first_is_1", "glm4_moe_lite": "if_first_is_1", "gpt_oss": "verbatim_if_max_is_n"}
+SGLANG_AUX_RULE = {
+    "deepseek_v2": "if_first_is_1",
+    "deepseek_v3": "if_first_is_1",
+    "kimi_k2": "if_first_is_1",
+    "kimi_k25": "if_first_is_1",
+    "glm4_moe_lite": "if_first_is_1",
+    "gpt_oss": "verbatim_if_max_is_n",
+}
 
 
 @dataclass
@@ -108,149 +115,359 @@ def _vllm_supports_eagle3(architectures: list[str]) -> tuple[bool | None, str | 
     return None, (keep.errors[-1][:200] if keep.errors else None)
 
 
-def check_drafter(drafter_dir: str | Path, target: TargetConfig, engine: str = "vllm", engine_version: str | None = None,
-                  max_model_len: int | None = None) -> list[Finding]:
+def check_drafter(
+    drafter_dir: str | Path,
+    target: TargetConfig,
+    engine: str = "vllm",
+    engine_version: str | None = None,
+    max_model_len: int | None = None,
+) -> list[Finding]:
     """All findings for serving ``drafter_dir`` beside ``target`` on ``engine``; empty = servable.
+
+    The checks run in this order, each a function below: the folder's files, the config's fields,
+    the drafter generation and widths, the tensors against the contract, the vocab maps, positions
+    and rope, the aux ids, then what the engine (release, layout, target class) supports.
 
     Raises:
         ConfigError: the target cannot be located (names it).
     """
-
-
     d = Path(drafter_dir)
-    out: list[Finding] = []
     cfg_path, st_path = d / "config.json", d / "model.safetensors"
-    for p in (cfg_path, st_path):
-        if not p.is_file():
-            out.append(Finding("missing_file", f"{p} does not exist", "export the drafter with `eagle3kit export`"))
-    if out:
-        return out
+    missing = [
+        Finding("missing_file", f"{p} does not exist", "export the drafter with `eagle3kit export`")
+        for p in (cfg_path, st_path)
+        if not p.is_file()
+    ]
+    if missing:
+        return missing
     try:
-        dc = json.loads(cfg_path.read_text(encoding="utf-8"))
-        speculators = isinstance(dc, dict) and "speculators_model_type" in dc
-
-        def name(k: str) -> str:    # vLLM's speculators layout calls the one decoder layer layers.0.*
-            return "midlayer." + k[len("layers.0."):] if speculators and k.startswith("layers.0.") else k
-
-        with safe_open(str(st_path), "pt") as f:
-            shapes = {name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            dtypes = {name(k): str(f.get_slice(k).get_dtype()) for k in f.keys()}
-            maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
+        folder = _read_folder(cfg_path, st_path)
     except Exception as e:
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
-
     try:
-        fields, _ = drafter_fields(dc, str(cfg_path))
+        fields, _ = drafter_fields(folder.config, str(cfg_path))
     except DrafterImportError as e:
-        return [Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")]
-
+        return [
+            Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")
+        ]
     tcfg, tc = load_target_config(target)
-    H_t, V, N = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
+    out, stop = _check_widths(folder, fields, tc)
+    if stop:
+        return out
+    if fields.draft_vocab_size is None:
+        return out + [
+            Finding(
+                "config_key",
+                "config.json lacks draft_vocab_size (engines would assume the full vocabulary)",
+                "export again with `eagle3kit export`",
+            )
+        ]
+    out += _check_tensors(folder, fields, tc)
+    out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
+    out += _check_positions(folder.config, fields, tc, max_model_len)
+    out += _check_aux(folder.config, int(tc.num_hidden_layers), tcfg, tc, engine)
+    out += _check_engine(folder, target, tcfg, tc, engine, engine_version)
+    return out
 
+
+@dataclass
+class _Folder:
+    """What :func:`check_drafter` reads of a drafter folder: ``config`` (config.json as written),
+    ``shapes``/``dtypes`` of every tensor (speculators' ``layers.0.*`` renamed ``midlayer.*``), the
+    ``maps`` (``d2t``/``t2d`` tensors, loaded: their values are checked), ``speculators`` (layout)."""
+
+    config: dict
+    shapes: dict
+    dtypes: dict
+    maps: dict
+    speculators: bool
+
+
+def _read_folder(cfg_path: Path, st_path: Path) -> _Folder:
+    """Read config.json and the safetensors header (raises whatever the readers raise)."""
+    dc = json.loads(cfg_path.read_text(encoding="utf-8"))
+    speculators = isinstance(dc, dict) and "speculators_model_type" in dc
+
+    def name(k: str) -> str:  # vLLM's speculators layout calls the one decoder layer layers.0.*
+        return "midlayer." + k[len("layers.0.") :] if speculators and k.startswith("layers.0.") else k
+
+    with safe_open(str(st_path), "pt") as f:
+        shapes = {name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {name(k): str(f.get_slice(k).get_dtype()) for k in f.keys()}
+        maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
+    return _Folder(dc, shapes, dtypes, maps, speculators)
+
+
+def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
+    """The drafter generation and its widths against the target: ``(findings, stop)``, where stop
+    means an EAGLE-1 head (nothing else is worth checking)."""
+    dc, shapes = folder.config, folder.shapes
+    H_t, V = int(tc.hidden_size), int(tc.vocab_size)
+    out: list[Finding] = []
     if "text_config" in dc:
-        out.append(Finding("nested_text_config", "config.json nests its fields in text_config; engines read the top level",
-                           "export again (eagle3kit writes a flat Llama-style config)"))
+        out.append(
+            Finding(
+                "nested_text_config",
+                "config.json nests its fields in text_config; engines read the top level",
+                "export again (eagle3kit writes a flat Llama-style config)",
+            )
+        )
     fc = shapes.get("fc.weight")
     H = fields.hidden_size
-    if (fc is not None and fc[1] == 2 * fc[0]) or (fields.draft_vocab_size is None and "lm_head.weight" not in shapes):
-        out.append(Finding("eagle1_head", f"an EAGLE-1 style head (fc {list(fc) if fc else None}, no draft_vocab_size / "
-                           "lm_head) given as EAGLE-3", "serve it with method 'eagle', or train an EAGLE-3 drafter"))
-        return out
+    if (fc is not None and fc[1] == 2 * fc[0]) or (
+        fields.draft_vocab_size is None and "lm_head.weight" not in shapes
+    ):
+        out.append(
+            Finding(
+                "eagle1_head",
+                f"an EAGLE-1 style head (fc {list(fc) if fc else None}, no draft_vocab_size / "
+                "lm_head) given as EAGLE-3",
+                "serve it with method 'eagle', or train an EAGLE-3 drafter",
+            )
+        )
+        return out, True
     if (fields.target_hidden_size or H) != H_t:
-        out.append(Finding("target_hidden_size", f"target_hidden_size {fields.target_hidden_size or H} but the target's "
-                           f"hidden size is {H_t}", "train the drafter for this target"))
+        out.append(
+            Finding(
+                "target_hidden_size",
+                f"target_hidden_size {fields.target_hidden_size or H} but the target's hidden size is {H_t}",
+                "train the drafter for this target",
+            )
+        )
     if fc is not None and fc[1] != 3 * H_t:
         made_for = f": a drafter for a target of hidden size {fc[1] // 3}" if fc[1] % 3 == 0 else ""
-        out.append(Finding("fc_width", f"fc.weight takes {fc[1]} inputs, not 3 aux layers × {H_t} = {3 * H_t} (this "
-                           f"target's hidden size){made_for}", "train the drafter for this target"))
+        out.append(
+            Finding(
+                "fc_width",
+                f"fc.weight takes {fc[1]} inputs, not 3 aux layers × {H_t} = {3 * H_t} (this "
+                f"target's hidden size){made_for}",
+                "train the drafter for this target",
+            )
+        )
     if fields.vocab_size != V:
-        out.append(Finding("vocab_size", f"vocab_size {fields.vocab_size} but the target's vocabulary has {V} ids",
-                           "train the drafter for this target"))
+        out.append(
+            Finding(
+                "vocab_size",
+                f"vocab_size {fields.vocab_size} but the target's vocabulary has {V} ids",
+                "train the drafter for this target",
+            )
+        )
+    return out, False
 
-    if fields.draft_vocab_size is None:
-        return out + [Finding("config_key", "config.json lacks draft_vocab_size (engines would assume the full vocabulary)",
-                              "export again with `eagle3kit export`")]
+
+def _check_tensors(folder: _Folder, fields, tc) -> list[Finding]:
+    """Every tensor against :func:`~eagle3kit.model.contract.required_shapes` for the config's
+    fields: aux id count against fc, dtypes, missing, misshapen and stray tensors."""
+    shapes, dtypes = folder.shapes, folder.dtypes
+    H_t, V, H = int(tc.hidden_size), int(tc.vocab_size), fields.hidden_size
     heads = fields.num_attention_heads
-    want = required_shapes(DrafterConfig(
-        hidden_size=H, intermediate_size=fields.intermediate_size, num_attention_heads=heads,
-        num_key_value_heads=fields.num_key_value_heads or heads, head_dim=fields.head_dim or max(1, H // heads),
-        rms_norm_eps=float(fields.rms_norm_eps), vocab_size=V, draft_vocab_size=fields.draft_vocab_size,
-        target_hidden_size=H_t, aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or [])))
-    Vd = fields.draft_vocab_size
+    want = required_shapes(
+        DrafterConfig(
+            hidden_size=H,
+            intermediate_size=fields.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=fields.num_key_value_heads or heads,
+            head_dim=fields.head_dim or max(1, H // heads),
+            rms_norm_eps=float(fields.rms_norm_eps),
+            vocab_size=V,
+            draft_vocab_size=fields.draft_vocab_size,
+            target_hidden_size=H_t,
+            aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or []),
+        )
+    )
+    out: list[Finding] = []
+    fc = shapes.get("fc.weight")
     ids = fields.eagle_aux_hidden_state_layer_ids or []
-    if fc is not None and ids and fc[1] == 3 * H_t and len(ids) != 3:    # (an fc of another width is named above)
-        out.append(Finding("aux_ids_count", f"{len(ids)} aux ids {ids}, but fc.weight takes 3 aux layers × {H_t} = "
-                           f"{fc[1]} inputs: vLLM sizes fc as {len(ids)} × {H_t} = {len(ids) * H_t} and would fail to load it",
-                           "give exactly the 3 ids the drafter was trained on"))
+    # (an fc of another width is named above)
+    if fc is not None and ids and fc[1] == 3 * H_t and len(ids) != 3:
+        out.append(
+            Finding(
+                "aux_ids_count",
+                f"{len(ids)} aux ids {ids}, but fc.weight takes 3 aux layers × {H_t} = "
+                f"{fc[1]} inputs: vLLM sizes fc as {len(ids)} × {H_t} = {len(ids) * H_t} and would fail to load it",
+                "give exactly the 3 ids the drafter was trained on",
+            )
+        )
     floats = {dtypes[k] for k in want if k in dtypes}
     if any(not t.startswith(("F", "BF")) for t in floats):
-        out.append(Finding("weight_dtype", f"weights stored as {sorted(floats)}; engines need one floating-point dtype",
-                           "export again"))
+        out.append(
+            Finding(
+                "weight_dtype",
+                f"weights stored as {sorted(floats)}; engines need one floating-point dtype",
+                "export again",
+            )
+        )
     missing, unexpected, misshapen = contract_mismatches(shapes, want)
     if missing:
-        out.append(Finding("missing_tensor", f"the engine would create these empty: {missing}",
-                           "export again; never serve a drafter with missing weights (it loads, then accepts nothing)"))
+        out.append(
+            Finding(
+                "missing_tensor",
+                f"the engine would create these empty: {missing}",
+                "export again; never serve a drafter with missing weights (it loads, then accepts nothing)",
+            )
+        )
     bad = [f"{k} {list(shapes[k])} ≠ {list(want[k])}" for k in misshapen]
     if bad:
-        out.append(Finding("tensor_shape", "shapes that do not fit the config: " + "; ".join(bad), "export again"))
-    stray = [k for k in unexpected if k not in ("d2t", "t2d")]      # the maps are checked on their own below
+        out.append(
+            Finding("tensor_shape", "shapes that do not fit the config: " + "; ".join(bad), "export again")
+        )
+    stray = [k for k in unexpected if k not in ("d2t", "t2d")]  # the maps are checked on their own below
     if stray:
-        out.append(Finding("stray_tensor", f"tensors no engine expects: {stray[:8]}",
-                           "export with `eagle3kit export` (no `model.` prefix, no embed_tokens for a drafter as wide as its target)"))
+        out.append(
+            Finding(
+                "stray_tensor",
+                f"tensors no engine expects: {stray[:8]}",
+                "export with `eagle3kit export` (no `model.` prefix, no embed_tokens for a drafter as wide as "
+                "its target)",
+            )
+        )
+    return out
+
+
+def _check_vocab_maps(folder: _Folder, fields, V: int) -> list[Finding]:
+    """``d2t``/``t2d``: present exactly when Vd < V, 1-D int64/bool, and valid maps
+    (:func:`~eagle3kit.model.draft_vocab.check_maps`) of the right length."""
+    shapes, maps = folder.shapes, dict(folder.maps)
+    Vd = fields.draft_vocab_size
+    out: list[Finding] = []
     if Vd >= V and "d2t" in maps:
-        out.append(Finding("stray_d2t", f"draft_vocab_size {Vd} = vocab_size {V} but the folder holds d2t: vLLM creates no "
-                           "d2t parameter for a full draft vocabulary and fails to load it", "export again (no maps for a full vocabulary)"))
+        out.append(
+            Finding(
+                "stray_d2t",
+                f"draft_vocab_size {Vd} = vocab_size {V} but the folder holds d2t: vLLM creates no "
+                "d2t parameter for a full draft vocabulary and fails to load it",
+                "export again (no maps for a full vocabulary)",
+            )
+        )
     for k, want_dtype in (("d2t", "torch.int64"), ("t2d", "torch.bool")):
         if k in maps and (str(maps[k].dtype) != want_dtype or maps[k].dim() != 1):
-            out.append(Finding("vocab_map_dtype", f"{k} is {maps[k].dtype} of shape {list(maps[k].shape)}; engines read a 1-D "
-                               f"{want_dtype.replace('torch.', '')}", "export again"))
+            out.append(
+                Finding(
+                    "vocab_map_dtype",
+                    f"{k} is {maps[k].dtype} of shape {list(maps[k].shape)}; engines read a 1-D "
+                    f"{want_dtype.replace('torch.', '')}",
+                    "export again",
+                )
+            )
             maps.pop(k)
-    if Vd < V and not ("d2t" in shapes and "d2t" not in maps):     # (a d2t of the wrong dtype is reported above)
+    if Vd < V and not ("d2t" in shapes and "d2t" not in maps):  # (a d2t of the wrong dtype is reported above)
         if "d2t" not in maps:
-            out.append(Finding("missing_d2t", f"draft_vocab_size {Vd} < vocab_size {V} but there is no d2t: the engine would "
-                               "map draft ids to the wrong tokens", "export again"))
+            out.append(
+                Finding(
+                    "missing_d2t",
+                    f"draft_vocab_size {Vd} < vocab_size {V} but there is no d2t: the engine would "
+                    "map draft ids to the wrong tokens",
+                    "export again",
+                )
+            )
         else:
-
             try:
                 check_maps(maps["d2t"], maps.get("t2d"), V)
             except Exception as e:
                 out.append(Finding("vocab_maps", str(e), "rebuild the vocab and export again"))
             if maps["d2t"].numel() != Vd:
-                out.append(Finding("d2t_length", f"d2t has {maps['d2t'].numel()} entries, draft_vocab_size {Vd}", "export again"))
+                out.append(
+                    Finding(
+                        "d2t_length",
+                        f"d2t has {maps['d2t'].numel()} entries, draft_vocab_size {Vd}",
+                        "export again",
+                    )
+                )
+    return out
+
+
+def _check_positions(dc: dict, fields, tc, max_model_len: int | None) -> list[Finding]:
+    """Tied embeddings, max positions against the serving length, rope against the target's."""
+    out: list[Finding] = []
     if dc.get("tie_word_embeddings"):
-        out.append(Finding("tied_embeddings", "tie_word_embeddings is true: the engine would use the embedding as lm_head",
-                           "set tie_word_embeddings false (the drafter's lm_head is [Vd, H])"))
+        out.append(
+            Finding(
+                "tied_embeddings",
+                "tie_word_embeddings is true: the engine would use the embedding as lm_head",
+                "set tie_word_embeddings false (the drafter's lm_head is [Vd, H])",
+            )
+        )
     mpe = fields.max_position_embeddings or 0
     target_len = int(getattr(tc, "max_position_embeddings", 0) or 0)
     if max_model_len and mpe < max_model_len:
-        out.append(Finding("max_positions", f"max_position_embeddings {mpe} < the serving length {max_model_len}",
-                           "export again (it copies the target's) or serve with a shorter --max-model-len"))
+        out.append(
+            Finding(
+                "max_positions",
+                f"max_position_embeddings {mpe} < the serving length {max_model_len}",
+                "export again (it copies the target's) or serve with a shorter --max-model-len",
+            )
+        )
     elif not max_model_len and target_len and mpe < target_len:
         # the engines serve the target's own length by default; vLLM then caps the drafter at its
         # max_position_embeddings (SpeculativeConfig._maybe_override_draft_max_model_len): no draft past it
-        out.append(Finding("max_positions", f"max_position_embeddings {mpe} < {target_len}, the length the engine serves "
-                           f"this target at by default (its max_position_embeddings): vLLM starts, and past {mpe} tokens "
-                           "it drafts nothing (τ 1)", f"export again (it copies the target's), or serve with --max-model-len "
-                           f"{mpe} and pass it to check"))
+        out.append(
+            Finding(
+                "max_positions",
+                f"max_position_embeddings {mpe} < {target_len}, the length the engine serves "
+                f"this target at by default (its max_position_embeddings): vLLM starts, and past {mpe} tokens "
+                "it drafts nothing (τ 1)",
+                f"export again (it copies the target's), or serve with --max-model-len "
+                f"{mpe} and pass it to check",
+            )
+        )
     rope = rope_settings(tc)
-    if float(fields.rope_theta or rope["rope_theta"]) != float(rope["rope_theta"]) or \
-            (dc.get("rope_scaling") or None) != (rope.get("rope_scaling") or None):
-        out.append(Finding("rope", f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
-                           f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}", "export again (it copies the target's)"))
-    out += _check_aux(dc, N, tcfg, tc, engine)
-    if speculators:
+    if float(fields.rope_theta or rope["rope_theta"]) != float(rope["rope_theta"]) or (
+        dc.get("rope_scaling") or None
+    ) != (rope.get("rope_scaling") or None):
+        out.append(
+            Finding(
+                "rope",
+                f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
+                f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}",
+                "export again (it copies the target's)",
+            )
+        )
+    return out
+
+
+def _check_engine(
+    folder: _Folder, target: TargetConfig, tcfg, tc, engine: str, engine_version: str | None
+) -> list[Finding]:
+    """What the engine supports: the speculators layout by engine and release, SGLang's untabled
+    releases, and for vLLM its EAGLE-3 gate, the target class and the target's own config."""
+    dc = folder.config
+    out: list[Finding] = []
+    if folder.speculators:
         if engine == "sglang":
-            out.append(Finding("layout", "a speculators-layout folder (architectures Eagle3Speculator): SGLang has no model "
-                               "class for it", "serve the dual-engine export (`eagle3kit export`) with SGLang"))
-        elif engine_version and (parse_version(engine_version) or parse_version("0.10.1")) < parse_version("0.10.1"):
-            out.append(Finding("layout", f"vLLM {engine_version} does not read the speculators layout (from 0.10.1 on)",
-                               "serve the dual-engine export, or vLLM ≥ 0.10.1"))
+            out.append(
+                Finding(
+                    "layout",
+                    "a speculators-layout folder (architectures Eagle3Speculator): SGLang has no model "
+                    "class for it",
+                    "serve the dual-engine export (`eagle3kit export`) with SGLang",
+                )
+            )
+        elif engine_version and (parse_version(engine_version) or parse_version("0.10.1")) < parse_version(
+            "0.10.1"
+        ):
+            out.append(
+                Finding(
+                    "layout",
+                    f"vLLM {engine_version} does not read the speculators layout (from 0.10.1 on)",
+                    "serve the dual-engine export, or vLLM ≥ 0.10.1",
+                )
+            )
     if engine == "sglang" and engine_version:
-        out.append(Finding("engine_support", f"SGLang {engine_version}: eagle3kit has no table of SGLang releases; the "
-                           "per-family aux-id rule checked is SGLang 0.5.23's", "check that release's notes", "warning"))
+        out.append(
+            Finding(
+                "engine_support",
+                f"SGLang {engine_version}: eagle3kit has no table of SGLang releases; the "
+                "per-family aux-id rule checked is SGLang 0.5.23's",
+                "check that release's notes",
+                "warning",
+            )
+        )
     if engine == "vllm":
-        out += _vllm_support(target_architectures(tcfg), str(getattr(tc, "model_type", "") or getattr(tcfg, "model_type", "")),
-                             engine_version)
+        out += _vllm_support(
+            target_architectures(tcfg),
+            str(getattr(tc, "model_type", "") or getattr(tcfg, "model_type", "")),
+            engine_version,
+        )
         block = dc.get("eagle3kit") if isinstance(dc.get("eagle3kit"), dict) else {}
         out += _vllm_target_config(target, engine_version, block)
     return out
@@ -263,69 +480,124 @@ def _raw_target_config(target: TargetConfig) -> dict:
     loc = locate_target(target)
     if loc["gguf_file"] or not (Path(loc["path"]) / "config.json").is_file():
         return {}
-    return read_config_json(loc["path"])     # check_drafter read it through transformers first: it parses
+    return read_config_json(loc["path"])  # check_drafter read it through transformers first: it parses
 
 
 def _vllm_target_config(target: TargetConfig, engine_version: str | None, provenance: dict) -> list[Finding]:
     """Faults in the target's own config that the installed vLLM (0.32, read from its source and
-    seen to fail on tiny targets of each family) refuses or silently serves differently."""
+    seen to fail on tiny targets of each family) refuses or silently serves differently.
 
+    Over 80 lines because it is a table of independent rules, one per fault the installed vLLM shows on a
+    family's config, each with its message.
+    """
 
     raw = _raw_target_config(target)
     installed = installed_vllm()
-    if not raw or installed is None or (engine_version and parse_version(engine_version) != parse_version(installed)):
+    if (
+        not raw
+        or installed is None
+        or (engine_version and parse_version(engine_version) != parse_version(installed))
+    ):
         return []
     out: list[Finding] = []
     text = text_fields(raw)
     if str(text.get("model_type")) in ("deepseek_v3", "kimi_k2"):
         gone = [k for k in ("topk_method", "scoring_func") if k not in text]
         if gone:
-            out.append(Finding("moe_routing", f"the target's config has no {' / '.join(gone)}: vLLM's DeepSeek-V3 then "
-                               + ("creates no gate.e_score_correction_bias and fails to load the checkpoint (KeyError), "
-                                  if "topk_method" in gone else "")
-                               + ("routes the experts with softmax where the model (and transformers) uses sigmoid, so "
-                                  "the served model is silently another model" if "scoring_func" in gone else ""),
-                               'add "topk_method": "noaux_tc" and "scoring_func": "sigmoid" to the target\'s config.json '
-                               "(the hub configs of DeepSeek-V3 and Kimi carry both; transformers 5 does not write them)"))
-        other = {k: text[k] for k, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))
-                 if k in text and text[k] != want}
+            out.append(
+                Finding(
+                    "moe_routing",
+                    f"the target's config has no {' / '.join(gone)}: vLLM's DeepSeek-V3 then "
+                    + (
+                        "creates no gate.e_score_correction_bias and fails to load the checkpoint (KeyError), "
+                        if "topk_method" in gone
+                        else ""
+                    )
+                    + (
+                        "routes the experts with softmax where the model (and transformers) uses sigmoid, so "
+                        "the served model is silently another model"
+                        if "scoring_func" in gone
+                        else ""
+                    ),
+                    'add "topk_method": "noaux_tc" and "scoring_func": "sigmoid" to the target\'s config.json '
+                    "(the hub configs of DeepSeek-V3 and Kimi carry both; transformers 5 does not write them)",
+                )
+            )
+        other = {
+            k: text[k]
+            for k, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"))
+            if k in text and text[k] != want
+        }
         if other:
-            out.append(Finding("moe_routing", f"the target's config routes with {other}: vLLM's DeepSeek-V3 honours it "
-                               + ("(greedy/group-limited top-k creates no gate.e_score_correction_bias, so the checkpoint's "
-                                  "bias fails to load) " if "topk_method" in other else "")
-                               + "while transformers' DeepSeek-V3 (which made the drafter's training data) always routes "
-                               "with sigmoid scores and noaux_tc: the served model is another model",
-                               'set "topk_method": "noaux_tc" and "scoring_func": "sigmoid" as in the DeepSeek-V3 and Kimi '
-                               "hub configs (or, if the checkpoint really is another routing, it is not a DeepSeek-V3)"))
+            out.append(
+                Finding(
+                    "moe_routing",
+                    f"the target's config routes with {other}: vLLM's DeepSeek-V3 honours it "
+                    + (
+                        "(greedy/group-limited top-k creates no gate.e_score_correction_bias, so the checkpoint's "
+                        "bias fails to load) "
+                        if "topk_method" in other
+                        else ""
+                    )
+                    + "while transformers' DeepSeek-V3 (which made the drafter's training data) always routes "
+                    "with sigmoid scores and noaux_tc: the served model is another model",
+                    'set "topk_method": "noaux_tc" and "scoring_func": "sigmoid" as in the DeepSeek-V3 and Kimi '
+                    "hub configs (or, if the checkpoint really is another routing, it is not a DeepSeek-V3)",
+                )
+            )
     if is_kimi_wrapper(raw) and "media_placeholder_token_id" not in raw:
-        out.append(Finding("kimi_media_placeholder", f"vLLM {installed}'s EAGLE-3 proposer reads "
-                           "config.media_placeholder_token_id of a Kimi-K2.5 target; this config has none (transformers' "
-                           "Kimi_K25Config does not write it), so the server stops at start (AttributeError)",
-                           'add "media_placeholder_token_id": 163605 (the hub config\'s value, the <|media_pad|> id) to the '
-                           "target's config.json"))
+        out.append(
+            Finding(
+                "kimi_media_placeholder",
+                f"vLLM {installed}'s EAGLE-3 proposer reads "
+                "config.media_placeholder_token_id of a Kimi-K2.5 target; this config has none (transformers' "
+                "Kimi_K25Config does not write it), so the server stops at start (AttributeError)",
+                'add "media_placeholder_token_id": 163605 (the hub config\'s value, the <|media_pad|> id) to the '
+                "target's config.json",
+            )
+        )
     if vllm_cpu_build() and uses_mla(raw):
         if os.environ.get("VLLM_MLA_DISABLE") != "1":
-            out.append(Finding("mla_cpu_eagle3", f"vLLM {installed} is the CPU build: MLA with EAGLE-3 does not start "
-                               "in float32 (its reference CPU_MLA backend takes KV blocks of 16 and the drafter's CPU "
-                               "attention a multiple of 32: \"No common block size\"; on a CPU with AMX the default "
-                               "AMX MLA backend takes only bf16 weights). In bf16 on AMX it starts, but was not seen to be "
-                               "lossless (docs/families.md)",
-                               "start vLLM with VLLM_MLA_DISABLE=1 (the target's attention without MLA, the nearest path "
-                               "the CPU build runs losslessly; run check with it set to confirm); GPU builds are not affected"))
+            out.append(
+                Finding(
+                    "mla_cpu_eagle3",
+                    f"vLLM {installed} is the CPU build: MLA with EAGLE-3 does not start "
+                    "in float32 (its reference CPU_MLA backend takes KV blocks of 16 and the drafter's CPU "
+                    'attention a multiple of 32: "No common block size"; on a CPU with AMX the default '
+                    "AMX MLA backend takes only bf16 weights). In bf16 on AMX it starts, but was not seen to be "
+                    "lossless (docs/families.md)",
+                    "start vLLM with VLLM_MLA_DISABLE=1 (the target's attention without MLA, the nearest path "
+                    "the CPU build runs losslessly; run check with it set to confirm); GPU builds are not affected",
+                )
+            )
         else:
-            out.append(Finding("mla_cpu_eagle3", "VLLM_MLA_DISABLE=1: vLLM's CPU build serves this MLA target without MLA "
-                               "(the nearest path to MLA + EAGLE-3 it runs)", "", "info"))
-        scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}     # hub form, transformers 5 form
+            out.append(
+                Finding(
+                    "mla_cpu_eagle3",
+                    "VLLM_MLA_DISABLE=1: vLLM's CPU build serves this MLA target without MLA "
+                    "(the nearest path to MLA + EAGLE-3 it runs)",
+                    "",
+                    "info",
+                )
+            )
+        # hub form, transformers 5 form
+        scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
         if (scaling.get("rope_type") or scaling.get("type") or "default") == "default":
             src = provenance.get("features_source") or "unknown"
-            out.append(Finding("engine_numerics", f"vLLM {installed}'s CPU build computes other hidden states than "
-                               "transformers for this target: a DeepSeek-family attention without rope_scaling goes "
-                               "through its C++ rotary kernel, which reads the 3-D [tokens, heads, dim] query as "
-                               "tokens × heads rows (head h of token t rotated at position t·heads + h; "
-                               f"csrc/cpu/pos_encoding.cpp). The drafter's features came from: {src}",
-                               "train on features from the engine (`eagle3kit extract --backend vllm`) and compare with "
-                               "`eagle3kit parity`; configs with yarn rope_scaling (the real DeepSeek-V3 and Kimi) are "
-                               "not affected", "info" if src.startswith("vllm") else "warning"))
+            out.append(
+                Finding(
+                    "engine_numerics",
+                    f"vLLM {installed}'s CPU build computes other hidden states than "
+                    "transformers for this target: a DeepSeek-family attention without rope_scaling goes "
+                    "through its C++ rotary kernel, which reads the 3-D [tokens, heads, dim] query as "
+                    "tokens × heads rows (head h of token t rotated at position t·heads + h; "
+                    f"csrc/cpu/pos_encoding.cpp). The drafter's features came from: {src}",
+                    "train on features from the engine (`eagle3kit extract --backend vllm`) and compare with "
+                    "`eagle3kit parity`; configs with yarn rope_scaling (the real DeepSeek-V3 and Kimi) are "
+                    "not affected",
+                    "info" if src.startswith("vllm") else "warning",
+                )
+            )
     return out
 
 
@@ -339,18 +611,71 @@ VLLM_EAGLE3_GATE: list[tuple[str, list[str] | None]] = [
     ("0.10.1", ["llama", "qwen"]),
     ("0.11.0", ["llama", "qwen", "minicpm", "gpt_oss"]),
     ("0.16.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe"]),
-    ("0.17.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h"]),
-    ("0.18.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
-                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"]),
-    ("0.20.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
-                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2", "gemma4"]),
-    ("0.21.0", ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h",
-                "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2", "gemma4", "laguna"]),
+    (
+        "0.17.0",
+        ["llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe", "nemotron_h"],
+    ),
+    (
+        "0.18.0",
+        [
+            "llama",
+            "qwen",
+            "minicpm",
+            "gpt_oss",
+            "hunyuan_vl",
+            "hunyuan_v1_dense",
+            "afmoe",
+            "nemotron_h",
+            "deepseek_v2",
+            "deepseek_v3",
+            "kimi_k2",
+            "kimi_k25",
+        ],
+    ),
+    (
+        "0.20.0",
+        [
+            "llama",
+            "qwen",
+            "minicpm",
+            "gpt_oss",
+            "hunyuan_vl",
+            "hunyuan_v1_dense",
+            "afmoe",
+            "nemotron_h",
+            "deepseek_v2",
+            "deepseek_v3",
+            "kimi_k2",
+            "kimi_k25",
+            "minimax_m2",
+            "gemma4",
+        ],
+    ),
+    (
+        "0.21.0",
+        [
+            "llama",
+            "qwen",
+            "minicpm",
+            "gpt_oss",
+            "hunyuan_vl",
+            "hunyuan_v1_dense",
+            "afmoe",
+            "nemotron_h",
+            "deepseek_v2",
+            "deepseek_v3",
+            "kimi_k2",
+            "kimi_k25",
+            "minimax_m2",
+            "gemma4",
+            "laguna",
+        ],
+    ),
     ("0.22.0", None),
 ]
 
 
-VLLM_TABLE_LAST = "0.33.0"      # the newest release the table was read from
+VLLM_TABLE_LAST = "0.33.0"  # the newest release the table was read from
 
 
 def parse_version(v: str):
@@ -372,52 +697,104 @@ def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
 
 def _vllm_support(archs: list[str], model_type: str, engine_version: str | None) -> list[Finding]:
     """C31: whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
-    the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3."""
+    the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3.
 
+    Over 80 lines because it is a table of rules by vLLM release and class, each with its message.
+    """
 
     installed = installed_vllm()
     want = engine_version or installed
     if want is None:
-        return [Finding("engine_support", f"no vLLM version given and none installed: EAGLE-3 support for {model_type} "
-                        "not checked", "pass --engine-version (the vLLM that will serve)", "warning")]
+        return [
+            Finding(
+                "engine_support",
+                f"no vLLM version given and none installed: EAGLE-3 support for {model_type} not checked",
+                "pass --engine-version (the vLLM that will serve)",
+                "warning",
+            )
+        ]
     wv = parse_version(want)
     if wv is None:
         return [Finding("engine_version", f"--engine-version {want!r} is not a version", "give it as 0.11.0")]
     out: list[Finding] = []
     row = vllm_eagle3_gate(want)
     if row is None:
-        return [Finding("engine_support", f"vLLM {want} has no EAGLE-3 (it arrived in 0.8.5)", "serve on vLLM ≥ 0.8.5")]
+        return [
+            Finding(
+                "engine_support", f"vLLM {want} has no EAGLE-3 (it arrived in 0.8.5)", "serve on vLLM ≥ 0.8.5"
+            )
+        ]
     if Version("0.15") <= wv < Version("0.16") or wv > Version(VLLM_TABLE_LAST):
-        out.append(Finding("engine_support", f"vLLM {want} is not in eagle3kit's table (read from 0.8.5–{VLLM_TABLE_LAST}, "
-                           f"no 0.15); its gate is assumed to be {row[0]}'s", "check the release notes", "warning"))
+        out.append(
+            Finding(
+                "engine_support",
+                f"vLLM {want} is not in eagle3kit's table (read from 0.8.5–{VLLM_TABLE_LAST}, "
+                f"no 0.15); its gate is assumed to be {row[0]}'s",
+                "check the release notes",
+                "warning",
+            )
+        )
     allow = row[1]
     if allow is not None and not any(m in model_type for m in allow):
-        first = next((r[0] for r in VLLM_EAGLE3_GATE if r[1] is None or any(m in model_type for m in r[1])), None)
-        out.append(Finding("engine_support", f"vLLM {want} allows EAGLE-3 only for model types containing {allow}; "
-                           f"this target is {model_type!r} (the server refuses the speculative config at start)",
-                           f"serve on vLLM ≥ {first}" + (" (if its class for this target implements SupportsEagle3)"
-                                                          if vllm_eagle3_gate(first)[1] is None else "")))
+        first = next(
+            (r[0] for r in VLLM_EAGLE3_GATE if r[1] is None or any(m in model_type for m in r[1])), None
+        )
+        out.append(
+            Finding(
+                "engine_support",
+                f"vLLM {want} allows EAGLE-3 only for model types containing {allow}; "
+                f"this target is {model_type!r} (the server refuses the speculative config at start)",
+                f"serve on vLLM ≥ {first}"
+                + (
+                    " (if its class for this target implements SupportsEagle3)"
+                    if vllm_eagle3_gate(first)[1] is None
+                    else ""
+                ),
+            )
+        )
     if installed and Version(installed).release[:3] == wv.release[:3]:
         ok, why = _vllm_supports_eagle3(archs)
         if ok is None and why:
-            out.append(Finding("engine_support", f"the installed vLLM {installed} has a class for {archs} but cannot import "
-                               f"it here ({why}): a server would fail the same way at start",
-                               "install what the import needs (for a vision wrapper: torchvision), or serve a text-only "
-                               "checkpoint of the language model"))
+            out.append(
+                Finding(
+                    "engine_support",
+                    f"the installed vLLM {installed} has a class for {archs} but cannot import "
+                    f"it here ({why}): a server would fail the same way at start",
+                    "install what the import needs (for a vision wrapper: torchvision), or serve a text-only "
+                    "checkpoint of the language model",
+                )
+            )
         elif ok is False:
-            out.append(Finding("engine_support", f"vLLM {installed}'s class for {archs} does not implement EAGLE-3 "
-                               "(SupportsEagle3): it cannot hand the drafter aux hidden states",
-                               "use a vLLM version whose class for this target supports EAGLE-3"))
+            out.append(
+                Finding(
+                    "engine_support",
+                    f"vLLM {installed}'s class for {archs} does not implement EAGLE-3 "
+                    "(SupportsEagle3): it cannot hand the drafter aux hidden states",
+                    "use a vLLM version whose class for this target supports EAGLE-3",
+                )
+            )
         elif ok is None:
-            out.append(Finding("engine_support", f"the installed vLLM {installed} has no model class for {archs}: it would "
-                               "fall back to its generic Transformers backend (seen for transformers' own "
-                               "Kimi_K25ForConditionalGeneration: it then fails at start, its image processor needing "
-                               "torchvision)", "serve the checkpoint under an architecture vLLM has a class for (Kimi-K2.5: "
-                               "the hub layout, KimiK25ForConditionalGeneration with language_model.model.layers.* names)"))
+            out.append(
+                Finding(
+                    "engine_support",
+                    f"the installed vLLM {installed} has no model class for {archs}: it would "
+                    "fall back to its generic Transformers backend (seen for transformers' own "
+                    "Kimi_K25ForConditionalGeneration: it then fails at start, its image processor needing "
+                    "torchvision)",
+                    "serve the checkpoint under an architecture vLLM has a class for (Kimi-K2.5: "
+                    "the hub layout, KimiK25ForConditionalGeneration with language_model.model.layers.* names)",
+                )
+            )
     elif wv >= Version("0.10.1"):
-        out.append(Finding("engine_support", f"whether vLLM {want}'s class for {archs} implements SupportsEagle3 is not "
-                           f"checked here (installed: {installed or 'none'})",
-                           f"run check where vLLM {want} is installed", "warning"))
+        out.append(
+            Finding(
+                "engine_support",
+                f"whether vLLM {want}'s class for {archs} implements SupportsEagle3 is not "
+                f"checked here (installed: {installed or 'none'})",
+                f"run check where vLLM {want} is installed",
+                "warning",
+            )
+        )
     return out
 
 
@@ -426,34 +803,72 @@ def _check_aux(dc: dict, N: int, tcfg, tc, engine: str) -> list[Finding]:
     ids = dc.get("eagle_aux_hidden_state_layer_ids")
     nested = (dc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not ids:
-        return [Finding("aux_ids_missing", "config.json has no eagle_aux_hidden_state_layer_ids: the engine would pick "
-                        "its default layers, not the ones the drafter was trained on", "export again")]
+        return [
+            Finding(
+                "aux_ids_missing",
+                "config.json has no eagle_aux_hidden_state_layer_ids: the engine would pick "
+                "its default layers, not the ones the drafter was trained on",
+                "export again",
+            )
+        ]
     if sorted(set(ids)) != list(ids) or min(ids) < 1 or max(ids) > N - 1:
-        out.append(Finding("aux_ids_range", f"aux ids {ids} must be distinct, ascending, inside [1, {N - 1}] (HF index)",
-                           "export again with the ids the drafter was trained on"))
+        out.append(
+            Finding(
+                "aux_ids_range",
+                f"aux ids {ids} must be distinct, ascending, inside [1, {N - 1}] (HF index)",
+                "export again with the ids the drafter was trained on",
+            )
+        )
     block = dc.get("eagle3kit") if isinstance(dc.get("eagle3kit"), dict) else {}
-    trained = block.get("aux_layer_ids", {}).get("ids") if isinstance(block.get("aux_layer_ids"), dict) else None
+    trained = (
+        block.get("aux_layer_ids", {}).get("ids") if isinstance(block.get("aux_layer_ids"), dict) else None
+    )
     if trained and list(trained) != list(ids):
-        out.append(Finding("aux_ids_trained", f"config aux ids {ids} but the features were trained on {trained}",
-                           f"set eagle_aux_hidden_state_layer_ids to {trained}"))
+        out.append(
+            Finding(
+                "aux_ids_trained",
+                f"config aux ids {ids} but the features were trained on {trained}",
+                f"set eagle_aux_hidden_state_layer_ids to {trained}",
+            )
+        )
     if nested is not None and [i + 1 for i in nested] != list(ids):
-        out.append(Finding("aux_ids_conventions", f"eagle_config ids {nested} (output of layer j) do not equal the top-level "
-                           f"{ids} (HF index) minus 1", f"set eagle_config.eagle_aux_hidden_state_layer_ids to {[i - 1 for i in ids]}"))
+        out.append(
+            Finding(
+                "aux_ids_conventions",
+                f"eagle_config ids {nested} (output of layer j) do not equal the top-level "
+                f"{ids} (HF index) minus 1",
+                f"set eagle_config.eagle_aux_hidden_state_layer_ids to {[i - 1 for i in ids]}",
+            )
+        )
     if engine == "sglang":
         cfg_ids = list(nested) if nested is not None else [i - 1 for i in ids]
         got = sglang_captured(cfg_ids, str(getattr(tc, "model_type", getattr(tcfg, "model_type", ""))), N)
         want = list(trained or ids)
         if got != want:
-            out.append(Finding("aux_ids_sglang", f"SGLang will capture HF layers {got} on this {tc.model_type} target, not {want}",
-                               "export ids that SGLang's rule for this family maps to the trained layers"))
+            out.append(
+                Finding(
+                    "aux_ids_sglang",
+                    f"SGLang will capture HF layers {got} on this {tc.model_type} target, not {want}",
+                    "export ids that SGLang's rule for this family maps to the trained layers",
+                )
+            )
         else:
-            out.append(Finding("aux_ids_sglang", f"SGLang will capture HF layers {got} (eagle_config ids {cfg_ids} under "
-                               f"its {SGLANG_AUX_RULE.get(str(tc.model_type), 'always')!r} rule for {tc.model_type}): the "
-                               "trained layers", "", "info"))
+            out.append(
+                Finding(
+                    "aux_ids_sglang",
+                    f"SGLang will capture HF layers {got} (eagle_config ids {cfg_ids} under "
+                    f"its {SGLANG_AUX_RULE.get(str(tc.model_type), 'always')!r} rule for {tc.model_type}): the "
+                    "trained layers",
+                    "",
+                    "info",
+                )
+            )
     return out
 
 
 def findings_json(findings: list[Finding]) -> str:
     """The findings as JSON (``--json``): ``{"ok": bool, "findings": [...]}``."""
-    return json.dumps({"ok": not any(f.severity == "error" for f in findings), "findings": [asdict(f) for f in findings]},
-                      indent=2)
+    return json.dumps(
+        {"ok": not any(f.severity == "error" for f in findings), "findings": [asdict(f) for f in findings]},
+        indent=2,
+    )

@@ -12,6 +12,7 @@ borrows the target's; this version only builds drafters as wide as their target)
 with ``layers.0.`` in place of ``midlayer.``, and a config with ``speculators_model_type "eagle3"``,
 ``transformer_layer_config`` and ``speculators_config``.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ from eagle3kit.model.target import load_target_config, locate_target, target_arc
 from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
 
 
-def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir: str | None = None,
-               overwrite: bool = False, set_aside_existing: bool = False, fmt: str = "dual") -> dict:
+def run_export(
+    cfg: Config,
+    run: RunDir,
+    checkpoint: str | None = None,
+    out_dir: str | None = None,
+    overwrite: bool = False,
+    set_aside_existing: bool = False,
+    fmt: str = "dual",
+) -> dict:
     """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or
     ``out_dir``; ``<run>/drafter-speculators`` for ``fmt="speculators"``).
 
@@ -40,31 +48,25 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
     consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
-    if src.is_dir():        # a drafter folder (any layout eagle3kit imports): re-export it
-
+    if src.is_dir():  # a drafter folder (any layout eagle3kit imports): re-export it
         imp = read_drafter(src, target=cfg.target)
         drafter, prov = imp.drafter, dict(imp.provenance)
     else:
         drafter = load_drafter_checkpoint(src)
-        prov = checkpoint_provenance(src)      # what this checkpoint was trained with, not what the run dir says
+        prov = checkpoint_provenance(src)  # what this checkpoint was trained with, not what the run dir says
         prov["checkpoint_sha256"] = sha256_tensors(src)
     out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
     if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
         raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
-    old_cfg = None
-    if (out / "config.json").is_file() and not overwrite:
-        try:
-            old_cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            old_cfg = None
-    if isinstance(old_cfg, dict):
-        same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
-        if same_fmt and prov.get("checkpoint_sha256") and \
-                (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == prov["checkpoint_sha256"]:
-            res = {"path": str(out), "format": fmt, "up_to_date": True}
-            run.record_stage(_stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res,
-                             *_lineage(run, out, consumed, sha256_tensors(out / "model.safetensors")))
-            return res
+    if not overwrite and _up_to_date(out, fmt, prov.get("checkpoint_sha256")):
+        res = {"path": str(out), "format": fmt, "up_to_date": True}
+        run.record_stage(
+            _stage(fmt),
+            {"checkpoint": prov["checkpoint_sha256"]},
+            res,
+            *_lineage(run, out, consumed, sha256_tensors(out / "model.safetensors")),
+        )
+        return res
     if set_aside_existing and out.is_dir() and any(out.iterdir()):
         console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
     verifier = None
@@ -72,13 +74,44 @@ def run_export(cfg: Config, run: RunDir, checkpoint: str | None = None, out_dir:
         tcfg, _ = load_target_config(cfg.target)
         loc = locate_target(cfg.target)
         verifier = {"name_or_path": loc["path"], "architectures": target_architectures(tcfg)}
-    out = export_drafter(drafter, out, prov, overwrite=overwrite, fmt=fmt, verifier=verifier,
-                         num_speculative_tokens=cfg.evaluate.k)
-    res = {"path": str(out), "format": fmt, "model_sha256": sha256_tensors(out / "model.safetensors"),
-           "draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
-    run.record_stage(_stage(fmt), {"checkpoint": prov.get("checkpoint_sha256") or str(src)}, res,
-                     *_lineage(run, out, consumed, res["model_sha256"]))
+    out = export_drafter(
+        drafter,
+        out,
+        prov,
+        overwrite=overwrite,
+        fmt=fmt,
+        verifier=verifier,
+        num_speculative_tokens=cfg.evaluate.k,
+    )
+    res = {
+        "path": str(out),
+        "format": fmt,
+        "model_sha256": sha256_tensors(out / "model.safetensors"),
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "vocab_size": drafter.config.vocab_size,
+    }
+    run.record_stage(
+        _stage(fmt),
+        {"checkpoint": prov.get("checkpoint_sha256") or str(src)},
+        res,
+        *_lineage(run, out, consumed, res["model_sha256"]),
+    )
     return res
+
+
+def _up_to_date(out: Path, fmt: str, checkpoint_sha: str | None) -> bool:
+    """Whether ``out`` already holds this checkpoint's export in ``fmt`` (by its config's
+    recorded checkpoint hash; an unreadable config is not up to date)."""
+    if not checkpoint_sha or not (out / "config.json").is_file():
+        return False
+    try:
+        old_cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(old_cfg, dict):
+        return False
+    same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
+    return same_fmt and (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == checkpoint_sha
 
 
 def _lineage(run: RunDir, out: Path, consumed: dict | None, model_sha: str) -> tuple:

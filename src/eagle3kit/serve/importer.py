@@ -27,6 +27,7 @@ is strict: any key left over after renaming, and any tensor the drafter needs bu
 is an error that names it. Variants eagle3kit does not implement (``norm_before_residual: true``,
 ``fc_norm``, ``norm_before_fc``, biases, more than one decoder layer) are refused by name.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,9 @@ from eagle3kit.model.target import locate_target
 from eagle3kit.serve.check import check_drafter
 
 
-def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "auto", overwrite: bool = False) -> dict:
+def run_import(
+    source: str | Path, out_dir: str | Path, target, layout: str = "auto", overwrite: bool = False
+) -> dict:
     """``eagle3kit import``: read ``source`` (:func:`read_drafter`), write the dual-engine folder
     (:func:`eagle3kit.model.folder.export_drafter`, same dtype) to a temporary folder, run
     :func:`eagle3kit.serve.check.check_drafter` on it against ``target``, and only when nothing is wrong
@@ -52,14 +55,15 @@ def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "a
         FileExistsError: ``out_dir`` is not empty and not ``overwrite``; DrafterImportError:
         ``check`` found errors (listed; nothing is written)."""
 
-
     out = Path(out_dir)
     try:
         same = {out.resolve()} & {Path(source).resolve(), Path(locate_target(target)["path"]).resolve()}
     except (OSError, RuntimeError) as e:
         raise ConfigError(f"cannot resolve {source} or --out {out}: {e}") from None
     if same:
-        raise ConfigError(f"--out {out} is the source folder or the target folder; import never writes into either")
+        raise ConfigError(
+            f"--out {out} is the source folder or the target folder; import never writes into either"
+        )
     check_out_dir(out, overwrite)
     imp = read_drafter(source, layout, target)
     tmp = out.with_name(f".{out.name}.import-{os.getpid()}")
@@ -70,10 +74,19 @@ def run_import(source: str | Path, out_dir: str | Path, target, layout: str = "a
     errors = [f for f in found if f.severity == "error"]
     if errors:
         shutil.rmtree(tmp)
-        raise DrafterImportError(f"{source} imports, but would not serve beside {target.model}; nothing written:\n  "
-                                 + "\n  ".join(f"{f.code}: {f.message} (fix: {f.fix})" for f in errors))
+        raise DrafterImportError(
+            f"{source} imports, but would not serve beside {target.model}; nothing written:\n  "
+            + "\n  ".join(f"{f.code}: {f.message} (fix: {f.fix})" for f in errors)
+        )
     commit_out_dir(tmp, out)
     c = imp.drafter.config
-    return {"path": str(out), "layout": imp.layout, "aux_layer_ids": c.aux_layer_ids, "draft_vocab_size": c.draft_vocab_size,
-            "vocab_size": c.vocab_size, "dtype": str(imp.drafter.fc.weight.dtype).replace("torch.", ""), "notes": imp.notes,
-            "findings": found}
+    return {
+        "path": str(out),
+        "layout": imp.layout,
+        "aux_layer_ids": c.aux_layer_ids,
+        "draft_vocab_size": c.draft_vocab_size,
+        "vocab_size": c.vocab_size,
+        "dtype": str(imp.drafter.fc.weight.dtype).replace("torch.", ""),
+        "notes": imp.notes,
+        "findings": found,
+    }

@@ -15,6 +15,7 @@ one layer off (cosine and top-1 drop), the teacher state taken before instead of
 norm (its scale changes: relative error), another quantization or kernel (small, within
 tolerance), a different target (everything fails).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,16 +44,24 @@ def _states(folder: Path, shard: dict) -> tuple[torch.Tensor, torch.Tensor | Non
 
     try:
         t = load_file(str(folder / shard["file"]))
-    except Exception as e:      # missing, truncated, not safetensors
-        raise ConfigError(f"{folder / shard['file']} cannot be read ({' '.join(str(e).split())[:200]}); rerun "
-                          f"`eagle3kit extract` into {folder} with the same settings: it re-extracts from the first "
-                          "bad shard") from None
+    except Exception as e:  # missing, truncated, not safetensors
+        raise ConfigError(
+            f"{folder / shard['file']} cannot be read ({' '.join(str(e).split())[:200]}); rerun "
+            f"`eagle3kit extract` into {folder} with the same settings: it re-extracts from the first "
+            "bad shard"
+        ) from None
     if "aux" not in t or "offsets" not in t:
-        raise ConfigError(f"{folder / shard['file']} holds no aux states; give a folder `eagle3kit extract` wrote")
+        raise ConfigError(
+            f"{folder / shard['file']} holds no aux states; give a folder `eagle3kit extract` wrote"
+        )
     aux = dequantize_fp8(t["aux"], t["aux_scale"], torch.float32) if "aux_scale" in t else t["aux"].float()
     last = None
     if "last" in t:
-        last = dequantize_fp8(t["last"], t["last_scale"], torch.float32) if "last_scale" in t else t["last"].float()
+        last = (
+            dequantize_fp8(t["last"], t["last_scale"], torch.float32)
+            if "last_scale" in t
+            else t["last"].float()
+        )
     return aux, last
 
 
@@ -65,15 +74,21 @@ class _Acc:
         self.cos_sum += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
         self.n += a.shape[0]
         self.diff2 += float(((a - b) ** 2).sum())
-        self.ref2 += float((a ** 2).sum())
+        self.ref2 += float((a**2).sum())
         self.agree += float((top_a == top_b).sum())
 
     def result(self) -> dict:
-        r = {"tokens": int(self.n), "cosine": round(self.cos_sum / self.n, 6),
-             "relative_error": round((self.diff2 / max(self.ref2, 1e-30)) ** 0.5, 6),
-             "top1_agreement": round(self.agree / self.n, 6)}
-        r["pass"] = (r["cosine"] >= TOLERANCES["cosine_min"] and r["relative_error"] <= TOLERANCES["relative_error_max"]
-                     and r["top1_agreement"] >= TOLERANCES["top1_agreement_min"])
+        r = {
+            "tokens": int(self.n),
+            "cosine": round(self.cos_sum / self.n, 6),
+            "relative_error": round((self.diff2 / max(self.ref2, 1e-30)) ** 0.5, 6),
+            "top1_agreement": round(self.agree / self.n, 6),
+        }
+        r["pass"] = (
+            r["cosine"] >= TOLERANCES["cosine_min"]
+            and r["relative_error"] <= TOLERANCES["relative_error_max"]
+            and r["top1_agreement"] >= TOLERANCES["top1_agreement_min"]
+        )
         return r
 
 
@@ -89,13 +104,13 @@ class _Rows:
 
     def _load(self, shard: dict):
         if self._file != shard["file"]:
-            from safetensors.torch import load_file
-
             aux, last = _states(self.folder, shard)
             offsets = load_file(str(self.folder / shard["file"]))["offsets"]
             if int(offsets[-1]) != aux.shape[0] or len(offsets) != shard["samples"] + 1:
-                raise ConfigError(f"{self.folder / shard['file']} does not hold the {shard['samples']} samples its "
-                                  "index lists; rerun `eagle3kit extract` into that folder to re-extract it")
+                raise ConfigError(
+                    f"{self.folder / shard['file']} does not hold the {shard['samples']} samples its "
+                    "index lists; rerun `eagle3kit extract` into that folder to re-extract it"
+                )
             self._file, self._t = shard["file"], (aux, last, offsets)
         return self._t
 
@@ -128,24 +143,31 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
     Raises:
         ConfigError: a folder is not a feature folder; the two were made from other token samples
             or hidden sizes; folder ``a`` was made from another target than ``target``.
+    Over 80 lines because it is one pass over two feature folders shard by shard; not split yet.
     """
     a, b = Path(a), Path(b)
     ia, sa = _shards(a)
     ib, sb = _shards(b)
     for key in ("tokens", "hidden_size"):
         if ia["inputs"].get(key) != ib["inputs"].get(key):
-            raise ConfigError(f"{a} and {b} were made from different {key} ({ia['inputs'].get(key)!r} vs "
-                              f"{ib['inputs'].get(key)!r}); extract both from the same run's token samples")
+            raise ConfigError(
+                f"{a} and {b} were made from different {key} ({ia['inputs'].get(key)!r} vs "
+                f"{ib['inputs'].get(key)!r}); extract both from the same run's token samples"
+            )
     mine = target.source.get("weights_fingerprint") or target.source.get("model")
     if ia["inputs"].get("target") not in (None, mine):
-        raise ConfigError(f"{a} was made from another target (weights {str(ia['inputs'].get('target'))[:16]}…) than the "
-                          f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
-                          "target with --target, or its --run-dir")
+        raise ConfigError(
+            f"{a} was made from another target (weights {str(ia['inputs'].get('target'))[:16]}…) than the "
+            f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
+            "target with --target, or its --run-dir"
+        )
     notes = []
     if ib["inputs"].get("target") not in (None, mine):
         notes.append(f"{b} was made from another target's weights than {a}; expect every layer to differ")
     if ia["inputs"].get("aux_layer_ids") != ib["inputs"].get("aux_layer_ids"):
-        notes.append(f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}")
+        notes.append(
+            f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}"
+        )
     dev = target.device
     norm, head = target.parts.final_norm, target.parts.lm_head
     aux_ids = ia["inputs"].get("aux_layer_ids") or [0, 1, 2]
@@ -154,16 +176,20 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
     have_teacher = True
     ra, rb = _Rows(a, sa), _Rows(b, sb)
     if ra.samples != rb.samples:
-        notes.append(f"{a} holds {ra.samples} samples and {b} {rb.samples}; compared the first "
-                     f"{min(ra.samples, rb.samples)} (an unfinished extract?)")
+        notes.append(
+            f"{a} holds {ra.samples} samples and {b} {rb.samples}; compared the first "
+            f"{min(ra.samples, rb.samples)} (an unfinished extract?)"
+        )
     done, first, common = 0, 0, min(ra.samples, rb.samples)
     while first < common and (max_tokens is None or done < max_tokens):
         count = min(64, common - first)
         ax, lx = ra.take(first, count)
         bx, lb = rb.take(first, count)
         if ax.shape != bx.shape:
-            raise ConfigError(f"samples {first}…{first + count - 1} of {a} and {b} hold different shapes "
-                              f"{tuple(ax.shape)} and {tuple(bx.shape)}")
+            raise ConfigError(
+                f"samples {first}…{first + count - 1} of {a} and {b} hold different shapes "
+                f"{tuple(ax.shape)} and {tuple(bx.shape)}"
+            )
         n = ax.shape[0] if max_tokens is None else min(ax.shape[0], max_tokens - done)
         for i in range(3):
             xa, xb = ax[:n, i].to(dev), bx[:n, i].to(dev)
@@ -178,13 +204,24 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
         done += n
         first += count
     if not done:
-        raise ConfigError(f"{a} and {b} hold no common tokens to compare (an empty folder, or --max-tokens 0)")
+        raise ConfigError(
+            f"{a} and {b} hold no common tokens to compare (an empty folder, or --max-tokens 0)"
+        )
     layers = {f"aux[{i}] (layer {aux_ids[i]})": accs[i].result() for i in range(3)}
     if have_teacher:
         layers["teacher (post-norm last)"] = teacher.result()
     else:
-        notes.append("teacher not compared: a folder stores a top-K teacher (extract.teacher topk:K), not the post-norm state")
-    return {"a": str(a), "b": str(b), "a_source": ia["inputs"].get("source", "transformers"),
-            "b_source": ib["inputs"].get("source", "transformers"), "tolerances": TOLERANCES, "layers": layers,
-            "tokens": done, "notes": notes,
-            "verdict": "agree" if all(v["pass"] for v in layers.values()) else "disagree"}
+        notes.append(
+            "teacher not compared: a folder stores a top-K teacher (extract.teacher topk:K), not the post-norm state"
+        )
+    return {
+        "a": str(a),
+        "b": str(b),
+        "a_source": ia["inputs"].get("source", "transformers"),
+        "b_source": ib["inputs"].get("source", "transformers"),
+        "tolerances": TOLERANCES,
+        "layers": layers,
+        "tokens": done,
+        "notes": notes,
+        "verdict": "agree" if all(v["pass"] for v in layers.values()) else "disagree",
+    }

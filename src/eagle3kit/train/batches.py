@@ -1,5 +1,6 @@
 """Batches for training-time test: samples grouped by length or packed into rows, padded, with
 the per-step shifted tokens and loss masks of DESIGN.md §4."""
+
 from __future__ import annotations
 
 import random
@@ -22,12 +23,14 @@ class Sample:
     aux: torch.Tensor | None = None
     last: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
-    topk_values: torch.Tensor | None = None     # [T, K] fp32 teacher logits (features extracted with topk:K)
-    topk_ids: torch.Tensor | None = None        # [T, K] int64 draft ids
-    top1_in_draft: torch.Tensor | None = None   # [T] bool: the target's top-1 is in the draft vocabulary
+    topk_values: torch.Tensor | None = None  # [T, K] fp32 teacher logits (features extracted with topk:K)
+    topk_ids: torch.Tensor | None = None  # [T, K] int64 draft ids
+    top1_in_draft: torch.Tensor | None = None  # [T] bool: the target's top-1 is in the draft vocabulary
 
 
-def length_batches(lengths: list[int], tokens_per_batch: int, shuffle: bool, rng: random.Random) -> list[list[int]]:
+def length_batches(
+    lengths: list[int], tokens_per_batch: int, shuffle: bool, rng: random.Random
+) -> list[list[int]]:
     """Group sample indices by similar length so that B · T_max ≤ ``tokens_per_batch`` (a longer
     sample forms a batch of its own)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -50,8 +53,9 @@ def _pad(seqs: list[torch.Tensor], value=0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
 
 
-def packed_batches(lengths: list[int], tokens_per_step: int, row_len: int, shuffle: bool,
-                   rng: random.Random) -> list[list[list[int]]]:
+def packed_batches(
+    lengths: list[int], tokens_per_step: int, row_len: int, shuffle: bool, rng: random.Random
+) -> list[list[list[int]]]:
     """Sequence packing: samples placed first-fit by decreasing length into rows of at most
     ``row_len`` tokens (a longer sample gets a row of its own), rows grouped into batches whose
     padded size (rows × the longest row) stays within ``tokens_per_step`` (a row longer than that
@@ -72,7 +76,7 @@ def packed_batches(lengths: list[int], tokens_per_step: int, row_len: int, shuff
     batches: list[list[list[int]]] = []
     cur: list[list[int]] = []
     widest = 0
-    for r in rows:                               # rows × the widest row's length ≤ tokens_per_step
+    for r in rows:  # rows × the widest row's length ≤ tokens_per_step
         n = sum(lengths[i] for i in r)
         if cur and max(widest, n) * (len(cur) + 1) > tokens_per_step:
             batches.append(cur)
@@ -109,7 +113,9 @@ def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
     B, T = ids.shape
     doc = None
     if packed:
-        doc = _pad([torch.cat([torch.full((samples[i].ids.numel(),), j) for j, i in enumerate(r)]) for r in rows], -1).to(device)
+        doc = _pad(
+            [torch.cat([torch.full((samples[i].ids.numel(),), j) for j, i in enumerate(r)]) for r in rows], -1
+        ).to(device)
     tok, sup = [], []
     for k in range(steps):
         sh = k + 1

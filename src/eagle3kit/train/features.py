@@ -22,6 +22,7 @@ the samples it holds (``first_sample``, ``samples``), the hash of the inputs it 
 index entry was edited is found by name before anything trains on it. ``index.json`` lists the
 finished shards in order; their samples are contiguous from 0.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,7 +38,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import DataError, read_json, sha256_json
 from eagle3kit.model.target import teacher_argmax
 
-FP8_MAX = 448.0          # largest finite float8 e4m3fn value
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
 
 SHARD_NAME = re.compile(r"shard-\d{5}\.safetensors")
@@ -95,16 +96,22 @@ def read_index(folder: Path) -> dict | None:
         index = IndexFile.model_validate(raw).model_dump()
     except ValidationError as e:
         first = e.errors()[0]
-        raise DataError(f"{path} is not an eagle3kit feature index ({'.'.join(map(str, first['loc']))}: "
-                        f"{first['msg']}); {fix}") from None
+        raise DataError(
+            f"{path} is not an eagle3kit feature index ({'.'.join(map(str, first['loc']))}: "
+            f"{first['msg']}); {fix}"
+        ) from None
     at = 0
     for k, s in enumerate(index["shards"]):
         if not SHARD_NAME.fullmatch(s["file"]):
-            raise DataError(f"{path}: shard entry {k} names {s['file']!r}, not a shard-NNNNN.safetensors file of this "
-                            f"folder; {fix}")
+            raise DataError(
+                f"{path}: shard entry {k} names {s['file']!r}, not a shard-NNNNN.safetensors file of this "
+                f"folder; {fix}"
+            )
         if s["first_sample"] != at:
-            raise DataError(f"{path}: shard entry {k} ({s['file']}) starts at sample {s['first_sample']}, the entries "
-                            f"before it end at {at}; {fix}")
+            raise DataError(
+                f"{path}: shard entry {k} ({s['file']}) starts at sample {s['first_sample']}, the entries "
+                f"before it end at {at}; {fix}"
+            )
         at += s["samples"]
     return index
 
@@ -121,8 +128,12 @@ def tokens_digest(rows: list) -> str:
 
 def shard_metadata(first: int, rows: list, inputs: dict) -> dict[str, str]:
     """What a shard records about itself (module docstring)."""
-    return {"first_sample": str(first), "samples": str(len(rows)), "inputs_sha256": sha256_json(inputs),
-            "tokens_sha256": tokens_digest(rows)}
+    return {
+        "first_sample": str(first),
+        "samples": str(len(rows)),
+        "inputs_sha256": sha256_json(inputs),
+        "tokens_sha256": tokens_digest(rows),
+    }
 
 
 def shard_problem(folder: Path, entry: dict, inputs: dict, rows: list) -> str | None:
@@ -142,11 +153,13 @@ def shard_problem(folder: Path, entry: dict, inputs: dict, rows: list) -> str | 
     if "offsets" not in keys or "aux" not in keys:
         return "is not a feature shard (no offsets or aux)"
     if meta.get("first_sample") != str(first) or meta.get("samples") != str(n):
-        return (f"holds samples {meta.get('first_sample')}…+{meta.get('samples')} by its own metadata, the index says "
-                f"{first}…+{n}")
+        return (
+            f"holds samples {meta.get('first_sample')}…+{meta.get('samples')} by its own metadata, the index says "
+            f"{first}…+{n}"
+        )
     if meta.get("inputs_sha256") != sha256_json(inputs):
         return "was made from other inputs than this folder's index (another run's shard?)"
-    if first + n > len(rows) or meta.get("tokens_sha256") != tokens_digest(rows[first:first + n]):
+    if first + n > len(rows) or meta.get("tokens_sha256") != tokens_digest(rows[first : first + n]):
         return "holds other tokens than this run's samples (another run's shard?)"
     return None
 
@@ -155,8 +168,10 @@ def _expect(t: dict, name: str, shape: tuple, dtypes: tuple, path: Path) -> torc
     x = t.get(name)
     if x is None or tuple(x.shape) != shape or x.dtype not in dtypes:
         got = "missing" if x is None else f"{tuple(x.shape)} {x.dtype}"
-        raise DataError(f"{path}: tensor {name} is {got}, expected {shape} {' or '.join(map(str, dtypes))}; "
-                        f"rerun `eagle3kit extract` into a new --out")
+        raise DataError(
+            f"{path}: tensor {name} is {got}, expected {shape} {' or '.join(map(str, dtypes))}; "
+            f"rerun `eagle3kit extract` into a new --out"
+        )
     return x
 
 
@@ -174,24 +189,34 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
             (naming the field) or holds fewer samples than the run.
         DataError: a shard is missing, damaged, from another run, of the wrong shape, or holds
             NaN/inf — naming the shard and the fix.
+    Over 80 lines because it is one pass of checks over the feature folder's index and shards, each
+    naming the file; not split yet.
     """
-
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise ConfigError(f"train.features {folder} is not a folder; give the folder `eagle3kit extract` wrote")
+        raise ConfigError(
+            f"train.features {folder} is not a folder; give the folder `eagle3kit extract` wrote"
+        )
     index = read_index(folder)
     if index is None:
         raise ConfigError(f"{folder} holds no index.json: run `eagle3kit extract --out {folder}` first")
     inputs = index["inputs"]
-    bad = [f"{k}: features {inputs.get(k)!r}, this run {v!r}" for k, v in expect.items()
-           if inputs.get(k) != v and not (k == "vocab" and k not in inputs)]      # only top-K features depend on the vocab
+    bad = [
+        f"{k}: features {inputs.get(k)!r}, this run {v!r}"
+        for k, v in expect.items()
+        if inputs.get(k) != v and not (k == "vocab" and k not in inputs)
+    ]  # only top-K features depend on the vocab
     if bad:
-        raise ConfigError(f"{folder} was extracted from other inputs ({'; '.join(bad)}); rerun `eagle3kit extract`")
+        raise ConfigError(
+            f"{folder} was extracted from other inputs ({'; '.join(bad)}); rerun `eagle3kit extract`"
+        )
     have = sum(s["samples"] for s in index["shards"])
     if have != len(samples):
-        raise ConfigError(f"{folder} holds {have} samples of {len(samples)}: rerun `eagle3kit extract --out {folder}` "
-                          "to finish it")
+        raise ConfigError(
+            f"{folder} holds {have} samples of {len(samples)}: rerun `eagle3kit extract --out {folder}` "
+            "to finish it"
+        )
     rows = [s.ids for s in samples]
     dt = target.dtype
     H = int(inputs.get("hidden_size") or target.hidden_size)
@@ -213,8 +238,13 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
             raise DataError(f"{path}: offsets do not cover its {n_tok} tokens; {fix}")
         aux_t = _expect(t, "aux", (n_tok, 3, H), (torch.float8_e4m3fn,) if fp8 else (torch.bfloat16,), path)
         if topk:
-            K = _expect(t, "topk_values", (n_tok, t.get("topk_values", torch.empty(0, 0)).shape[-1]),
-                        (torch.bfloat16,), path).shape[-1]
+            K = _expect(
+                t,
+                "topk_values",
+                (n_tok, t.get("topk_values", torch.empty(0, 0)).shape[-1]),
+                (torch.bfloat16,),
+                path,
+            ).shape[-1]
             _expect(t, "topk_ids", (n_tok, K), (torch.int16, torch.int32), path)
             _expect(t, "top1_in_draft", (n_tok,), (torch.bool,), path)
         else:
@@ -225,15 +255,21 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
                 _expect(t, "last_scale", (n_tok,), (torch.float32,), path)
         # dequantized once per shard (fp32), checked, then sliced per sample
         aux_all = dequantize_fp8(aux_t, t["aux_scale"], torch.float32) if fp8 else aux_t
-        last_all = None if topk else (dequantize_fp8(t["last"], t["last_scale"], torch.float32) if fp8 else t["last"])
+        last_all = (
+            None
+            if topk
+            else (dequantize_fp8(t["last"], t["last_scale"], torch.float32) if fp8 else t["last"])
+        )
         if not all(bool(torch.isfinite(x).all()) for x in (aux_all, t["topk_values"] if topk else last_all)):
             raise DataError(f"{path} holds NaN or inf values; {fix}")
         for k in range(s["samples"]):
             a, b = off[k], off[k + 1]
             smp = samples[s["first_sample"] + k]
             if b - a != smp.ids.numel():
-                raise DataError(f"{path}: sample {s['first_sample'] + k} has {b - a} tokens, the token shard "
-                                f"{smp.ids.numel()}; {fix}")
+                raise DataError(
+                    f"{path}: sample {s['first_sample'] + k} has {b - a} tokens, the token shard "
+                    f"{smp.ids.numel()}; {fix}"
+                )
             smp.aux = aux_all[a:b].to(dt).reshape(b - a, -1).to(device)
             if topk:
                 smp.topk_values = t["topk_values"][a:b].float().to(device)

@@ -1,5 +1,6 @@
 """Where ``train`` logs: ``<run>/train_log.jsonl`` (one record a step, the source of truth),
 TensorBoard (``<run>/tensorboard``) and, when asked, Weights & Biases. Only the main process logs."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,25 @@ class TrainLog:
             # purge_step: a resumed run drops the events a killed run logged after its last checkpoint
             self.tb = SummaryWriter(str(run / "tensorboard"), purge_step=purge_step or None)
             self.tb.add_text("settings", json.dumps(settings))
-        if tc.wandb_project:      # installed: run_train checks before any work
+        if tc.wandb_project:  # installed: run_train checks before any work
             import wandb
 
-            self.wandb = wandb.init(project=tc.wandb_project, dir=str(run), config={**tc.model_dump(mode="json"), **settings})
+            self.wandb = wandb.init(
+                project=tc.wandb_project, dir=str(run), config={**tc.model_dump(mode="json"), **settings}
+            )
 
     def step(self, rec: dict, tokens_per_s: float) -> None:
         """One optimizer step's record (``step``, ``loss``, ``lr``, ``acc`` per TTT step, ``implied_tau`` …)."""
         if not self.main:
             return
         self.file.write(json.dumps(rec) + "\n")
-        scalars = {"train/loss": rec["loss"], "train/lr": rec["lr"], "train/implied_tau": rec["implied_tau"],
-                   "train/tokens_per_s": tokens_per_s, **{f"train/acc_step{k}": a for k, a in enumerate(rec["acc"])}}
+        scalars = {
+            "train/loss": rec["loss"],
+            "train/lr": rec["lr"],
+            "train/implied_tau": rec["implied_tau"],
+            "train/tokens_per_s": tokens_per_s,
+            **{f"train/acc_step{k}": a for k, a in enumerate(rec["acc"])},
+        }
         if self.tb:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, rec["step"])

@@ -16,6 +16,7 @@ Two ways to compute the same loss:
   kept, so the memory of the loss no longer grows with the batch (at 16K positions and a 32K draft
   vocabulary the reference keeps about 6 GB a step).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,12 +39,15 @@ def _teacher_probs(target: Target, draft_ids: torch.Tensor, src: tuple) -> torch
     top-K logits, 0 elsewhere)."""
     if src[0] == "topk":
         vals = torch.softmax(src[1].float(), dim=-1)
-        return torch.zeros(vals.shape[0], draft_ids.numel(), device=vals.device).scatter_(1, src[2].long(), vals)
+        return torch.zeros(vals.shape[0], draft_ids.numel(), device=vals.device).scatter_(
+            1, src[2].long(), vals
+        )
     return torch.softmax(teacher_logits(target, src[1], draft_ids), dim=-1)
 
 
-def draft_ce(drafter, target: Target, draft_ids: torch.Tensor, hidden: torch.Tensor, src: tuple,
-             chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_ce(
+    drafter, target: Target, draft_ids: torch.Tensor, hidden: torch.Tensor, src: tuple, chunk: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over positions of −Σ_v p_teacher(v) · log q_drafter(v), and the number of positions where
     both distributions have the same top-1.
 
@@ -55,6 +59,7 @@ def draft_ce(drafter, target: Target, draft_ids: torch.Tensor, hidden: torch.Ten
     Returns:
         (ce_sum fp32 scalar with grad, agree int64 scalar).
     """
+
     def part(h, *teacher_in):
         teacher = _teacher_probs(target, draft_ids, (src[0], *teacher_in))
         logq = torch.log_softmax(drafter.logits(h).float(), dim=-1)
@@ -63,16 +68,27 @@ def draft_ce(drafter, target: Target, draft_ids: torch.Tensor, hidden: torch.Ten
     n = hidden.shape[0]
     if not chunk or n <= chunk:
         return part(hidden, *src[1:])
-    ce, agree = hidden.new_zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.int64, device=hidden.device)
+    ce, agree = (
+        hidden.new_zeros((), dtype=torch.float32),
+        torch.zeros((), dtype=torch.int64, device=hidden.device),
+    )
     for a in range(0, n, chunk):
-        c, g = checkpoint(part, hidden[a:a + chunk], *(x[a:a + chunk] for x in src[1:]), use_reentrant=False)
+        c, g = checkpoint(
+            part, hidden[a : a + chunk], *(x[a : a + chunk] for x in src[1:]), use_reentrant=False
+        )
         ce, agree = ce + c, agree + g
     return ce, agree
 
 
 def ttt_loss(
-    drafter, target: Target, batch: dict, draft_ids: torch.Tensor, steps: int, step_weight: float,
-    attention: str = "reference", loss_chunk: int = 0,
+    drafter,
+    target: Target,
+    batch: dict,
+    draft_ids: torch.Tensor,
+    steps: int,
+    step_weight: float,
+    attention: str = "reference",
+    loss_chunk: int = 0,
 ) -> tuple[torch.Tensor, dict]:
     """The EAGLE-3 TTT loss on one batch (see module docstring).
 
@@ -87,15 +103,23 @@ def ttt_loss(
         (loss scalar, stats) where stats holds per step ``loss``, ``acc`` (top-1 agreement) and
         ``n`` (supervised positions).
     """
-    core = getattr(drafter, "module", drafter)     # a DistributedDataParallel wrapper's drafter
+    core = getattr(drafter, "module", drafter)  # a DistributedDataParallel wrapper's drafter
     w = core.fc.weight
     embeds = [embed_tokens(target, t, w) for t in batch["tok"]]
-    outs = drafter(batch["aux"].to(w.dtype), embeds, batch["positions"], batch["key_mask"],
-                   doc=batch.get("doc"), attention=attention)
+    outs = drafter(
+        batch["aux"].to(w.dtype),
+        embeds,
+        batch["positions"],
+        batch["key_mask"],
+        doc=batch.get("doc"),
+        attention=attention,
+    )
     in_draft = core.t2d
     # 0 × a value that touches every parameter: the loss always has a graph, so every process of a
     # distributed run calls backward (and all-reduces) even on a batch with nothing supervised
-    total = core.logits(outs[0][:, :1]).float().sum() * 0.0 if torch.is_grad_enabled() else outs[0].new_zeros(())
+    total = (
+        core.logits(outs[0][:, :1]).float().sum() * 0.0 if torch.is_grad_enabled() else outs[0].new_zeros(())
+    )
     stats = {"loss": [], "acc": [], "n": []}
     topk = "topk_ids" in batch
     for k in range(steps):
@@ -114,7 +138,7 @@ def ttt_loss(
             src = ("last", shift(batch["last"], nxt)[sup])
         ce_sum, agree = draft_ce(core, target, draft_ids, outs[k][sup], src, loss_chunk)
         ce = ce_sum / n
-        total = total + (step_weight ** k) * ce
+        total = total + (step_weight**k) * ce
         stats["loss"].append(float(ce.detach())), stats["acc"].append(float(agree) / n), stats["n"].append(n)
     return total, stats
 

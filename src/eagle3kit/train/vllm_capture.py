@@ -15,6 +15,7 @@ Each request's file holds ``hidden_states`` [T, n_aux, H] and ``token_ids`` [T].
 request is reported as done sending, as the parent class does once its copy completes, so vLLM
 frees its cache blocks.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,10 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
         slots = (torch.arange(self._block_size)[None, :] + block_ids[:, None] * self._block_size).flatten()
         n = pending.token_ids.shape[0]
-        tensors = {"hidden_states": extract_from_kv_cache(self._kv_cache, slots, n).clone(),
-                   "token_ids": pending.token_ids.clone()}
+        tensors = {
+            "hidden_states": extract_from_kv_cache(self._kv_cache, slots, n).clone(),
+            "token_ids": pending.token_ids.clone(),
+        }
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
@@ -77,8 +80,10 @@ def engine_model_folder(target, engine_model: str | None) -> str:
     if engine_model:
         p = os.path.expanduser(engine_model)
         if not os.path.isfile(os.path.join(p, "config.json")):
-            raise ConfigError(f"extract.engine_model {engine_model!r} is not a model folder with config.json; give the "
-                              "folder of the checkpoint vLLM serves (or leave it unset to use the target)")
+            raise ConfigError(
+                f"extract.engine_model {engine_model!r} is not a model folder with config.json; give the "
+                "folder of the checkpoint vLLM serves (or leave it unset to use the target)"
+            )
         return p
     return str(serving_folder(target))
 
@@ -95,18 +100,24 @@ def check_engine_model(folder: str, target) -> int:
     Raises:
         ConfigError: a mismatch (both values named), or an unreadable ``config.json``."""
 
-
     try:
         cfg = json.loads(open(os.path.join(folder, "config.json")).read())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {folder}/config.json ({e}); give extract.engine_model a model folder") from None
+        raise ConfigError(
+            f"cannot read {folder}/config.json ({e}); give extract.engine_model a model folder"
+        ) from None
     text = cfg.get("text_config") or cfg
-    for key, want in (("num_hidden_layers", target.num_layers), ("hidden_size", target.hidden_size),
-                      ("vocab_size", target.vocab_size)):
+    for key, want in (
+        ("num_hidden_layers", target.num_layers),
+        ("hidden_size", target.hidden_size),
+        ("vocab_size", target.vocab_size),
+    ):
         got = text.get(key, cfg.get(key))
         if got is not None and int(got) != int(want):
-            raise ConfigError(f"extract.engine_model {folder} is not the target's model: its {key} is {got}, the "
-                              f"target's {want}; give the checkpoint of the target you serve (quantized is fine)")
+            raise ConfigError(
+                f"extract.engine_model {folder} is not the target's model: its {key} is {got}, the "
+                f"target's {want}; give the checkpoint of the target you serve (quantized is fine)"
+            )
     return int(text.get("max_position_embeddings", cfg.get("max_position_embeddings")) or 0)
 
 
@@ -129,45 +140,71 @@ class VLLMCapture:
             ``quantization``, ``tensor_parallel_size``, ``gpu_memory_utilization``).
     """
 
-    def __init__(self, model: str, layer_ids: list[int], store, max_model_len: int, dtype: str = "auto",
-                 engine_args: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        layer_ids: list[int],
+        store,
+        max_model_len: int,
+        dtype: str = "auto",
+        engine_args: dict | None = None,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
         clash = sorted(set(engine_args or {}) & set(RESERVED_ARGS))
         if clash:
-            raise ConfigError(f"extract.engine_args may not set {', '.join(clash)}: eagle3kit sets them for capture "
-                              "(give the checkpoint as extract.engine_model)")
+            raise ConfigError(
+                f"extract.engine_args may not set {', '.join(clash)}: eagle3kit sets them for capture "
+                "(give the checkpoint as extract.engine_model)"
+            )
         kv = os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", str(1 << 30))
         if not kv.isdigit():
-            raise ConfigError(f"EAGLE3KIT_VLLM_KV_BYTES={kv!r} must be a whole number of bytes (for example 1073741824)")
-        from vllm import LLM
+            raise ConfigError(
+                f"EAGLE3KIT_VLLM_KV_BYTES={kv!r} must be a whole number of bytes (for example 1073741824)"
+            )
+        from vllm import LLM  # noqa: PLC0415 (after the environment above: vLLM reads it on import)
 
-
-        release_vllm_engine()     # one engine per process: a cached generate engine's groups would clash
+        release_vllm_engine()  # one engine per process: a cached generate engine's groups would clash
         self.store = str(store)
         os.makedirs(self.store, exist_ok=True)
-        kw = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": False,
-              "max_num_seqs": 8, "seed": 0}
-        if not torch.cuda.is_available():      # the CPU build: no CUDA graphs, a fixed KV-cache size
+        kw = {
+            "model": model,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "enable_prefix_caching": False,
+            "max_num_seqs": 8,
+            "seed": 0,
+        }
+        if not torch.cuda.is_available():  # the CPU build: no CUDA graphs, a fixed KV-cache size
             kw |= {"enforce_eager": True, "kv_cache_memory_bytes": int(kv)}
 
-        launch = vllm_launch(model, speculative=True)   # the settings the serving engine (EAGLE-3) runs with
+        launch = vllm_launch(model, speculative=True)  # the settings the serving engine (EAGLE-3) runs with
         kw |= launch.engine_args | dict(engine_args or {})
-        kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-        kw["kv_transfer_config"] = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
-                                    "kv_connector_module_path": "eagle3kit.train.vllm_capture",
-                                    "kv_connector_extra_config": {"shared_storage_path": self.store}}
+        kw["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        }
+        kw["kv_transfer_config"] = {
+            "kv_connector": "CPUHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_module_path": "eagle3kit.train.vllm_capture",
+            "kv_connector_extra_config": {"shared_storage_path": self.store},
+        }
         try:
             with launched_env(launch):
                 self.llm = LLM(**kw)
-        except Exception as e:     # an unknown argument, a value vLLM refuses, no room for the cache, bad weights
+        except (
+            Exception
+        ) as e:  # an unknown argument, a value vLLM refuses, no room for the cache, bad weights
             shutil.rmtree(self.store, ignore_errors=True)
             first = " ".join(str(e).split())[:400] or type(e).__name__
-            raise ConfigError(f"vLLM could not start the capture engine ({type(e).__name__}: {first}); check "
-                              f"extract.engine_args {dict(engine_args or {})}, the checkpoint {model} (a damaged "
-                              "float32 export in eagle3kit's cache: delete that folder and rerun) and, on a CPU, "
-                              "EAGLE3KIT_VLLM_KV_BYTES (the KV cache size in bytes)") from None
+            raise ConfigError(
+                f"vLLM could not start the capture engine ({type(e).__name__}: {first}); check "
+                f"extract.engine_args {dict(engine_args or {})}, the checkpoint {model} (a damaged "
+                "float32 export in eagle3kit's cache: delete that folder and rerun) and, on a CPU, "
+                "EAGLE3KIT_VLLM_KV_BYTES (the KV cache size in bytes)"
+            ) from None
         except BaseException:
             shutil.rmtree(self.store, ignore_errors=True)
             raise
@@ -180,28 +217,35 @@ class VLLMCapture:
         Raises:
             ConfigError: vLLM refused a sample (longer than its ``max_model_len``, say).
             RuntimeError: vLLM wrote no file for a sample, or one for other tokens."""
-        from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
-
+        from vllm import SamplingParams  # noqa: PLC0415 (the engine's own module, imported once it runs)
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: PLC0415
+            load_hidden_states,
+        )
 
         prompts = [{"prompt_token_ids": [int(t) for t in s]} for s in samples]
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         try:
             outs = self.llm.generate(prompts, greedy, use_tqdm=False)
             # the last finished request's save is submitted at the engine's next step: one tiny request
-            flush = self.llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:4]}], greedy, use_tqdm=False)
+            flush = self.llm.generate(
+                [{"prompt_token_ids": prompts[0]["prompt_token_ids"][:4]}], greedy, use_tqdm=False
+            )
         except ValueError as e:
-            raise ConfigError(f"vLLM refused a sample ({' '.join(str(e).split())[:300]}); the longest here has "
-                              f"{max(len(s) for s in samples)} tokens: raise max_model_len in extract.engine_args "
-                              "or drop longer samples (tokenize.max_length)") from None
+            raise ConfigError(
+                f"vLLM refused a sample ({' '.join(str(e).split())[:300]}); the longest here has "
+                f"{max(len(s) for s in samples)} tokens: raise max_model_len in extract.engine_args "
+                "or drop longer samples (tokenize.max_length)"
+            ) from None
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
         if any(p is None for p in paths):
-            raise RuntimeError("vLLM returned no hidden_states_path: the extract_hidden_states method or the "
-                               "eagle3kit.train.vllm_capture connector was not active in this engine")
+            raise RuntimeError(
+                "vLLM returned no hidden_states_path: the extract_hidden_states method or the "
+                "eagle3kit.train.vllm_capture connector was not active in this engine"
+            )
         states = []
         for s, p in zip(samples, paths):
             if os.path.exists(p + ".lock"):
-                t = load_hidden_states(p)          # waits for vLLM's asynchronous writer (GPUs) to finish
+                t = load_hidden_states(p)  # waits for vLLM's asynchronous writer (GPUs) to finish
             elif os.path.exists(p):
                 t = load_file(p)
             else:
@@ -221,5 +265,5 @@ class VLLMCapture:
     def close(self) -> None:
         """Shut the engine down, free its memory and remove the scratch folder."""
 
-        shutdown_vllm(self.__dict__.pop("llm"))     # no reference left here while vLLM tears down
+        shutdown_vllm(self.__dict__.pop("llm"))  # no reference left here while vLLM tears down
         shutil.rmtree(self.store, ignore_errors=True)

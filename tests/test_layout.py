@@ -1,0 +1,101 @@
+"""Issue 22: the package's shape is checked, not hoped for.
+
+* imports run downward only, folder by folder in pipeline order, and no module circle exists in
+  any folder: import-linter's contracts in ``pyproject.toml`` (``lint-imports``);
+* ruff (pyflakes, pycodestyle, isort, imports at the top except the heavy optional ones) is clean
+  and the code is formatted;
+* no function of the package runs past 80 lines unless its docstring says why.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "eagle3kit"
+BIN = Path(sys.executable).parent
+LONG = 80
+REASON = "Over 80 lines because"
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(
+            f"{path} is missing: install the test extras (`./install.sh` does: pip install -e '.[test]')"
+        )
+    return str(path)
+
+
+def _lint_imports(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [_tool("lint-imports"), "--no-cache"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(pythonpath), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_imports_run_downward_and_never_in_a_circle():
+    res = _lint_imports(ROOT, ROOT / "src")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Contracts: 2 kept, 0 broken." in res.stdout
+
+
+@pytest.mark.parametrize(
+    "module,line,contract",
+    [
+        ("core/ui.py", "from eagle3kit.serve import check  # noqa", "folders import downward only BROKEN"),
+        ("data/reasoning.py", "from eagle3kit.data import tokenize  # noqa", "no import circles"),
+    ],
+)
+def test_the_import_contracts_catch_an_upward_import_and_a_circle(tmp_path, module, line, contract):
+    """The same contracts on a copy of the package with one bad import added must break."""
+    shutil.copytree(PACKAGE, tmp_path / "src" / "eagle3kit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    bad = tmp_path / "src" / "eagle3kit" / module
+    bad.write_text(bad.read_text() + "\n" + line + "\n")
+    res = _lint_imports(tmp_path, tmp_path / "src")
+    assert res.returncode == 1 and contract in res.stdout, res.stdout
+
+
+def test_ruff_is_clean_and_the_code_formatted():
+    paths = ["src", "tests", "benchmarks", "examples"]
+    lint = subprocess.run([_tool("ruff"), "check", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = subprocess.run(
+        [_tool("ruff"), "format", "--check", *paths], cwd=ROOT, capture_output=True, text=True
+    )
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def long_functions(root: Path) -> list[str]:
+    """``path:line name (N lines)`` of every function over :data:`LONG` lines whose docstring does
+    not say why (:data:`REASON`)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > LONG and REASON not in (ast.get_docstring(node) or ""):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_runs_past_80_lines_without_a_reason():
+    assert long_functions(PACKAGE) == []
+
+
+def test_the_length_rule_sees_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONG))
+    (tmp_path / "m.py").write_text(f"def long():\n{body}\n\ndef short():\n    return 1\n")
+    assert long_functions(tmp_path) == [f"m.py:1 long ({LONG + 1} lines)"]
+    (tmp_path / "m.py").write_text(f'def long():\n    """{REASON} it is a table."""\n{body}')
+    assert long_functions(tmp_path) == []
