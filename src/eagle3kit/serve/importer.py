@@ -1,31 +1,12 @@
 """Stage ``import``: read an EAGLE-3 drafter written by another tool, strictly, into eagle3kit's
 drafter (and from there into the dual-engine folder of DESIGN.md §5).
 
-Layouts (sources: SafeAILab/EAGLE ``eagle/traineagle3``, sgl-project/SpecForge
-``scripts/train_eagle3.py``, vllm-project/speculators ``models/eagle3``, NVIDIA Model-Optimizer
-``torch/export/plugins/hf_spec_export.py``; vLLM 0.32's ``llama_eagle3.py`` for what an engine reads):
-
-============  =========================  ===========================  =============================
-layout        weights                    tensor names                 aux layer ids → HF index
-============  =========================  ===========================  =============================
-eagle3kit     model.safetensors          ``midlayer.*``               top level, HF index (as is)
-eagle         pytorch_model.bin or       ``midlayer.*``               none: hard-coded, captured
-(SafeAILab)   model.safetensors                                       before layers {2, N//2, N−3}
-specforge     model.safetensors          ``midlayer.*``, no embed     ``eagle_config``: output of
-              (maybe sharded + index)                                 layer j → j + 1
-speculators   model.safetensors          ``layers.0.*`` + embed       top level, HF index (as is)
-modelopt      model.safetensors          ``layers.0.*`` (or           ``eagle_config``: output of
-                                         ``eagle_module.`` prefix),   layer j → j + 1
-                                         no ``t2d``
-============  =========================  ===========================  =============================
-
-A missing id list means EAGLE-3's default, HF indices ``(2, N//2, N−3)`` for a target of N layers
-(every tool above defaults to those same states). ``t2d`` is synthesized from ``d2t`` when absent;
-``d2t`` holds offsets in every layout (target id = draft id + d2t[draft id]). A copy of the
-target's embedding (``embed_tokens.weight``) is dropped: the engines borrow the target's. The load
-is strict: any key left over after renaming, and any tensor the drafter needs but the source lacks,
-is an error that names it. Variants eagle3kit does not implement (``norm_before_residual: true``,
-``fc_norm``, ``norm_before_fc``, biases, more than one decoder layer) are refused by name.
+The layouts read (SafeAILab EAGLE, SpecForge, speculators, ModelOpt), their tensor names and aux-id
+conventions are the table of :mod:`eagle3kit.model.folder`, which does the reading
+(:func:`~eagle3kit.model.folder.read_drafter`). The load is strict: any key left over after
+renaming, and any tensor the drafter needs but the source lacks, is an error that names it.
+Variants eagle3kit does not implement (``norm_before_residual: true``, ``fc_norm``,
+``norm_before_fc``, biases, more than one decoder layer) are refused by name.
 """
 
 from __future__ import annotations
