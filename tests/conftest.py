@@ -102,3 +102,40 @@ def smollm2_target():
     target = load_target(TargetConfig(), device="cpu")
     export_fp32_folder(target)
     return target
+
+
+def diagnose_cli(url: str, drafter, prompts, out: Path, *extra: str) -> dict:
+    """`eagle3kit diagnose --base-url URL --drafter DRAFTER --prompts … --out OUT EXTRA…` through
+    the CLI. ``prompts``: a prompt file, or rows with ``messages`` (written to ``OUT.prompts.jsonl``).
+    Returns {exit_code, output, report (diagnose.json, None when none was written), md}."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    out = Path(out)
+    if not isinstance(prompts, (str, Path)):
+        path = out.with_name(out.name + ".prompts.jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in prompts))
+        prompts = path
+    args = [
+        "diagnose",
+        "--base-url",
+        url,
+        "--drafter",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+    ]
+    res = CliRunner().invoke(app, [*args, *extra])
+    rep, md = out / "diagnose.json", out / "diagnose.md"
+    return {
+        "exit_code": res.exit_code,
+        "output": res.output,
+        "report": json.loads(rep.read_text()) if rep.exists() and md.exists() else None,
+        "md": md.read_text() if md.exists() else "",
+    }

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from conftest import build_tiny_llama
 
@@ -73,15 +74,23 @@ def test_c22_gradient_reaches_the_first_supervised_position_and_nothing_past_the
     assert torch.all(g[7:] == 0)  # the position past the span gets none
 
 
-def test_c23_ttt_steps_equal_a_step_by_step_autoregressive_draft():
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_c23_ttt_steps_equal_a_step_by_step_autoregressive_draft(norm_before_residual):
+    """Also with the other residual convention (``norm_before_residual``, which `diagnose` flips to
+    simulate an engine that reads it): both forwards follow it, and it changes the drafts."""
     torch.manual_seed(0)
     d = tiny_drafter()
+    with torch.no_grad():
+        d.midlayer.hidden_norm.weight.uniform_(0.5, 1.5)  # a trained norm is not the identity
     T, S = 9, 3
     aux = torch.randn(1, T, 96, dtype=torch.float64)
     tokens = torch.randint(0, V, (T + S,))
     emb_table = torch.nn.Embedding(V, 32).to(torch.float64)
     embeds = [emb_table(tokens[k + 1 : k + 1 + T])[None] for k in range(S)]  # x_{t+k+1}
+    default = d.ttt_forward(aux, embeds, torch.arange(T)[None], None)
+    d.norm_before_residual = norm_before_residual
     outs = d.ttt_forward(aux, embeds, torch.arange(T)[None], None)
+    assert torch.equal(outs[0], default[0]) != norm_before_residual
     for t in range(T):
         cache = d.new_cache(1, T + S)
         h = d.step(

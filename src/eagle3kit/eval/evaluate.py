@@ -402,11 +402,22 @@ def _checked_drafter(cfg: Config, run: RunDir, target: Target | None, drafter_di
     if target is None:
         target = load_target(cfg.target, device=device)
     drafter = load_exported(folder, device=device).eval()
+    check_drafter_target(folder, drafter, target, cfg.target.model)
+    return target, drafter.to(target.dtype), folder
+
+
+def check_drafter_target(folder: Path, drafter: Eagle3Drafter, target: Target, model: str) -> None:
+    """Refuse a drafter that was trained for another target than ``target`` (named ``model``):
+    other widths or vocabulary, other weights (the fingerprint its config records), aux layers past
+    the target's depth. Warns when the recorded fingerprint has an older format.
+
+    Raises:
+        ConfigError: naming both values and the fix."""
     dc = drafter.config
     if dc.target_hidden_size != target.hidden_size or dc.vocab_size != target.vocab_size:
         raise ConfigError(
             f"{folder} was trained for another target (hidden {dc.target_hidden_size}, vocab {dc.vocab_size}) "
-            f"than {cfg.target.model} ({target.hidden_size}, {target.vocab_size})"
+            f"than {model} ({target.hidden_size}, {target.vocab_size})"
         )
     trained_on = (json.loads((folder / "config.json").read_text()).get("eagle3kit") or {}).get("target") or {}
     fp, now = trained_on.get("weights_fingerprint"), target.source.get("weights_fingerprint")
@@ -423,14 +434,13 @@ def _checked_drafter(cfg: Config, run: RunDir, target: Target | None, drafter_di
     elif fp and now and fp != now:
         raise ConfigError(
             f"{folder} was trained on another target ({trained_on.get('model')}, weights {fp[:12]}…) than "
-            f"{cfg.target.model} (weights {now[:12]}…); evaluate it with the target it was trained for"
+            f"{model} (weights {now[:12]}…); evaluate it with the target it was trained for"
         )
     if max(dc.aux_layer_ids) >= target.num_layers:
         raise ConfigError(
-            f"{folder} reads aux layers {dc.aux_layer_ids}, but {cfg.target.model} has "
+            f"{folder} reads aux layers {dc.aux_layer_ids}, but {model} has "
             f"{target.num_layers} layers: it was trained for another target"
         )
-    return target, drafter.to(target.dtype), folder
 
 
 def _chosen_sets(cfg: Config, run: RunDir, only_sets: list[str] | None) -> dict:

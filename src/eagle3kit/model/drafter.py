@@ -275,7 +275,20 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter. Parameters carry the exported names (``fc``, ``midlayer.*``, ``norm``,
-    ``lm_head``); buffers ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V] hold the vocab map."""
+    ``lm_head``); buffers ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V] hold the vocab map.
+
+    Two switches name the engines' other conventions (vLLM's ``llama_eagle3.py`` reads both from
+    the drafter's config); eagle3kit trains and exports the defaults, and ``diagnose`` flips them on
+    a copy to simulate an engine that reads the other one:
+
+    * ``norm_before_residual`` (False): the residual of the decoder layer is ``hidden_norm(h)``
+      instead of the un-normed feature ``h``;
+    * ``norm_output`` (False): the state fed back to the next draft step is ``norm(out)`` instead of
+      the pre-norm output (honoured by :meth:`ttt_forward`, not by :meth:`step`).
+    """
+
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -383,9 +396,15 @@ class Eagle3Drafter(nn.Module):
                 o = p[..., :T] @ vals[0]
                 for j, dv in enumerate(vals[1:]):
                     o = o + p[..., T + j : T + j + 1] * dv
-            hidden = self.midlayer.finish(attn.out(o), hidden)
-            outs.append(hidden)
+            out = self.midlayer.finish(attn.out(o), self._residual(hidden))
+            outs.append(out)
+            hidden = self.norm(out) if self.norm_output else out
         return outs
+
+    def _residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's residual input: the feature itself, or its ``hidden_norm`` when
+        :attr:`norm_before_residual` is set."""
+        return self.midlayer.hidden_norm(hidden) if self.norm_before_residual else hidden
 
     # ---- cached autoregressive step -----------------------------------------------------
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> DraftKVCache:
@@ -432,4 +451,4 @@ class Eagle3Drafter(nn.Module):
         keys, vals = attn.expand(cache.k.to(q.dtype)), attn.expand(cache.v.to(q.dtype))
         s = (q @ keys.transpose(-1, -2)) / math.sqrt(attn.d)  # softmax in fp32, as in training
         o = torch.softmax(s.float().masked_fill(~mask[None, None], float("-inf")), dim=-1).to(q.dtype) @ vals
-        return self.midlayer.finish(attn.out(o), hidden)
+        return self.midlayer.finish(attn.out(o), self._residual(hidden))

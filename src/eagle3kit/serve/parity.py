@@ -92,6 +92,62 @@ class _Acc:
         return r
 
 
+class StateAgreement:
+    """Agreement of two sources' hidden states on the same tokens, per aux layer and for the
+    teacher (the module docstring's three measures against :data:`TOLERANCES`); fed chunk by chunk.
+
+    Args:
+        target: the loaded :class:`eagle3kit.model.target.Target` (final norm and lm_head).
+        aux_ids: the three aux layer ids (HF index), for the layer names.
+    """
+
+    def __init__(self, target, aux_ids):
+        self.target, self.aux_ids = target, list(aux_ids)
+        self.aux = [_Acc() for _ in range(3)]
+        self.teacher = _Acc()
+        self.have_teacher = True
+
+    @torch.no_grad()
+    def add(
+        self,
+        aux_a: torch.Tensor,
+        aux_b: torch.Tensor,
+        last_a: torch.Tensor | None = None,
+        last_b: torch.Tensor | None = None,
+    ) -> None:
+        """aux_a, aux_b float [n, 3, Ht] (a = the reference); last_a, last_b [n, Ht] post-norm
+        teacher states, or None when a source has none (then the teacher is left out)."""
+        t = self.target
+        norm, head, dev = t.parts.final_norm, t.parts.lm_head, t.device
+        for i in range(3):
+            xa, xb = aux_a[:, i].to(dev), aux_b[:, i].to(dev)
+            self.aux[i].add(
+                xa, xb, head(norm(xa.to(t.dtype))).argmax(-1), head(norm(xb.to(t.dtype))).argmax(-1)
+            )
+        if last_a is None or last_b is None:
+            self.have_teacher = False
+            return
+        xa, xb = last_a.to(dev), last_b.to(dev)
+        self.teacher.add(xa, xb, head(xa.to(t.dtype)).argmax(-1), head(xb.to(t.dtype)).argmax(-1))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.aux[0].n)
+
+    def layers(self) -> dict:
+        """``{"aux[i] (layer L)": {tokens, cosine, relative_error, top1_agreement, pass}, …}`` with
+        ``"teacher (post-norm last)"`` when every chunk had both teachers."""
+        out = {f"aux[{i}] (layer {self.aux_ids[i]})": self.aux[i].result() for i in range(3)}
+        if self.have_teacher:
+            out["teacher (post-norm last)"] = self.teacher.result()
+        return out
+
+
+def verdict(layers: dict) -> str:
+    """``"agree"`` when every layer of :meth:`StateAgreement.layers` passes, else ``"disagree"``."""
+    return "agree" if all(v["pass"] for v in layers.values()) else "disagree"
+
+
 class _Rows:
     """Per-sample access to a feature folder whatever its shard layout: ``take(first, count)`` gives
     aux float32 [n, 3, H] and last [n, H] (or None) of samples ``first … first+count-1``, in order,
@@ -143,7 +199,6 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
     Raises:
         ConfigError: a folder is not a feature folder; the two were made from other token samples
             or hidden sizes; folder ``a`` was made from another target than ``target``.
-    Over 80 lines because it is one pass over two feature folders shard by shard; not split yet.
     """
     a, b = Path(a), Path(b)
     ia, sa = _shards(a)
@@ -168,12 +223,7 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
         notes.append(
             f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}"
         )
-    dev = target.device
-    norm, head = target.parts.final_norm, target.parts.lm_head
-    aux_ids = ia["inputs"].get("aux_layer_ids") or [0, 1, 2]
-    accs = [_Acc() for _ in range(3)]
-    teacher = _Acc()
-    have_teacher = True
+    agreement = StateAgreement(target, ia["inputs"].get("aux_layer_ids") or [0, 1, 2])
     ra, rb = _Rows(a, sa), _Rows(b, sb)
     if ra.samples != rb.samples:
         notes.append(
@@ -191,26 +241,15 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
                 f"{tuple(ax.shape)} and {tuple(bx.shape)}"
             )
         n = ax.shape[0] if max_tokens is None else min(ax.shape[0], max_tokens - done)
-        for i in range(3):
-            xa, xb = ax[:n, i].to(dev), bx[:n, i].to(dev)
-            ta = head(norm(xa.to(target.dtype))).argmax(-1)
-            tb = head(norm(xb.to(target.dtype))).argmax(-1)
-            accs[i].add(xa, xb, ta, tb)
-        if lx is None or lb is None:
-            have_teacher = False
-        else:
-            xa, xb = lx[:n].to(dev), lb[:n].to(dev)
-            teacher.add(xa, xb, head(xa.to(target.dtype)).argmax(-1), head(xb.to(target.dtype)).argmax(-1))
+        agreement.add(ax[:n], bx[:n], None if lx is None else lx[:n], None if lb is None else lb[:n])
         done += n
         first += count
     if not done:
         raise ConfigError(
             f"{a} and {b} hold no common tokens to compare (an empty folder, or --max-tokens 0)"
         )
-    layers = {f"aux[{i}] (layer {aux_ids[i]})": accs[i].result() for i in range(3)}
-    if have_teacher:
-        layers["teacher (post-norm last)"] = teacher.result()
-    else:
+    layers = agreement.layers()
+    if not agreement.have_teacher:
         notes.append(
             "teacher not compared: a folder stores a top-K teacher (extract.teacher topk:K), not the post-norm state"
         )
@@ -223,5 +262,5 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
         "layers": layers,
         "tokens": done,
         "notes": notes,
-        "verdict": "agree" if all(v["pass"] for v in layers.values()) else "disagree",
+        "verdict": verdict(layers),
     }

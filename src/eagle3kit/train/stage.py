@@ -111,17 +111,38 @@ def simulate_samples(
     stats = AcceptanceStats(k)
     drafter.eval()
     for s in samples:
-        b = make_batch([s], [0], k, device)
-        embeds = [embed_tokens(target, t, drafter.fc.weight) for t in b["tok"]]
-        # forward: FSDP hooks
-        outs = drafter(b["aux"].to(drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
-        draft = torch.stack(
-            [drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1
-        ).cpu()
-        runs = match_runs(draft, s.ids.cpu())
-        first = int(s.mask.long().argmax())
-        walk_chain(runs, first - 1, s.ids.numel(), k, stats)
+        simulate_sequence(drafter, target, s.ids, s.mask, s.aux, k, device, stats)
     return stats
+
+
+@torch.no_grad()
+def simulate_sequence(
+    drafter: Eagle3Drafter,
+    target: Target,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    aux: torch.Tensor,
+    k: int,
+    device,
+    stats: AcceptanceStats | None = None,
+) -> AcceptanceStats:
+    """Greedy-chain acceptance of one sequence (:func:`simulate_samples`' unit) from its aux states.
+
+    Args:
+        ids: int64 [T], prompt + the target's greedy continuation; mask: bool [T], True on the
+            continuation; aux: [T, 3·Ht], the aux states the drafter reads (any source: the target
+            here, an engine's capture, another layer set).
+        stats: the :class:`AcceptanceStats` to add to (a new one when None).
+    Returns: ``stats`` with this sequence's verify steps added."""
+    stats = stats if stats is not None else AcceptanceStats(k)
+    b = make_batch([Sample(ids, mask)], [0], k, device)
+    embeds = [embed_tokens(target, t, drafter.fc.weight) for t in b["tok"]]
+    # forward: FSDP hooks
+    outs = drafter(aux[None].to(device, drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
+    draft = torch.stack([drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1).cpu()
+    runs = match_runs(draft, ids.cpu())
+    first = int(mask.long().argmax())
+    return walk_chain(runs, first - 1, ids.numel(), k, stats)
 
 
 def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int) -> Eagle3Drafter:

@@ -1,0 +1,1 @@
+"""``eagle3kit diagnose``: why a serving engine accepts less than the drafter predicts."""

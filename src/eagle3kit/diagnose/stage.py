@@ -1,0 +1,374 @@
+"""Stage ``diagnose``: a server accepts less than the drafter should — is the drafter bad, or the
+engine's integration of it? Answered from one set of requests, without restarting the server.
+
+1. The engine: each prompt sent alone, greedy; its prompt ids, output ids and counter deltas
+   (:mod:`eagle3kit.diagnose.engine`); bench's template check (C35) on the same prompts first.
+2. eagle3kit: simulated greedy-chain acceptance of the drafter on exactly those sequences at the
+   engine's K (:mod:`eagle3kit.diagnose.simulate`). Simulate reproduces the engine's τ when the
+   engine runs the drafter as trained (docs/limits.md: 1.531 against 1.527 on SmolLM2).
+3. Agree (within the stated noise): the drafter is what it is — where it loses, per position and
+   per category, and how much of the served text its draft vocabulary covers.
+4. The engine lower: each known fault (:data:`eagle3kit.diagnose.faults.FAULTS`) simulated on the
+   same sequences; the one that reproduces the engine's numbers is named with its fix. When none
+   does and vLLM can run here, the engine's own hidden states are captured on the same sequences
+   (the ``extract --backend vllm`` path) and compared layer by layer (``parity``'s measures); if
+   the drafter on those states reproduces the engine, the verdict is "other numerics".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+from eagle3kit.core.config import ConfigError, PromptSource, TargetConfig
+from eagle3kit.core.rundir import DataError
+from eagle3kit.data.backends import render_prompt_ids
+from eagle3kit.data.sources import read_source
+from eagle3kit.diagnose.engine import measure_engine
+from eagle3kit.diagnose.faults import FAULTS, Fault, applicable, other_vocab_fault, planted
+from eagle3kit.diagnose.report import advice, write_report
+from eagle3kit.diagnose.simulate import (
+    DISTANCE_FLOOR,
+    DISTANCE_RATIO,
+    Sequences,
+    capture_sequences,
+    compare,
+    engine_per_prompt_tau,
+    explains,
+    simulate_on,
+)
+from eagle3kit.eval.evaluate import check_drafter_target
+from eagle3kit.model.folder import load_exported
+from eagle3kit.model.target import Target, load_target, pick_device
+from eagle3kit.serve.bench import BenchError, auth_headers, check_template, detect_engine, served_model
+from eagle3kit.serve.check import check_drafter
+from eagle3kit.serve.parity import TOLERANCES, StateAgreement, verdict
+
+
+class DiagnoseError(ConfigError):
+    """Bad input to ``diagnose`` (exit 2): the message names the thing and the fix."""
+
+
+def run_diagnose(
+    base_url: str,
+    drafter_dir: str | Path,
+    target_cfg: TargetConfig,
+    prompts: str | None = None,
+    engine: str | None = None,
+    num_prompts: int = 20,
+    max_tokens: int = 64,
+    other_vocab: list[str] | None = None,
+    parity: str = "auto",
+    rel_tol: float = 0.02,
+    out: str | Path = "diagnose",
+    overwrite: bool = False,
+    api_key: str | None = None,
+    device: str = "cpu",
+    target: Target | None = None,
+    chat_template: str | None = None,
+) -> dict:
+    """Diagnose the server at ``base_url`` serving ``target_cfg``'s target with ``drafter_dir``'s
+    drafter (module docstring). Writes ``diagnose.json`` and ``diagnose.md`` into ``out``.
+
+    Args:
+        prompts: a prompt file (any format ``prompts.sources`` reads); None: the ``heldout.jsonl``
+            of the run the drafter folder belongs to. num_prompts: how many, in file order;
+            max_tokens: new tokens per prompt. parity: ``auto`` (capture the engine's states when no
+            fault matches), ``always`` or ``never``. rel_tol: the relative τ tolerance (the noise
+            floor; :func:`eagle3kit.diagnose.simulate.compare`). target: the target already loaded
+            from ``target_cfg`` (None: loaded here). chat_template: a Jinja file, or a
+            ``tokenizer_config.json`` holding one, that the client renders prompts with; they are
+            then sent as token ids, and compared with the target's own template first.
+    Returns: the report; its ``verdict`` is ``agree``, ``fault`` or ``unexplained``.
+    Raises:
+        DiagnoseError, ConfigError, DataError, BenchError: bad input (no server, no drafter,
+            a drafter for another target, unreadable prompts, an existing report).
+        EngineError: the server failed mid-run (nothing is written).
+    """
+    t0 = time.perf_counter()
+    base, out, headers = base_url.rstrip("/").removesuffix("/v1"), Path(out), auth_headers(api_key)
+    folder, prompt_path = _checked_inputs(drafter_dir, prompts, out, overwrite, parity, engine)
+    found = detect_engine(base, headers)
+    name = _engine_name(found["name"], engine, base)
+    model = served_model(base, headers)
+    target, drafter = _loaded(target_cfg, target, folder, pick_device(device))
+    rows, _ = read_source(PromptSource(path=prompt_path, limit=num_prompts))
+    if not rows:
+        raise DataError(f"{prompt_path} holds no prompts; give --prompts a file with at least one")
+    faults = list(FAULTS) + [other_vocab_fault(p, drafter) for p in other_vocab or []]
+    report = _header(base, name, found, model, folder, target_cfg, prompt_path, len(rows), max_tokens)
+    if chat_template:
+        report["template"], client_ids = _client_template(chat_template, target, rows)
+    else:
+        report["template"], client_ids = _template(base, model, target, rows, headers), None
+    timings = {"setup_s": round(time.perf_counter() - t0, 1)}
+
+    run = measure_engine(
+        base, model, rows, max_tokens, name, target.tokenizer, headers, prompt_ids=client_ids
+    )
+    timings["engine_s"] = round(run.seconds, 1)
+    eng, per_e = run.totals(), engine_per_prompt_tau(run.per_prompt)
+    report["engine"] = {**eng, "per_prompt_tau": [None if t is None else round(t, 4) for t in per_e]}
+    report["k"] = k = int(round(eng["k"])) if eng["k"] else 1
+
+    t1 = time.perf_counter()
+    seqs, ref = _simulate(report, faults, drafter, target, run, rows, per_e, rel_tol)
+    timings["simulate_s"] = round(time.perf_counter() - t1, 1)
+    agree = report["reference"]["within"]
+    matched = [h for h in report["hypotheses"] if h.get("explains")]
+    warned = any(" engine_numerics:" in f for f in report["check_findings"])
+    if name == "vllm" and (
+        parity == "always" or (parity == "auto" and not matched and (not agree or warned))
+    ):
+        # the engine's own states: the other-numerics case (and, with --parity always, a check of them)
+        t2 = time.perf_counter()
+        report["numerics"] = _numerics(target_cfg, target, drafter, seqs, k, eng["tau"], per_e, rel_tol, ref)
+        timings["parity_s"] = round(time.perf_counter() - t2, 1)
+    report["verdict"], report["finding"] = _verdict(report, agree, matched)
+    report["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 1)}
+    write_report(report, out)
+    return report
+
+
+def _header(base, name, found, model, folder, target_cfg, prompt_path, n_rows, max_tokens) -> dict:
+    """The report's first keys: the server, the drafter, the target, the prompts, and what
+    ``check`` says of the drafter folder for this engine."""
+    findings = check_drafter(folder, target_cfg, engine=name)
+    return {
+        "server": {"url": base, "engine": name, "version": found.get("version"), "model": model},
+        "drafter": str(folder),
+        "target": target_cfg.model,
+        "prompts": {"source": prompt_path, "count": n_rows},
+        "max_tokens": max_tokens,
+        "check_findings": [f"{f.severity} {f.code}: {f.message}" for f in findings],
+    }
+
+
+def _checked_inputs(
+    drafter_dir, prompts, out: Path, overwrite: bool, parity: str, engine
+) -> tuple[Path, str]:
+    """The local inputs, checked before the server is contacted: ``(drafter folder, prompt file)``.
+
+    Raises:
+        DiagnoseError: an existing report (without ``overwrite``), a bad ``parity`` or ``engine``,
+            no drafter config, no prompt file."""
+    there = [str(out / n) for n in ("diagnose.json", "diagnose.md") if (out / n).exists()]
+    if there and not overwrite:
+        raise DiagnoseError(f"{', '.join(there)} exist: pass --out to a new folder, or --overwrite")
+    if parity not in ("auto", "always", "never"):
+        raise DiagnoseError(f"--parity must be auto, always or never, not {parity!r}")
+    if engine not in (None, "vllm", "sglang"):
+        raise DiagnoseError(f"--engine must be vllm or sglang, not {engine!r}")
+    folder = Path(drafter_dir)
+    if not (folder / "config.json").is_file():
+        raise DiagnoseError(f"--drafter {folder} holds no config.json; give the drafter folder you trained")
+    path = prompts or str(folder.parent / "heldout.jsonl")
+    if not os.path.isfile(path):
+        raise DiagnoseError(
+            f"no prompt file {path}: give --prompts FILE (JSONL in any format `prompts.sources` reads; "
+            "the held-out prompts of the drafter's run are the default)"
+        )
+    return folder, path
+
+
+def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):
+    """``(target, drafter)``: the drafter loaded strictly, checked against the target, in its dtype.
+
+    Raises:
+        ConfigError, ExportError: a drafter for another target, or one that does not load."""
+    target = target if target is not None else load_target(target_cfg, device=dev)
+    drafter = load_exported(folder, device=dev, target=target_cfg).eval()
+    check_drafter_target(folder, drafter, target, target_cfg.model)
+    return target, drafter.to(target.dtype)
+
+
+def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) -> tuple[Sequences, object]:
+    """The target's states on the engine's sequences (every layer a hypothesis reads), the drafter
+    as trained and every fault simulated on them; fills the report's ``reference``, ``advice``,
+    ``hypotheses``, ``noise`` and ``match_rule``. Returns ``(sequences, reference simulation)``."""
+    k, tau_e = report["k"], report["engine"]["tau"]
+    layers = set(drafter.config.aux_layer_ids)
+    for f in faults:
+        if applicable(f, drafter, target.num_layers) is None:
+            layers |= {i + f.aux_shift for i in drafter.config.aux_layer_ids}
+    seqs = capture_sequences(target, run.prompt_ids, run.outputs, layers)
+    ref = simulate_on(drafter, target, seqs, k, drafter.config.aux_layer_ids)
+    report["reference"] = {**ref.as_dict(), **compare(tau_e, per_e, ref, rel_tol)}
+    report["noise"] = (
+        f"engine and simulation agree when |τ_engine − τ_sim| ≤ {rel_tol:g} · τ_sim (both on the engine's own "
+        "sequences, so only numerics that flip a near-tie separate them)"
+    )
+    report["advice"] = advice(drafter, ref, seqs, [r.get("category") or "-" for r in rows])
+    report["hypotheses"] = _hypotheses(faults, drafter, target, seqs, k, tau_e, per_e, rel_tol)
+    for h in report["hypotheses"]:
+        if "skipped" not in h:
+            h["explains"] = explains(h, report["reference"])
+    report["match_rule"] = (
+        f"a hypothesis explains the engine when its τ is within the tolerance and its per-prompt τ distance is at "
+        f"most {DISTANCE_RATIO:g} × the drafter-as-trained's and {DISTANCE_FLOOR:g} below it"
+    )
+    return seqs, ref
+
+
+def _engine_name(found: str, given: str | None, base: str) -> str:
+    if found not in ("vllm", "sglang"):
+        raise DiagnoseError(
+            f"{base} is an OpenAI-compatible server but neither vLLM nor SGLang: diagnose reads the engine's "
+            "own acceptance counters, which only those two give"
+        )
+    if given and given != found:
+        raise DiagnoseError(
+            f"--engine {given}, but the server at {base} is {found}; drop --engine or fix the URL"
+        )
+    return found
+
+
+def _template(base: str, model: str, target, rows: list[dict], headers: dict) -> dict:
+    """Bench's template check (C35) on the prompts: the server's rendering against the target's."""
+    try:
+        got = check_template(base, model, target.tokenizer, rows, headers=headers)
+        return {"mismatch": False, **got}
+    except BenchError as e:
+        return {"mismatch": True, "message": str(e)}
+
+
+def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[list[int]]]:
+    """The prompts as a client rendering them with the template in ``path`` sends them, and the
+    template check of that rendering against the target's own template (C35).
+
+    Raises:
+        DiagnoseError: the file is missing or holds no template."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+        template = json.loads(text)["chat_template"] if p.suffix == ".json" else text
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DiagnoseError(
+            f"--chat-template {path}: not a readable Jinja file or tokenizer_config.json with a chat_template"
+        ) from None
+    client = copy.deepcopy(target.tokenizer)
+    client.chat_template = template
+    sent = [render_prompt_ids(client, r["messages"]) for r in rows]
+    for r, ids in zip(rows, sent):
+        ours = render_prompt_ids(target.tokenizer, r["messages"])
+        if ids != ours:
+            pos = next((i for i, (a, b) in enumerate(zip(ours, ids)) if a != b), min(len(ours), len(ids)))
+            return {
+                "mismatch": True,
+                "method": "client rendering",
+                "message": (
+                    f"the client renders prompts with another chat template ({path}) than the target's: prompt "
+                    f"{r['messages'][0]['content'][:60]!r} is {len(ids)} tokens there and {len(ours)} with the "
+                    f"target's template, first difference at token {pos} "
+                    f"({target.tokenizer.decode(ids[pos : pos + 3])!r} there). Render with the target's own "
+                    "template (or send chat messages and let the server render them)"
+                ),
+            }, sent
+    return {"mismatch": False, "method": "client rendering", "checked": len(rows)}, sent
+
+
+def _hypotheses(
+    faults: list[Fault], drafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol
+) -> list[dict]:
+    out = []
+    for f in faults:
+        why = applicable(f, drafter, target.num_layers)
+        if why:
+            out.append({"name": f.name, "what": f.what, "fix": f.fix, "skipped": why})
+            continue
+        d, ids = planted(f, drafter)
+        sim = simulate_on(d, target, seqs, k, ids)
+        out.append({"name": f.name, "what": f.what, "fix": f.fix, **compare(tau_e, per_e, sim, rel_tol)})
+    return out
+
+
+def _numerics(target_cfg, target, drafter, seqs: Sequences, k, tau_e, per_e, rel_tol, ref) -> dict:
+    """The engine's own states on the same sequences (vLLM in this process, eagle3kit's capture
+    path), their agreement with the target's per layer, and the drafter simulated on them."""
+    from eagle3kit.train.extract import engine_features  # noqa: PLC0415 (imports vLLM's capture lazily)
+
+    capture = _vllm_capture(target_cfg, target, drafter, seqs)
+    try:
+        states = capture.capture(seqs.ids)
+    finally:
+        capture.close()
+    agreement = StateAgreement(target, drafter.config.aux_layer_ids)
+    aux = []
+    for i, st in enumerate(states):
+        a, last = engine_features(target, st)
+        aux.append(a.cpu())
+        mine = seqs.aux(i, drafter.config.aux_layer_ids)
+        agreement.add(mine.view(mine.shape[0], 3, -1).float(), a.view(a.shape[0], 3, -1).float().cpu())
+    layers = agreement.layers()
+    sim = compare(
+        tau_e, per_e, simulate_on(drafter, target, seqs, k, drafter.config.aux_layer_ids, aux=aux), rel_tol
+    )
+    return {
+        "source": "vllm (in-process capture, extract_hidden_states)",
+        "layers": layers,
+        "tolerances": TOLERANCES,
+        "parity": verdict(layers),
+        "simulated_on_engine_states": sim,
+        "explains": explains(sim, compare(tau_e, per_e, ref, rel_tol)),
+    }
+
+
+def _vllm_capture(target_cfg, target, drafter, seqs: Sequences):
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it on import
+    from eagle3kit.train.vllm_capture import VLLMCapture, engine_model_folder  # noqa: PLC0415 (imports vLLM)
+
+    store = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle3kit-diagnose-{os.getpid()}"
+    longest = max(int(s.numel()) for s in seqs.ids)
+    ids = [*drafter.config.aux_layer_ids, target.num_layers]
+    return VLLMCapture(engine_model_folder(target, None), ids, store, longest + 1, target_cfg.dtype)
+
+
+def _verdict(report: dict, agree: bool, matched: list[dict]) -> tuple[str, str]:
+    """``(verdict, finding)``, in this order: the template check; a fault that explains the engine;
+    other numerics (parity disagrees and the drafter on the engine's own states explains it);
+    agreement; else unexplained, naming the closest hypothesis."""
+    eng, ref = report["engine"]["tau"], report["reference"]["tau"]
+    if report["template"]["mismatch"]:
+        return "fault", "chat_template: " + report["template"]["message"]
+    if matched:
+        best = min(matched, key=lambda h: h["distance"])
+        cost = (
+            "; on this target it costs no τ beyond the noise, but the engine reads the drafter wrongly"
+            if agree
+            else ""
+        )
+        return "fault", (
+            f"{best['name']}: {best['what']} — simulated τ {best['tau']:.3f} against the engine's {eng:.3f} "
+            f"(the drafter as trained: {ref:.3f}; per-prompt distance {best['distance']} against "
+            f"{report['reference']['distance']}){cost}. Fix: {best['fix']}"
+        )
+    num = report.get("numerics")
+    if num and num["parity"] == "disagree":
+        bad = [k for k, v in num["layers"].items() if not v["pass"]]
+        s = num["simulated_on_engine_states"]
+        how = (
+            "which reproduces the engine"
+            if num["explains"]
+            else "(a capture prefills each sequence at once; it reproduces the served τ only where the "
+            "engine's states do not depend on how tokens are batched)"
+        )
+        return "fault", (
+            f"other_numerics: the engine computes other hidden states than the transformers target the drafter "
+            f"was simulated with (parity: disagree on {len(bad)} of {len(num['layers'])} layers, e.g. {bad[0]}); "
+            f"τ served {eng:.3f}, simulated on transformers' states {ref:.3f}, on the engine's captured states "
+            f"{s['tau']:.3f} {how}. Fix: train on features from the engine that serves (`extract --backend vllm`, "
+            "then `train.features`), or fix the engine's implementation of the target"
+        )
+    if agree:
+        return "agree", (
+            f"engine and reference agree (τ {eng:.3f} served, {ref:.3f} simulated): the drafter is what it is"
+        )
+    scored = [h for h in report["hypotheses"] if "delta" in h]
+    close = min(scored, key=lambda h: abs(h["delta"])) if scored else None
+    return "unexplained", (
+        f"the engine accepts τ {eng:.3f}, the drafter as trained {ref:.3f}, and no known fault reproduces it"
+        + (f"; the closest is {close['name']} (τ {close['tau']:.3f})" if close else "")
+    )

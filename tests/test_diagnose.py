@@ -1,0 +1,351 @@
+"""`eagle3kit diagnose` without a real engine: the planted faults compute what they name, the
+comparison arithmetic, and bad input (exit 2, nothing written). The engine-verified cases (a vLLM
+server serving each planted fault) are in tests/test_engine_acceptance.py and, for other numerics,
+tests/test_family_runs.py.
+
+The server here is a TEST DOUBLE (FastAPI in a thread), standing in for vLLM's endpoints where a
+behaviour must be produced on demand: counters that move per request, and a connection cut
+mid-run."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from conftest import diagnose_cli
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from standin_server import AppThread
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.core.engines import free_port
+from eagle3kit.core.metrics import AcceptanceStats
+from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
+from eagle3kit.diagnose.simulate import Simulated, compare, explains
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.folder import export_drafter
+
+FAULT = {f.name: f for f in FAULTS}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target_dir, tmp_path_factory):
+    """A drafter exported for the tiny 8-layer Llama target (V 49152, Vd 512, aux 2, 4, 5)."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7 + 3, vocab_size=tc.vocab_size))
+    return export_drafter(d, tmp_path_factory.mktemp("d") / "drafter")
+
+
+@pytest.fixture
+def drafter(drafter_dir):
+    from eagle3kit.model.folder import load_exported
+
+    return load_exported(drafter_dir).eval()
+
+
+def test_each_planted_fault_computes_what_it_names_on_a_copy(drafter):
+    ids = torch.tensor([0, 1, 2, 511])
+    h = torch.randn(4, drafter.config.hidden_size)
+    assert planted(FAULT["d2t_missing"], drafter)[0].draft_to_target(ids).tolist() == [0, 1, 2, 511]
+    # d2t read as ids: target id = d2t[i] (offsets 3, 9, 15, … here), not i + d2t[i]
+    assert planted(FAULT["d2t_as_ids"], drafter)[0].draft_to_target(ids).tolist() == drafter.d2t[ids].tolist()
+    assert drafter.draft_to_target(ids).tolist() == [3, 10, 17, 3580]  # the drafter itself untouched
+    assert not planted(FAULT["fc_missing"], drafter)[0].fc.weight.any() and drafter.fc.weight.any()
+    assert not planted(FAULT["lm_head_missing"], drafter)[0].lm_head.weight.any()
+    twice = planted(FAULT["final_norm_twice"], drafter)[0]
+    assert torch.allclose(twice.logits(h), drafter.lm_head(drafter.norm(drafter.norm(h))))
+    assert torch.allclose(planted(FAULT["final_norm_missing"], drafter)[0].logits(h), drafter.lm_head(h))
+    assert planted(FAULT["norm_before_residual"], drafter)[0].norm_before_residual is True
+    assert planted(FAULT["norm_output"], drafter)[0].norm_output is True
+    assert drafter.norm_before_residual is False and drafter.norm_output is False
+    assert planted(FAULT["aux_ids_plus_1"], drafter)[1] == [3, 5, 6]
+    assert planted(FAULT["aux_ids_minus_1"], drafter)[1] == [1, 3, 4]
+
+
+def test_a_fault_that_cannot_apply_says_why(drafter):
+    assert applicable(FAULT["aux_ids_plus_1"], drafter, 8) is None
+    assert "outside [1, 5]" in applicable(FAULT["aux_ids_plus_1"], drafter, 6)  # layer 5 + 1 = 6 = N
+    full = Eagle3Drafter(DrafterConfig(**{**drafter.config.to_dict(), "draft_vocab_size": 49152}))
+    assert "no d2t" in applicable(FAULT["d2t_missing"], full, 8)
+    assert applicable(FAULT["fc_missing"], full, 8) is None
+
+
+def test_another_builds_vocabulary_is_checked_before_it_is_simulated(drafter, tmp_path):
+    from safetensors.torch import save_file
+
+    other = torch.arange(512) * 5 + 11  # another build: other ids, same size
+    save_file({"d2t": other - torch.arange(512)}, str(tmp_path / "vocab.safetensors"))
+    f = other_vocab_fault(tmp_path / "vocab.safetensors", drafter)
+    d, _ = planted(f, drafter)
+    assert d.draft_to_target(torch.tensor([0, 511])).tolist() == [11, 2566] and int(d.t2d.sum()) == 512
+    save_file({"d2t": torch.zeros(100, dtype=torch.long)}, str(tmp_path / "small.safetensors"))
+    with pytest.raises(ConfigError, match="100 entries, the drafter's 512"):
+        other_vocab_fault(tmp_path / "small.safetensors", drafter)
+    save_file({"t2d": torch.zeros(3, dtype=torch.bool)}, str(tmp_path / "none.safetensors"))
+    with pytest.raises(ConfigError, match="holds no d2t"):
+        other_vocab_fault(tmp_path / "none.safetensors", drafter)
+    with pytest.raises(ConfigError, match="cannot read"):
+        other_vocab_fault(tmp_path / "missing.safetensors", drafter)
+
+
+def stats(accepts: list[int], k: int = 3) -> AcceptanceStats:
+    st = AcceptanceStats(k)
+    for a in accepts:
+        st.add(a)
+    return st
+
+
+def test_compare_and_explains_follow_the_per_prompt_numbers():
+    """Pooled τ alike, per-prompt τ not: the per-prompt distance decides which hypothesis explains."""
+    a, b = stats([1, 1, 0, 0]), stats([0, 0, 1, 1])  # τ 1.5 each
+    right = Simulated(stats([1, 1, 0, 0, 0, 0, 1, 1]), [a, b])
+    swapped = Simulated(stats([0, 0, 1, 1, 1, 1, 0, 0]), [b, a])
+    engine = [1.5, 1.5]
+    c = compare(1.5, engine, right, 0.02)
+    assert c == {"tau": 1.5, "delta": 0.0, "tolerance": 0.03, "distance": 0.0, "within": True}
+    off = Simulated(stats([0, 0, 0, 0, 0, 0, 1, 1]), [stats([0, 0, 0, 0]), b])  # τ 1.25
+    far = compare(1.5, engine, off, 0.02)
+    assert far["delta"] == 0.25 and not far["within"] and far["distance"] == 0.25
+    assert explains(c, far) and not explains(far, c) and not explains(compare(1.5, engine, swapped, 0.02), c)
+
+
+def fake_vllm(tokenizer, drop_after: int | None = None, stop=None) -> FastAPI:
+    """vLLM's endpoints diagnose reads: prompts rendered with ``tokenizer``'s template; each chat
+    request moves the counters by 10 drafts and (3, 1, 0) accepted at positions (0, 1, 2) and
+    returns 16 output ids; the request after ``drop_after`` of them calls ``stop()`` (the server
+    shuts down: that request and every later one finds nobody listening)."""
+    from eagle3kit.data.backends import render_prompt_ids
+
+    api = FastAPI()
+    seen = {"n": 0}
+
+    @api.get("/v1/models")
+    def models():
+        return {"data": [{"id": "tiny"}]}
+
+    @api.get("/version")
+    def version():
+        return {"version": "0.32.0"}
+
+    @api.post("/tokenize")
+    async def tokenize(req: dict):
+        return {"tokens": render_prompt_ids(tokenizer, req["messages"])}
+
+    @api.get("/metrics")
+    def metrics():
+        n = seen["n"]
+        lines = [
+            f"vllm:spec_decode_num_drafts_total {10.0 * n}",
+            f"vllm:spec_decode_num_draft_tokens_total {30.0 * n}",
+            f"vllm:spec_decode_num_accepted_tokens_total {4.0 * n}",
+        ] + [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{k}"}} {float(v * n)}'
+            for k, v in enumerate((3, 1, 0))
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    @api.post("/v1/chat/completions")
+    async def chat(req: dict):
+        if drop_after is not None and seen["n"] >= drop_after:
+            stop()
+            await asyncio.sleep(30)  # never answered: the shutdown closes the connection
+        seen["n"] += 1
+        ids = render_prompt_ids(tokenizer, req["messages"])
+        return {"prompt_token_ids": ids, "choices": [{"token_ids": list(range(100, 116))}]}
+
+    return api
+
+
+def prompts_file(tmp_path, n=3):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(n)))
+    return p
+
+
+def test_diagnose_reads_the_engines_counters_per_prompt_and_writes_its_report(
+    drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    """Against the stand-in (3 prompts, counters 10 drafts / 4 accepted each): the engine's τ is
+    1 + 12/30 pooled, per prompt 1.4, per position 0.3/0.1/0.0; the untrained drafter simulates
+    1.0 on the engine's outputs, so engine and reference disagree and no fault explains it (exit 1)."""
+    with _Server(fake_vllm(smollm2_tokenizer)) as server:
+        res = against(server, drafter_dir, tiny_target_dir, tmp_path, "--parity", "never")
+    rep = json.loads((tmp_path / "rep" / "diagnose.json").read_text())
+    assert res["exit_code"] == 1, res["output"]
+    eng = rep["engine"]
+    assert (eng["drafts"], eng["accepted"], eng["tau"]) == (30, 12, 1.4) and eng["per_prompt_tau"] == [
+        1.4
+    ] * 3
+    assert eng["per_position_acceptance"] == [0.3, 0.1, 0.0]
+    assert rep["template"] == {
+        "mismatch": False,
+        "checked": 3,
+        "method": "tokenize",
+        "result": "same prompt ids as the target's own template",
+    }
+    assert rep["reference"]["tau"] == 1.0 and not rep["reference"]["within"]
+    assert rep["verdict"] == "unexplained" and not any(h.get("explains") for h in rep["hypotheses"])
+    assert len([h for h in rep["hypotheses"] if "skipped" not in h]) == len(FAULTS)
+    assert "| the engine (its counters) | 1.4000 |" in (tmp_path / "rep" / "diagnose.md").read_text()
+
+
+def against(server, drafter_dir, target_dir, tmp_path, *extra, n=3) -> dict:
+    """diagnose against the stand-in ``server``: n prompts, the tiny target, report in tmp_path/rep."""
+    return diagnose_cli(
+        server.url,
+        drafter_dir,
+        prompts_file(tmp_path, n),
+        tmp_path / "rep",
+        "--target",
+        str(target_dir),
+        *extra,
+    )
+
+
+class _Server(AppThread):
+    def __init__(self, api):
+        self.serve(api)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.server.force_exit = True
+
+
+def test_a_server_that_drops_mid_run_stops_diagnose_with_exit_2_and_nothing_written(
+    drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    holder = []
+    with _Server(fake_vllm(smollm2_tokenizer, drop_after=1, stop=lambda: holder[0].stop())) as server:
+        holder.append(server)
+        res = against(server, drafter_dir, tiny_target_dir, tmp_path)
+    said = " ".join(res["output"].split())
+    # the request in flight when it shut down is answered 500 or cut: either way named, and nothing kept
+    assert res["exit_code"] == 2 and "nothing was written" in said and "rerun diagnose" in said, res["output"]
+    assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--drafter", "{tmp}/nowhere"], "holds no config.json"),
+        (["--prompts", "{tmp}/none.jsonl"], "no prompt file"),
+        (["--parity", "sometimes"], "--parity must be auto, always or never"),
+        (["--engine", "tgi"], "--engine must be vllm or sglang"),
+        ([], "no OpenAI-compatible server answers"),
+    ],
+)
+def test_bad_input_is_named_with_its_fix_and_exits_2(args, expected, drafter_dir, tiny_target_dir, tmp_path):
+    """Local inputs are checked before the server is contacted (none answers on this port)."""
+    given = dict(zip(args[::2], [a.format(tmp=tmp_path) for a in args[1::2]]))
+    drafter = given.pop("--drafter", str(drafter_dir))
+    prompts = given.pop("--prompts", prompts_file(tmp_path))
+    extra = ["--target", str(tiny_target_dir), *[x for kv in given.items() for x in kv]]
+    res = diagnose_cli(f"http://127.0.0.1:{free_port()}", drafter, prompts, tmp_path / "r", *extra)
+    assert res["exit_code"] == 2 and expected in " ".join(res["output"].split()), res["output"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_existing_report_is_not_overwritten_unless_asked(drafter_dir, tiny_target_dir, tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "diagnose.json").write_text("{}")
+    url = f"http://127.0.0.1:{free_port()}"
+    res = diagnose_cli(
+        url, drafter_dir, prompts_file(tmp_path), tmp_path / "r", "--target", str(tiny_target_dir)
+    )
+    assert res["exit_code"] == 2 and "--overwrite" in res["output"]
+    assert (tmp_path / "r" / "diagnose.json").read_text() == "{}"
+
+
+def fake_sglang(tokenizer) -> FastAPI:
+    """SGLang's endpoints diagnose reads (field names as bench's SGLang path reads them): no
+    /tokenize for chats, so the template check counts usage.prompt_tokens; /generate answers 12
+    output ids with meta_info spec_verify_ct 5, spec_accept_token_num 6, spec_draft_token_num 15."""
+    from eagle3kit.data.backends import render_prompt_ids
+
+    api = FastAPI()
+    got: list = []
+
+    @api.get("/v1/models")
+    def models():
+        return {"data": [{"id": "tiny"}]}
+
+    @api.get("/server_info")
+    def server_info():
+        return {"version": "0.5.23", "speculative_algorithm": "EAGLE3"}
+
+    @api.post("/v1/chat/completions")
+    async def chat(req: dict):
+        n = len(render_prompt_ids(tokenizer, req["messages"]))
+        return {
+            "choices": [{"message": {"content": "x"}}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1},
+        }
+
+    @api.post("/generate")
+    async def generate(req: dict):
+        got.append(req)
+        meta = {
+            "spec_verify_ct": 5,
+            "spec_accept_token_num": 6,
+            "spec_draft_token_num": 15,
+            "completion_tokens": 12,
+        }
+        return {"output_ids": list(range(200, 212)), "meta_info": meta}
+
+    api.state.got = got
+    return api
+
+
+def test_diagnose_reads_sglangs_meta_info_per_prompt(
+    drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    """SGLang (a stand-in: no SGLang runs on this machine): the prompt ids are rendered with the
+    target's template and sent to /generate; τ = 1 + accepted / verify steps pooled (1 + 12/10)."""
+    api = fake_sglang(smollm2_tokenizer)
+    with _Server(api) as server:
+        res = against(server, drafter_dir, tiny_target_dir, tmp_path, "--parity", "never", n=2)
+    rep = json.loads((tmp_path / "rep" / "diagnose.json").read_text())
+    assert res["exit_code"] == 1 and rep["server"]["engine"] == "sglang", res["output"]
+    assert (rep["engine"]["drafts"], rep["engine"]["accepted"], rep["engine"]["tau"]) == (10, 12, 2.2)
+    assert rep["template"]["method"] == "usage.prompt_tokens" and not rep["template"]["mismatch"]
+    sent = api.state.got[0]
+    assert sent["sampling_params"] == {"max_new_tokens": 64, "temperature": 0.0}
+    from eagle3kit.data.backends import render_prompt_ids
+
+    assert sent["input_ids"] == render_prompt_ids(
+        smollm2_tokenizer, [{"role": "user", "content": "What is 0 + 0?"}]
+    )
+
+
+def test_plant_in_folder_writes_what_a_broken_converter_would(drafter_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle3kit.diagnose.faults import plant_in_folder
+
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    assert "fc.weight" not in load_file(
+        str(plant_in_folder(drafter_dir, tmp_path / "a", "fc_missing") / "model.safetensors")
+    )
+    up = json.loads(
+        (plant_in_folder(drafter_dir, tmp_path / "b", "aux_ids_plus_1") / "config.json").read_text()
+    )
+    assert (
+        up["eagle_aux_hidden_state_layer_ids"]
+        == [3, 5, 6]
+        == [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    )
+    assert up["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # SGLang numbering, +1 too
+    nbr = json.loads(
+        (plant_in_folder(drafter_dir, tmp_path / "c", "norm_before_residual") / "config.json").read_text()
+    )
+    assert cfg["norm_before_residual"] is False and nbr["norm_before_residual"] is True
+    with pytest.raises(ConfigError, match="exists"):
+        plant_in_folder(drafter_dir, tmp_path / "c", "fc_missing")
+    with pytest.raises(ConfigError, match="cannot plant 'norm_output'"):
+        plant_in_folder(drafter_dir, tmp_path / "d", "norm_output")
