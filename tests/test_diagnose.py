@@ -114,11 +114,13 @@ def test_compare_and_explains_follow_the_per_prompt_numbers():
     assert explains(c, far) and not explains(far, c) and not explains(compare(1.5, engine, swapped, 0.02), c)
 
 
-def fake_vllm(tokenizer, drop_after: int | None = None, stop=None) -> FastAPI:
+def fake_vllm(tokenizer, drop_after: int | None = None, stop=None, mode: str = "") -> FastAPI:
     """vLLM's endpoints diagnose reads: prompts rendered with ``tokenizer``'s template; each chat
     request moves the counters by 10 drafts and (3, 1, 0) accepted at positions (0, 1, 2) and
     returns 16 output ids; the request after ``drop_after`` of them calls ``stop()`` (the server
-    shuts down: that request and every later one finds nobody listening)."""
+    shuts down: that request and every later one finds nobody listening). ``mode``: ``backwards``
+    (the counters fall, as after a restart), ``outside`` (output ids past the vocabulary), ``empty``
+    (no output ids)."""
     from eagle3kit.data.backends import render_prompt_ids
 
     api = FastAPI()
@@ -138,7 +140,7 @@ def fake_vllm(tokenizer, drop_after: int | None = None, stop=None) -> FastAPI:
 
     @api.get("/metrics")
     def metrics():
-        n = seen["n"]
+        n = seen["n"] if mode != "backwards" else 10 - seen["n"]
         lines = [
             f"vllm:spec_decode_num_drafts_total {10.0 * n}",
             f"vllm:spec_decode_num_draft_tokens_total {30.0 * n}",
@@ -156,7 +158,8 @@ def fake_vllm(tokenizer, drop_after: int | None = None, stop=None) -> FastAPI:
             await asyncio.sleep(30)  # never answered: the shutdown closes the connection
         seen["n"] += 1
         ids = render_prompt_ids(tokenizer, req["messages"])
-        return {"prompt_token_ids": ids, "choices": [{"token_ids": list(range(100, 116))}]}
+        out = {"outside": [10**9] * 4, "empty": []}.get(mode, list(range(100, 116)))
+        return {"prompt_token_ids": ids, "choices": [{"token_ids": out}]}
 
     return api
 
@@ -233,7 +236,10 @@ def test_a_server_that_drops_mid_run_stops_diagnose_with_exit_2_and_nothing_writ
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--drafter", "{tmp}/nowhere"], "holds no config.json"),
+        (["--drafter", "{tmp}/nowhere"], "does not exist"),
+        (["--drafter", "{tmp}"], "holds no config.json"),
+        (["--tolerance", "inf"], "--tolerance must be a fraction in [0, 1)"),
+        (["--out", "{tmp}/prompts.jsonl"], "is a file; give a folder"),
         (["--prompts", "{tmp}/none.jsonl"], "no prompt file"),
         (["--parity", "sometimes"], "--parity must be auto, always or never"),
         (["--engine", "tgi"], "--engine must be vllm or sglang"),
@@ -349,3 +355,33 @@ def test_plant_in_folder_writes_what_a_broken_converter_would(drafter_dir, tmp_p
         plant_in_folder(drafter_dir, tmp_path / "c", "fc_missing")
     with pytest.raises(ConfigError, match="cannot plant 'norm_output'"):
         plant_in_folder(drafter_dir, tmp_path / "d", "norm_output")
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("backwards", "counters went backwards during prompt 1"),
+        ("outside", "token ids outside [0, 49152) for prompt 1 (e.g. 1000000000)"),
+        ("empty", "no output tokens for prompt 1"),
+    ],
+)
+def test_engine_answers_that_would_give_a_wrong_diagnosis_stop_it(
+    mode, expected, drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    """Counters that fall (a restart mid-run), ids the target does not have, no output: exit 2,
+    named, nothing written (found by a bad-input attack on the first version, which reported them)."""
+    with _Server(fake_vllm(smollm2_tokenizer, mode=mode)) as server:
+        res = against(server, drafter_dir, tiny_target_dir, tmp_path)
+    assert res["exit_code"] == 2 and expected in " ".join(res["output"].split()), res["output"]
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_client_template_that_does_not_render_is_named(
+    drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages[0]['content'] ")  # unterminated
+    with _Server(fake_vllm(smollm2_tokenizer)) as server:
+        res = against(server, drafter_dir, tiny_target_dir, tmp_path, "--chat-template", str(bad))
+    said = " ".join(res["output"].split())
+    assert res["exit_code"] == 2 and "does not render the prompts (TemplateSyntaxError" in said, res["output"]

@@ -684,6 +684,12 @@ def diagnose(
         "--chat-template",
         help="template your client renders prompts with (Jinja or tokenizer_config.json)",
     ),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="served model name (default: the server's first)"
+    ),
+    timeout: float = typer.Option(
+        600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"
+    ),
 ):
     """Why the engine accepts less than the drafter predicts: the engine's τ per prompt against
     eagle3kit's simulation on the engine's own outputs, then each known integration fault simulated
@@ -706,6 +712,8 @@ def diagnose(
             api_key=os.environ.get(api_key_env),
             device=device,
             chat_template=chat_template,
+            model=model,
+            timeout=timeout,
         )
     except EngineError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")

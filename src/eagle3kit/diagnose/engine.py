@@ -54,14 +54,25 @@ class EngineRun:
         return acceptance_from_counters(tot)
 
 
+def _counters(base: str, headers: dict) -> dict:
+    """:func:`eagle3kit.core.engines.spec_decode_counters`, its failures as :class:`EngineError`."""
+    try:
+        return spec_decode_counters(base, headers=headers)
+    except (httpx.HTTPError, ValueError) as e:
+        raise EngineError(
+            f"{base}/metrics could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}); nothing "
+            "was written: rerun diagnose once the server answers (vLLM serves its counters there)"
+        ) from None
+
+
 def _settled_counters(base: str, headers: dict, before: dict, wait_s: float = 2.0) -> dict:
     """vLLM's counters once they stop moving: the request's last step may be recorded a moment
     after its response (two equal reads 50 ms apart, at most ``wait_s`` seconds)."""
-    last = spec_decode_counters(base, headers=headers)
+    last = _counters(base, headers)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < wait_s:
         time.sleep(0.05)
-        now = spec_decode_counters(base, headers=headers)
+        now = _counters(base, headers)
         if now == last and now["drafts"] > before["drafts"]:
             return now
         last = now
@@ -71,6 +82,11 @@ def _settled_counters(base: str, headers: dict, before: dict, wait_s: float = 2.
 def _post(base: str, path: str, body: dict, headers: dict, timeout: float) -> dict:
     try:
         r = httpx.post(base + path, json=body, headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        raise EngineError(
+            f"{base}{path} did not answer within {timeout:g} s (--timeout); nothing was written: rerun diagnose "
+            "once the server answers, or raise --timeout"
+        ) from None
     except httpx.HTTPError as e:
         raise EngineError(
             f"the server at {base} stopped answering ({type(e).__name__}: {str(e)[:160]}); nothing was "
@@ -97,6 +113,7 @@ def measure_engine(
     headers: dict | None = None,
     timeout: float = 600.0,
     prompt_ids: list[list[int]] | None = None,
+    vocab_size: int | None = None,
 ) -> EngineRun:
     """Send each row's ``messages`` alone, greedy, ``max_tokens`` new tokens; see the module.
 
@@ -104,10 +121,12 @@ def measure_engine(
         base: the server root (no ``/v1``); model: the served model id; engine: ``vllm`` or
             ``sglang``; tokenizer: the target's (SGLang only: it renders the prompt ids).
         prompt_ids: prompts the client rendered itself, sent as token ids (vLLM's
-            ``/v1/completions``) instead of the rows' messages.
+            ``/v1/completions``) instead of the rows' messages. vocab_size: the target's (ids
+            outside [0, V) are refused). timeout: seconds per request.
     Raises:
-        EngineError: a request failed, the response held no token ids, or (vLLM) the counters
-            did not move (the server runs no speculative decoding)."""
+        EngineError: a request failed or timed out, the response held no token ids, ids outside
+            the vocabulary, no output, counters that went backwards, or (vLLM) counters that did
+            not move (the server runs no speculative decoding)."""
     headers = headers or {}
     run = EngineRun(engine)
     t0 = time.perf_counter()
@@ -122,6 +141,7 @@ def measure_engine(
                 if given is None:
                     given = render_prompt_ids(tokenizer, r["messages"])
                 ids, out, delta = _sglang_one(base, given, max_tokens, headers, timeout)
+            _check_one(base, i, ids, out, delta, vocab_size)
             run.prompt_ids.append(ids)
             run.outputs.append(out)
             run.per_prompt.append(delta)
@@ -136,8 +156,33 @@ def measure_engine(
     return run
 
 
+def _check_one(
+    base: str, i: int, ids: list[int], out: list[int], delta: dict, vocab_size: int | None
+) -> None:
+    """Refuse what would give a wrong diagnosis: no output, ids outside the target's vocabulary,
+    counters that went backwards (the server restarted or reset them mid-run)."""
+    if not out:
+        raise EngineError(
+            f"the server returned no output tokens for prompt {i + 1}: diagnose needs the engine's greedy "
+            "output (raise --max-tokens, or check the server's stop settings)"
+        )
+    bad = [t for t in ids + out if t < 0 or (vocab_size and t >= vocab_size)]
+    if bad:
+        raise EngineError(
+            f"the server returned token ids outside [0, {vocab_size}) for prompt {i + 1} (e.g. {bad[0]}): it does "
+            "not serve this --target"
+        )
+    if min(delta[k] for k in ("drafts", "draft_tokens", "accepted")) < 0 or any(
+        v < 0 for v in (delta.get("per_position") or {}).values()
+    ):
+        raise EngineError(
+            f"the server's counters went backwards during prompt {i + 1} (it restarted or reset its metrics); "
+            "nothing was written: rerun diagnose"
+        )
+
+
 def _vllm_one(base, model, messages, max_tokens, headers, timeout, prompt_ids=None):
-    before = spec_decode_counters(base, headers=headers)
+    before = _counters(base, headers)
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True}
     if prompt_ids is None:  # the server renders the chat with its template
         got = _post(base, "/v1/chat/completions", {**body, "messages": messages}, headers, timeout)
@@ -147,9 +192,9 @@ def _vllm_one(base, model, messages, max_tokens, headers, timeout, prompt_ids=No
     try:
         ids = [int(t) for t in got["prompt_token_ids"]]
         out = [int(t) for t in got["choices"][0]["token_ids"]]
-    except (KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError, ValueError):
         raise EngineError(
-            f"{base} returned no prompt_token_ids/token_ids (vLLM ≥ 0.10.2 returns them with "
+            f"{base} returned no prompt_token_ids/token_ids of integers (vLLM ≥ 0.10.2 returns them with "
             "return_token_ids); diagnose needs the engine's own ids"
         ) from None
     after = _settled_counters(base, headers, before)
@@ -165,8 +210,11 @@ def _sglang_one(base, ids, max_tokens, headers, timeout):
             f"{base}/generate returned no output_ids or meta_info.spec_verify_ct: start SGLang with "
             "--speculative-algorithm EAGLE3"
         )
-    out = [int(t) for t in got["output_ids"]]
-    drafts = int(meta["spec_verify_ct"])
-    accepted = int(meta.get("spec_accept_token_num", len(out) - drafts))
-    tokens = int(meta.get("spec_draft_token_num", 0))
+    try:
+        out = [int(t) for t in got["output_ids"]]
+        drafts = int(meta["spec_verify_ct"])
+        accepted = int(meta.get("spec_accept_token_num", len(out) - drafts))
+        tokens = int(meta.get("spec_draft_token_num", 0))
+    except (TypeError, ValueError):
+        raise EngineError(f"{base}/generate returned output_ids or meta_info that are not integers") from None
     return ids, out, {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted, "per_position": {}}

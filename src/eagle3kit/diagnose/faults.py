@@ -172,6 +172,10 @@ def other_vocab_fault(path: str | Path, drafter: Eagle3Drafter) -> Fault:
             f"--other-vocab {path}: {f} holds no d2t; give a vocab.safetensors or a drafter folder"
         )
     d2t = t["d2t"].long()
+    if d2t.dim() != 1:
+        raise ConfigError(
+            f"--other-vocab {path}: its d2t has shape {list(d2t.shape)}; a d2t is one row of offsets"
+        )
     if d2t.numel() != drafter.d2t.numel():
         raise ConfigError(
             f"--other-vocab {path}: its draft vocabulary has {d2t.numel()} entries, the drafter's "

@@ -4,9 +4,10 @@ report's JSON, Markdown and console lines."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from eagle3kit.core.rundir import write_text
+from eagle3kit.core.rundir import DataError
 from eagle3kit.core.ui import console
 from eagle3kit.diagnose.simulate import Sequences, Simulated
 from eagle3kit.model.drafter import Eagle3Drafter
@@ -173,10 +174,29 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """``diagnose.json`` and ``diagnose.md`` in ``out`` (each written atomically), and the console lines."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "diagnose.json", json.dumps(report, indent=2) + "\n")
-    write_text(out / "diagnose.md", markdown(report))
+    """``diagnose.json`` and ``diagnose.md`` in ``out`` (both or neither), and the console lines.
+
+    Raises:
+        DataError: a write failed, naming the file and ``--out``."""
+    texts = {
+        out / "diagnose.json": json.dumps(report, indent=2) + "\n",
+        out / "diagnose.md": markdown(report),
+    }
+    tmps = {p: p.with_name(p.name + ".tmp") for p in texts}
+    try:  # both under temporary names first: a failed write leaves neither, and the earlier report as it was
+        out.mkdir(parents=True, exist_ok=True)
+        for p, text in texts.items():
+            tmps[p].write_text(text)
+        for p, tmp in tmps.items():
+            os.replace(tmp, p)
+    except OSError as e:
+        for tmp in tmps.values():
+            if tmp.is_file():
+                tmp.unlink()
+        raise DataError(
+            f"could not write {e.filename or out}: {e.strerror or e}; give --out a writable folder (the earlier "
+            "report, if any, is as it was)"
+        ) from None
     for line in console_lines(report):
         console.print(line, markup=False, highlight=False)
     console.print(f"report: {out / 'diagnose.json'}, {out / 'diagnose.md'}", markup=False, highlight=False)

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import time
 from pathlib import Path
+
+import httpx
 
 from eagle3kit.core.config import ConfigError, PromptSource, TargetConfig
 from eagle3kit.core.rundir import DataError
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
-from eagle3kit.diagnose.engine import measure_engine
+from eagle3kit.diagnose.engine import EngineError, measure_engine
 from eagle3kit.diagnose.faults import FAULTS, Fault, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.report import advice, write_report
 from eagle3kit.diagnose.simulate import (
@@ -69,6 +72,8 @@ def run_diagnose(
     device: str = "cpu",
     target: Target | None = None,
     chat_template: str | None = None,
+    model: str | None = None,
+    timeout: float = 600.0,
 ) -> dict:
     """Diagnose the server at ``base_url`` serving ``target_cfg``'s target with ``drafter_dir``'s
     drafter (module docstring). Writes ``diagnose.json`` and ``diagnose.md`` into ``out``.
@@ -81,23 +86,21 @@ def run_diagnose(
             floor; :func:`eagle3kit.diagnose.simulate.compare`). target: the target already loaded
             from ``target_cfg`` (None: loaded here). chat_template: a Jinja file, or a
             ``tokenizer_config.json`` holding one, that the client renders prompts with; they are
-            then sent as token ids, and compared with the target's own template first.
+            then sent as token ids, and compared with the target's own template first. model: the
+            served model id (default: the server's first). timeout: seconds per request.
     Returns: the report; its ``verdict`` is ``agree``, ``fault`` or ``unexplained``.
-    Raises:
-        DiagnoseError, ConfigError, DataError, BenchError: bad input (no server, no drafter,
-            a drafter for another target, unreadable prompts, an existing report).
-        EngineError: the server failed mid-run (nothing is written).
+    Raises: DiagnoseError, ConfigError, DataError, BenchError on bad input (no server, no drafter, one
+        for another target, unreadable prompts, an existing report); EngineError when the server fails.
     """
     t0 = time.perf_counter()
-    base, out, headers = base_url.rstrip("/").removesuffix("/v1"), Path(out), auth_headers(api_key)
-    folder, prompt_path = _checked_inputs(drafter_dir, prompts, out, overwrite, parity, engine)
+    base, out, headers = _base_url(base_url), Path(out), auth_headers(api_key)
+    folder, prompt_path, rows = _checked_inputs(
+        drafter_dir, prompts, num_prompts, out, overwrite, parity, engine, rel_tol
+    )
     found = detect_engine(base, headers)
     name = _engine_name(found["name"], engine, base)
-    model = served_model(base, headers)
+    model = model or served_model(base, headers)
     target, drafter = _loaded(target_cfg, target, folder, pick_device(device))
-    rows, _ = read_source(PromptSource(path=prompt_path, limit=num_prompts))
-    if not rows:
-        raise DataError(f"{prompt_path} holds no prompts; give --prompts a file with at least one")
     faults = list(FAULTS) + [other_vocab_fault(p, drafter) for p in other_vocab or []]
     report = _header(base, name, found, model, folder, target_cfg, prompt_path, len(rows), max_tokens)
     if chat_template:
@@ -107,7 +110,7 @@ def run_diagnose(
     timings = {"setup_s": round(time.perf_counter() - t0, 1)}
 
     run = measure_engine(
-        base, model, rows, max_tokens, name, target.tokenizer, headers, prompt_ids=client_ids
+        base, model, rows, max_tokens, name, target.tokenizer, headers, timeout, client_ids, target.vocab_size
     )
     timings["engine_s"] = round(run.seconds, 1)
     eng, per_e = run.totals(), engine_per_prompt_tau(run.per_prompt)
@@ -147,22 +150,52 @@ def _header(base, name, found, model, folder, target_cfg, prompt_path, n_rows, m
     }
 
 
-def _checked_inputs(
-    drafter_dir, prompts, out: Path, overwrite: bool, parity: str, engine
-) -> tuple[Path, str]:
-    """The local inputs, checked before the server is contacted: ``(drafter folder, prompt file)``.
+def _base_url(url: str) -> str:
+    """The server root: ``/v1`` and trailing slashes dropped, credentials in the URL refused.
 
     Raises:
-        DiagnoseError: an existing report (without ``overwrite``), a bad ``parity`` or ``engine``,
-            no drafter config, no prompt file."""
+        DiagnoseError: not an http(s) URL with a host, or one holding a user name or password."""
+    try:
+        u = httpx.URL(url.strip())
+    except (httpx.InvalidURL, TypeError) as e:
+        raise DiagnoseError(
+            f"--base-url {url!r} is not a URL ({e}); give the server root, e.g. http://127.0.0.1:8000"
+        ) from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise DiagnoseError(
+            f"--base-url {url!r} is not an http(s) URL; give the server root, e.g. http://127.0.0.1:8000"
+        )
+    if u.userinfo:
+        raise DiagnoseError(
+            "--base-url holds a user name or password; put the key in the environment variable --api-key-env names"
+        )
+    return str(u).rstrip("/").removesuffix("/v1").rstrip("/")
+
+
+def _checked_inputs(drafter_dir, prompts, n: int, out: Path, overwrite: bool, parity: str, engine, rel_tol):
+    """The local inputs, checked before the server is contacted: ``(drafter folder, prompt file,
+    prompt rows)``.
+
+    Raises:
+        DiagnoseError: an existing report (without ``overwrite``) or an ``--out`` that is a file, a bad
+            ``parity`` or ``engine``, no drafter folder or config, no prompt file.
+        DataError: a malformed prompt row, or none."""
+    if out.exists() and not out.is_dir():
+        raise DiagnoseError(f"--out {out} is a file; give a folder for diagnose.json and diagnose.md")
     there = [str(out / n) for n in ("diagnose.json", "diagnose.md") if (out / n).exists()]
     if there and not overwrite:
-        raise DiagnoseError(f"{', '.join(there)} exist: pass --out to a new folder, or --overwrite")
+        raise DiagnoseError(
+            f"{' and '.join(there)} already there: pass --out to a new folder, or --overwrite"
+        )
     if parity not in ("auto", "always", "never"):
         raise DiagnoseError(f"--parity must be auto, always or never, not {parity!r}")
     if engine not in (None, "vllm", "sglang"):
         raise DiagnoseError(f"--engine must be vllm or sglang, not {engine!r}")
+    if not (0 <= rel_tol < 1 and math.isfinite(rel_tol)):
+        raise DiagnoseError(f"--tolerance must be a fraction in [0, 1), not {rel_tol}")
     folder = Path(drafter_dir)
+    if not folder.is_dir():
+        raise DiagnoseError(f"--drafter {folder} does not exist; give the drafter folder you trained")
     if not (folder / "config.json").is_file():
         raise DiagnoseError(f"--drafter {folder} holds no config.json; give the drafter folder you trained")
     path = prompts or str(folder.parent / "heldout.jsonl")
@@ -171,7 +204,10 @@ def _checked_inputs(
             f"no prompt file {path}: give --prompts FILE (JSONL in any format `prompts.sources` reads; "
             "the held-out prompts of the drafter's run are the default)"
         )
-    return folder, path
+    rows, _ = read_source(PromptSource(path=path, limit=n))
+    if not rows:
+        raise DataError(f"{path} holds no prompts; give --prompts a file with at least one")
+    return folder, path, rows
 
 
 def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):
@@ -233,6 +269,11 @@ def _template(base: str, model: str, target, rows: list[dict], headers: dict) ->
         return {"mismatch": False, **got}
     except BenchError as e:
         return {"mismatch": True, "message": str(e)}
+    except httpx.HTTPError as e:
+        raise EngineError(
+            f"{base}/tokenize did not answer the template check ({type(e).__name__}); nothing was written: rerun "
+            "diagnose once the server answers"
+        ) from None
 
 
 def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[list[int]]]:
@@ -245,13 +286,27 @@ def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[li
     try:
         text = p.read_text()
         template = json.loads(text)["chat_template"] if p.suffix == ".json" else text
-    except (OSError, ValueError, KeyError, TypeError):
+        if isinstance(template, list):  # transformers' named-template form: [{"name", "template"}, …]
+            template = next(
+                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+            )
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise DiagnoseError(
             f"--chat-template {path}: not a readable Jinja file or tokenizer_config.json with a chat_template"
         ) from None
+    if not isinstance(template, str) or not template.strip():
+        raise DiagnoseError(f"--chat-template {path}: the template is empty or not text")
     client = copy.deepcopy(target.tokenizer)
     client.chat_template = template
-    sent = [render_prompt_ids(client, r["messages"]) for r in rows]
+    try:
+        sent = [render_prompt_ids(client, r["messages"]) for r in rows]
+    except Exception as e:  # a Jinja syntax error, raise_exception(), a template of the wrong kind
+        raise DiagnoseError(
+            f"--chat-template {path} does not render the prompts ({type(e).__name__}: {str(e)[:160]}); fix the "
+            "template"
+        ) from None
+    if not all(sent):
+        raise DiagnoseError(f"--chat-template {path} renders a prompt to no tokens; fix the template")
     for r, ids in zip(rows, sent):
         ours = render_prompt_ids(target.tokenizer, r["messages"])
         if ids != ours:

@@ -210,7 +210,7 @@ def served_model(base: str, headers: dict | None = None) -> str:
     data = _get_json(base + "/v1/models", headers=headers) or {}
     if not isinstance(data, dict):
         data = {}
-    ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    ids = [m.get("id") for m in (data.get("data") or []) if isinstance(m, dict)]
     if not ids:
         raise BenchError(f"{base}/v1/models lists no model; pass --model")
     return ids[0]
