@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import SHARED
 
 from eagle3kit.data.reasoning import assistant_history_message, parse_reply, parse_stream
 
@@ -104,9 +105,7 @@ def test_c01_history_reasoning_goes_under_the_key_the_server_reads(reads, keys):
     assert {k for k in m if k.startswith("reasoning")} == keys and all(m[k] == "T" for k in keys)
 
 
-KIMI = (
-    Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "templates" / "kimi_k2_thinking.jinja"
-).read_text()
+KIMI = (SHARED / "tokenizers" / "templates" / "kimi_k2_thinking.jinja").read_text()
 KIMI_SPECIALS = [
     "<|im_user|>",
     "<|im_assistant|>",
