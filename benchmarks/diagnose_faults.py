@@ -6,10 +6,11 @@ written in (:func:`eagle3kit.diagnose.faults.plant_in_folder`: fc removed, d2t r
 one layer later, norm_before_residual flipped); the servers start together. Then runs `eagle3kit
 diagnose` (the CLI, given the drafter as trained) against each on held-out GSM8K questions (the
 last 80 of gsm8k_train.jsonl), greedy. Prints one table and writes
-benchmarks/results/diagnose_faults.json.
+benchmarks/results/diagnose_faults.json (``--out``). The README's wall time is the run with
+``--prompts 20 --faults "" --out benchmarks/results/diagnose_wall_time.json``.
 
     .venv/bin/python benchmarks/diagnose_faults.py --drafter runs/engine/drafter [--prompts 8] \
-        [--max-tokens 64] [--faults fc_missing,d2t_missing,aux_ids_plus_1,norm_before_residual]
+        [--max-tokens 64] [--faults fc_missing,d2t_missing,aux_ids_plus_1,norm_before_residual] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def main() -> None:
     ap.add_argument("--drafter", required=True, help="the drafter as trained (a SmolLM2 drafter folder)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--faults", default=FAULTS)
+    ap.add_argument("--faults", default=FAULTS, help="comma-separated; empty: the drafter as trained only")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diagnose_faults.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="e3k-diagnose-"))
     drafter = Path(args.drafter).resolve()
@@ -114,7 +116,7 @@ def main() -> None:
             f"{r['tau_named_fault'] if r['tau_named_fault'] is not None else ''} | {r['distance_named']} / "
             f"{r['distance_as_trained']} | {r['exit_code']} | {r['wall_s']} |"
         )
-    res = ROOT / "benchmarks" / "results" / "diagnose_faults.json"
+    res = Path(args.out)
     res.write_text(
         json.dumps(
             {
