@@ -16,8 +16,8 @@ from eagle3kit.model.drafter import Eagle3Drafter
 def advice(drafter: Eagle3Drafter, ref: Simulated, seqs: Sequences, categories: list[str]) -> dict:
     """Where the drafter loses on the served text and what would raise its τ.
 
-    * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (DESIGN.md §6); the
-      position with the lowest α_k is where a verify step most often stops;
+    * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (DESIGN.md §6), and the
+      draft position where most verify steps stop (from the accepted-count histogram);
     * per category: τ of each prompt category, lowest first (the domains to add training data from);
     * vocabulary: the share of the engine's output tokens inside the draft vocabulary (a token
       outside it can never be drafted).
@@ -41,20 +41,22 @@ def advice(drafter: Eagle3Drafter, ref: Simulated, seqs: Sequences, categories: 
     )
     coverage = inside / total if total else None
     hints = []
-    if alpha:
-        worst = min(range(len(alpha)), key=lambda i: alpha[i])
+    hist = ref.stats.hist
+    if ref.stats.drafts:
+        # a step that accepted exactly j drafts stopped at draft position j + 1 (all K accepted: none)
+        stop = max(range(len(hist) - 1), key=lambda j: hist[j])
+        share = hist[stop] / ref.stats.drafts
         why = (
             "the first draft is the weakest: more training data or epochs raise step-0 accuracy"
-            if worst == 0
+            if stop == 0
             else "more TTT steps (train.ttt_steps) train the later positions"
         )
-        hints.append(
-            f"a verify step most often stops at draft position {worst + 1} (α = {alpha[worst]:.3f}); {why}"
-        )
+        hints.append(f"{share:.0%} of verify steps stop at draft position {stop + 1}; {why}")
     if coverage is not None and coverage < 0.98:
         hints.append(
             f"{1 - coverage:.1%} of the served tokens lie outside the draft vocabulary and can never be drafted: "
-            "raise vocab.draft_vocab_size, or build the vocabulary from text like the served prompts"
+            "build the vocabulary (and the training data) from text like the served prompts; a larger "
+            "vocab.draft_vocab_size helps only when the training data holds those tokens"
         )
     ranked = sorted((v["tau"], c) for c, v in cats.items() if v["tau"] is not None)
     if len(ranked) > 1:
@@ -94,8 +96,8 @@ def console_lines(report: dict) -> list[str]:
     """One line for the engine, one for the drafter as trained, one per hypothesis, the verdict."""
     eng, ref = report["engine"], report["reference"]
     lines = [
-        f"engine ({report['server']['engine']}): τ {eng['tau']:.4f} ({eng['accepted']}/{eng['drafts']} accepted per "
-        f"verify step, K {report['k']}) over {report['prompts']['count']} prompts",
+        f"engine ({report['server']['engine']}): τ {eng['tau']:.4f} ({eng['accepted']} drafts accepted over "
+        f"{eng['drafts']} verify steps, K {report['k']}) over {report['prompts']['count']} prompts",
         f"drafter as trained (simulate on the engine's sequences): τ {ref['tau']:.4f}  Δ {ref['delta']:+.4f}  "
         f"tolerance {ref['tolerance']:.4f}  {'agree' if ref['within'] else 'DISAGREE'}",
     ]
@@ -107,7 +109,13 @@ def console_lines(report: dict) -> list[str]:
         if "skipped" in h:
             lines.append(f"hypothesis {name}: not simulated ({h['skipped']})")
         else:
-            mark = "EXPLAINS the engine" if explained else ("τ within" if h["within"] else "no")
+            mark = (
+                "EXPLAINS the engine"
+                if explained
+                else "same as the drafter as trained here: cannot be told apart"
+                if h.get("indistinguishable")
+                else ("τ within, per prompt no" if h["within"] else "no")
+            )
             lines.append(
                 f"hypothesis {name}: τ {h['tau']:.4f}  Δ {h['delta']:+.4f}  per-prompt distance {h['distance']}  {mark}"
             )
@@ -143,7 +151,8 @@ def markdown(report: dict) -> str:
             out.append(f"| {name} | not simulated: {h['skipped']} | | | |")
         else:
             out.append(
-                f"| {name} | {h['tau']:.4f} | {h['delta']:+.4f} | {h['distance']} | {'yes' if explained else 'no'} |"
+                f"| {name} | {h['tau']:.4f} | {h['delta']:+.4f} | {h['distance']} | "
+                f"{'yes' if explained else 'cannot be told apart here' if h.get('indistinguishable') else 'no'} |"
             )
     num = report.get("numerics")
     if num:
@@ -169,7 +178,8 @@ def markdown(report: dict) -> str:
         out += ["", "## `eagle3kit check` on the drafter folder", ""] + [
             f"* {f}" for f in report["check_findings"]
         ]
-    out += ["", f"Wall time: {report['timings']}."]
+    t = report["timings"]
+    out += ["", "Wall time: " + ", ".join(f"{k.removesuffix('_s')} {v} s" for k, v in t.items()) + "."]
     return "\n".join(out) + "\n"
 
 

@@ -232,7 +232,8 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
             layers |= {i + f.aux_shift for i in drafter.config.aux_layer_ids}
     seqs = capture_sequences(target, run.prompt_ids, run.outputs, layers)
     ref = simulate_on(drafter, target, seqs, k, drafter.config.aux_layer_ids)
-    report["reference"] = {**ref.as_dict(), **compare(tau_e, per_e, ref, rel_tol)}
+    ref_cmp = compare(tau_e, per_e, ref, rel_tol)
+    report["reference"] = {**ref.as_dict(), **ref_cmp}
     report["noise"] = (
         f"engine and simulation agree when |τ_engine − τ_sim| ≤ {rel_tol:g} · τ_sim (both on the engine's own "
         "sequences, so only numerics that flip a near-tie separate them)"
@@ -242,6 +243,8 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
     for h in report["hypotheses"]:
         if "skipped" not in h:
             h["explains"] = explains(h, report["reference"])
+            # the fault changes no draft on these sequences (e.g. d2t offsets all 0 where drafts fall)
+            h["indistinguishable"] = (h["tau"], h["distance"]) == (ref_cmp["tau"], ref_cmp["distance"])
     report["match_rule"] = (
         f"a hypothesis explains the engine when its τ is within the tolerance and its per-prompt τ distance is at "
         f"most {DISTANCE_RATIO:g} × the drafter-as-trained's and {DISTANCE_FLOOR:g} below it"
