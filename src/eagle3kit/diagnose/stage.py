@@ -46,9 +46,17 @@ from eagle3kit.diagnose.simulate import (
 from eagle3kit.eval.evaluate import check_drafter_target
 from eagle3kit.model.folder import load_exported
 from eagle3kit.model.target import Target, load_target, pick_device
-from eagle3kit.serve.bench import BenchError, auth_headers, check_template, detect_engine, served_model
+from eagle3kit.serve.bench import (
+    BenchError,
+    auth_headers,
+    check_template,
+    detect_engine,
+    first_difference,
+    served_model,
+)
 from eagle3kit.serve.check import check_drafter
 from eagle3kit.serve.parity import TOLERANCES, StateAgreement, verdict
+from eagle3kit.train.extract import engine_features, start_capture
 
 
 class DiagnoseError(ConfigError):
@@ -115,10 +123,10 @@ def run_diagnose(
     timings["engine_s"] = round(run.seconds, 1)
     eng, per_e = run.totals(), engine_per_prompt_tau(run.per_prompt)
     report["engine"] = {**eng, "per_prompt_tau": [None if t is None else round(t, 4) for t in per_e]}
-    report["k"] = k = int(round(eng["k"])) if eng["k"] else 1
+    report["k"] = int(round(eng["k"])) if eng["k"] else 1
 
     t1 = time.perf_counter()
-    seqs, ref = _simulate(report, faults, drafter, target, run, rows, per_e, rel_tol)
+    seqs = _simulate(report, faults, drafter, target, run, rows, per_e, rel_tol)
     timings["simulate_s"] = round(time.perf_counter() - t1, 1)
     agree = report["reference"]["within"]
     matched = [h for h in report["hypotheses"] if h.get("explains")]
@@ -128,7 +136,7 @@ def run_diagnose(
     ):
         # the engine's own states: the other-numerics case (and, with --parity always, a check of them)
         t2 = time.perf_counter()
-        report["numerics"] = _numerics(target_cfg, target, drafter, seqs, k, eng["tau"], per_e, rel_tol, ref)
+        report["numerics"] = _numerics(target_cfg, target, drafter, seqs, report, per_e, rel_tol)
         timings["parity_s"] = round(time.perf_counter() - t2, 1)
     report["verdict"], report["finding"] = _verdict(report, agree, matched)
     report["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 1)}
@@ -221,10 +229,10 @@ def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):
     return target, drafter.to(target.dtype)
 
 
-def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) -> tuple[Sequences, object]:
+def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) -> Sequences:
     """The target's states on the engine's sequences (every layer a hypothesis reads), the drafter
     as trained and every fault simulated on them; fills the report's ``reference``, ``advice``,
-    ``hypotheses``, ``noise`` and ``match_rule``. Returns ``(sequences, reference simulation)``."""
+    ``hypotheses``, ``noise`` and ``match_rule``. Returns the sequences with their states."""
     k, tau_e = report["k"], report["engine"]["tau"]
     layers = set(drafter.config.aux_layer_ids)
     for f in faults:
@@ -249,7 +257,7 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
         f"a hypothesis explains the engine when its τ is within the tolerance and its per-prompt τ distance is at "
         f"most {DISTANCE_RATIO:g} × the drafter-as-trained's and {DISTANCE_FLOOR:g} below it"
     )
-    return seqs, ref
+    return seqs
 
 
 def _engine_name(found: str, given: str | None, base: str) -> str:
@@ -313,7 +321,7 @@ def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[li
     for r, ids in zip(rows, sent):
         ours = render_prompt_ids(target.tokenizer, r["messages"])
         if ids != ours:
-            pos = next((i for i, (a, b) in enumerate(zip(ours, ids)) if a != b), min(len(ours), len(ids)))
+            pos = first_difference(ours, ids)
             return {
                 "mismatch": True,
                 "method": "client rendering",
@@ -343,12 +351,14 @@ def _hypotheses(
     return out
 
 
-def _numerics(target_cfg, target, drafter, seqs: Sequences, k, tau_e, per_e, rel_tol, ref) -> dict:
-    """The engine's own states on the same sequences (vLLM in this process, eagle3kit's capture
-    path), their agreement with the target's per layer, and the drafter simulated on them."""
-    from eagle3kit.train.extract import engine_features  # noqa: PLC0415 (imports vLLM's capture lazily)
-
-    capture = _vllm_capture(target_cfg, target, drafter, seqs)
+def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e, rel_tol) -> dict:
+    """The engine's own states on the same sequences (vLLM in this process, ``extract --backend
+    vllm``'s capture), their agreement with the target's per layer, and the drafter simulated on
+    them, compared with the engine like the drafter as trained (``report["reference"]``)."""
+    k, tau_e = report["k"], report["engine"]["tau"]
+    store = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle3kit-diagnose-{os.getpid()}"
+    longest = max(int(ids.numel()) for ids in seqs.ids)
+    capture = start_capture(target, drafter.config.aux_layer_ids, longest, store, target_cfg.dtype)
     try:
         states = capture.capture(seqs.ids)
     finally:
@@ -356,7 +366,7 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, k, tau_e, per_e, rel
     agreement = StateAgreement(target, drafter.config.aux_layer_ids)
     aux = []
     for i, st in enumerate(states):
-        a, last = engine_features(target, st)
+        a, _ = engine_features(target, st)
         aux.append(a.cpu())
         mine = seqs.aux(i, drafter.config.aux_layer_ids)
         agreement.add(mine.view(mine.shape[0], 3, -1).float(), a.view(a.shape[0], 3, -1).float().cpu())
@@ -370,18 +380,8 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, k, tau_e, per_e, rel
         "tolerances": TOLERANCES,
         "parity": verdict(layers),
         "simulated_on_engine_states": sim,
-        "explains": explains(sim, compare(tau_e, per_e, ref, rel_tol)),
+        "explains": explains(sim, report["reference"]),
     }
-
-
-def _vllm_capture(target_cfg, target, drafter, seqs: Sequences):
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it on import
-    from eagle3kit.train.vllm_capture import VLLMCapture, engine_model_folder  # noqa: PLC0415 (imports vLLM)
-
-    store = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle3kit-diagnose-{os.getpid()}"
-    longest = max(int(s.numel()) for s in seqs.ids)
-    ids = [*drafter.config.aux_layer_ids, target.num_layers]
-    return VLLMCapture(engine_model_folder(target, None), ids, store, longest + 1, target_cfg.dtype)
 
 
 def _verdict(report: dict, agree: bool, matched: list[dict]) -> tuple[str, str]:

@@ -224,6 +224,12 @@ def _json_or_none(resp):
     return got if isinstance(got, dict) else None
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where token-id lists ``a`` and ``b`` differ (the shorter length when one is
+    a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def check_template(
     base: str, model: str, tokenizer, rows: list[dict], sample: int = 8, headers: dict | None = None
 ) -> dict:
@@ -262,9 +268,7 @@ def check_template(
                 return {"checked": checked, "method": "none: the server gives neither /tokenize nor usage"}
             theirs = ours if n == len(ours) else [-1] * int(n)
         if theirs != ours:
-            pos = next(
-                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
-            )
+            pos = first_difference(ours, theirs)
             where = (
                 f", first difference at token {pos}: {theirs[pos] if pos < len(theirs) else 'end'} there, "
                 f"{ours[pos] if pos < len(ours) else 'end'} with the target's template "

@@ -300,30 +300,48 @@ _ENGINE: list = []  # the vLLM capture engine of the running extract (started on
 def _capture_engine(cfg: Config, target: Target, aux_ids, rows: list, out: Path):
     """The :class:`~eagle3kit.train.vllm_capture.VLLMCapture` for ``extract.backend: vllm``, started once."""
     if not _ENGINE:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it on import
-        # deferred: vllm_capture imports vLLM (optional, seconds to import), and only after the line above
-        from eagle3kit.train.vllm_capture import VLLMCapture, check_engine_model, engine_model_folder  # noqa: PLC0415 (imports vLLM)
-
         ec = cfg.extract
-        model = engine_model_folder(target, ec.engine_model)
-        limit = check_engine_model(model, target)
-        longest = max(r[0].numel() for r in rows)
-        if limit and longest >= limit:
-            raise ConfigError(
-                f"a sample of {longest} tokens does not fit the engine model's context ({limit} tokens, "
-                "one more is generated); drop longer samples (tokenize.max_length) or use the "
-                "transformers backend"
-            )
-        console.print(
-            f"extract: starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)"
-        )
         dtype = "auto" if ec.engine_model else cfg.target.dtype
+        longest = max(r[0].numel() for r in rows)
         _ENGINE.append(
-            VLLMCapture(
-                model, [*aux_ids, target.num_layers], out / ".vllm-states", longest + 1, dtype, ec.engine_args
+            start_capture(
+                target, aux_ids, longest, out / ".vllm-states", dtype, ec.engine_model, ec.engine_args
             )
         )
     return _ENGINE[0]
+
+
+def start_capture(
+    target: Target,
+    aux_ids,
+    longest: int,
+    store: Path,
+    dtype: str,
+    engine_model: str | None = None,
+    engine_args: dict | None = None,
+):
+    """An in-process vLLM engine capturing ``aux_ids`` and the last layer (the teacher) of samples
+    up to ``longest`` tokens, files in ``store`` (:class:`~eagle3kit.train.vllm_capture.VLLMCapture`;
+    ``extract --backend vllm`` and ``diagnose`` share it).
+
+    Raises:
+        ConfigError: the engine model is not the target's, or a sample does not fit its context."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it on import
+    # deferred: vllm_capture imports vLLM (optional, seconds to import), and only after the line above
+    from eagle3kit.train.vllm_capture import VLLMCapture, check_engine_model, engine_model_folder  # noqa: PLC0415 (imports vLLM)
+
+    model = engine_model_folder(target, engine_model)
+    limit = check_engine_model(model, target)
+    if limit and longest >= limit:
+        raise ConfigError(
+            f"a sample of {longest} tokens does not fit the engine model's context ({limit} tokens, "
+            "one more is generated); drop longer samples (tokenize.max_length) or use the "
+            "transformers backend"
+        )
+    console.print(
+        f"starting vLLM on {model} to capture layers {list(aux_ids)} + {target.num_layers} (teacher)"
+    )
+    return VLLMCapture(model, [*aux_ids, target.num_layers], store, longest + 1, dtype, engine_args)
 
 
 def _resume_point(out: Path, index: dict, rows: list) -> int:
