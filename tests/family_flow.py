@@ -168,7 +168,7 @@ def spawn_server(row: dict) -> None:
     spawns each family's server as soon as its run ends, beside the next family's run (which
     leaves about half of the second core idle), and :func:`finish_row` measures it (from a thread,
     while that run goes on)."""
-    from eagle3kit.core.engines import VLLMServer, free_port
+    from eagle3kit.core.engines import VLLMServer, eagle3_speculative_config, free_port
 
     folder, drafter, _, _, work = row["_serve"]
     srv = VLLMServer(
@@ -177,7 +177,7 @@ def spawn_server(row: dict) -> None:
         work / "vllm.log",
         served_name="target",
         max_model_len=1024,
-        speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3},
+        speculative=eagle3_speculative_config(drafter, 3),
     )
     row.update({"vllm_launch": srv.launch.notes, "vllm_env": srv.launch.env, "_server": srv})
     srv.spawn()

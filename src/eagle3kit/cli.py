@@ -370,11 +370,25 @@ def import_cmd(
         "auto", "--layout", help="auto | eagle3kit | eagle | specforge | speculators | modelopt"
     ),
     overwrite: bool = typer.Option(False, help="replace a drafter already in --out"),
+    aux_layer_ids: Optional[str] = typer.Option(
+        None,
+        "--aux-layer-ids",
+        help="the aux layers the drafter was trained on, as HF output_hidden_states indices (2,15,27), "
+        "for a source that states none (SpecForge's export --to hf); must equal the source's when it states some",
+    ),
 ):
     """Import a drafter trained by another tool (strict: every key accounted for), then check it."""
 
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
-    res = run_import(source, out, tcfg, layout, overwrite)
+    ids = None
+    if aux_layer_ids is not None:
+        try:
+            ids = [int(x) for x in aux_layer_ids.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"--aux-layer-ids {aux_layer_ids!r} must be comma-separated integers (HF indices), e.g. 2,15,27"
+            ) from None
+    res = run_import(source, out, tcfg, layout, overwrite, aux_layer_ids=ids)
     for note in res.pop("notes"):
         console.print(f"  {note}")
     found = res.pop("findings")  # check ran before anything was written

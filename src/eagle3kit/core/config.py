@@ -320,6 +320,81 @@ def parse_teacher(spec: str) -> int | None:
     return int(m.group(1))
 
 
+VARIANTS = {  # drafter.variant → its flags (DESIGN.md §4; model/drafter.py's table)
+    "eagle3": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},  # the EAGLE-3.1 paper's per-layer norms
+    "p-eagle": {"parallel_drafting": True},
+}
+
+
+class DrafterVariantConfig(_Strict):
+    """Which drafter is trained (the flags of :mod:`eagle3kit.model.drafter`, exported under the
+    names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); a flag written out overrides it."""
+
+    variant: Literal["eagle3", "eagle3.1", "p-eagle"] | None = Field(
+        default=None,
+        description="preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), p-eagle "
+        "(parallel_drafting); flags written out override it",
+    )
+    norm_before_residual: bool = Field(
+        default=False,
+        description="the decoder layer's residual is hidden_norm(feature) (speculators' default)",
+    )
+    norm_before_fc: bool = Field(
+        default=False,
+        description="one RMSNorm over the concatenated aux states before fc (EAGLE-3.1, gpt-oss)",
+    )
+    fc_norm: bool = Field(default=False, description="one RMSNorm per aux state before fc (EAGLE-3.1 paper)")
+    norm_output: bool = Field(
+        default=False, description="feed the post-norm output back to the next draft step (EAGLE-3.1)"
+    )
+    parallel_drafting: bool = Field(
+        default=False,
+        description="P-EAGLE: all K drafts from one forward over K−1 mask slots; serve with "
+        '"parallel_drafting": true in vLLM\'s speculative config',
+    )
+    mask_token_id: int | None = Field(
+        default=None,
+        ge=0,
+        description="P-EAGLE: the mask slots' input token (default: the tokenizer's mask, pad or unk token, else 0)",
+    )
+
+    @model_validator(mode="after")
+    def _preset(self):
+        for k, v in VARIANTS.get(self.variant or "eagle3", {}).items():
+            if k not in self.model_fields_set:
+                setattr(self, k, v)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("drafter.norm_before_fc and drafter.fc_norm are exclusive: set one of them")
+        if self.parallel_drafting and self.norm_output:
+            raise ValueError(
+                "drafter.norm_output has no effect with drafter.parallel_drafting (a P-EAGLE drafter feeds no "
+                "output back): unset one of them"
+            )
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            raise ValueError("drafter.mask_token_id is read only with drafter.parallel_drafting: true")
+        return self
+
+    def flags(self, tokenizer=None, vocab_size: int | None = None) -> dict:
+        """The :class:`~eagle3kit.model.drafter.DrafterConfig` keyword arguments, with the mask
+        token resolved from ``tokenizer`` when parallel drafting leaves it unset.
+
+        Raises:
+            ConfigError: a ``mask_token_id`` outside the target's vocabulary (``vocab_size``)."""
+        out = self.model_dump(exclude={"variant", "mask_token_id"})
+        if self.parallel_drafting:
+            mid = self.mask_token_id
+            if mid is None:
+                ids = [getattr(tokenizer, a, None) for a in ("mask_token_id", "pad_token_id", "unk_token_id")]
+                mid = next((int(i) for i in ids if isinstance(i, int)), 0)
+            if vocab_size is not None and not 0 <= mid < vocab_size:
+                raise ConfigError(
+                    f"drafter.mask_token_id {mid} lies outside the target's vocabulary of {vocab_size}"
+                )
+            out["mask_token_id"] = mid
+        return out
+
+
 class TrainConfig(_Strict):
     ttt_steps: int = Field(default=3, ge=1)
     step_weight: float = Field(
@@ -388,6 +463,13 @@ class TrainConfig(_Strict):
         description="also torch.compile the drafter layer's norms, concatenation "
         "and MLP (flex attention is compiled regardless)",
     )
+    loss: Literal["kl", "lk_alpha", "lk_lambda"] = Field(
+        default="kl",
+        description="kl (soft cross-entropy to the target), lk_alpha (−log expected acceptance) or lk_lambda "
+        "(KL blended into 1 − acceptance as acceptance rises; SpecForge's LK losses)",
+    )
+    lk_kl_scale: float = Field(default=1.0, ge=0, le=1, description="lk_lambda: λ = scale · exp(−decay · α)")
+    lk_kl_decay: float = Field(default=1.0, ge=0, description="lk_lambda: λ = scale · exp(−decay · α)")
     tensorboard: bool = Field(default=True, description="log to <run>/tensorboard")
     wandb_project: str | None = Field(
         default=None, description="also log to this Weights & Biases project (pip install wandb)"
@@ -468,6 +550,7 @@ class Config(_Strict):
     tokenize: TokenizeConfig = TokenizeConfig()
     vocab: VocabConfig = VocabConfig()
     extract: ExtractConfig = ExtractConfig()
+    drafter: DrafterVariantConfig = DrafterVariantConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
 

@@ -121,6 +121,22 @@ def read_config_json(folder: str | Path) -> dict:
     return config
 
 
+def eagle3_speculative_config(drafter: str | Path, k: int) -> dict:
+    """vLLM's ``--speculative-config`` for serving the drafter folder ``drafter`` with K draft
+    tokens: ``{"method": "eagle3", "model": <absolute path>, "num_speculative_tokens": K}``, plus
+    ``"parallel_drafting": true`` for a P-EAGLE drafter (its config says ``parallel_drafting`` or
+    is speculators' ``peagle`` type): vLLM takes parallel drafting from the speculative config only,
+    and without it drafts a P-EAGLE drafter as a chain.
+
+    Raises:
+        ConfigError: the folder has no readable config.json (:func:`read_config_json`)."""
+    cfg = read_config_json(drafter)
+    spec = {"method": "eagle3", "model": str(Path(drafter).resolve()), "num_speculative_tokens": int(k)}
+    if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
+        spec["parallel_drafting"] = True
+    return spec
+
+
 def uses_mla(config: dict) -> bool:
     """Whether a ``config.json`` dict describes a DeepSeek-style MLA target (``kv_lora_rank`` set)."""
     text = text_fields(config)

@@ -17,7 +17,13 @@ engines read differently (DESIGN.md §3, §5):
 ``final_norm_missing``       ``lm_head`` read from the pre-norm state
 ``norm_before_residual``     the engine reads the other ``norm_before_residual`` (the residual is
                              ``hidden_norm(h)`` instead of ``h``, or the reverse)
-``norm_output``              the state fed back to the next draft step is post-norm
+``norm_output``              the engine reads the other ``norm_output`` (the state fed back to the
+                             next draft step is post-norm instead of pre-norm, or the reverse)
+``eagle31_norms_ignored``    an engine that predates EAGLE-3.1 (vLLM < 0.22) ignores
+                             ``norm_before_fc``/``fc_norm``/``norm_output``: fc reads the raw aux
+                             states and the pre-norm output is fed back
+``parallel_drafting_off``    a P-EAGLE drafter served without ``"parallel_drafting": true``: vLLM
+                             skips ``mask_hidden`` and drafts a chain, feeding its outputs back
 ``other_vocab:<name>``       the draft vocabulary (``d2t``) of another build
 ==========================  ====================================================================
 
@@ -28,6 +34,7 @@ What ``fc_missing``, ``d2t_missing`` simulate was checked against vLLM serving t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +62,7 @@ class Fault:
     plant: Callable[[Eagle3Drafter], None] | None = None
     aux_shift: int = 0
     needs_d2t: bool = False
+    applies: Callable[[Eagle3Drafter], str | None] | None = None  # why it cannot apply to a drafter, or None
 
 
 def _zero(attr: str) -> Callable[[Eagle3Drafter], None]:
@@ -87,6 +95,28 @@ def _flip_nbr(d: Eagle3Drafter) -> None:
 
 def _flip_norm_output(d: Eagle3Drafter) -> None:
     d.norm_output = not d.norm_output
+
+
+def _chain(d: Eagle3Drafter) -> str | None:
+    return "a P-EAGLE drafter feeds no output back" if d.config.parallel_drafting else None
+
+
+def _eagle31(d: Eagle3Drafter) -> str | None:
+    c = d.config
+    return None if (c.norm_before_fc or c.fc_norm or c.norm_output) else "the drafter has no EAGLE-3.1 norms"
+
+
+def _parallel(d: Eagle3Drafter) -> str | None:
+    return None if d.config.parallel_drafting else "the drafter is not a P-EAGLE (parallel-drafting) drafter"
+
+
+def _drop_eagle31_norms(d: Eagle3Drafter) -> None:
+    d.input_norm, d.fc_norm, d.norm_output = None, None, False
+
+
+def _parallel_off(d: Eagle3Drafter) -> None:
+    d.mask_hidden = None
+    d.config = dataclasses.replace(d.config, parallel_drafting=False, mask_token_id=None)
 
 
 AUX_FIX = (
@@ -140,14 +170,30 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "norm_before_residual",
         "the engine reads the other norm_before_residual (vLLM assumes true when a speculators config lacks it)",
-        "write norm_before_residual as the drafter was trained (eagle3kit: false) explicitly in config.json",
+        "write norm_before_residual as the drafter was trained explicitly in config.json (`eagle3kit export` does)",
         _flip_nbr,
     ),
     Fault(
         "norm_output",
-        "the state fed back to the next draft step is post-norm instead of pre-norm",
-        "feed back the pre-norm output (norm_output false) as the drafter was trained",
+        "the engine feeds back the other state (post-norm instead of pre-norm, or the reverse): a norm_output it "
+        "reads otherwise (SpecForge 0.2 writes norm_output: true for its pre-norm feedback)",
+        "write norm_output as the drafter was trained (`eagle3kit import` translates SpecForge's)",
         _flip_norm_output,
+        applies=_chain,
+    ),
+    Fault(
+        "eagle31_norms_ignored",
+        "the engine ignores the EAGLE-3.1 norms (norm_before_fc, fc_norm, norm_output), as vLLM before 0.22 does",
+        "serve on vLLM ≥ 0.22 (`eagle3kit check --engine-version` names the release)",
+        _drop_eagle31_norms,
+        applies=_eagle31,
+    ),
+    Fault(
+        "parallel_drafting_off",
+        'the engine drafts this P-EAGLE drafter as a chain (no "parallel_drafting": true in its speculative config)',
+        'add "parallel_drafting": true to --speculative-config',
+        _parallel_off,
+        applies=_parallel,
     ),
 )
 
@@ -204,13 +250,14 @@ def other_vocab_fault(path: str | Path, drafter: Eagle3Drafter) -> Fault:
 
 def applicable(fault: Fault, drafter: Eagle3Drafter, num_layers: int) -> str | None:
     """None when ``fault`` can be simulated for ``drafter`` on a target of ``num_layers`` layers,
-    else why not (an aux id outside [1, N − 1] after the shift; no d2t when Vd = V)."""
+    else why not (an aux id outside [1, N − 1] after the shift; no d2t when Vd = V; a variant fault
+    for a drafter without that variant)."""
     ids = [i + fault.aux_shift for i in drafter.config.aux_layer_ids]
     if fault.aux_shift and (min(ids) < 1 or max(ids) > num_layers - 1):
         return f"layers {ids} are outside [1, {num_layers - 1}]"
     if fault.needs_d2t and drafter.config.draft_vocab_size == drafter.config.vocab_size:
         return "the drafter has no d2t (its draft vocabulary is the whole vocabulary)"
-    return None
+    return fault.applies(drafter) if fault.applies is not None else None
 
 
 def planted(fault: Fault, drafter: Eagle3Drafter) -> tuple[Eagle3Drafter, list[int]]:

@@ -10,7 +10,8 @@ One speculative step (:func:`speculative_step`), with the target's last token ``
 t+1 and the drafter's output ``h`` at position t:
 
 1. **draft** (:func:`draft`): chain — K drafter steps, each feeding its own output back with the
-   embedding of its draft; tree (EAGLE-2's dynamic tree) — at every depth the ``topk`` best
+   embedding of its draft (a parallel-drafting, P-EAGLE drafter instead drafts 2..K in one call
+   over K−1 mask slots); tree (EAGLE-2's dynamic tree) — at every depth the ``topk`` best
    nodes by cumulative log-probability are expanded into ``topk`` children each; after
    ``steps`` depths the ``num_draft_tokens − 1`` best nodes (root excluded) form the tree;
 2. **verify**: one target forward over [x, drafts] with a tree attention mask;
@@ -73,12 +74,13 @@ class _DraftRunner(torch.nn.Module):
         self.register_buffer("v", c.v, persistent=False)
 
     def forward(self, x, tokens, positions, slots, mask, from_aux: bool):
-        """x: [q, 3·Ht] target aux states (``from_aux``) or [q, H] drafter outputs; tokens, positions,
-        slots int64 [q]; mask bool [q, max_len] → (outputs [q, H], draft log-probs float32 [q, Vd])."""
-        hidden = self.d.fc(x.to(self.d.fc.weight.dtype)) if from_aux else x
+        """x: [q, 3·Ht] target aux states or P-EAGLE's ``mask_hidden`` (``from_aux``), or [q, H] states
+        fed back; tokens, positions, slots int64 [q]; mask bool [q, max_len] → (the states to feed
+        back [q, H] (:meth:`Eagle3Drafter.feedback`), draft log-probs float32 [q, Vd])."""
+        hidden = self.d.combine(x.to(self.d.fc.weight.dtype)) if from_aux else x
         emb = self.embed(tokens).to(hidden.dtype)
         h = self.d.step(hidden[None], emb[None], positions[None], self, slots, mask)[0]
-        return h, torch.log_softmax(self.d.logits(h).float(), dim=-1)
+        return self.d.feedback(h), torch.log_softmax(self.d.logits(h).float(), dim=-1)
 
 
 class DrafterState:
@@ -191,8 +193,15 @@ def draft(
     h, lp = ds.h[None], ds.logp[None]  # [1, H], [1, Vd]
     if spec.mode == "chain":
         tokens, q_rows = [torch.tensor([root], device=dev)], []
+        if ds.d.config.parallel_drafting and spec.steps > 1:  # P-EAGLE: drafts 2..K from the mask slots
+            slots = ds.slots[t + 1 : t + spec.steps]
+            mask_rows = ds.d.mask_hidden.reshape(1, -1).expand(spec.steps - 1, -1)
+            mask_ids = torch.full((spec.steps - 1,), ds.d.config.mask_token_id, device=dev)
+            _, slot_lp = ds.run(mask_rows, mask_ids, slots, slots, ds.slots[None, :] <= slots[:, None], True)
         for j in range(spec.steps):
-            if j:
+            if j and ds.d.config.parallel_drafting:
+                lp = slot_lp[j - 1 : j]
+            elif j:
                 slot = ds.slots[t + j : t + j + 1]
                 h, lp = ds.run(h, tokens[-1], slot, slot, (ds.slots <= t + j)[None])
             if spec.temperature > 0:  # sample the draft, keep q for verification
@@ -334,6 +343,8 @@ def speculative_generate(
             f"speculative_generate needs a non-empty prompt and max_new_tokens ≥ 1 (got {P} prompt ids, "
             f"max_new_tokens {max_new_tokens})"
         )
+    if spec.mode == "tree" and drafter.config.parallel_drafting:
+        raise ValueError("a parallel-drafting (P-EAGLE) drafter drafts a chain: use draft chain, not tree")
     if spec.topk > drafter.config.draft_vocab_size:
         raise ValueError(
             f"topk {spec.topk} exceeds the drafter's draft vocabulary ({drafter.config.draft_vocab_size} tokens)"

@@ -33,9 +33,19 @@ class ExportError(ValueError):
 
 
 def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the engines create for this config, with its shape (d2t/t2d excluded)."""
-    H, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
-    return {
+    """Every tensor the engines create for this config, with its shape (d2t/t2d excluded): the
+    EAGLE-3 drafter's, plus per variant ``input_norm.weight [3·Ht]`` (norm_before_fc),
+    ``fc_norm.{0,1,2}.weight [Ht]`` (fc_norm) and ``mask_hidden [1, 1, 3·Ht]`` (parallel drafting;
+    vLLM reads any shape of 3·Ht values, speculators this one)."""
+    H, inter, d, Ht = c.hidden_size, c.intermediate_size, c.head_dim, c.target_hidden_size
+    variant: dict[str, tuple[int, ...]] = {}
+    if c.norm_before_fc:
+        variant["input_norm.weight"] = (3 * Ht,)
+    if c.fc_norm:
+        variant |= {f"fc_norm.{i}.weight": (Ht,) for i in range(3)}
+    if c.parallel_drafting:
+        variant["mask_hidden"] = (1, 1, 3 * Ht)
+    return variant | {
         "fc.weight": (H, 3 * c.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,),
         "midlayer.hidden_norm.weight": (H,),
@@ -104,9 +114,23 @@ def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None
         raise ExportError("drafter export refused:\n  " + "\n  ".join(problems))
 
 
+def variant_fields(c: DrafterConfig) -> dict:
+    """The config fields of the variant flags that are on, under the names vLLM's
+    ``llama_eagle3.py`` reads (``norm_before_fc``, ``fc_norm``, ``norm_output``), and for parallel
+    drafting ``mask_token_id`` (vLLM's proposer reads it as the mask slots' token) and
+    ``parallel_drafting: true`` (not read by vLLM, which takes it from the speculative config: it
+    tells a reader, and eagle3kit's launch helpers, how to serve the folder). ``norm_before_residual``
+    is written by the callers, always, false included (vLLM's speculators path assumes true)."""
+    out: dict = {k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(c, k)}
+    if c.parallel_drafting:
+        out |= {"parallel_drafting": True, "mask_token_id": c.mask_token_id}
+    return out
+
+
 def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = None) -> dict:
     """``config.json`` for the dual-engine layout. Aux ids twice: top-level in vLLM numbering
-    (= HF index) and nested ``eagle_config`` in SGLang numbering (HF index − 1)."""
+    (= HF index) and nested ``eagle_config`` in SGLang numbering (HF index − 1); the variant's
+    fields (:func:`variant_fields`)."""
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -127,7 +151,8 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "norm_before_residual": False,
+        "norm_before_residual": c.norm_before_residual,
+        **variant_fields(c),
         "torch_dtype": torch_dtype,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "eagle_config": {
@@ -159,13 +184,25 @@ def speculators_config(
 ) -> dict:
     """``config.json`` for vLLM's speculators layout (DESIGN.md §5): no top-level ``model_type``;
     ``transformer_layer_config`` holds the Llama layer; aux ids top-level in vLLM numbering (HF
-    index); ``norm_before_residual: false`` written out (vLLM assumes true when it is missing).
+    index); ``norm_before_residual`` written out, false included (vLLM assumes true when it is
+    missing); the variant's flags by name; a parallel-drafting drafter as speculators'
+    ``peagle`` type with its ``mask_token_id`` (vLLM reads it as ``pard_token``).
 
     Args:
         verifier: ``{"name_or_path": str, "architectures": [str]}`` — the target.
         num_speculative_tokens: K of the default greedy proposal method.
+    Raises:
+        ExportError: a parallel-drafting drafter with ``fc_norm`` (vLLM 0.32's ``peagle`` reader
+        drops the field: it would serve another network; export the dual layout).
     """
+    if c.parallel_drafting and c.fc_norm:
+        raise ExportError(
+            "a P-EAGLE drafter with fc_norm cannot be written in the speculators layout: vLLM's reader of "
+            "speculators' peagle type ignores fc_norm; export the dual layout (--format dual)"
+        )
     dual = engine_config(c, torch_dtype)
+    kind = "peagle" if c.parallel_drafting else "eagle3"
+    flags = {k: v for k, v in variant_fields(c).items() if k != "parallel_drafting"}
     layer = {
         k: dual[k]
         for k in (
@@ -188,16 +225,17 @@ def speculators_config(
         )
     }
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if c.parallel_drafting else "Eagle3Speculator"],
+        "speculators_model_type": kind,
         "transformer_layer_config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **layer},
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "norm_before_residual": False,
+        "norm_before_residual": c.norm_before_residual,
+        **flags,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "torch_dtype": torch_dtype,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             "proposal_methods": [
                 {"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}
             ],
@@ -218,15 +256,7 @@ def speculators_config(
 LAYOUTS = ("eagle3kit", "eagle", "specforge", "speculators", "modelopt")
 
 
-_UNSUPPORTED_FLAGS = (
-    "norm_before_residual",
-    "norm_before_fc",
-    "fc_norm",
-    "norm_output",
-    "attention_bias",
-    "mlp_bias",
-    "bias",
-)
+_UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias", "bias")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -268,6 +298,12 @@ class DrafterFields(BaseModel):
     norm_before_fc: StrictBool | None = None
     fc_norm: StrictBool | None = None
     norm_output: StrictBool | None = None
+    parallel_drafting: StrictBool | None = None
+    mask_token_id: Annotated[StrictInt, Field(ge=0)] | None = None
+    ptd_token_id: Annotated[StrictInt, Field(ge=0)] | None = None
+    pard_token: Annotated[StrictInt, Field(ge=0)] | None = None
+    speculators_model_type: str | None = None
+    transformers_version: str | None = None
     attention_bias: StrictBool | None = None
     mlp_bias: StrictBool | None = None
     bias: StrictBool | None = None
@@ -309,3 +345,64 @@ def drafter_fields(cfg, where: str) -> tuple[DrafterFields, list[int] | None]:
                 f"got {nested!r}"
             )
     return f, nested
+
+
+def engine_variant(cfg: dict, f: DrafterFields, tensors: set[str], where: str) -> tuple[dict, list[str]]:
+    """The variant flags (:class:`~eagle3kit.model.drafter.DrafterConfig` keyword arguments) a
+    drafter folder is served with, read as vLLM 0.32 reads them, and notes on what was inferred.
+
+    * ``norm_before_residual``: the field; missing: true in speculators' ``eagle3`` type (vLLM's
+      ``update_eagle3`` default), false otherwise;
+    * ``norm_before_fc``: ``eagle_config.norm_before_fc``, else the top-level field;
+    * ``fc_norm``, ``norm_output``: the top-level fields (speculators' ``peagle`` type: vLLM drops
+      both, so a true one is refused);
+    * parallel drafting: a ``mask_hidden`` tensor, ``parallel_drafting: true`` or speculators' ``peagle``
+      type, with the mask token from ``mask_token_id``, ``pard_token`` or ``ptd_token_id`` (the
+      proposer's order).
+
+    Raises:
+        DrafterImportError: both norms before fc, a parallel drafter without mask token or
+        ``mask_hidden``, a ``peagle`` config whose fc_norm/norm_output vLLM would ignore."""
+    notes: list[str] = []
+    kind = f.speculators_model_type
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    nbr = f.norm_before_residual
+    if nbr is None:
+        nbr = kind == "eagle3"
+        if nbr:
+            notes.append("no norm_before_residual in a speculators config: true, as vLLM reads it")
+    nbf = nested.get("norm_before_fc", f.norm_before_fc)
+    if nbf is not None and not isinstance(nbf, bool):
+        raise DrafterImportError(f"{where}: eagle_config.norm_before_fc must be true or false, got {nbf!r}")
+    flags = {
+        "norm_before_residual": bool(nbr),
+        "norm_before_fc": bool(nbf),
+        "fc_norm": bool(f.fc_norm),
+        "norm_output": bool(f.norm_output),
+    }
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise DrafterImportError(
+            f"{where}: norm_before_fc and fc_norm are both true; a drafter has one or neither"
+        )
+    token = next((t for t in (f.mask_token_id, f.pard_token, f.ptd_token_id) if t is not None), None)
+    parallel = "mask_hidden" in tensors or bool(f.parallel_drafting) or kind == "peagle"
+    if parallel:
+        if kind == "peagle" and (flags["fc_norm"] or flags["norm_output"]):
+            raise DrafterImportError(
+                f"{where}: a speculators peagle config with fc_norm/norm_output: vLLM's peagle reader ignores "
+                "both, so the folder would serve another network than the one trained"
+            )
+        if token is None or "mask_hidden" not in tensors:
+            raise DrafterImportError(
+                f"{where}: a parallel-drafting (P-EAGLE) drafter needs both a mask token id (mask_token_id) "
+                "and the mask_hidden tensor; this folder lacks "
+                + (
+                    "both"
+                    if token is None and "mask_hidden" not in tensors
+                    else "mask_hidden"
+                    if token is not None
+                    else "the token id"
+                )
+            )
+        flags |= {"parallel_drafting": True, "mask_token_id": int(token), "norm_output": False}
+    return flags, notes

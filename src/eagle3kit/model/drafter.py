@@ -10,6 +10,29 @@ Shapes (H = drafter hidden, Ht = target hidden, V = target vocab, Vd = draft voc
 
 The token embedding is the target's, frozen and passed in as ``embeds`` (never owned or exported).
 
+Variants (:class:`DrafterConfig` flags, each read by vLLM's ``llama_eagle3.py`` under the same name;
+the default of every flag is the 2025 EAGLE-3 drafter above):
+
+==========================  =========================================================================
+``norm_before_residual``    the decoder layer's residual is ``hidden_norm(h)``, not ``h``
+                            (speculators' trainer writes true)
+``norm_before_fc``          one RMSNorm ``input_norm`` [3·Ht] over the concatenated aux states before
+                            ``fc`` (EAGLE-3.1, gpt-oss style; vLLM ≥ 0.22)
+``fc_norm``                 one RMSNorm per aux state, ``fc_norm.{0,1,2}`` [Ht], before ``fc``
+                            (EAGLE-3.1 paper; exclusive with ``norm_before_fc``)
+``norm_output``             the state fed back to the next draft step is ``norm(out)``, not the
+                            pre-norm output (EAGLE-3.1)
+``parallel_drafting``       P-EAGLE: all K drafts from one forward. Draft 1 as usual; drafts 2..K at
+                            mask slots t+1..t+K−1 whose input is the token ``mask_token_id`` and the
+                            learned aux vector ``mask_hidden`` [1, 1, 3·Ht] (through ``fc``), each
+                            slot attending causally to the context and the earlier slots (vLLM ≥ 0.16,
+                            ``"parallel_drafting": true`` in the speculative config)
+==========================  =========================================================================
+
+P-EAGLE's mask slots see exactly the keys training-time test's step k sees (step-0 keys up to t,
+then the slots of steps 1..k at t), at the same rotary positions t+k, with the same labels: the
+two share :meth:`Eagle3Drafter.ttt_forward`, which only swaps the inputs of steps ≥ 1.
+
 Two forwards compute the same function:
 
 * :meth:`Eagle3Drafter.ttt_forward` — training-time test over whole sequences: step 0 takes the
@@ -53,12 +76,29 @@ class DrafterConfig:
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None  # P-EAGLE: the input token of the mask slots (a target id)
+
+    def __post_init__(self) -> None:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(
+                "norm_before_fc and fc_norm are exclusive (one norm over the aux states, or one each)"
+            )
+        if self.parallel_drafting and self.mask_token_id is None:
+            raise ValueError("a parallel-drafting (P-EAGLE) drafter needs mask_token_id")
+        if self.parallel_drafting and self.norm_output:
+            raise ValueError("norm_output has no effect with parallel_drafting (no output is fed back)")
 
     @classmethod
     def from_target(
-        cls, tc, draft_vocab_size: int, aux_layer_ids, vocab_size: int | None = None
+        cls, tc, draft_vocab_size: int, aux_layer_ids, vocab_size: int | None = None, **variant
     ) -> "DrafterConfig":
-        """Copy widths, attention shape, norm eps, rope and max positions from a target text config."""
+        """Copy widths, attention shape, norm eps, rope and max positions from a target text config;
+        ``variant``: the flags of :data:`VARIANT_FLAGS` and ``mask_token_id``."""
 
         heads = int(tc.num_attention_heads)
         head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
@@ -77,10 +117,22 @@ class DrafterConfig:
             rope_theta=float(rope["rope_theta"]),
             rope_scaling=rope["rope_scaling"],
             max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+            **variant,
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def variant(self) -> dict:
+        """The variant flags that are on, with ``mask_token_id`` when drafting in parallel
+        ({} for the 2025 EAGLE-3 drafter)."""
+        on = {k: True for k in VARIANT_FLAGS if getattr(self, k)}
+        if self.parallel_drafting:
+            on["mask_token_id"] = self.mask_token_id
+        return on
+
+
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
 
 
 class RMSNorm(nn.Module):
@@ -275,25 +327,25 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter. Parameters carry the exported names (``fc``, ``midlayer.*``, ``norm``,
-    ``lm_head``); buffers ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V] hold the vocab map.
+    ``lm_head``, and per variant ``input_norm``, ``fc_norm.{0,1,2}``, ``mask_hidden``); buffers
+    ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V] hold the vocab map.
 
-    Two switches name the engines' other conventions (vLLM's ``llama_eagle3.py`` reads both from
-    the drafter's config); eagle3kit trains and exports the defaults, and ``diagnose`` flips them on
-    a copy to simulate an engine that reads the other one:
-
-    * ``norm_before_residual`` (False): the residual of the decoder layer is ``hidden_norm(h)``
-      instead of the un-normed feature ``h``;
-    * ``norm_output`` (False): the state fed back to the next draft step is ``norm(out)`` instead of
-      the pre-norm output (honoured by :meth:`ttt_forward`, not by :meth:`step`).
+    The variant flags of the module docstring come from ``cfg``; ``norm_before_residual`` and
+    ``norm_output`` are also attributes of the module, which ``diagnose`` flips on a copy to
+    simulate an engine that reads the other convention.
     """
-
-    norm_before_residual: bool = False
-    norm_output: bool = False
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.norm_before_residual = cfg.norm_before_residual
+        self.norm_output = cfg.norm_output
+        Ht, eps = cfg.target_hidden_size, cfg.rms_norm_eps
+        self.input_norm = RMSNorm(3 * Ht, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(Ht, eps) for _ in range(3)]) if cfg.fc_norm else None
+        self.fc = nn.Linear(3 * Ht, cfg.hidden_size, bias=False)
+        # P-EAGLE's learned aux vector of the mask slots (speculators' shape; randn as speculators initialises it)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * Ht)) if cfg.parallel_drafting else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -318,6 +370,29 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(vocab.d2t)
         self.t2d.copy_(vocab.t2d)
 
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """Aux states [..., 3·Ht] (ascending layer order) → the drafter's feature [..., H]:
+        ``input_norm`` or the per-layer ``fc_norm`` when the variant has them, then ``fc`` (vLLM's
+        ``combine_hidden_states``)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        return self.fc(aux)
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads from a pre-norm output [..., H]: ``norm(out)`` when
+        :attr:`norm_output`, else ``out`` itself."""
+        return self.norm(out) if self.norm_output else out
+
+    def step_tokens(self, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each TTT step's input token ids (int64 [B, T] each; step k holds x_{t+k+1} at t): the data
+        tokens themselves, or for a parallel-drafting drafter the data tokens at step 0 and
+        ``mask_token_id`` at every later step (the mask slots)."""
+        if not self.config.parallel_drafting:
+            return tokens
+        return tokens[:1] + [torch.full_like(tokens[0], self.config.mask_token_id) for _ in tokens[1:]]
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids → target ids (``id + d2t[id]``)."""
         return draft_ids + self.d2t[draft_ids]
@@ -340,11 +415,14 @@ class Eagle3Drafter(nn.Module):
         doc: torch.Tensor | None = None,
         attention: str = "reference",
     ) -> list[torch.Tensor]:
-        """Unroll ``len(embeds)`` TTT steps over whole sequences.
+        """Unroll ``len(embeds)`` TTT steps over whole sequences (for a parallel-drafting drafter,
+        step k ≥ 1 is the k-th mask slot: its feature is ``combine(mask_hidden)``, not step k−1's
+        output, and its embedding the mask token's, :meth:`step_tokens`).
 
         Args:
             aux: [B, T, 3·Ht] target aux states at positions 0..T−1.
-            embeds: per step k, [B, T, H] target-embedding of x_{t+k+1} at position t (zeros past the end).
+            embeds: per step k, [B, T, H] target-embedding of :meth:`step_tokens`' step k at position t
+                (the data token x_{t+k+1}, zeros past the end).
             positions: int64 [B, T] rotary position of each token within its own sequence
                 (``arange(T)`` per row; restarting at 0 at each sequence of a packed row).
             key_mask: bool [B, T], False at padding (right padding).
@@ -361,8 +439,9 @@ class Eagle3Drafter(nn.Module):
             list over steps of pre-norm outputs [B, T, H]; logits via :meth:`logits`.
         """
         attn = self.midlayer.self_attn
-        hidden = self.fc(aux)
+        hidden = self.combine(aux)
         B, T, _ = hidden.shape
+        parallel = self.mask_hidden is not None
         if attention == "reference":
             allowed = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()[None]
             if key_mask is not None:
@@ -379,6 +458,8 @@ class Eagle3Drafter(nn.Module):
         vals: list[torch.Tensor] = []
         outs = []
         for k, emb in enumerate(embeds):
+            if parallel and k == 1:  # the mask slots: one learned feature at every position and step
+                hidden = self.combine(self.mask_hidden.to(aux.dtype)).expand(B, T, -1)
             x = self.midlayer.attn_input(hidden, emb)
             cos, sin = self.rotary(x, positions + k)
             q, kk, vv = attn.qkv(x, cos, sin)
@@ -398,7 +479,8 @@ class Eagle3Drafter(nn.Module):
                     o = o + p[..., T + j : T + j + 1] * dv
             out = self.midlayer.finish(attn.out(o), self._residual(hidden))
             outs.append(out)
-            hidden = self.norm(out) if self.norm_output else out
+            if not parallel:
+                hidden = self.feedback(out)
         return outs
 
     def _residual(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -430,7 +512,8 @@ class Eagle3Drafter(nn.Module):
         """Run the layer for q new tokens over a position-indexed KV cache (chain or tree drafting).
 
         Args:
-            hidden: [B, q, H] input feature (``fc(aux)`` for target features, or a previous pre-norm output).
+            hidden: [B, q, H] input feature (:meth:`combine` of target aux states, :meth:`feedback` of a
+                previous output, or ``combine(mask_hidden)`` at a P-EAGLE mask slot).
             embeds: [B, q, H] target-embedding of the token at each new position's next slot.
             positions: int64 [B, q] rotary positions (the same for every row).
             cache: the drafter's :class:`DraftKVCache` ([B, kv_heads, max_len, d]).

@@ -19,8 +19,16 @@ modelopt      model.safetensors          ``layers.0.*`` (or           ``eagle_co
                                          no ``t2d``
 ============  =========================  ===========================  =============================
 
-A missing id list means EAGLE-3's default, HF indices ``(2, N//2, N−3)`` for a target of N layers
-(every tool above defaults to those same states). ``t2d`` is synthesized from ``d2t`` when absent;
+A SafeAILab folder (``pytorch_model.bin``, no ids: its code hard-codes the layers) is read with
+EAGLE-3's default, HF indices ``(2, N//2, N−3)`` for a target of N layers. A ``model.safetensors``
+folder without ids is SpecForge ≥ 0.2's ``export --to hf``, which does not write the layers the run
+captured: it is refused unless the ids are given (``aux_layer_ids``), the message naming SpecForge's
+default. SpecForge 0.2's ``norm_output`` means "final norm before ``lm_head``" (its default, true)
+and its drafter always feeds back the pre-norm output, while vLLM reads ``norm_output: true`` as
+post-norm feedback: such a folder is imported as the network SpecForge trained (``norm_output``
+false), said in the notes. The variant fields (``norm_before_residual``, ``norm_before_fc``,
+``fc_norm``, ``norm_output``, a P-EAGLE ``mask_hidden`` with its mask token) are read as vLLM reads
+them (:func:`eagle3kit.model.contract.engine_variant`). ``t2d`` is synthesized from ``d2t`` when absent;
 ``d2t`` holds offsets in every layout (target id = draft id + d2t[draft id]). A copy of the
 target's embedding (``embed_tokens.weight``) is dropped: the engines borrow the target's. The load
 is strict: any key left over after renaming, and any tensor the drafter needs but the source lacks,
@@ -58,6 +66,7 @@ from eagle3kit.model.contract import (
     contract_shapes,
     drafter_fields,
     engine_config,
+    engine_variant,
     required_shapes,
     speculators_config,
     validate_tensors,
@@ -270,8 +279,8 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     )
 
 
-def detect_layout(cfg: dict, keys: set[str]) -> str:
-    """The source layout from its config and tensor names (see the module table)."""
+def detect_layout(cfg: dict, keys: set[str], source_file: str = "model.safetensors") -> str:
+    """The source layout from its config, tensor names and weights file (see the module table)."""
     nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     layers0 = any(k.startswith(("layers.", "model.layers.")) for k in keys)
     if "speculators_model_type" in cfg or "speculators_config" in cfg:
@@ -286,7 +295,9 @@ def detect_layout(cfg: dict, keys: set[str]) -> str:
         return "eagle3kit"  # top-level ids in HF numbering: eagle3kit's (or any dual-engine) folder
     if nested.get("eagle_aux_hidden_state_layer_ids") is not None:
         return "modelopt" if layers0 else "specforge"
-    return "modelopt" if layers0 else "eagle"
+    if layers0:
+        return "modelopt"
+    return "eagle" if source_file == "pytorch_model.bin" else "specforge"
 
 
 def _rename(tensors: dict[str, torch.Tensor], notes: list[str]) -> dict[str, torch.Tensor]:
@@ -314,9 +325,69 @@ def _rename(tensors: dict[str, torch.Tensor], notes: list[str]) -> dict[str, tor
     return out
 
 
+SPECFORGE_DEFAULT = (
+    "SpecForge 0.2 captures the outputs of layers [1, N//2 − 1, N − 4] (HF indices [2, N//2, N − 3]) "
+    "unless its run set model.aux_hidden_state_layer_ids"
+)
+
+
 def _aux_ids(
-    f: DrafterFields, nested: list[int] | None, layout: str, num_layers: int | None, notes: list[str]
+    f: DrafterFields,
+    nested: list[int] | None,
+    layout: str,
+    num_layers: int | None,
+    notes: list[str],
+    given: list[int] | None = None,
 ) -> list[int]:
+    """The HF-index aux ids: the ones the layout states, or ``given`` (which must equal them when
+    both exist), or SafeAILab's hard-coded default; see the module docstring."""
+    ids = _stated_aux_ids(f, nested, layout, num_layers, notes, given)
+    if given is not None:
+        if ids is not None and ids != list(given):
+            raise DrafterImportError(
+                f"--aux-layer-ids {list(given)} contradicts the ids the source states ({ids}, HF indices)"
+            )
+        if ids is None:
+            notes.append(f"aux ids {list(given)} (HF indices) as given: the source states none")
+        ids = list(given)
+    if ids is None:
+        if layout == "specforge":
+            N = num_layers if num_layers is not None else "N"
+            raise DrafterImportError(
+                f"the source (SpecForge's export --to hf) states no aux layer ids, and the layers its run captured "
+                f"cannot be read from the folder: {SPECFORGE_DEFAULT}; for this target (N = {N}) give them, e.g. "
+                + (
+                    f"--aux-layer-ids {','.join(map(str, default_aux_layer_ids(num_layers)))}"
+                    if num_layers
+                    else "--aux-layer-ids 2,N//2,N-3 with --target"
+                )
+                + " when the run used SpecForge's default"
+            )
+        if num_layers is None:
+            raise DrafterImportError(
+                f"the {layout} source names no aux layer ids: give --target so the default layers "
+                "(2, N//2, N−3) of the target's N layers can be used"
+            )
+        ids = list(default_aux_layer_ids(num_layers))
+        notes.append(f"no aux ids in the source: EAGLE-3's default for {num_layers} layers, HF indices {ids}")
+    if len(ids) != 3:
+        raise DrafterImportError(
+            f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)"
+        )
+    if ids != sorted(ids):
+        notes.append(f"aux ids {ids} sorted to {sorted(ids)} (engines concatenate aux states in layer order)")
+        ids = sorted(ids)
+    if num_layers is not None:
+        try:
+            validate_aux_layer_ids(ids, num_layers)
+        except ConfigError as e:
+            raise DrafterImportError(str(e)) from None
+    return ids
+
+
+def _stated_aux_ids(
+    f: DrafterFields, nested: list[int] | None, layout: str, num_layers: int | None, notes: list[str], given
+) -> list[int] | None:
     top = f.eagle_aux_hidden_state_layer_ids
     reads = {
         "eagle3kit": "top",
@@ -336,36 +407,16 @@ def _aux_ids(
             "would be lost; use --layout auto or the layout that wrote the folder"
         )
     if reads == "top" and top:
-        ids = list(top)
-    elif reads == "nested" and nested:
+        return list(top)
+    if reads == "nested" and nested:
         ids = [int(i) + 1 for i in nested]
         notes.append(f"aux ids {list(nested)} (output of layer j, {layout}) → HF indices {ids}")
-    else:
-        if num_layers is None:
-            raise DrafterImportError(
-                f"the {layout} source names no aux layer ids: give --target so the default layers "
-                "(2, N//2, N−3) of the target's N layers can be used"
-            )
-
-        ids = list(default_aux_layer_ids(num_layers))
-        notes.append(f"no aux ids in the source: EAGLE-3's default for {num_layers} layers, HF indices {ids}")
-    if len(ids) != 3:
-        raise DrafterImportError(
-            f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)"
-        )
-    if ids != sorted(ids):
-        notes.append(f"aux ids {ids} sorted to {sorted(ids)} (engines concatenate aux states in layer order)")
-        ids = sorted(ids)
-    if num_layers is not None:
-        try:
-            validate_aux_layer_ids(ids, num_layers)
-        except ConfigError as e:
-            raise DrafterImportError(str(e)) from None
-    return ids
+        return ids
+    return None
 
 
 def _drafter_config(
-    f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str]
+    f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str], variant: dict
 ) -> DrafterConfig:
     H, heads = f.hidden_size, f.num_attention_heads
     Vd = f.draft_vocab_size
@@ -420,10 +471,13 @@ def _drafter_config(
         rope_scaling=rope_scaling,
         max_position_embeddings=mpe,
         hidden_act=f.hidden_act,
+        **variant,
     )
 
 
-def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Imported:
+def read_drafter(
+    folder: str | Path, layout: str = "auto", target=None, aux_layer_ids: list[int] | None = None
+) -> Imported:
     """Read the drafter in ``folder`` (any layout of the module table), strictly.
 
     Steps: config.json, the weights and their layout (:func:`_pick_layout`), renamed tensors,
@@ -435,6 +489,8 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
         target: a :class:`~eagle3kit.core.config.TargetConfig` (or None). Needed only when the source
             names no aux ids (SafeAILab; SpecForge/ModelOpt without ``eagle_config``); when given,
             the vocabulary, hidden size, layer count, aux ids and rope are checked against it.
+        aux_layer_ids: HF indices of the aux layers the drafter was trained on, for a source that
+            states none (SpecForge's export); they must equal the source's own when it states some.
 
     Returns:
         :class:`Imported`; weights keep the source dtype, ``d2t`` int64 [Vd], ``t2d`` bool [V].
@@ -454,15 +510,18 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
         raise DrafterImportError(f"{folder / 'config.json'} is not UTF-8 JSON ({e})") from None
     f, nested = drafter_fields(cfg, str(folder / "config.json"))
     raw, source_file = read_weights(folder)
-    layout, found = _pick_layout(folder, cfg, f, set(raw), layout)
+    layout, found = _pick_layout(folder, cfg, f, set(raw), layout, source_file)
     notes = [f"read {source_file} as layout {layout}" + ("" if layout == found else f" (detected: {found})")]
     tensors = _rename(raw, notes)
     if "embed_tokens.weight" in tensors:
         tensors.pop("embed_tokens.weight")
         notes.append("dropped embed_tokens.weight (the engines use the target's embedding)")
+    variant = _variant(folder, cfg, f, tensors, layout, notes)
     tc = load_target_config(target)[1] if target is not None else None
-    ids = _aux_ids(f, nested, layout, int(tc.num_hidden_layers) if tc is not None else None, notes)
-    c = _drafter_config(f, tensors, ids, tc, notes)
+    ids = _aux_ids(
+        f, nested, layout, int(tc.num_hidden_layers) if tc is not None else None, notes, aux_layer_ids
+    )
+    c = _drafter_config(f, tensors, ids, tc, notes, variant)
     _vocab_maps(folder, tensors, c, notes)
     weights = _strict_weights(folder, layout, tensors, c)
     if tc is not None:
@@ -475,10 +534,38 @@ def read_drafter(folder: str | Path, layout: str = "auto", target=None) -> Impor
     return Imported(d, layout, notes, _provenance(cfg, ids, layout, folder, notes))
 
 
-def _pick_layout(folder: Path, cfg, f: DrafterFields, names: set[str], layout: str) -> tuple[str, str]:
+def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: str, notes: list[str]) -> dict:
+    """The source's variant flags as the engine reads them (:func:`engine_variant`), SpecForge's
+    ``norm_output`` translated (module docstring), ``mask_hidden`` shaped [1, 1, 3·Ht] (in place)."""
+    variant, vnotes = engine_variant(cfg, f, set(tensors), str(folder / "config.json"))
+    notes += vnotes
+    if layout == "specforge" and f.norm_output is not None:
+        if not f.norm_output:
+            raise DrafterImportError(
+                f"{folder}: SpecForge's norm_output: false computes logits without the final norm; eagle3kit's "
+                "drafter (like vLLM's) applies it before lm_head"
+            )
+        variant["norm_output"] = False
+        notes.append(
+            "norm_output: true is SpecForge 0.2's default (final norm before lm_head, pre-norm output fed back); "
+            "vLLM reads it as post-norm feedback, so the folder as it is would serve another network: imported "
+            "with norm_output false, the network SpecForge trained"
+        )
+    mh = tensors.get("mask_hidden")
+    if mh is not None:
+        Ht3 = 3 * (f.target_hidden_size or f.hidden_size)
+        if mh.numel() != Ht3:
+            raise DrafterImportError(f"mask_hidden has {mh.numel()} values, not 3 × target hidden = {Ht3}")
+        tensors["mask_hidden"] = mh.reshape(1, 1, Ht3)
+    return variant
+
+
+def _pick_layout(
+    folder: Path, cfg, f: DrafterFields, names: set[str], layout: str, source_file: str = "model.safetensors"
+) -> tuple[str, str]:
     """``(layout used, layout detected)``; refuses an unknown layout, a speculators mismatch and a
-    variant eagle3kit does not implement."""
-    found = detect_layout(cfg, names)
+    variant eagle3kit does not implement (biases)."""
+    found = detect_layout(cfg, names, source_file)
     if layout == "auto":
         layout = found
     elif layout not in LAYOUTS:
@@ -488,14 +575,11 @@ def _pick_layout(folder: Path, cfg, f: DrafterFields, names: set[str], layout: s
             f"{folder} is {'not ' if layout == 'speculators' else ''}in the speculators layout "
             f"(detected: {found}); use --layout auto"
         )
-    flags = {k: getattr(f, k) for k in _UNSUPPORTED_FLAGS}
-    if layout == "speculators" and f.norm_before_residual is None:
-        flags["norm_before_residual"] = True  # vLLM's default for a speculators config (algos.update_eagle3)
-    on = [k for k, v in flags.items() if v]
+    on = [k for k in _UNSUPPORTED_FLAGS if getattr(f, k)]
     if on:
         raise DrafterImportError(
             f"{folder}: {', '.join(f'{k}: true' for k in on)} — a drafter variant eagle3kit does not "
-            "implement (it builds norm_before_residual false, no extra norms, no biases)"
+            "implement (its drafters have no biases)"
         )
     return layout, found
 

@@ -34,7 +34,13 @@ from eagle3kit.core.engines import (
     uses_mla,
     vllm_cpu_build,
 )
-from eagle3kit.model.contract import DrafterImportError, contract_mismatches, drafter_fields, required_shapes
+from eagle3kit.model.contract import (
+    DrafterImportError,
+    contract_mismatches,
+    drafter_fields,
+    engine_variant,
+    required_shapes,
+)
 from eagle3kit.model.draft_vocab import check_maps
 from eagle3kit.model.drafter import DrafterConfig
 from eagle3kit.model.target import load_target_config, locate_target, rope_settings, target_architectures
@@ -146,6 +152,7 @@ def check_drafter(
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
     try:
         fields, _ = drafter_fields(folder.config, str(cfg_path))
+        variant, _ = engine_variant(folder.config, fields, set(folder.shapes), str(cfg_path))
     except DrafterImportError as e:
         return [
             Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")
@@ -162,7 +169,8 @@ def check_drafter(
                 "export again with `eagle3kit export`",
             )
         ]
-    out += _check_tensors(folder, fields, tc)
+    out += _check_tensors(folder, fields, tc, variant)
+    out += _check_variant(variant, engine, engine_version)
     out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
     out += _check_positions(folder.config, fields, tc, max_model_len)
     out += _check_aux(folder.config, int(tc.num_hidden_layers), tcfg, tc, engine)
@@ -255,9 +263,9 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
     return out, False
 
 
-def _check_tensors(folder: _Folder, fields, tc) -> list[Finding]:
+def _check_tensors(folder: _Folder, fields, tc, variant: dict) -> list[Finding]:
     """Every tensor against :func:`~eagle3kit.model.contract.required_shapes` for the config's
-    fields: aux id count against fc, dtypes, missing, misshapen and stray tensors."""
+    fields and variant: aux id count against fc, dtypes, missing, misshapen and stray tensors."""
     shapes, dtypes = folder.shapes, folder.dtypes
     H_t, V, H = int(tc.hidden_size), int(tc.vocab_size), fields.hidden_size
     heads = fields.num_attention_heads
@@ -273,6 +281,7 @@ def _check_tensors(folder: _Folder, fields, tc) -> list[Finding]:
             draft_vocab_size=fields.draft_vocab_size,
             target_hidden_size=H_t,
             aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or []),
+            **variant,
         )
     )
     out: list[Finding] = []
@@ -321,6 +330,58 @@ def _check_tensors(folder: _Folder, fields, tc) -> list[Finding]:
                 "its target)",
             )
         )
+    return out
+
+
+# the first vLLM release that reads each variant field (vLLM's release notes; 0.32's llama_eagle3.py reads all)
+VLLM_VARIANT_SINCE = {
+    "norm_before_residual": "0.10.2",
+    "parallel_drafting": "0.16.0",
+    "norm_before_fc": "0.22.0",
+    "fc_norm": "0.22.0",
+    "norm_output": "0.22.0",
+}
+
+
+def _check_variant(variant: dict, engine: str, engine_version: str | None) -> list[Finding]:
+    """The variant the folder will be served as: the vLLM release that reads each flag, how a
+    parallel-drafting drafter must be launched, and what is not verified for SGLang."""
+    on = [k for k in VLLM_VARIANT_SINCE if variant.get(k)]
+    out: list[Finding] = []
+    if variant.get("parallel_drafting"):
+        out.append(
+            Finding(
+                "parallel_drafting",
+                f"a P-EAGLE (parallel-drafting) drafter, mask token {variant['mask_token_id']}: vLLM drafts it "
+                "in parallel only when the speculative config says so; without it vLLM skips mask_hidden (a "
+                "warning in its log) and drafts a chain this drafter was not trained for",
+                'serve with --speculative-config \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": K, '
+                '"parallel_drafting": true}\' (K up to the TTT steps it was trained with)',
+                "warning",
+            )
+        )
+    if engine == "sglang" and on:
+        out.append(
+            Finding(
+                "engine_support",
+                f"SGLang support for {on} is not verified by eagle3kit (no SGLang runs here)",
+                "serve it with vLLM, or check the SGLang release you serve with",
+                "warning",
+            )
+        )
+    want = engine_version or installed_vllm()
+    if engine == "vllm" and want and parse_version(want) is not None:
+        old = [k for k in on if parse_version(want) < parse_version(VLLM_VARIANT_SINCE[k])]
+        if old:
+            out.append(
+                Finding(
+                    "engine_support",
+                    f"vLLM {want} does not read {old} (from "
+                    + ", ".join(f"{k} {VLLM_VARIANT_SINCE[k]}" for k in old)
+                    + "): it would serve another network than the one trained",
+                    f"serve on vLLM ≥ {max((VLLM_VARIANT_SINCE[k] for k in old), key=parse_version)}",
+                )
+            )
     return out
 
 

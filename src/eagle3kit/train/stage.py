@@ -136,7 +136,7 @@ def simulate_sequence(
     Returns: ``stats`` with this sequence's verify steps added."""
     stats = stats if stats is not None else AcceptanceStats(k)
     b = make_batch([Sample(ids, mask)], [0], k, device)
-    embeds = [embed_tokens(target, t, drafter.fc.weight) for t in b["tok"]]
+    embeds = [embed_tokens(target, t, drafter.fc.weight) for t in drafter.step_tokens(b["tok"])]
     # forward: FSDP hooks
     outs = drafter(aux[None].to(device, drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
     draft = torch.stack([drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1).cpu()
@@ -145,10 +145,14 @@ def simulate_sequence(
     return walk_chain(runs, first - 1, ids.numel(), k, stats)
 
 
-def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int) -> Eagle3Drafter:
-    """A freshly initialised drafter shaped after the target (seeded)."""
+def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int, variant=None) -> Eagle3Drafter:
+    """A freshly initialised drafter shaped after the target (seeded); ``variant``: the run's
+    ``drafter`` section (:class:`~eagle3kit.core.config.DrafterVariantConfig`, None: EAGLE-3)."""
     torch.manual_seed(seed)
-    dcfg = DrafterConfig.from_target(target.config, vocab.size, aux_ids, vocab_size=target.vocab_size)
+    flags = variant.flags(target.tokenizer, target.vocab_size) if variant is not None else {}
+    dcfg = DrafterConfig.from_target(
+        target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags
+    )
     d = Eagle3Drafter(dcfg)
     d.set_vocab(vocab)
     return d
@@ -160,7 +164,8 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
 
     Args:
         model: the drafter, or the drafter in DistributedDataParallel.
-        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``).
+        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
+            its ``lk_kl_scale``/``lk_kl_decay``).
         speed: ``{"attention", "bf16", "loss_chunk"}`` (see :func:`_resolve_speed`).
         world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
             supervised position (every process still calls backward, as DDP needs).
@@ -179,6 +184,9 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
             tc.step_weight,
             attention=speed["attention"],
             loss_chunk=speed["loss_chunk"],
+            loss=tc.loss,
+            lk_kl_scale=tc.lk_kl_scale,
+            lk_kl_decay=tc.lk_kl_decay,
         )
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -382,6 +390,12 @@ class _Training:
                     f"train: features from {tc.features} ({self.features.get('dtype')}, teacher "
                     f"{self.features.get('teacher')}); the target runs only for validation"
                 )
+        if tc.loss != "kl" and (self.features or {}).get("teacher", "last") != "last":
+            raise ConfigError(
+                f"train.loss {tc.loss} needs the target's full-vocabulary probabilities, and the features in "
+                f"{tc.features} keep only the teacher's {self.features.get('teacher')}: extract them with "
+                "extract.teacher: last, train online (no train.features), or use train.loss: kl"
+            )
         warning = feature_source_warning((self.features or {}).get("source"), tc.serve_engine)
         if warning and world.main:
             console.print(f"[yellow]{warning}[/]")
@@ -398,8 +412,11 @@ class _Training:
     def _record_inputs(self, tokens_sha: str, vocab_sha: str, tok_hash: str) -> None:
         """``inputs`` (what a resume must share: data, vocab, aux ids, train settings, target, world
         size, features) and ``provenance`` (stored in every checkpoint, read by export and check)."""
-        # what is trained (hashed, stored, diffed)
-        self.tc_fields = self.tc.model_dump(mode="json", exclude=_LOGISTICS)
+        # what is trained (hashed, stored, diffed): the train settings and the drafter's variant
+        self.tc_fields = {
+            **self.tc.model_dump(mode="json", exclude=_LOGISTICS),
+            "drafter": self.cfg.drafter.model_dump(mode="json"),
+        }
         self.inputs = {
             "tokens": tokens_sha,
             "vocab": vocab_sha,
@@ -439,7 +456,7 @@ class _Training:
         """The drafter (seeded; from ``train.init_from`` when set), wrapped for the world, AdamW and
         the warmup + cosine schedule over every process's common number of steps."""
         tc, world, device = self.tc, self.world, self.device
-        drafter = build_drafter(self.target, self.vocab, self.aux_ids, tc.seed)
+        drafter = build_drafter(self.target, self.vocab, self.aux_ids, tc.seed, self.cfg.drafter)
         # last.safetensors (weights + AdamW's two moments), best, and one of them being written
         if world.main:
             require_free(
