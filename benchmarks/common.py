@@ -31,10 +31,12 @@ def open_run(path: str):
     return run, cfg, device, target
 
 
-def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict, float]:
+def train_variant(
+    cfg, run, vdir: Path, target, drafter: dict | None = None, **train_settings
+) -> tuple[dict, float]:
     """Train a drafter in ``vdir`` (the run's tokens and vocab copied in) with ``train_settings``
-    overriding the run's ``train`` section, and export its best checkpoint to ``vdir/drafter``.
-    Returns (train report, seconds)."""
+    overriding the run's ``train`` section and ``drafter`` its ``drafter`` section (the variant),
+    and export its best checkpoint to ``vdir/drafter``. Returns (train report, seconds)."""
     from eagle3kit.core.rundir import RunDir
     from eagle3kit.model.folder import export_drafter
     from eagle3kit.train.checkpoints import load_drafter_checkpoint
@@ -48,6 +50,10 @@ def train_variant(cfg, run, vdir: Path, target, **train_settings) -> tuple[dict,
     vcfg.run_dir = str(vdir)
     for k, v in train_settings.items():
         setattr(vcfg.train, k, v)
+    if drafter is not None:
+        from eagle3kit.core.config import DrafterVariantConfig
+
+        vcfg.drafter = DrafterVariantConfig(**drafter)
     t = time.perf_counter()
     res = run_train(vcfg, RunDir(vdir), target=target)
     seconds = time.perf_counter() - t
@@ -63,12 +69,19 @@ EVAL_SETS = {
 }
 
 
-def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts: int | None = None) -> dict:
+def heldout_sets(
+    run,
+    target,
+    shared: str,
+    eval_tokens: int = 256,
+    eval_prompts: int | None = None,
+    backend: str = "transformers",
+) -> dict:
     """The two evaluation sets: ``{set: (rows, prompt ids, target greedy continuations)}``.
 
     Prompts are first user turns (MT-bench's first turn), rendered with the target's template;
-    continuations are the target's greedy ``eval_tokens`` tokens, computed once and cached in the
-    run directory (``heldout_continuations.json``)."""
+    continuations are the target's greedy ``eval_tokens`` tokens (through the generation
+    ``backend``), computed once and cached in the run directory (``heldout_continuations.json``)."""
     from eagle3kit.core.config import PromptSource
     from eagle3kit.data.backends import render_prompt_ids
     from eagle3kit.data.sources import read_source
@@ -85,7 +98,7 @@ def heldout_sets(run, target, shared: str, eval_tokens: int = 256, eval_prompts:
         rows = rows[:eval_prompts] if eval_prompts else rows
         prompts = [render_prompt_ids(target.tokenizer, r["messages"][:1]) for r in rows]
         if name not in conts or len(conts[name]) != len(prompts):
-            conts[name] = greedy_continuations(target, prompts, eval_tokens, "transformers", 160)
+            conts[name] = greedy_continuations(target, prompts, eval_tokens, backend, 160)
             cache.write_text(json.dumps(conts))
         out[name] = (rows, prompts, conts[name])
     return out

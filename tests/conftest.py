@@ -40,6 +40,14 @@ def smollm2_tokenizer():
     return load_tokenizer(TargetConfig())
 
 
+@pytest.fixture(scope="session")
+def smollm2_tok_dir(tmp_path_factory, smollm2_tokenizer):
+    """SmolLM2's real tokenizer saved as a folder (the tiny family targets are built beside it)."""
+    d = tmp_path_factory.mktemp("smollm2-tokenizer")
+    smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
 def tiny_llama_config(num_layers: int = 8, vocab_size: int = 49152, **kw):
     from transformers import LlamaConfig
 

@@ -22,13 +22,6 @@ pytestmark = [
 SERVED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss")
 
 
-@pytest.fixture(scope="session")
-def smollm2_tok_dir(tmp_path_factory, smollm2_tokenizer):
-    d = tmp_path_factory.mktemp("smollm2-tokenizer")
-    smollm2_tokenizer.save_pretrained(d)
-    return d
-
-
 # the family vLLM refuses needs no τ: a small run shows it passes (transformers generates and evaluates)
 SMALL_RUN = {"kimi_k25_native": {"prompts": 64, "epochs": 10}}
 

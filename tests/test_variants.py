@@ -138,8 +138,10 @@ def test_the_reference_decoder_drafts_what_simulate_predicts_for_each_variant(na
         assert sim.accepted > 0, (name, k)  # the check can fail: some drafts are accepted
 
 
-def _lk_batch(seed=0):
-    from eagle3kit.model.target import target_features, teacher_argmax
+def _lk_batch(seed=0, cached_lse=False):
+    """Two sequences' batch; ``cached_lse``: with the normaliser the training stage caches
+    (``compute_features(lse=True)``), else computed by the loss at every step."""
+    from eagle3kit.model.target import target_features, teacher_argmax, teacher_top1_lse
 
     t = tiny_target()
     g = torch.Generator().manual_seed(seed)
@@ -150,6 +152,8 @@ def _lk_batch(seed=0):
         mask[n // 3 :] = True
         aux, last = target_features(t, ids[None], None, (1, 2, 3))
         samples.append(Sample(ids, mask, aux[0], last[0], teacher_argmax(t, last[0])))
+        if cached_lse:
+            samples[-1].lse = teacher_top1_lse(t, last[0], where=mask)[1]
     return t, make_batch(samples, [0, 1], 3, "cpu")
 
 
@@ -199,6 +203,10 @@ def test_lk_objectives_equal_their_formulas_chunked_or_not(kind):
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7) and grads[0].abs().sum() > 0
     kl, _ = ttt_loss(d, t, b, draft_ids, 3, 0.8)
     assert not torch.allclose(kl.double(), want, rtol=1e-2)  # a different objective than forward KL
+    _, cached = _lk_batch(cached_lse=True)
+    assert "lse" in cached and "lse" not in b
+    again, _ = ttt_loss(d, t, cached, draft_ids, 3, 0.8, loss=kind, lk_kl_scale=0.7, lk_kl_decay=2.0)
+    assert torch.allclose(again.double(), want, rtol=1e-5, atol=1e-6)  # the cached normaliser is the same
 
 
 def test_lk_needs_the_full_vocabulary_and_an_unknown_loss_is_refused():

@@ -90,23 +90,29 @@ Checkpoints and export (:func:`final_checkpoint_dir`, :func:`export_to_hf_folder
     vocab_mapping_path=, embedding_source=)`` writes ``config.json`` + ``model.safetensors``;
     ``eagle3kit import --aux-layer-ids 2,15,27`` reads that layout (``specforge``).
 
-Dependencies on the offline path (checked by running it, see the benchmark report)
+Dependencies on the offline path (verified by running it, on CPU here and on an H200)
     Imported and needed: torch, transformers, accelerate (``set_seed``), safetensors,
-    huggingface_hub, pydantic, pyyaml, numpy, tqdm, triton (``core/loss.py``'s fused loss kernel:
-    the GPU image's torch brings it) and ``datasets`` (``data/utils.py`` imports ``Dataset`` at
-    module level for the offline collator ``DataCollatorWithPadding``). Not imported offline
-    (no stub needed): sglang (only ``offline_capture`` and online capture), yunchang (only
-    ``distributed._load_yunchang_globals`` for USP sequence parallelism), wandb / swanlab /
-    mlflow / tensorboard (only with ``tracking.report_to``), openai-harmony (only ``data/parse.py``
-    for online prompt preparation), flash_attn (optional; ``attention_backend: fa`` only; a
-    warning on import otherwise). The wheel pins ``torch==2.11.0``, ``transformers==5.8.1`` and
-    ``sglang==0.5.14``: install it with ``pip install --no-deps``.
+    huggingface_hub, pydantic (``config/schema.py``), pyyaml, numpy, tqdm, triton (``core/loss.py``,
+    the fused loss kernel; the GPU image's torch brings it) and ``datasets`` (``data/utils.py``
+    imports ``Dataset`` at module level, only as a type hint, for the offline collator
+    ``DataCollatorWithPadding``; a one-line stub ``class Dataset: pass`` would do). Not imported
+    offline (nothing to stub): sglang (``offline_capture`` and online capture only), yunchang
+    (``distributed._load_yunchang_globals``, USP sequence parallelism only), wandb / swanlab /
+    mlflow / tensorboard (only with ``tracking.report_to``), openai-harmony (``data/parse.py``,
+    online prompt preparation only), flash_attn (``attention_backend: fa`` only; it warns on
+    import). The wheel pins ``torch==2.11.0``, ``transformers==5.8.1`` and ``sglang==0.5.14``:
+    install it with ``pip install --no-deps``. :data:`GPU_WHEELS` lists what the GPU image lacks.
+
+CPU (tests only): ``SPECFORGE_DEVICE=cpu`` runs everything on gloo except two places:
+``training/backend.py`` ``prepare_model`` wraps in FSDP, which refuses a CPU-only machine
+("FSDP needs a non-CPU accelerator device") unless ``training.fsdp_sharding=NO_SHARD`` (DDP), and
+``core/loss.py`` ``LogSoftmaxLoss`` launches a triton kernel, which needs a GPU (on CPU, replace
+its ``apply`` with the same formula in torch). On one GPU FSDP switches itself to NO_SHARD.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -122,6 +128,19 @@ FILE_GROUP_SIZE = 2000  # prepare_hidden_states.py --file-group-size default
 MANIFEST = "specforge_adapter.json"  # ignored by SpecForge's reader (not *.ckpt)
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
+
+#: Wheels the GPU image (Python 3.12, torch 2.11, transformers 5.17; no pydantic, no datasets)
+#: needs for the offline path, all from PyPI, installed with ``pip install --no-deps --target``.
+GPU_WHEELS = (
+    "specforge==0.2.0",  # py3-none-any, 385,203 bytes
+    "pydantic==2.14.4",  # py3-none-any, 494,865
+    "pydantic-core==2.50.5",  # cp312 manylinux_2_17_x86_64, 2,264,846
+    "annotated-types==0.8.0",  # py3-none-any, 13,427
+    "typing-inspection==0.4.5",  # py3-none-any, 14,874
+    "datasets==5.2.0",  # py3-none-any, 608,276 (or the one-line stub)
+    "dill==0.4.1",  # py3-none-any, 120,019 (datasets' need)
+    "multiprocess==0.70.19",  # py312-none-any, 150,281 (datasets' need)
+)
 
 # The fields SpecForge copies from the target into a generated draft config
 # (training/model_loading.py _TARGET_ARCHITECTURE_FIELDS).
@@ -294,7 +313,8 @@ def write_offline_features(
         overwrite: replace an existing folder; otherwise a non-empty ``out_dir`` is refused.
     Returns:
         The manifest also written to ``out_dir/specforge_adapter.json``: samples, tokens,
-        supervised positions (after alignment), hidden size, mean/max length.
+        positions with a loss mask (after alignment, TTT step 0, before the draft-vocabulary
+        filter), hidden size, mean/max length.
     """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -313,9 +333,7 @@ def write_offline_features(
             mask_alignment,
         )
         if max_length is not None:
-            rec = {
-                k: (v[:max_length] if v.dim() == 1 else v[:, :max_length]).clone() for k, v in rec.items()
-            }
+            rec = {k: (v[:max_length] if v.dim() == 1 else v[:, :max_length]).clone() for k, v in rec.items()}
         H = rec["hidden_state"].shape[-1]
         if hidden is None:
             hidden = H
@@ -330,7 +348,8 @@ def write_offline_features(
         n += 1
         tokens += T
         longest = max(longest, T)
-        # what SpecForge can supervise: its normalizer zeroes loss_mask[-1]
+        # positions with a loss mask at TTT step 0 (before the in-draft-vocabulary filter); its
+        # normalizer zeroes loss_mask[-1]
         supervised += int(rec["loss_mask"][:-1].sum())
     if n == 0:
         raise ValueError("no samples to write")
@@ -340,7 +359,7 @@ def write_offline_features(
         "writer": "eagle3kit benchmarks/peers/specforge_adapter.py",
         "samples": n,
         "tokens": tokens,
-        "supervised_positions": supervised,
+        "loss_mask_positions": supervised,
         "mean_tokens": tokens / n,
         "max_tokens": longest,
         "hidden_size": hidden,
@@ -489,7 +508,9 @@ def write_draft_config(
     """Write :func:`draft_config_dict` as JSON (``model.draft_model_config``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(draft_config_dict(target_config, draft_vocab_size, aux_layer_ids), indent=2) + "\n")
+    path.write_text(
+        json.dumps(draft_config_dict(target_config, draft_vocab_size, aux_layer_ids), indent=2) + "\n"
+    )
     return path
 
 
@@ -512,12 +533,20 @@ def write_target_dir(
     out.mkdir(parents=True, exist_ok=True)
     cfg = _target_config_dict(config) if not isinstance(config, Mapping) else dict(config)
     emb = embed_weight.detach().to("cpu").contiguous().clone()
-    head = (lm_head_weight if lm_head_weight is not None else embed_weight).detach().to("cpu").contiguous().clone()
+    head = (
+        (lm_head_weight if lm_head_weight is not None else embed_weight)
+        .detach()
+        .to("cpu")
+        .contiguous()
+        .clone()
+    )
     V, H = emb.shape
     if tuple(head.shape) != (V, H):
         raise ValueError(f"lm_head {tuple(head.shape)} and embedding {tuple(emb.shape)} differ")
     if int(cfg.get("vocab_size", V)) != V or int(cfg.get("hidden_size", H)) != H:
-        raise ValueError(f"config vocab/hidden {cfg.get('vocab_size')}/{cfg.get('hidden_size')} ≠ weights {V}/{H}")
+        raise ValueError(
+            f"config vocab/hidden {cfg.get('vocab_size')}/{cfg.get('hidden_size')} ≠ weights {V}/{H}"
+        )
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     save_file({EMBED_KEY: emb, LM_HEAD_KEY: head}, str(out / "model.safetensors"), metadata={"format": "pt"})
     index = {
@@ -547,11 +576,16 @@ def write_target_dir_from_hf_folder(src: str | Path, out_dir: str | Path) -> dic
 
 def write_target_dir_from_model(model: Any, out_dir: str | Path) -> dict:
     """:func:`write_target_dir` from a loaded HF causal LM (e.g. the target eagle3kit trained with,
-    including one dequantized from GGUF), so SpecForge's teacher head is bit-identical to it."""
+    including one dequantized from GGUF), so SpecForge's teacher head and embedding are the same
+    weights (SpecForge casts them to bf16: ``TargetHead.from_pretrained``, ``torch_dtype``)."""
     head = model.get_output_embeddings().weight
     emb = model.get_input_embeddings().weight
     tied = head.data_ptr() == emb.data_ptr()
-    cfg = model.config.get_text_config().to_dict() if hasattr(model.config, "get_text_config") else model.config.to_dict()
+    cfg = (
+        model.config.get_text_config().to_dict()
+        if hasattr(model.config, "get_text_config")
+        else model.config.to_dict()
+    )
     cfg["architectures"] = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     return write_target_dir(out_dir, cfg, emb, None if tied else head)
 
@@ -625,15 +659,17 @@ def run_config_dict(
     SpecForge's default), ``lr_scheduler`` cosine, ``seed`` (SpecForge's default 42), the draft
     vocabulary (``vocab_mapping``). Everything else is SpecForge's default (AdamW betas (0.9,
     0.999), weight decay 0, bf16 draft with fp32 master weights, loss decay 0.8, flex attention,
-    FSDP SHARD_GRAD_OP over one rank). ``num_samples``/``mean_tokens`` default to the features
-    folder's manifest; ``extra`` merges further ``{section: {field: value}}``.
+    FSDP, which switches itself to NO_SHARD on one GPU). ``num_samples``/``mean_tokens`` default
+    to the features folder's manifest; ``extra`` merges further ``{section: {field: value}}``.
     """
     features_dir = Path(features_dir)
     if num_samples is None or mean_tokens is None:
         m = read_manifest(features_dir)
         num_samples = m["samples"] if num_samples is None else num_samples
         mean_tokens = min(m["mean_tokens"], max_length) if mean_tokens is None else mean_tokens
-    plan = plan_accumulation(num_samples, num_epochs, batch_size, accumulation_steps, mean_tokens, tokens_per_step)
+    plan = plan_accumulation(
+        num_samples, num_epochs, batch_size, accumulation_steps, mean_tokens, tokens_per_step
+    )
     cfg: dict[str, Any] = {
         "run_id": run_id,
         "output_dir": str(Path(output_dir).resolve()),
@@ -699,19 +735,24 @@ def build_train_command(
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` that runs SpecForge's offline trainer on one GPU: ``python -m specforge.cli
     train --config <yaml> --role all [section.field=value ...]``. ``env`` holds only what to add to
-    the current environment: ``PYTHONPATH`` (where specforge was unpacked with ``pip install
-    --target``), ``CUDA_VISIBLE_DEVICES``, ``TOKENIZERS_PARALLELISM=false``, and with ``cpu``
-    ``SPECFORGE_DEVICE=cpu`` (gloo; the fused triton loss then needs a GPU, see the report).
-    RANK/WORLD_SIZE/MASTER_* must NOT be set (SpecForge sets them for a single process)."""
-    argv = [python, "-m", "specforge.cli", "train", "--config", str(config_path), "--role", "all", *overrides]
+    the current environment: ``PYTHONPATH`` (``pythonpath``, where the wheels were installed with
+    ``pip install --no-deps --target``, before any inherited one), ``CUDA_VISIBLE_DEVICES``,
+    ``TOKENIZERS_PARALLELISM=false``, ``PYTHONUNBUFFERED=1``. RANK/WORLD_SIZE/MASTER_* must NOT be
+    set (SpecForge sets them for a single process). ``cpu`` (tests only) adds
+    ``SPECFORGE_DEVICE=cpu`` and ``training.fsdp_sharding=NO_SHARD``; the fused triton loss still
+    needs a GPU then (see the module docstring)."""
+    overrides = list(overrides)
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if pythonpath is not None:
-        pp = [str(pythonpath)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        pp = [str(pythonpath)] + [q for q in inherited if q and q != str(pythonpath)]
         env["PYTHONPATH"] = os.pathsep.join(pp)
     if cpu:
         env["SPECFORGE_DEVICE"] = "cpu"
+        overrides.append("training.fsdp_sharding=NO_SHARD")
     elif cuda_device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(cuda_device)
+    argv = [python, "-m", "specforge.cli", "train", "--config", str(config_path), "--role", "all", *overrides]
     return argv, env
 
 
@@ -795,7 +836,11 @@ def export_command(
 
 
 def eagle3kit_import_command(
-    export_dir: str | Path, out_dir: str | Path, target: str, aux_layer_ids: Sequence[int], eagle3kit: str = "eagle3kit"
+    export_dir: str | Path,
+    out_dir: str | Path,
+    target: str,
+    aux_layer_ids: Sequence[int],
+    eagle3kit: str = "eagle3kit",
 ) -> list[str]:
     """``eagle3kit import <export> --out <out> --target <target> --aux-layer-ids 2,15,27`` (HF indices)."""
     return [
@@ -840,7 +885,9 @@ def prepare_run(
     ``batch_size``, ``seed``, ...)."""
     w = Path(work_dir)
     w.mkdir(parents=True, exist_ok=True)
-    manifest = write_offline_features(samples, w / "features", mask_alignment=mask_alignment, overwrite=overwrite)
+    manifest = write_offline_features(
+        samples, w / "features", mask_alignment=mask_alignment, overwrite=overwrite
+    )
     if target_model is not None:
         tgt = write_target_dir_from_model(target_model, w / "target")
     elif target_hf_folder is not None:
@@ -851,7 +898,9 @@ def prepare_run(
         raise ValueError("give target_model, target_hf_folder or embed_weight")
     dvs = int(torch.as_tensor(d2t).numel())
     draft = write_draft_config(w / "draft_config.json", target_config, dvs, aux_layer_ids)
-    vocab = write_vocab_mapping(w / "vocab_mapping.pt", d2t, t2d, int(_target_config_dict(target_config)["vocab_size"]))
+    vocab = write_vocab_mapping(
+        w / "vocab_mapping.pt", d2t, t2d, int(_target_config_dict(target_config)["vocab_size"])
+    )
     cfg = write_run_config(
         w / "run.yaml",
         target_dir=tgt["path"],

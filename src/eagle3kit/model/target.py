@@ -839,6 +839,23 @@ def embed_tokens(target: Target, ids: torch.Tensor, like: torch.Tensor) -> torch
     return emb(ids.to(emb.weight.device)).to(like.device, like.dtype)
 
 
+def teacher_top1_lse(
+    target: Target, last: torch.Tensor, chunk: int = 1024, where: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`teacher_argmax` and, from the same logits, log Σ_v exp(z_v) over the whole
+    vocabulary (fp32 [T]; 0 where ``where`` is False): the normaliser the LK objectives need
+    (:mod:`eagle3kit.train.ttt`), computed once per position instead of at every TTT step."""
+    where = torch.ones(last.shape[0], dtype=torch.bool) if where is None else where
+    where = where.to(last.device)
+    top = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)
+    lse = torch.zeros(last.shape[0], dtype=torch.float32, device=last.device)
+    if bool(where.any()):
+        z = [teacher_logits(target, c) for c in last[where].split(chunk)]
+        top[where] = torch.cat([x.argmax(-1) for x in z])
+        lse[where] = torch.cat([torch.logsumexp(x, -1) for x in z])
+    return top, lse
+
+
 def teacher_argmax(
     target: Target, last: torch.Tensor, chunk: int = 1024, where: torch.Tensor | None = None
 ) -> torch.Tensor:

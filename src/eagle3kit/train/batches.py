@@ -15,7 +15,8 @@ class Sample:
 
     ids int64 [T]; mask bool [T] (completion tokens); aux [T, 3·Ht]; last [T, Ht] post-norm;
     argmax int64 [T] target full-vocabulary argmax at each completion token (0 at prompt tokens,
-    which no TTT step reads); or, from top-K features,
+    which no TTT step reads); ``lse`` fp32 [T] its full-vocabulary log-normaliser there, when the
+    loss needs it; or, from top-K features,
     ``topk_values``/``topk_ids``/``top1_in_draft`` in place of ``last``/``argmax``."""
 
     ids: torch.Tensor
@@ -26,6 +27,9 @@ class Sample:
     topk_values: torch.Tensor | None = None  # [T, K] fp32 teacher logits (features extracted with topk:K)
     topk_ids: torch.Tensor | None = None  # [T, K] int64 draft ids
     top1_in_draft: torch.Tensor | None = None  # [T] bool: the target's top-1 is in the draft vocabulary
+    lse: torch.Tensor | None = (
+        None  # [T] fp32 full-vocabulary log-normaliser at completion tokens (LK losses)
+    )
 
 
 def length_batches(
@@ -143,4 +147,6 @@ def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
         else:
             out["last"] = rowcat(lambda s: s.last)
             out["argmax"] = rowcat(lambda s: s.argmax)
+            if first.lse is not None:
+                out["lse"] = rowcat(lambda s: s.lse)
     return out

@@ -53,7 +53,7 @@ from eagle3kit.model.target import (
     pick_device,
     resolve_aux_layer_ids,
     target_features,
-    teacher_argmax,
+    teacher_top1_lse,
     tokenizer_hash,
     weights_fingerprint,
 )
@@ -79,8 +79,10 @@ def compute_features(
     device,
     store_device,
     label: str = "target features",
+    lse: bool = False,
 ) -> None:
-    """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place)."""
+    """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place); with
+    ``lse`` also the full-vocabulary log-normaliser at completion tokens (the LK losses')."""
     batches = length_batches([s.ids.numel() for s in samples], tokens_per_batch, False, random.Random(0))
     with progress() as bar:
         task = bar.add_task(label, total=len(samples), tokens=0, note="")
@@ -93,11 +95,13 @@ def compute_features(
             # the full-vocabulary top-1 of the batch's completion tokens (the only ones training reads) in
             # one pass (right padding: row j's first n_j are real), not one small product per sample
             completion = torch.cat([samples[i].mask.bool() for i in b])
-            top1 = teacher_argmax(target, last[am.bool()], where=completion).split(lengths)
+            top1, norm = teacher_top1_lse(target, last[am.bool()], where=completion)
+            top1, norm = top1.split(lengths), norm.split(lengths)
             for j, (i, n) in enumerate(zip(b, lengths)):
                 s = samples[i]
                 s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
                 s.argmax = top1[j].to(store_device)
+                s.lse = norm[j].to(store_device) if lse else None
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
 
@@ -606,7 +610,13 @@ class _Training:
         self.cached = tc.feature_cache or self.features is not None
         if self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
             compute_features(
-                self.target, self.train + self.val, self.aux_ids, tc.tokens_per_step, self.device, self.device
+                self.target,
+                self.train + self.val,
+                self.aux_ids,
+                tc.tokens_per_step,
+                self.device,
+                self.device,
+                lse=tc.loss != "kl",
             )
         self.logger = TrainLog(
             self.run, tc, world.main, dict(self.speed, world_size=world.size), purge_step=self.step
@@ -695,6 +705,7 @@ class _Training:
                 tc.tokens_per_step,
                 self.device,
                 self.device,
+                lse=tc.loss != "kl",
             )
         batch = make_batch(train, b, tc.ttt_steps, self.device)
         loss, st = train_step(

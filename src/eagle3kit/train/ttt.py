@@ -206,14 +206,17 @@ def ttt_loss(
 def _step_teacher(batch: dict, k: int, in_draft: torch.Tensor, target: Target, lk: bool) -> tuple:
     """TTT step k's supervised positions (bool [B, T]: a completion input token and a teacher top-1
     inside the draft vocabulary) and the teacher's inputs there (:func:`_teacher_probs`' ``src``;
-    with ``lk`` the full-vocabulary normaliser too)."""
+    with ``lk`` the full-vocabulary normaliser too: the batch's cached ``lse``, else computed)."""
     nxt = k + 1
     if "topk_ids" in batch:
         sup = batch["sup"][k] & shift(batch["top1_in_draft"], nxt)
         return sup, ("topk", shift(batch["topk_values"], nxt)[sup], shift(batch["topk_ids"], nxt)[sup])
     sup = batch["sup"][k] & in_draft[shift(batch["argmax"], nxt)]
     last = shift(batch["last"], nxt)[sup]
-    return sup, (("last", last, full_logsumexp(target, last)) if lk else ("last", last))
+    if not lk:
+        return sup, ("last", last)
+    lse = shift(batch["lse"], nxt)[sup] if "lse" in batch else full_logsumexp(target, last)
+    return sup, ("last", last, lse)
 
 
 def implied_tau(acc: list[float]) -> float:

@@ -1,0 +1,300 @@
+"""The drafter variants and losses against each other and against SpecForge 0.2.0, on the same
+conversations (issue 24).
+
+One data set, the examples/smollm2-shared-data.yaml recipe (SmolLM2-135M-Instruct writes its own
+replies to the OpenAssistant, GSM8K-train and Spec-Bench prompts of ``--shared``; draft vocabulary
+8,192), then one drafter per row, each trained with that recipe's settings (TTT 7, 12 epochs,
+8,192 tokens a step) and only its own variant or loss changed:
+
+=======================  ===================================================================
+``eagle3``               the 2025 EAGLE-3 drafter, forward KL (the baseline; two seeds)
+``norm_before_residual``  the decoder layer's residual normed (speculators' default)
+``eagle3.1``             EAGLE-3.1's per-layer ``fc_norm`` and ``norm_output``
+``speculators_default``  speculators 0.9's default drafter: norm_before_residual, norm_before_fc,
+                         norm_output
+``p-eagle``              parallel drafting (all K drafts from one forward)
+``lk_alpha``             the EAGLE-3 drafter trained with −log α
+``lk_lambda``            the EAGLE-3 drafter trained with λ·KL + (1 − λ)(1 − α)
+``specforge``            SpecForge 0.2.0's offline trainer on the same tokens, vocabulary and
+                         target states (benchmarks/peers/specforge_adapter.py), its own defaults
+                         but the settings that must match; imported with ``--aux-layer-ids``
+=======================  ===================================================================
+
+Every drafter is measured the same way: τ at K = 3 and 5 (simulate mode, greedy chain) on the 80
+MT-bench first turns and the last 80 GSM8K train questions (never trained on), over the target's
+256 greedy tokens, computed once and cached in the data run. All rows train with the dense fp32
+path (``attention: reference``, ``precision: fp32``; on this small drafter the faster one, issue
+25) and ``--parallel`` processes share the GPU: tokens/s is per process, measured beside the
+others (the JSON says how many ran at once).
+
+    python benchmarks/variants.py --work /tmp/variants --shared ../shared [--stages data,train,report]
+        [--rows eagle3:0,eagle3:1,…,specforge:0] [--parallel 9] [--smoke]
+
+Resumable: a finished stage or row is skipped. Writes ``benchmarks/results/variants.json``
+(``rows``: ``name``, ``mt_bench_tau_k3``, ``gsm8k_tau_k3``, ``mt_bench_tau_k5``, ``gsm8k_tau_k5``,
+``tokens_per_s``, ``seeds``) and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+EXAMPLE = ROOT / "examples" / "smollm2-shared-data.yaml"
+ROWS = {  # name: (drafter section, train.loss)
+    "eagle3": ({}, "kl"),
+    "norm_before_residual": ({"norm_before_residual": True}, "kl"),
+    "eagle3.1": ({"variant": "eagle3.1"}, "kl"),
+    "speculators_default": (
+        {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+        "kl",
+    ),
+    "p-eagle": ({"variant": "p-eagle"}, "kl"),
+    "lk_alpha": ({}, "lk_alpha"),
+    "lk_lambda": ({}, "lk_lambda"),
+}
+DEFAULT_RUNS = ["eagle3:0", "eagle3:1"] + [f"{n}:0" for n in ROWS if n != "eagle3"] + ["specforge:0"]
+SPEED = {"attention": "reference", "precision": "fp32", "loss_chunk": 0}
+KS = (3, 5)
+SETS = {"mt_bench": "mt_bench", "gsm8k_heldout": "gsm8k"}
+SMOKE = {
+    "limit": 12,
+    "max_new_tokens": 16,
+    "epochs": 1,
+    "tokens_per_step": 256,
+    "eval_prompts": 3,
+    "eval_tokens": 16,
+}
+
+
+def base_config(args) -> Path:
+    """``<work>/base/config.yaml``: the example's recipe with its prompt files read from ``--shared``
+    (and, with ``--smoke``, a few prompts and tokens). Written again on every start with this
+    machine's paths (the data run can be made on one machine and trained on another); a data run
+    made at the other size (``--smoke`` or not) is refused."""
+    import yaml
+
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["run_dir"] = str((Path(args.work) / "base").resolve())
+    for src in cfg["prompts"]["sources"] + cfg["evaluate"]["sets"]:
+        src["path"] = str((Path(args.shared) / src["path"].split("shared/", 1)[1]).resolve())
+        if args.smoke:
+            src["limit"] = SMOKE["limit"]
+    if args.smoke:
+        cfg["generate"]["max_new_tokens"] = SMOKE["max_new_tokens"]
+        cfg["train"]["epochs"] = SMOKE["epochs"]
+        cfg["train"]["tokens_per_step"] = SMOKE["tokens_per_step"]
+    out = Path(args.work) / "base" / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = out.parent / "variants_data.json"
+    if data.exists() and json.loads(data.read_text()).get("smoke", False) != args.smoke:
+        raise SystemExit(f"{out.parent} holds a data run of the other size (--smoke); use another --work")
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    if not out.exists() or out.read_text() != text:  # workers start together: write whole, then rename
+        tmp = out.with_name(f".config.{os.getpid()}.yaml")
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    return out
+
+
+def eval_settings(args) -> dict:
+    return (
+        {"eval_tokens": SMOKE["eval_tokens"], "eval_prompts": SMOKE["eval_prompts"]}
+        if args.smoke
+        else {"eval_tokens": 256, "eval_prompts": None}
+    )
+
+
+def stage_data(args) -> None:
+    """Prompts, SmolLM2's replies, tokens and the draft vocabulary in ``<work>/base``, and the
+    target's greedy continuations of both evaluation sets (cached there)."""
+    from common import heldout_sets
+
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.generate import run_generate
+    from eagle3kit.data.prompts import run_prompts
+    from eagle3kit.data.tokenize import run_tokenize
+    from eagle3kit.data.vocab import run_vocab
+    from eagle3kit.model.target import load_target, pick_device
+
+    cfg = load_config(base_config(args))
+    run = RunDir(cfg.run_dir)
+    device = pick_device("auto")
+    target = load_target(cfg.target, device=device)
+    # on a CPU, vLLM's CPU build generates (the stage's auto backend) and writes the continuations too
+    backend = "vllm" if device.type == "cpu" and importlib.util.find_spec("vllm") else "transformers"
+    t = time.perf_counter()
+    stats = {"prompts": run_prompts(cfg, run, target), "generate": run_generate(cfg, run, target)}
+    stats["generate_seconds"] = round(time.perf_counter() - t, 1)
+    stats["tokenize"] = run_tokenize(cfg, run, tokenizer=target.tokenizer)
+    stats["vocab"] = run_vocab(cfg, run, tokenizer=target.tokenizer)
+    t = time.perf_counter()
+    heldout_sets(run, target, args.shared, **eval_settings(args), backend=backend)
+    stats["continuations_seconds"] = round(time.perf_counter() - t, 1)
+    stats["backend"], stats["device"], stats["smoke"] = backend, str(device), args.smoke
+    (run / "variants_data.json").write_text(json.dumps(stats, indent=2, default=str))
+
+
+def run_dir(args, key: str) -> Path:
+    name, seed = key.split(":")
+    return Path(args.work) / f"{name}-s{seed}"
+
+
+def train_one(args, key: str) -> None:
+    """One row and seed: the drafter trained on the data run's tokens and vocabulary, exported,
+    and measured (``<run>/result.json``)."""
+    import torch
+    from common import heldout_tau, open_run, train_variant
+
+    name, seed = key.split(":")
+    vdir = run_dir(args, key)
+    if name == "specforge":
+        from peers.specforge_run import train_specforge
+
+        out = train_specforge(args, key, vdir, heldout_tau, open_run, KS)
+        (vdir / "result.json").write_text(json.dumps(out, indent=2))
+        return
+    drafter, loss = ROWS[name]
+    base, cfg, device, target = open_run(str(Path(args.work) / "base"))
+    res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **SPEED)
+    tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
+    out = {
+        "key": key,
+        "tau": tau[key],
+        "prompts": counts,
+        "train_seconds": round(seconds, 1),
+        **{
+            k: res.get(k)
+            for k in ("tokens_per_s", "best_val_tau", "best_epoch", "final_loss", "train_samples")
+        },
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "concurrent_processes": args.parallel,
+    }
+    (vdir / "result.json").write_text(json.dumps(out, indent=2))
+
+
+def stage_train(args) -> None:
+    """Every requested row and seed not yet measured, ``--parallel`` worker processes at a time
+    (each loads the target, trains and measures one drafter)."""
+    todo = [k for k in args.rows if not (run_dir(args, k) / "result.json").exists()]
+    running: list[tuple[str, subprocess.Popen]] = []
+    failed = []
+    while todo or running:
+        while todo and len(running) < args.parallel:
+            key = todo.pop(0)
+            log = open(Path(args.work) / f"train-{key.replace(':', '-s')}.log", "w")
+            argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
+            argv += ["--parallel", str(args.parallel)] + (["--smoke"] if args.smoke else [])
+            running.append(
+                (key, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ))
+            )
+        time.sleep(2)
+        for key, p in list(running):
+            if p.poll() is not None:
+                running.remove((key, p))
+                print(f"[variants] {key}: exit {p.returncode}", flush=True)
+                if p.returncode:
+                    failed.append(key)
+    if failed:
+        raise SystemExit(f"rows {failed} failed: see {args.work}/train-*.log")
+
+
+def stage_report(args) -> dict:
+    """``benchmarks/results/variants.json`` and the table: per row the mean over its seeds."""
+    rows = []
+    for name in list(ROWS) + ["specforge"]:
+        seeds = []
+        for p in sorted(Path(args.work).glob(f"{name}-s*/result.json")):
+            r = json.loads(p.read_text())
+            seeds.append({"seed": int(r["key"].split(":")[1]), **r})
+        if not seeds:
+            continue
+        row = {"name": name}
+        for s, short in SETS.items():
+            for k in KS:
+                vals = [x["tau"][s][f"k{k}"] for x in seeds]
+                row[f"{short}_tau_k{k}"] = round(sum(vals) / len(vals), 4)
+        tps = [x["tokens_per_s"] for x in seeds if x.get("tokens_per_s")]
+        row["tokens_per_s"] = round(sum(tps) / len(tps)) if tps else None
+        row["seeds"] = seeds
+        rows.append(row)
+    base = next((r for r in rows if r["name"] == "eagle3"), None)
+    data = Path(args.work) / "base" / "variants_data.json"
+    out = {
+        "benchmark": "benchmarks/variants.py",
+        "recipe": str(EXAMPLE.relative_to(ROOT)),
+        "speed_path": SPEED,
+        "smoke": args.smoke,
+        "data": json.loads(data.read_text()) if data.exists() else None,
+        "rows": rows,
+    }
+    if base:
+        out["vs_eagle3_mt_bench_k3"] = {
+            r["name"]: round(r["mt_bench_tau_k3"] / base["mt_bench_tau_k3"] - 1, 4) for r in rows
+        }
+    if not args.smoke:
+        (RESULTS / "variants.json").write_text(json.dumps(out, indent=2) + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="variants: τ (simulate, greedy chain) on 80 MT-bench first turns / 80 held-out GSM8K")
+    for col in ("row", "seeds", "MT-bench K=3", "GSM8K K=3", "MT-bench K=5", "GSM8K K=5", "train tok/s"):
+        table.add_column(col, justify="left" if col in ("row", "seeds") else "right")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            ",".join(str(x["seed"]) for x in r["seeds"]),
+            *(f"{r[k]:.4f}" for k in ("mt_bench_tau_k3", "gsm8k_tau_k3", "mt_bench_tau_k5", "gsm8k_tau_k5")),
+            str(r["tokens_per_s"]),
+        )
+    Console(width=140).print(table)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", required=True, help="working folder (the data run and one folder per row)")
+    ap.add_argument("--shared", required=True, help="the shared folder holding data/chats and data/prompts")
+    ap.add_argument("--stages", default="data,train,report")
+    ap.add_argument("--rows", default=",".join(DEFAULT_RUNS), help="row:seed, comma-separated")
+    ap.add_argument("--parallel", type=int, default=4, help="training processes sharing the GPU")
+    ap.add_argument(
+        "--smoke", action="store_true", help="every stage at toy size (a CPU check, not a measurement)"
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [
+        r
+        for r in args.rows
+        if r.split(":")[0] not in [*ROWS, "specforge"] or not r.partition(":")[2].isdigit()
+    ]
+    if bad:
+        raise SystemExit(f"--rows {bad}: give row:seed with a row of {[*ROWS, 'specforge']}")
+    args.eval = eval_settings(args)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    base_config(args)
+    if args.worker:
+        return train_one(args, args.worker)
+    stages = args.stages.split(",")
+    if "data" in stages and not (Path(args.work) / "base" / "variants_data.json").exists():
+        stage_data(args)
+    if "train" in stages:
+        stage_train(args)
+    if "report" in stages:
+        stage_report(args)
+
+
+if __name__ == "__main__":
+    main()

