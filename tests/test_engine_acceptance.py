@@ -16,6 +16,7 @@ from conftest import GSM8K, SHARED, diagnose_cli
 from eagle3kit.core.config import PromptSource, load_config
 from eagle3kit.core.engines import (
     VLLMServer,
+    eagle3_speculative_config,
     free_port,
     served_token_ids,
     spec_decode_counters,
@@ -501,7 +502,7 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
 
 @pytest.fixture(scope="module")
 def constructed(tmp_path_factory, smollm2_tokenizer):
-    """The constructed pair of the test below, built and its four servers spawned at the start of
+    """The constructed pair of the test below, built and its five servers spawned at the start of
     the module; a thread waits for them, measures them and kills them while the drafter's run goes
     on (a start is mostly one core's work, and the run leaves part of the second core idle).
     Yields a future of the measurements (:func:`measure_constructed`)."""
@@ -572,15 +573,13 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
         fmt="speculators",
         verifier={"name_or_path": str(tmp_path / "target"), "architectures": ["LlamaForCausalLM"]},
     )
+    folders["p-eagle"] = export_drafter(p_eagle_of(d, m, ids), tmp_path / "p-eagle")
     servers = {
         name: VLLMServer(
             tmp_path / "target",
             free_port(),
             tmp_path / f"{name}.log",
-            extra_args=[
-                "--speculative-config",
-                json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}),
-            ],
+            speculative=eagle3_speculative_config(folder, 3),  # "parallel_drafting": true for p-eagle
         )
         for name, folder in folders.items()
     }
@@ -599,6 +598,28 @@ def constructed(tmp_path_factory, smollm2_tokenizer):
         finally:
             for srv in servers.values():
                 srv.kill()
+
+
+MASK_DRAFT = (
+    1  # the token P-EAGLE's mask slots propose in the constructed pair (target id 1, kept at draft id 0)
+)
+
+
+def p_eagle_of(d, m, ids):
+    """The constructed drafter as P-EAGLE: the same weights, and mask slots whose feature (fc of
+    ``mask_hidden``, whose third chunk is the embedding of token MASK_DRAFT) proposes MASK_DRAFT."""
+    from dataclasses import replace
+
+    from eagle3kit.model.drafter import Eagle3Drafter
+
+    p = Eagle3Drafter(replace(d.config, parallel_drafting=True, mask_token_id=0))
+    p.load_state_dict(d.state_dict(), strict=False)
+    H = d.config.hidden_size
+    with torch.no_grad():
+        p.mask_hidden.zero_()
+        p.mask_hidden[0, 0, 2 * H :] = m.model.embed_tokens.weight[MASK_DRAFT]
+    assert int(ids[0]) == MASK_DRAFT
+    return p
 
 
 def measure_constructed(servers: dict, pair: dict) -> dict:
@@ -641,7 +662,9 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
     offsets); eagle3kit's simulate must say the same. Controls, forced through although `check`
     refuses them: without d2t every draft maps to the wrong token and without fc the drafter sees
     nothing: vLLM must accept nothing, τ = 1 exactly. The same drafter in vLLM's speculators layout
-    must be served with exactly the counts and outputs of the dual layout. The four servers start
+    must be served with exactly the counts and outputs of the dual layout. The same drafter as
+    P-EAGLE, whose mask slots propose a token the target never repeats, must get τ = 2 exactly
+    (served with ``"parallel_drafting": true``; as a chain it would get 4). The five servers start
     together, beside the drafter's run (the ``constructed`` fixture)."""
     from eagle3kit.eval.evaluate import simulate
     from eagle3kit.model.folder import load_exported
@@ -686,3 +709,23 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
         load_exported(folders["whole"]).eval(), target, prompts, outs["whole"], 3, torch.device("cpu")
     )
     assert stats.tau == 4.0 and stats.drafts == 18
+    # P-EAGLE: draft 1 (the feature's token) is right, drafts 2 and 3 (the mask slots' MASK_DRAFT) wrong, so
+    # every verify step keeps 1 draft + 1 bonus: 12 steps a request, τ 2 exactly; drafted as a chain (no
+    # parallel_drafting in the speculative config) the same weights would accept everything (τ 4)
+    from eagle3kit.diagnose.faults import FAULTS, planted
+
+    p = got["p-eagle"]
+    assert all(
+        MASK_DRAFT not in (o[-1] for o in prompts) for o in [0]
+    )  # the repeated token is not the mask's
+    assert (p["drafts"], p["accepted"], p["tau"], p["per_position_acceptance"]) == (
+        36,
+        36,
+        2.0,
+        [1.0, 0.0, 0.0],
+    )
+    assert outs["p-eagle"] == outs["whole"]  # lossless
+    pe = load_exported(folders["p-eagle"]).eval()
+    assert simulate(pe, target, prompts, outs["p-eagle"], 3, torch.device("cpu"))[0].tau == 2.0
+    chain = planted(next(f for f in FAULTS if f.name == "parallel_drafting_off"), pe)[0]
+    assert simulate(chain, target, prompts, outs["p-eagle"], 3, torch.device("cpu"))[0].tau == 4.0
