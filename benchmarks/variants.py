@@ -24,8 +24,8 @@ Every drafter is measured the same way: τ at K = 3 and 5 (simulate mode, greedy
 MT-bench first turns and the last 80 GSM8K train questions (never trained on), over the target's
 256 greedy tokens, computed once and cached in the data run. All rows train with the dense fp32
 path (``attention: reference``, ``precision: fp32``; on this small drafter the faster one, issue
-25) and ``--parallel`` processes share the GPU: tokens/s is per process, measured beside the
-others (the JSON says how many ran at once).
+25; the loss in checkpointed chunks, ``--loss-chunk``) and ``--parallel`` processes share the GPU:
+tokens/s is per process, measured beside the others (the JSON says how many ran at once).
 
     python benchmarks/variants.py --work /tmp/variants --shared ../shared [--stages data,train,report]
         [--rows eagle3:0,eagle3:1,…,specforge:0] [--parallel 9] [--smoke]
@@ -33,6 +33,14 @@ others (the JSON says how many ran at once).
 Resumable: a finished stage or row is skipped. Writes ``benchmarks/results/variants.json``
 (``rows``: ``name``, ``mt_bench_tau_k3``, ``gsm8k_tau_k3``, ``mt_bench_tau_k5``, ``gsm8k_tau_k5``,
 ``tokens_per_s``, ``seeds``) and prints one table.
+
+Sizing, as seen on one H200 (2026-12-02): the data stage takes about 4 minutes (1,500 replies,
+574K tokens); one row trains about 12 epochs of 516K tokens at ~55K tokens/s alone, and rows sharing
+the GPU split that rate (7 processes ran at ~8.5K tokens/s each, about a minute an epoch: the GPU is
+busy with one), so the 8 eagle3kit rows need about 15 minutes and SpecForge's 5 more. Each process
+holds 16–17 GB with ``--loss-chunk 4096`` (9 with the unchunked loss ran out of memory): keep
+``--parallel`` at 4 with SpecForge among them. The results JSON of that session is incomplete (the
+session's device time ended at epoch 6; see its ``status``).
 """
 
 from __future__ import annotations
@@ -167,7 +175,8 @@ def train_one(args, key: str) -> None:
         return
     drafter, loss = ROWS[name]
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))
-    res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **SPEED)
+    speed = {**SPEED, "loss_chunk": args.loss_chunk}
+    res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **speed)
     tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
     out = {
         "key": key,
@@ -180,6 +189,7 @@ def train_one(args, key: str) -> None:
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "concurrent_processes": args.parallel,
+        "loss_chunk": args.loss_chunk,
     }
     (vdir / "result.json").write_text(json.dumps(out, indent=2))
 
@@ -195,7 +205,8 @@ def stage_train(args) -> None:
             key = todo.pop(0)
             log = open(Path(args.work) / f"train-{key.replace(':', '-s')}.log", "w")
             argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
-            argv += ["--parallel", str(args.parallel)] + (["--smoke"] if args.smoke else [])
+            argv += ["--parallel", str(args.parallel), "--loss-chunk", str(args.loss_chunk)]
+            argv += ["--smoke"] if args.smoke else []
             running.append(
                 (key, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ))
             )
@@ -268,9 +279,17 @@ def main() -> None:
     ap.add_argument("--shared", required=True, help="the shared folder holding data/chats and data/prompts")
     ap.add_argument("--stages", default="data,train,report")
     ap.add_argument("--rows", default=",".join(DEFAULT_RUNS), help="row:seed, comma-separated")
-    ap.add_argument("--parallel", type=int, default=4, help="training processes sharing the GPU")
+    ap.add_argument(
+        "--parallel", type=int, default=4, help="training processes sharing the GPU (~17 GB each)"
+    )
     ap.add_argument(
         "--smoke", action="store_true", help="every stage at toy size (a CPU check, not a measurement)"
+    )
+    ap.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=4096,
+        help="train.loss_chunk (4096: the loss in checkpointed chunks; 0: unchunked, the same loss, more memory)",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
