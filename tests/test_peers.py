@@ -224,6 +224,19 @@ def test_specforge_export_is_detected_and_its_unstated_aux_ids_are_refused_until
         out["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
         and out["eagle3kit"]["imported_from"]["layout"] == "specforge"
     )
+    # train --init-from: the export itself names no layers, so the run is told to import it first; the import serves
+    from transformers import AutoConfig
+
+    from eagle3kit.train.checkpoints import init_from_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    fresh = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    fresh.set_vocab(DraftVocab(ids=torch.tensor(DRAFT_IDS), vocab_size=tc.vocab_size))
+    with pytest.raises(ConfigError, match="Import it first with `eagle3kit import"):
+        init_from_drafter(fresh, src, target)
+    assert init_from_drafter(fresh, tmp_path / "o", target)["lm_head_rows_copied"] == 512
+    imported = read_drafter(tmp_path / "o", target=target).drafter
+    assert torch.equal(fresh.fc.weight, imported.fc.weight.float())
 
 
 def specforge_export_with_ids(src, tmp_path):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import load_safetensors, set_aside, sha256_state, write_safetensors
+from eagle3kit.model.contract import DrafterImportError
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.folder import read_drafter
 
@@ -27,7 +28,15 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
         ConfigError: the source's widths, target vocabulary or aux layer ids differ from this run's
         (naming both values and the setting to change)."""
 
-    src = read_drafter(folder, target=target_cfg).drafter
+    try:
+        src = read_drafter(folder, target=target_cfg).drafter
+    except DrafterImportError as e:
+        if "--aux-layer-ids" not in str(e):
+            raise
+        raise ConfigError(
+            f"train.init_from {folder}: {e}. Import it first with `eagle3kit import {folder} --aux-layer-ids "
+            "IDS --out DIR` and start from DIR"
+        ) from None
     a, b = src.config, drafter.config
     if list(a.aux_layer_ids) != list(b.aux_layer_ids):
         raise ConfigError(
