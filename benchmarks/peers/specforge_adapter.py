@@ -210,11 +210,6 @@ def specforge_layer_ids(hf_indices: Sequence[int]) -> list[int]:
     return ids
 
 
-def specforge_default_layer_ids(num_layers: int) -> list[int]:
-    """SpecForge 0.2.0's default ``[1, N//2 − 1, N − 4]`` (``resolve_eagle_capture_layers``)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
 # ---------------------------------------------------------------------------- feature folder
 
 
@@ -417,15 +412,6 @@ def write_vocab_mapping(
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"d2t": d2t, "t2d": t2d}, path)
     return path
-
-
-def write_vocab_mapping_from_eagle3kit(vocab_safetensors: str | Path, path: str | Path) -> Path:
-    """The mapping file from an eagle3kit run's ``vocab.safetensors`` (``d2t`` int64 [Vd] offsets,
-    ``t2d`` bool [V])."""
-    from safetensors.torch import load_file
-
-    d = load_file(str(vocab_safetensors))
-    return write_vocab_mapping(path, d["d2t"], d["t2d"])
 
 
 # ---------------------------------------------------------------------------- configs
@@ -799,61 +785,6 @@ def export_to_hf_folder(
         embedding_key=EMBED_KEY,
     )
     return Path(export_dir)
-
-
-def export_command(
-    output_dir: str | Path,
-    draft_config: str | Path,
-    export_dir: str | Path,
-    target_dir: str | Path,
-    vocab_mapping: str | Path | None = None,
-    run_id: str = "specforge-bench",
-    python: str = sys.executable,
-) -> list[str]:
-    """The same export as :func:`export_to_hf_folder`, as ``specforge export --to hf`` argv (run it
-    with :func:`build_train_command`'s env)."""
-    argv = [
-        python,
-        "-m",
-        "specforge.cli",
-        "export",
-        "--to",
-        "hf",
-        "--checkpoint",
-        str(final_checkpoint_dir(output_dir, run_id)),
-        "--draft-config",
-        str(draft_config),
-        "--output-dir",
-        str(export_dir),
-        "--embedding-source",
-        str(target_dir),
-        "--embedding-key",
-        EMBED_KEY,
-    ]
-    if vocab_mapping:
-        argv += ["--vocab-mapping", str(vocab_mapping)]
-    return argv
-
-
-def eagle3kit_import_command(
-    export_dir: str | Path,
-    out_dir: str | Path,
-    target: str,
-    aux_layer_ids: Sequence[int],
-    eagle3kit: str = "eagle3kit",
-) -> list[str]:
-    """``eagle3kit import <export> --out <out> --target <target> --aux-layer-ids 2,15,27`` (HF indices)."""
-    return [
-        eagle3kit,
-        "import",
-        str(export_dir),
-        "--out",
-        str(out_dir),
-        "--target",
-        str(target),
-        "--aux-layer-ids",
-        ",".join(str(int(i)) for i in aux_layer_ids),
-    ]
 
 
 # ---------------------------------------------------------------------------- one call
