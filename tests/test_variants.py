@@ -290,3 +290,20 @@ def test_a_p_eagle_drafter_with_fc_norm_is_not_written_where_vllm_would_drop_it(
             d, tmp_path / "s", fmt="speculators", verifier={"name_or_path": "t", "architectures": ["X"]}
         )
     assert export_drafter(d, tmp_path / "d").is_dir()  # the dual layout carries it
+
+
+def test_a_run_made_before_the_variants_resumes_and_a_variant_is_another_training():
+    """The settings hash of a default config is the one every run made before the drafter section and
+    train.loss existed recorded (computed at da828d9), so its checkpoints resume; a variant or an
+    LK loss changes it, so its checkpoints are never resumed by another variant."""
+    from eagle3kit.core.config import Config
+    from eagle3kit.core.rundir import sha256_json
+    from eagle3kit.train.stage import trained_settings
+
+    assert (
+        sha256_json(trained_settings(Config()))
+        == "1d35fde9481f511c7d6febd542b3d3fa62158e806065c462334aac016a00c639"
+    )
+    other = Config.model_validate({"drafter": {"variant": "p-eagle"}})
+    assert trained_settings(other)["drafter"]["parallel_drafting"] is True
+    assert trained_settings(Config.model_validate({"train": {"loss": "lk_alpha"}}))["loss"] == "lk_alpha"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError
+from eagle3kit.core.config import Config, ConfigError, DrafterVariantConfig
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats, match_runs, walk_chain
 from eagle3kit.core.rundir import (
@@ -219,6 +219,25 @@ _LOGISTICS = {
     "device",
     "serve_engine",
 }
+
+
+# train settings added after runs existed, with the default that leaves what is trained as it was
+_LATER = {"loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0}
+
+
+def trained_settings(cfg: Config) -> dict:
+    """The settings that change what is trained, as ``train`` hashes them into a resume's inputs:
+    the ``train`` section less :data:`_LOGISTICS`, and the ``drafter`` section. Settings added after
+    runs existed (the ``drafter`` section, :data:`_LATER`) count only when set otherwise than their
+    default, so a run made before them resumes."""
+    out = {
+        k: v
+        for k, v in cfg.train.model_dump(mode="json", exclude=_LOGISTICS).items()
+        if k not in _LATER or v != _LATER[k]
+    }
+    if cfg.drafter != DrafterVariantConfig():
+        out["drafter"] = cfg.drafter.model_dump(mode="json")
+    return out
 
 
 def feature_source_warning(source: str | None, serve_engine: str | None) -> str | None:
@@ -416,11 +435,7 @@ class _Training:
     def _record_inputs(self, tokens_sha: str, vocab_sha: str, tok_hash: str) -> None:
         """``inputs`` (what a resume must share: data, vocab, aux ids, train settings, target, world
         size, features) and ``provenance`` (stored in every checkpoint, read by export and check)."""
-        # what is trained (hashed, stored, diffed): the train settings and the drafter's variant
-        self.tc_fields = {
-            **self.tc.model_dump(mode="json", exclude=_LOGISTICS),
-            "drafter": self.cfg.drafter.model_dump(mode="json"),
-        }
+        self.tc_fields = trained_settings(self.cfg)  # what is trained (hashed, stored, diffed)
         self.inputs = {
             "tokens": tokens_sha,
             "vocab": vocab_sha,
