@@ -207,7 +207,7 @@ def edit(source, tmp_path, tensors=None, config=None):
             "P-EAGLE without its mask token",
             lambda t: {**t, "mask_hidden": torch.ones(1, 1, 192)},
             None,
-            "lacks the token id",
+            "lacks a mask token id (mask_token_id)",
         ),
         ("bias", None, lambda c: {**c, "attention_bias": True}, "attention_bias: true"),
     ],

@@ -229,7 +229,9 @@ def test_drafter_presets_explicit_flags_and_refusals(tmp_path):
         "norm_output": True,
         "parallel_drafting": False,
     }
-    assert not DrafterVariantConfig(variant="eagle3.1", norm_output=False).norm_output  # written out: wins
+    assert DrafterVariantConfig(
+        variant="eagle3.1", norm_before_residual=True
+    ).norm_before_residual  # added to it
 
     class Tok:
         mask_token_id, pad_token_id, unk_token_id = None, 7, 3
@@ -307,3 +309,185 @@ def test_a_run_made_before_the_variants_resumes_and_a_variant_is_another_trainin
     other = Config.model_validate({"drafter": {"variant": "p-eagle"}})
     assert trained_settings(other)["drafter"]["parallel_drafting"] is True
     assert trained_settings(Config.model_validate({"train": {"loss": "lk_alpha"}}))["loss"] == "lk_alpha"
+
+
+def test_a_p_eagle_drafter_gives_every_parameter_a_gradient_when_no_mask_slot_is_supervised():
+    """DistributedDataParallel needs a gradient for every parameter on every process: a batch whose
+    mask slots (steps ≥ 1) supervise nothing still reaches ``mask_hidden`` (with zero)."""
+    t, b = _lk_batch()
+    d = variant_drafter(VARIANTS["p-eagle"], vd=48)
+    b = dict(b)
+    b["sup"] = [b["sup"][0]] + [torch.zeros_like(x) for x in b["sup"][1:]]
+    loss, st = ttt_loss(d, t, b, d.d2t + torch.arange(48), 3, 0.8)
+    loss.backward()
+    assert st["n"][1:] == [0, 0] and st["n"][0] > 0
+    assert d.mask_hidden.grad is not None and not d.mask_hidden.grad.any()
+    assert all(p.grad is not None for p in d.parameters())
+
+
+def _edited(src, out, config=None, tensors=None):
+    """A copy of the drafter folder ``src`` with its config and tensors edited."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    t = load_file(str(src / "model.safetensors"))
+    c = json.loads((src / "config.json").read_text())
+    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config(c) if config else c))
+    return out
+
+
+@pytest.fixture(scope="module")
+def variant_folders(tiny_target_dir, tmp_path_factory):
+    """Dual and speculators exports of a P-EAGLE and of a norm_before_fc drafter for the tiny target."""
+    from transformers import AutoConfig
+
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    tmp = tmp_path_factory.mktemp("variant-folders")
+    out = {}
+    for name, flags in (
+        ("pe", {"parallel_drafting": True, "mask_token_id": 5}),
+        ("nbf", {"norm_before_fc": True}),
+    ):
+        d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5], **flags))
+        d.set_vocab(DraftVocab(ids=torch.arange(512) * 7 + 3, vocab_size=tc.vocab_size))
+        out[name] = export_drafter(d, tmp / name)
+        verifier = {"name_or_path": str(tiny_target_dir), "architectures": ["LlamaForCausalLM"]}
+        out[name + "_spec"] = export_drafter(d, tmp / f"{name}_spec", fmt="speculators", verifier=verifier)
+    return out
+
+
+def _moved_into_layer(key):
+    def edit(c):
+        c = dict(c)
+        c["transformer_layer_config"] = {**c["transformer_layer_config"], key: c.pop(key)}
+        return c
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "name,src,config,tensors,words",
+    [
+        (
+            "mask token past the vocabulary",
+            "pe",
+            lambda c: {**c, "mask_token_id": 49152},
+            None,
+            "not a token",
+        ),
+        (
+            "parallel_drafting false beside mask_hidden",
+            "pe",
+            lambda c: {**c, "parallel_drafting": False},
+            None,
+            "parallel_drafting: false",
+        ),
+        # speculators: vLLM reads the flags from the top level only (its update_eagle3 / update_peagle)
+        (
+            "norm_before_fc only in the layer config",
+            "nbf_spec",
+            _moved_into_layer("norm_before_fc"),
+            None,
+            "unexpected ['input_norm.weight']",
+        ),
+        (
+            "a peagle config without a top-level mask_token_id",
+            "pe_spec",
+            _moved_into_layer("mask_token_id"),
+            None,
+            "without a top-level mask_token_id",
+        ),
+        ("a flag that is not true/false", "nbf", lambda c: {**c, "fc_norm": "no"}, None, "fc_norm"),
+    ],
+)
+def test_variant_folders_are_read_as_vllm_reads_them_and_refused_where_it_would_serve_another_network(
+    variant_folders, tiny_target_dir, tmp_path, name, src, config, tensors, words
+):
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.contract import DrafterImportError
+    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.serve.check import check_drafter
+
+    bad = _edited(variant_folders[src], tmp_path / "bad", config, tensors)
+    target = TargetConfig(model=str(tiny_target_dir))
+    with pytest.raises(DrafterImportError) as e:
+        read_drafter(bad, target=target)
+    assert words in str(e.value), str(e.value)
+    assert [f for f in check_drafter(bad, target) if f.severity == "error"], name  # never "servable"
+
+
+def test_what_vllm_reads_of_a_variant_folder_is_what_eagle3kit_builds(
+    variant_folders, tiny_target_dir, tmp_path
+):
+    """A speculators eagle3 config's norm_before_residual inside its layer config is not read (vLLM's
+    default true wins); a mask_hidden of any shape with 3·Ht values is read as vLLM views it; a folder
+    holding mask_hidden is launched with parallel drafting even without the field; SGLang gets no
+    P-EAGLE launch; P-EAGLE refuses tree drafting before the target is loaded."""
+    from eagle3kit.core.config import Config, ConfigError, TargetConfig
+    from eagle3kit.core.engines import eagle3_speculative_config
+    from eagle3kit.eval.evaluate import _checked_drafter
+    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.serve.check import check_drafter
+
+    target = TargetConfig(model=str(tiny_target_dir))
+    layer_only = _edited(
+        variant_folders["nbf_spec"], tmp_path / "nbr", _moved_into_layer("norm_before_residual")
+    )
+    assert read_drafter(layer_only, target=target).drafter.config.norm_before_residual is True
+    flat = _edited(
+        variant_folders["pe"],
+        tmp_path / "flat",
+        lambda c: {k: v for k, v in c.items() if k != "parallel_drafting"},
+        lambda t: {**t, "mask_hidden": t["mask_hidden"].reshape(-1)},
+    )
+    assert not [f for f in check_drafter(flat, target) if f.severity == "error"]
+    assert read_drafter(flat, target=target).drafter.mask_hidden.shape == (1, 1, 192)
+    assert eagle3_speculative_config(flat, 3)["parallel_drafting"] is True
+    assert "parallel_drafting" not in eagle3_speculative_config(variant_folders["nbf"], 3)
+    sglang = [
+        f.code for f in check_drafter(variant_folders["pe"], target, engine="sglang") if f.severity == "error"
+    ]
+    assert "engine_support" in sglang
+    with pytest.raises(ConfigError, match="drafts a chain"):  # the target (SmolLM2's GGUF) is never loaded
+        _checked_drafter(Config(), None, None, str(variant_folders["pe"]), torch.device("cpu"), tree=True)
+
+
+def test_the_config_refuses_what_would_train_another_drafter_than_it_says():
+    from eagle3kit.core.config import Config
+
+    for bad, words in (
+        ({"drafter": {"variant": "p-eagle", "parallel_drafting": False}}, "contradicts the preset"),
+        ({"drafter": {"variant": "eagle3", "fc_norm": True}}, "plain drafter"),
+        ({"drafter": {"variant": "eagle3.1", "norm_before_fc": True}}, "variant eagle3.1 sets fc_norm"),
+        ({"drafter": {"norm_output": "yes"}}, "norm_output"),
+        ({"drafter": {"variant": "p-eagle", "mask_token_id": "5"}}, "mask_token_id"),
+        ({"drafter": {"variant": "p-eagle"}, "train": {"ttt_steps": 1}}, "train.ttt_steps ≥ 2"),
+        ({"train": {"lk_kl_decay": 2.0}}, "only with train.loss: lk_lambda"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            Config.model_validate(bad)
+
+
+def test_init_from_another_variant_names_settings_the_config_takes(variant_folders, tiny_target_dir):
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import ConfigError, DrafterVariantConfig, TargetConfig
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.train.checkpoints import init_from_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    run = Eagle3Drafter(
+        DrafterConfig.from_target(tc, 512, [2, 4, 5], parallel_drafting=True, mask_token_id=5)
+    )
+    run.set_vocab(DraftVocab(ids=torch.arange(512) * 7 + 3, vocab_size=tc.vocab_size))
+    with pytest.raises(ConfigError) as e:
+        init_from_drafter(run, variant_folders["nbf"], TargetConfig(model=str(tiny_target_dir)))
+    advice = str(e.value).split("drafter section: ")[1]
+    assert advice == "norm_before_fc: true, parallel_drafting: false (and no mask_token_id)"
+    DrafterVariantConfig(norm_before_fc=True, parallel_drafting=False)  # the advice is a valid section

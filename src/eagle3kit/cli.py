@@ -382,12 +382,11 @@ def import_cmd(
     tcfg = TargetConfig(model=target, gguf_file=gguf_file)
     ids = None
     if aux_layer_ids is not None:
-        try:
-            ids = [int(x) for x in aux_layer_ids.split(",")]
-        except ValueError:
+        if not re.fullmatch(r"\s*-?\d+\s*(,\s*-?\d+\s*)*", aux_layer_ids):
             raise ConfigError(
                 f"--aux-layer-ids {aux_layer_ids!r} must be comma-separated integers (HF indices), e.g. 2,15,27"
-            ) from None
+            )
+        ids = [int(x) for x in aux_layer_ids.split(",")]
     res = run_import(source, out, tcfg, layout, overwrite, aux_layer_ids=ids)
     for note in res.pop("notes"):
         console.print(f"  {note}")

@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -320,6 +321,7 @@ def parse_teacher(spec: str) -> int | None:
     return int(m.group(1))
 
 
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
 VARIANTS = {  # drafter.variant → its flags (DESIGN.md §4; model/drafter.py's table)
     "eagle3": {},
     "eagle3.1": {"fc_norm": True, "norm_output": True},  # the EAGLE-3.1 paper's per-layer norms
@@ -329,31 +331,34 @@ VARIANTS = {  # drafter.variant → its flags (DESIGN.md §4; model/drafter.py's
 
 class DrafterVariantConfig(_Strict):
     """Which drafter is trained (the flags of :mod:`eagle3kit.model.drafter`, exported under the
-    names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); a flag written out overrides it."""
+    names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); flags written out add to it, and
+    one that turns a flag of the preset off, or any flag beside ``eagle3``, is refused."""
 
     variant: Literal["eagle3", "eagle3.1", "p-eagle"] | None = Field(
         default=None,
         description="preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), p-eagle "
-        "(parallel_drafting); flags written out override it",
+        "(parallel_drafting); flags written out add to it (turning one of its own off is refused)",
     )
-    norm_before_residual: bool = Field(
+    norm_before_residual: StrictBool = Field(
         default=False,
         description="the decoder layer's residual is hidden_norm(feature) (speculators' default)",
     )
-    norm_before_fc: bool = Field(
+    norm_before_fc: StrictBool = Field(
         default=False,
         description="one RMSNorm over the concatenated aux states before fc (EAGLE-3.1, gpt-oss)",
     )
-    fc_norm: bool = Field(default=False, description="one RMSNorm per aux state before fc (EAGLE-3.1 paper)")
-    norm_output: bool = Field(
+    fc_norm: StrictBool = Field(
+        default=False, description="one RMSNorm per aux state before fc (EAGLE-3.1 paper)"
+    )
+    norm_output: StrictBool = Field(
         default=False, description="feed the post-norm output back to the next draft step (EAGLE-3.1)"
     )
-    parallel_drafting: bool = Field(
+    parallel_drafting: StrictBool = Field(
         default=False,
         description="P-EAGLE: all K drafts from one forward over K−1 mask slots; serve with "
         '"parallel_drafting": true in vLLM\'s speculative config',
     )
-    mask_token_id: int | None = Field(
+    mask_token_id: StrictInt | None = Field(
         default=None,
         ge=0,
         description="P-EAGLE: the mask slots' input token (default: the tokenizer's mask, pad or unk token, else 0)",
@@ -361,15 +366,35 @@ class DrafterVariantConfig(_Strict):
 
     @model_validator(mode="after")
     def _preset(self):
-        for k, v in VARIANTS.get(self.variant or "eagle3", {}).items():
-            if k not in self.model_fields_set:
-                setattr(self, k, v)
+        preset = VARIANTS.get(self.variant or "eagle3", {})
+        off = [k for k, v in preset.items() if k in self.model_fields_set and getattr(self, k) != v]
+        if off:
+            raise ValueError(
+                f"drafter.variant {self.variant} sets {', '.join(off)}: true; writing it false contradicts the "
+                "preset (drop drafter.variant and write the flags you want)"
+            )
+        on = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]
+        if self.variant == "eagle3" and on:
+            raise ValueError(
+                f"drafter.variant eagle3 is the plain drafter, and {', '.join(on)} make another; drop one of them"
+            )
+        for k, v in preset.items():
+            setattr(self, k, v)
+        by = f" (drafter.variant {self.variant} sets {{}})" if self.variant else ""
         if self.norm_before_fc and self.fc_norm:
-            raise ValueError("drafter.norm_before_fc and drafter.fc_norm are exclusive: set one of them")
+            raise ValueError(
+                "drafter.norm_before_fc and drafter.fc_norm are exclusive: keep one"
+                + (by.format("fc_norm") if "fc_norm" in preset else "")
+            )
         if self.parallel_drafting and self.norm_output:
             raise ValueError(
                 "drafter.norm_output has no effect with drafter.parallel_drafting (a P-EAGLE drafter feeds no "
-                "output back): unset one of them"
+                "output back): keep one"
+                + (
+                    by.format(", ".join(k for k in ("norm_output", "parallel_drafting") if k in preset))
+                    if preset
+                    else ""
+                )
             )
         if self.mask_token_id is not None and not self.parallel_drafting:
             raise ValueError("drafter.mask_token_id is read only with drafter.parallel_drafting: true")
@@ -543,6 +568,8 @@ class EvaluateConfig(_Strict):
 
 
 class Config(_Strict):
+    """The whole run configuration (one section per stage, and ``drafter`` for the network)."""
+
     run_dir: str = Field(default="runs/default", min_length=1)
     target: TargetConfig = TargetConfig()
     prompts: PromptsConfig = PromptsConfig()
@@ -553,6 +580,24 @@ class Config(_Strict):
     drafter: DrafterVariantConfig = DrafterVariantConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+
+    @model_validator(mode="after")
+    def _across_sections(self):
+        if self.drafter.parallel_drafting and self.train.ttt_steps < 2:
+            raise ValueError(
+                "drafter.parallel_drafting trains its mask slots at TTT steps 1 and later: set train.ttt_steps ≥ 2 "
+                "(to the K it will draft with)"
+            )
+        if self.drafter.parallel_drafting and self.evaluate.draft == "tree":
+            raise ValueError(
+                "a P-EAGLE drafter (drafter.parallel_drafting) drafts a chain: set evaluate.draft: chain"
+            )
+        lk = [
+            k for k in ("lk_kl_scale", "lk_kl_decay") if getattr(self.train, k) != 1.0
+        ]  # (dumped configs hold 1.0)
+        if lk and self.train.loss != "lk_lambda":
+            raise ValueError(f"train.{lk[0]} is read only with train.loss: lk_lambda")
+        return self
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError
 
@@ -124,15 +125,25 @@ def read_config_json(folder: str | Path) -> dict:
 def eagle3_speculative_config(drafter: str | Path, k: int) -> dict:
     """vLLM's ``--speculative-config`` for serving the drafter folder ``drafter`` with K draft
     tokens: ``{"method": "eagle3", "model": <absolute path>, "num_speculative_tokens": K}``, plus
-    ``"parallel_drafting": true`` for a P-EAGLE drafter (its config says ``parallel_drafting`` or
-    is speculators' ``peagle`` type): vLLM takes parallel drafting from the speculative config only,
-    and without it drafts a P-EAGLE drafter as a chain.
+    ``"parallel_drafting": true`` for a P-EAGLE drafter (its config says ``parallel_drafting``, is
+    speculators' ``peagle`` type, or its weights hold ``mask_hidden``: what ``check`` and ``import``
+    read as P-EAGLE): vLLM takes parallel drafting from the speculative config only, and without it
+    drafts a P-EAGLE drafter as a chain.
 
     Raises:
         ConfigError: the folder has no readable config.json (:func:`read_config_json`)."""
     cfg = read_config_json(drafter)
     spec = {"method": "eagle3", "model": str(Path(drafter).resolve()), "num_speculative_tokens": int(k)}
-    if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
+    weights = Path(drafter) / "model.safetensors"
+    tensors: set[str] = set()
+    if weights.is_file():
+        with safe_open(str(weights), "pt") as f:
+            tensors = set(f.keys())
+    if (
+        cfg.get("parallel_drafting") is True
+        or cfg.get("speculators_model_type") == "peagle"
+        or "mask_hidden" in tensors
+    ):
         spec["parallel_drafting"] = True
     return spec
 

@@ -333,7 +333,9 @@ def run_evaluate(
     ec = cfg.evaluate
     mode, k = mode or ec.mode, k or ec.k
     device = pick_device(ec.device)
-    target, drafter, folder = _checked_drafter(cfg, run, target, drafter_dir, device)
+    target, drafter, folder = _checked_drafter(
+        cfg, run, target, drafter_dir, device, tree=mode == "decode" and ec.draft == "tree"
+    )
     train_rows = trained_prompt_rows(run)
     backend = check_backend(pick_backend(cfg.generate.backend), cfg.generate.backend, target)
     baseline = untrained_drafter(drafter) if ec.untrained_baseline else None
@@ -385,9 +387,12 @@ def run_evaluate(
     return report
 
 
-def _checked_drafter(cfg: Config, run: RunDir, target: Target | None, drafter_dir: str | None, device):
+def _checked_drafter(
+    cfg: Config, run: RunDir, target: Target | None, drafter_dir: str | None, device, tree: bool = False
+):
     """``(target, drafter, folder)``: the drafter loaded in the target's dtype after its lineage (the
-    run's own drafter) and its target (widths, vocabulary, weights fingerprint, layers) are checked.
+    run's own drafter), its drafting (``tree``: a P-EAGLE drafter drafts chains only) and its target
+    (widths, vocabulary, weights fingerprint, layers) are checked.
 
     Raises:
         StaleInput, ConfigError: as :func:`run_evaluate`."""
@@ -399,9 +404,13 @@ def _checked_drafter(cfg: Config, run: RunDir, target: Target | None, drafter_di
             else weights_fingerprint(cfg.target)
         )
         check_inputs(run, "evaluate", ["drafter/model.safetensors", "heldout.jsonl"], target=fp)
+    drafter = load_exported(folder, device=device).eval()
+    if drafter.config.parallel_drafting and tree:
+        raise ConfigError(
+            f"{folder} is a P-EAGLE (parallel-drafting) drafter, which drafts a chain: use --draft chain"
+        )
     if target is None:
         target = load_target(cfg.target, device=device)
-    drafter = load_exported(folder, device=device).eval()
     check_drafter_target(folder, drafter, target, cfg.target.model)
     return target, drafter.to(target.dtype), folder
 

@@ -347,62 +347,108 @@ def drafter_fields(cfg, where: str) -> tuple[DrafterFields, list[int] | None]:
     return f, nested
 
 
-def engine_variant(cfg: dict, f: DrafterFields, tensors: set[str], where: str) -> tuple[dict, list[str]]:
-    """The variant flags (:class:`~eagle3kit.model.drafter.DrafterConfig` keyword arguments) a
-    drafter folder is served with, read as vLLM 0.32 reads them, and notes on what was inferred.
-
-    * ``norm_before_residual``: the field; missing: true in speculators' ``eagle3`` type (vLLM's
-      ``update_eagle3`` default), false otherwise;
-    * ``norm_before_fc``: ``eagle_config.norm_before_fc``, else the top-level field;
-    * ``fc_norm``, ``norm_output``: the top-level fields (speculators' ``peagle`` type: vLLM drops
-      both, so a true one is refused);
-    * parallel drafting: a ``mask_hidden`` tensor, ``parallel_drafting: true`` or speculators' ``peagle``
-      type, with the mask token from ``mask_token_id``, ``pard_token`` or ``ptd_token_id`` (the
-      proposer's order).
+def served_config(cfg: dict, where: str) -> dict:
+    """The config vLLM 0.32 builds a drafter from: the folder's ``config.json`` itself, or for
+    speculators' layout its ``transformer_layer_config`` updated with the top-level fields vLLM's
+    reader for the type copies (``update_eagle3``: ``norm_before_residual``, default true,
+    ``norm_before_fc``, ``fc_norm``, ``norm_output``; ``update_peagle``: ``norm_before_residual``,
+    default false, ``norm_before_fc``, and ``mask_token_id`` as ``pard_token``). A field anywhere
+    else is not read.
 
     Raises:
-        DrafterImportError: both norms before fc, a parallel drafter without mask token or
-        ``mask_hidden``, a ``peagle`` config whose fc_norm/norm_output vLLM would ignore."""
+        DrafterImportError: a ``peagle`` config without a top-level ``mask_token_id`` (vLLM fails to
+        load it)."""
+    kind = cfg.get("speculators_model_type")
+    if kind is None:
+        return cfg
+    pre = dict(cfg.get("transformer_layer_config") or {})
+    if kind == "peagle":
+        if "mask_token_id" not in cfg:
+            raise DrafterImportError(
+                f"{where}: a speculators peagle config without a top-level mask_token_id: vLLM's reader fails on it"
+            )
+        pre |= {
+            "norm_before_residual": cfg.get("norm_before_residual", False),
+            "norm_before_fc": cfg.get("norm_before_fc", False),
+            "pard_token": cfg["mask_token_id"],
+        }
+    else:
+        pre |= {
+            "norm_before_residual": cfg.get("norm_before_residual", True),
+            "norm_before_fc": cfg.get("norm_before_fc", False),
+            "fc_norm": cfg.get("fc_norm", False),
+            "norm_output": cfg.get("norm_output", False),
+        }
+    return pre
+
+
+def _flag(cfg: dict, key: str, where: str, default: bool = False) -> bool:
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):
+        raise DrafterImportError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
+
+def engine_variant(cfg: dict, f: DrafterFields, tensors: set[str], where: str) -> tuple[dict, list[str]]:
+    """The variant flags (:class:`~eagle3kit.model.drafter.DrafterConfig` keyword arguments) a
+    drafter folder is served with, read from :func:`served_config` as vLLM 0.32's
+    ``llama_eagle3.py`` and proposer read them, and notes on what was inferred:
+
+    * ``norm_before_residual``, ``fc_norm``, ``norm_output``: the fields (missing: false);
+    * ``norm_before_fc``: ``eagle_config.norm_before_fc``, else the field;
+    * parallel drafting: a ``mask_hidden`` tensor, ``parallel_drafting: true`` or speculators'
+      ``peagle`` type, the mask token from ``mask_token_id``, ``pard_token`` or ``ptd_token_id`` (the
+      proposer's order), inside the target vocabulary.
+
+    Raises:
+        DrafterImportError: a flag that is not true/false, both norms before fc, a parallel drafter
+        without its mask token or ``mask_hidden`` or with ``parallel_drafting: false`` written, a
+        mask token outside the vocabulary."""
     notes: list[str] = []
-    kind = f.speculators_model_type
-    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    nbr = f.norm_before_residual
-    if nbr is None:
-        nbr = kind == "eagle3"
-        if nbr:
-            notes.append("no norm_before_residual in a speculators config: true, as vLLM reads it")
-    nbf = nested.get("norm_before_fc", f.norm_before_fc)
-    if nbf is not None and not isinstance(nbf, bool):
-        raise DrafterImportError(f"{where}: eagle_config.norm_before_fc must be true or false, got {nbf!r}")
+    if f.speculators_model_type == "eagle3" and f.norm_before_residual is None:
+        notes.append("no norm_before_residual in a speculators config: true, as vLLM reads it")
+    pre = served_config(cfg, where)
+    nested = pre.get("eagle_config") if isinstance(pre.get("eagle_config"), dict) else {}
+    top_nbf = _flag(pre, "norm_before_fc", where)
+    nbf = _flag(nested, "norm_before_fc", where, top_nbf) if "norm_before_fc" in nested else top_nbf
+    if nbf != top_nbf:
+        notes.append(f"eagle_config.norm_before_fc {str(nbf).lower()} wins over the field (as vLLM reads it)")
     flags = {
-        "norm_before_residual": bool(nbr),
-        "norm_before_fc": bool(nbf),
-        "fc_norm": bool(f.fc_norm),
-        "norm_output": bool(f.norm_output),
+        "norm_before_residual": _flag(pre, "norm_before_residual", where),
+        "norm_before_fc": nbf,
+        "fc_norm": _flag(pre, "fc_norm", where),
+        "norm_output": _flag(pre, "norm_output", where),
     }
     if flags["norm_before_fc"] and flags["fc_norm"]:
         raise DrafterImportError(
             f"{where}: norm_before_fc and fc_norm are both true; a drafter has one or neither"
         )
-    token = next((t for t in (f.mask_token_id, f.pard_token, f.ptd_token_id) if t is not None), None)
-    parallel = "mask_hidden" in tensors or bool(f.parallel_drafting) or kind == "peagle"
-    if parallel:
-        if kind == "peagle" and (flags["fc_norm"] or flags["norm_output"]):
-            raise DrafterImportError(
-                f"{where}: a speculators peagle config with fc_norm/norm_output: vLLM's peagle reader ignores "
-                "both, so the folder would serve another network than the one trained"
+    token = next(
+        (pre.get(k) for k in ("mask_token_id", "pard_token", "ptd_token_id") if pre.get(k) is not None), None
+    )
+    written = pre.get("parallel_drafting")
+    if written is False and "mask_hidden" in tensors:
+        raise DrafterImportError(
+            f"{where}: parallel_drafting: false, but the folder holds a P-EAGLE mask_hidden; write true "
+            '(and serve with "parallel_drafting": true) or drop the tensor'
+        )
+    if not ("mask_hidden" in tensors or written is True or f.speculators_model_type == "peagle"):
+        return flags, notes
+    if token is None or "mask_hidden" not in tensors:
+        lacks = [
+            x
+            for x, ok in (
+                ("a mask token id (mask_token_id)", token is not None),
+                ("mask_hidden", "mask_hidden" in tensors),
             )
-        if token is None or "mask_hidden" not in tensors:
-            raise DrafterImportError(
-                f"{where}: a parallel-drafting (P-EAGLE) drafter needs both a mask token id (mask_token_id) "
-                "and the mask_hidden tensor; this folder lacks "
-                + (
-                    "both"
-                    if token is None and "mask_hidden" not in tensors
-                    else "mask_hidden"
-                    if token is not None
-                    else "the token id"
-                )
-            )
-        flags |= {"parallel_drafting": True, "mask_token_id": int(token), "norm_output": False}
-    return flags, notes
+            if not ok
+        ]
+        raise DrafterImportError(
+            f"{where}: a parallel-drafting (P-EAGLE) drafter needs a mask token id and the mask_hidden tensor; "
+            f"this folder lacks {' and '.join(lacks)}"
+        )
+    if type(token) is not int or not 0 <= token < f.vocab_size:
+        raise DrafterImportError(
+            f"{where}: mask token id {token!r} is not a token of the target's vocabulary of {f.vocab_size}"
+        )
+    return flags | {"parallel_drafting": True, "mask_token_id": token, "norm_output": False}, notes

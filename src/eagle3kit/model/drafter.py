@@ -88,8 +88,13 @@ class DrafterConfig:
             raise ValueError(
                 "norm_before_fc and fc_norm are exclusive (one norm over the aux states, or one each)"
             )
-        if self.parallel_drafting and self.mask_token_id is None:
-            raise ValueError("a parallel-drafting (P-EAGLE) drafter needs mask_token_id")
+        if self.parallel_drafting and (
+            type(self.mask_token_id) is not int or not 0 <= self.mask_token_id < self.vocab_size
+        ):
+            raise ValueError(
+                f"a parallel-drafting (P-EAGLE) drafter needs a mask_token_id in [0, {self.vocab_size}), "
+                f"got {self.mask_token_id!r}"
+            )
         if self.parallel_drafting and self.norm_output:
             raise ValueError("norm_output has no effect with parallel_drafting (no output is fed back)")
 

@@ -539,7 +539,7 @@ def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: s
     ``norm_output`` translated (module docstring), ``mask_hidden`` shaped [1, 1, 3·Ht] (in place)."""
     variant, vnotes = engine_variant(cfg, f, set(tensors), str(folder / "config.json"))
     notes += vnotes
-    if layout == "specforge" and f.norm_output is not None:
+    if layout == "specforge" and f.norm_output is not None and not isinstance(cfg.get("eagle3kit"), dict):
         if not f.norm_output:
             raise DrafterImportError(
                 f"{folder}: SpecForge's norm_output: false computes logits without the final norm; eagle3kit's "

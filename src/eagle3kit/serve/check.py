@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -306,6 +307,12 @@ def _check_tensors(folder: _Folder, fields, tc, variant: dict) -> list[Finding]:
                 "export again",
             )
         )
+    mh = shapes.get("mask_hidden")
+    if mh is not None and "mask_hidden" in want and math.prod(mh) == math.prod(want["mask_hidden"]):
+        shapes = {
+            **shapes,
+            "mask_hidden": want["mask_hidden"],
+        }  # vLLM reads any shape of 3·Ht values (view(1, -1))
     missing, unexpected, misshapen = contract_mismatches(shapes, want)
     if missing:
         out.append(
@@ -348,7 +355,7 @@ def _check_variant(variant: dict, engine: str, engine_version: str | None) -> li
     parallel-drafting drafter must be launched, and what is not verified for SGLang."""
     on = [k for k in VLLM_VARIANT_SINCE if variant.get(k)]
     out: list[Finding] = []
-    if variant.get("parallel_drafting"):
+    if variant.get("parallel_drafting") and engine == "vllm":
         out.append(
             Finding(
                 "parallel_drafting",
@@ -360,7 +367,16 @@ def _check_variant(variant: dict, engine: str, engine_version: str | None) -> li
                 "warning",
             )
         )
-    if engine == "sglang" and on:
+    if engine == "sglang" and variant.get("parallel_drafting"):
+        out.append(
+            Finding(
+                "engine_support",
+                "a P-EAGLE (parallel-drafting) drafter: eagle3kit knows no SGLang launch that drafts in parallel, "
+                "and SGLang would draft it as a chain it was not trained for",
+                'serve it with vLLM (--speculative-config with "parallel_drafting": true)',
+            )
+        )
+    elif engine == "sglang" and on:
         out.append(
             Finding(
                 "engine_support",

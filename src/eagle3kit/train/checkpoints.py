@@ -58,11 +58,16 @@ def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) ->
             f"train.init_from {folder} has another shape than this run's drafter: {'; '.join(bad)}"
         )
     if a.variant() != b.variant():
-        want = {**{k: False for k in b.variant()}, **a.variant()}
+        write = [f"{k}: {str(v).lower()}" for k, v in a.variant().items()]
+        write += [f"{k}: false" for k in b.variant() if k not in a.variant() and k != "mask_token_id"]
+        drop = (
+            " (and no mask_token_id)"
+            if "mask_token_id" in b.variant() and "mask_token_id" not in a.variant()
+            else ""
+        )
         raise ConfigError(
             f"train.init_from {folder} is another drafter variant ({a.variant() or 'EAGLE-3'}) than this run "
-            f"trains ({b.variant() or 'EAGLE-3'}); set in the config's drafter section: "
-            + ", ".join(f"{k}: {str(v).lower()}" for k, v in want.items())
+            f"trains ({b.variant() or 'EAGLE-3'}); set in the config's drafter section: {', '.join(write)}{drop}"
         )
     state = src.state_dict()
     own = drafter.state_dict()

@@ -176,6 +176,8 @@ def ttt_loss(
     total = (
         core.logits(outs[0][:, :1]).float().sum() * 0.0 if torch.is_grad_enabled() else outs[0].new_zeros(())
     )
+    if core.mask_hidden is not None and torch.is_grad_enabled():  # P-EAGLE: read by steps ≥ 1 only
+        total = total + core.mask_hidden.sum() * 0.0
     stats = {"loss": [], "acc": [], "n": []} | ({"alpha": []} if loss != "kl" else {})
     topk = "topk_ids" in batch
     if topk and loss != "kl":
