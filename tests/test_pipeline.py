@@ -318,3 +318,31 @@ def test_an_empty_evaluation_set_is_an_error_not_tau_1(tiny_run, tmp_path):
         ConfigError, match="hold no prompts"
     ):  # (the folder: other tests here retrain the run)
         run_evaluate(c2, run, drafter_dir=str(run / "drafter"))
+
+
+def test_a_variant_trained_with_an_lk_loss_says_so_in_its_report_and_logs_alpha(tiny_run, tmp_path):
+    """The pipeline's own data, one epoch of a P-EAGLE drafter under lk_lambda (CLI): the train report
+    names the variant and the loss, every step's log record holds α per TTT step, the export is P-EAGLE."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.model.folder import load_exported
+
+    _, cfg_path, run, _ = tiny_run
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for f in ("tokens.safetensors", "vocab.safetensors", "manifest.json", "report.json"):
+        shutil.copy(run / f, copy / f)
+    text = cfg_path.read_text() + "drafter: {variant: p-eagle}\n"
+    text = text.replace("train: {epochs: 12,", "train: {loss: lk_lambda, epochs: 1,")
+    (tmp_path / "c.yaml").write_text(text)
+    for stage in ("train", "export"):
+        res = CliRunner().invoke(app, [stage, "-c", str(tmp_path / "c.yaml"), "--run-dir", str(copy)])
+        assert res.exit_code == 0, res.output
+    rep = json.loads((copy / "report.json").read_text())["train"]
+    assert rep["loss"] == "lk_lambda" and rep["drafter_variant"]["parallel_drafting"] is True
+    recs = [json.loads(x) for x in (copy / "train_log.jsonl").read_text().splitlines()]
+    assert recs and all(len(r["alpha"]) == 3 and all(0 <= a <= 1 for a in r["alpha"]) for r in recs)
+    assert load_exported(copy / "drafter").config.parallel_drafting

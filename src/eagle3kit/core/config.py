@@ -666,5 +666,15 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
 
 
 def dump_config(cfg: Config) -> str:
-    """The config as YAML text (stored in the run directory as ``config.yaml``)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The config as YAML text (stored in the run directory as ``config.yaml``). The ``drafter``
+    section keeps only its preset and the flags it adds (and the mask token when set), so a copy
+    whose ``variant`` is edited trains that variant instead of the flags written out beside it."""
+    data = cfg.model_dump(mode="json")
+    d = cfg.drafter
+    preset = VARIANTS.get(d.variant or "eagle3", {})
+    data["drafter"] = {
+        "variant": d.variant,
+        **{k: True for k in VARIANT_FLAGS if getattr(d, k) and not preset.get(k)},
+        **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
+    }
+    return yaml.safe_dump(data, sort_keys=False)

@@ -557,6 +557,19 @@ def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: s
         if mh.numel() != Ht3:
             raise DrafterImportError(f"mask_hidden has {mh.numel()} values, not 3 × target hidden = {Ht3}")
         tensors["mask_hidden"] = mh.reshape(1, 1, Ht3)
+    on = {k: v for k, v in variant.items() if v}
+    if on:
+        notes.append(
+            "drafter variant: "
+            + ", ".join(
+                "P-EAGLE (parallel drafting)"
+                if k == "parallel_drafting"
+                else f"{k} {v}"
+                if k == "mask_token_id"
+                else k
+                for k, v in on.items()
+            )
+        )
     return variant
 
 

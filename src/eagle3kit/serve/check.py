@@ -171,7 +171,7 @@ def check_drafter(
             )
         ]
     out += _check_tensors(folder, fields, tc, variant)
-    out += _check_variant(variant, engine, engine_version)
+    out += _check_variant(variant, engine, engine_version, d)
     out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
     out += _check_positions(folder.config, fields, tc, max_model_len)
     out += _check_aux(folder.config, int(tc.num_hidden_layers), tcfg, tc, engine)
@@ -350,20 +350,22 @@ VLLM_VARIANT_SINCE = {
 }
 
 
-def _check_variant(variant: dict, engine: str, engine_version: str | None) -> list[Finding]:
+def _check_variant(variant: dict, engine: str, engine_version: str | None, folder: Path) -> list[Finding]:
     """The variant the folder will be served as: the vLLM release that reads each flag, how a
     parallel-drafting drafter must be launched, and what is not verified for SGLang."""
     on = [k for k in VLLM_VARIANT_SINCE if variant.get(k)]
     out: list[Finding] = []
     if variant.get("parallel_drafting") and engine == "vllm":
+        spec = {"method": "eagle3", "model": str(folder.resolve()), "num_speculative_tokens": 3}
+        spec["parallel_drafting"] = True
         out.append(
             Finding(
                 "parallel_drafting",
                 f"a P-EAGLE (parallel-drafting) drafter, mask token {variant['mask_token_id']}: vLLM drafts it "
                 "in parallel only when the speculative config says so; without it vLLM skips mask_hidden (a "
                 "warning in its log) and drafts a chain this drafter was not trained for",
-                'serve with --speculative-config \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": K, '
-                '"parallel_drafting": true}\' (K up to the TTT steps it was trained with)',
+                f"serve with --speculative-config '{json.dumps(spec)}' (num_speculative_tokens: any K up to "
+                "the TTT steps it was trained with)",
                 "warning",
             )
         )
@@ -514,7 +516,7 @@ def _check_engine(
             out.append(
                 Finding(
                     "layout",
-                    "a speculators-layout folder (architectures Eagle3Speculator): SGLang has no model "
+                    f"a speculators-layout folder (architectures {dc.get('architectures')}): SGLang has no model "
                     "class for it",
                     "serve the dual-engine export (`eagle3kit export`) with SGLang",
                 )

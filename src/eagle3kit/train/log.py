@@ -35,7 +35,8 @@ class TrainLog:
             )
 
     def step(self, rec: dict, tokens_per_s: float) -> None:
-        """One optimizer step's record (``step``, ``loss``, ``lr``, ``acc`` per TTT step, ``implied_tau`` …)."""
+        """One optimizer step's record (``step``, ``loss``, ``lr``, ``acc`` per TTT step, ``implied_tau``,
+        ``alpha`` per TTT step under the LK objectives …)."""
         if not self.main:
             return
         self.file.write(json.dumps(rec) + "\n")
@@ -45,6 +46,7 @@ class TrainLog:
             "train/implied_tau": rec["implied_tau"],
             "train/tokens_per_s": tokens_per_s,
             **{f"train/acc_step{k}": a for k, a in enumerate(rec["acc"])},
+            **{f"train/alpha_step{k}": a for k, a in enumerate(rec.get("alpha", []))},
         }
         if self.tb:
             for k, v in scalars.items():

@@ -749,6 +749,8 @@ class _Training:
             "implied_tau": round(implied_tau(st["acc"]), 4),
             "tokens": st["tokens"],
         }
+        if "alpha" in st:  # the LK objectives: mean expected acceptance α per TTT step
+            rec["alpha"] = [round(a, 4) for a in st["alpha"]]
         self.logger.step(rec, self.trained_tokens / max(self.timer.seconds, 1e-9))
         self.last_stats = rec
         return loss, st
@@ -811,6 +813,8 @@ class _Training:
             "best_val_tau": round(self.best["val_tau"], 4) if self.n_val else None,
             "epochs": tc.epochs,
             "ttt_steps": tc.ttt_steps,
+            "drafter_variant": self.drafter.config.variant() or "eagle3",
+            "loss": tc.loss,
             "train_samples": len(self.samples) - self.n_val,
             "val_samples": self.n_val,
             "history": self.history,
