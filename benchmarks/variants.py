@@ -175,7 +175,7 @@ def train_one(args, key: str) -> None:
         return
     drafter, loss = ROWS[name]
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))
-    speed = {**SPEED, "loss_chunk": args.loss_chunk}
+    speed = {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
     res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **speed)
     tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
     out = {
@@ -190,6 +190,7 @@ def train_one(args, key: str) -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "concurrent_processes": args.parallel,
         "loss_chunk": args.loss_chunk,
+        "precision": args.precision,
     }
     (vdir / "result.json").write_text(json.dumps(out, indent=2))
 
@@ -206,6 +207,7 @@ def stage_train(args) -> None:
             log = open(Path(args.work) / f"train-{key.replace(':', '-s')}.log", "w")
             argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
             argv += ["--parallel", str(args.parallel), "--loss-chunk", str(args.loss_chunk)]
+            argv += ["--precision", args.precision]
             argv += ["--smoke"] if args.smoke else []
             running.append(
                 (key, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ))
@@ -245,7 +247,7 @@ def stage_report(args) -> dict:
     out = {
         "benchmark": "benchmarks/variants.py",
         "recipe": str(EXAMPLE.relative_to(ROOT)),
-        "speed_path": SPEED,
+        "speed_path": {**SPEED, "precision": args.precision, "loss_chunk": args.loss_chunk},
         "smoke": args.smoke,
         "data": json.loads(data.read_text()) if data.exists() else None,
         "rows": rows,
@@ -290,6 +292,12 @@ def main() -> None:
         type=int,
         default=4096,
         help="train.loss_chunk (4096: the loss in checkpointed chunks; 0: unchunked, the same loss, more memory)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "tf32"],
+        default="fp32",
+        help="train.precision of every eagle3kit row (tf32: fp32 with TF32 matrix products, CUDA only)",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -118,18 +118,39 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
     assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {
         "attention": "flex",
         "bf16": True,
+        "tf32": False,
         "loss_chunk": 4096,
     }
     assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {
         "attention": "reference",
         "bf16": False,
+        "tf32": False,
         "loss_chunk": 0,
     }
     assert _resolve_speed(
         TrainConfig(attention="reference", precision="fp32", loss_chunk=0), torch.device("cuda", 0)
-    ) == {"attention": "reference", "bf16": False, "loss_chunk": 0}
+    ) == {"attention": "reference", "bf16": False, "tf32": False, "loss_chunk": 0}
+    assert _resolve_speed(TrainConfig(attention="reference", precision="tf32"), torch.device("cuda", 0)) == {
+        "attention": "reference",
+        "bf16": False,
+        "tf32": True,
+        "loss_chunk": 4096,
+    }
     with pytest.raises(ConfigError, match="flex needs a CUDA device"):
         _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="tf32 needs a CUDA device"):
+        _resolve_speed(TrainConfig(precision="tf32"), torch.device("cpu"))
+
+
+def test_tf32_matmuls_turns_tf32_on_inside_the_block_only():
+    from eagle3kit.train.stage import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    with tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with tf32_matmuls(False):
+        assert torch.backends.cuda.matmul.allow_tf32 == before
 
 
 def test_padding_in_packed_rows_keeps_every_gradient_finite():

@@ -456,9 +456,10 @@ class TrainConfig(_Strict):
         description="TTT attention: flex (block-mask flex attention, compiled; the GPU path) or "
         "reference (dense, readable); auto: flex on CUDA, reference elsewhere",
     )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "tf32", "bf16"] = Field(
         default="auto",
-        description="bf16: autocast over fp32 master weights; auto: bf16 on CUDA, fp32 elsewhere",
+        description="bf16: autocast over fp32 master weights; tf32: fp32 with the matrix products on "
+        "TF32 tensor cores (CUDA only); auto: bf16 on CUDA, fp32 elsewhere",
     )
     loss_chunk: int | None = Field(
         default=None,

