@@ -22,10 +22,10 @@ replies to the OpenAssistant, GSM8K-train and Spec-Bench prompts of ``--shared``
 
 Every drafter is measured the same way: τ at K = 3 and 5 (simulate mode, greedy chain) on the 80
 MT-bench first turns and the last 80 GSM8K train questions (never trained on), over the target's
-256 greedy tokens, computed once and cached in the data run. All rows train with the dense fp32
-path (``attention: reference``, ``precision: fp32``; on this small drafter the faster one, issue
-25; the loss in checkpointed chunks, ``--loss-chunk``) and ``--parallel`` processes share the GPU:
-tokens/s is per process, measured beside the others (the JSON says how many ran at once).
+256 greedy tokens, computed once and cached in the data run. All rows train with the dense
+path (``attention: reference``; ``--precision fp32`` or ``tf32``, the fastest on this small drafter,
+results/step_precision.json; ``--loss-chunk``) and ``--parallel`` processes share the GPU: tokens/s
+is per process, measured beside the others (the JSON says how many ran at once).
 
     python benchmarks/variants.py --work /tmp/variants --shared ../shared [--stages data,train,report]
         [--rows eagle3:0,eagle3:1,…,specforge:0] [--parallel 9] [--smoke]
@@ -34,13 +34,13 @@ Resumable: a finished stage or row is skipped. Writes ``benchmarks/results/varia
 (``rows``: ``name``, ``mt_bench_tau_k3``, ``gsm8k_tau_k3``, ``mt_bench_tau_k5``, ``gsm8k_tau_k5``,
 ``tokens_per_s``, ``seeds``) and prints one table.
 
-Sizing, as seen on one H200 (2026-12-02): the data stage takes about 4 minutes (1,500 replies,
-574K tokens); one row trains about 12 epochs of 516K tokens at ~55K tokens/s alone, and rows sharing
-the GPU split that rate (7 processes ran at ~8.5K tokens/s each, about a minute an epoch: the GPU is
-busy with one), so the 8 eagle3kit rows need about 15 minutes and SpecForge's 5 more. Each process
-holds 16–17 GB with ``--loss-chunk 4096`` (9 with the unchunked loss ran out of memory): keep
-``--parallel`` at 4 with SpecForge among them. The results JSON of that session is incomplete (the
-session's device time ended at epoch 6; see its ``status``).
+Sizing, as seen on one H200 (2026-12-02, the run in results/variants.json): the data stage on the
+2-core CPU with vLLM's CPU build takes 30 minutes (1,500 replies, 574K tokens; on the H200 with
+transformers about 4); with ``--precision tf32 --loss-chunk 0`` one row trains 12 epochs of 516K
+tokens in about 5 minutes while 5-6 processes share the GPU (about 20K tokens/s each, 100K
+together; 108K alone, results/step_precision.json), so 10 eagle3kit rows and SpecForge's take two
+waves of about 8 minutes at ``--parallel 5``. Each process holds about 17 GB. The device tool's
+steps are in benchmarks/variants_device.sh.
 """
 
 from __future__ import annotations
@@ -223,6 +223,62 @@ def stage_train(args) -> None:
         raise SystemExit(f"rows {failed} failed: see {args.work}/train-*.log")
 
 
+def epoch_history(vdir: Path) -> dict:
+    """A row's validation τ (K = 3) and train loss after each epoch, from its ``report.json``."""
+    rep = vdir / "report.json"
+    hist = (json.loads(rep.read_text()).get("train") or {}).get("history", []) if rep.exists() else []
+    return {
+        "val_tau_k3_by_epoch": [round(h["val_tau"], 4) for h in hist if h.get("val_tau") is not None],
+        "loss_by_epoch": [round(h["train_loss"], 4) for h in hist if h.get("train_loss") is not None],
+    }
+
+
+COLUMNS = [f"{short}_tau_k{k}" for short in SETS.values() for k in KS]
+
+
+def compare_rows(rows: list[dict]) -> dict:
+    """The best eagle3kit row (the largest mean relative gain over ``eagle3`` across the four τ
+    columns), its gain per column, the seed spreads it must beat (the larger of the baseline's and
+    its own, max − min over seeds) and SpecForge's row against it.
+
+    A row "wins by more than the seed spread" in a column when its gain over the baseline's mean
+    exceeds that spread and every one of its seeds lies above every baseline seed."""
+    base = next(r for r in rows if r["name"] == "eagle3")
+    ours = [r for r in rows if r["name"] not in ("eagle3", "specforge")]
+
+    def gain(r, c):
+        return r[c] / base[c] - 1
+
+    best = max(ours, key=lambda r: sum(gain(r, c) for c in COLUMNS) / len(COLUMNS)) if ours else None
+    if best is None:
+        return {}
+    cols = {}
+    for c in COLUMNS:
+        spread = max(base.get("seed_spread", {}).get(c, 0.0), best.get("seed_spread", {}).get(c, 0.0))
+        key = {"mt_bench": "mt_bench", "gsm8k": "gsm8k_heldout"}[c.split("_tau")[0]]
+        lows = [x["tau"][key][f"k{c[-1]}"] for x in best["seeds"]]
+        highs = [x["tau"][key][f"k{c[-1]}"] for x in base["seeds"]]
+        cols[c] = {
+            "best": best[c],
+            "eagle3": base[c],
+            "gain": round(gain(best, c), 4),
+            "seed_spread": spread,
+            "wins_by_more_than_seed_spread": best[c] - base[c] > spread and min(lows) > max(highs),
+        }
+    sf = next((r for r in rows if r["name"] == "specforge"), None)
+    return {
+        "best": best["name"],
+        "best_seeds": len(best["seeds"]),
+        "baseline_seeds": len(base["seeds"]),
+        "columns": cols,
+        "mt_bench_k3_gain_over_eagle3": cols["mt_bench_tau_k3"]["gain"],
+        "mt_bench_k3_goal_10pct_met": cols["mt_bench_tau_k3"]["gain"] >= 0.10,
+        "vs_specforge": {c: round(best[c] / sf[c] - 1, 4) for c in COLUMNS} if sf else None,
+        "specforge_vs_eagle3": {c: round(sf[c] / base[c] - 1, 4) for c in COLUMNS} if sf else None,
+        "default_should_change": all(v["wins_by_more_than_seed_spread"] for v in cols.values()),
+    }
+
+
 def stage_report(args) -> dict:
     """``benchmarks/results/variants.json`` and the table: per row the mean over its seeds."""
     rows = []
@@ -230,7 +286,7 @@ def stage_report(args) -> dict:
         seeds = []
         for p in sorted(Path(args.work).glob(f"{name}-s*/result.json")):
             r = json.loads(p.read_text())
-            seeds.append({"seed": int(r["key"].split(":")[1]), **r})
+            seeds.append({"seed": int(r["key"].split(":")[1]), **r, **epoch_history(p.parent)})
         if not seeds:
             continue
         row = {"name": name}
@@ -238,11 +294,14 @@ def stage_report(args) -> dict:
             for k in KS:
                 vals = [x["tau"][s][f"k{k}"] for x in seeds]
                 row[f"{short}_tau_k{k}"] = round(sum(vals) / len(vals), 4)
+                if len(vals) > 1:
+                    row.setdefault("seed_spread", {})[f"{short}_tau_k{k}"] = round(max(vals) - min(vals), 4)
         tps = [x["tokens_per_s"] for x in seeds if x.get("tokens_per_s")]
         row["tokens_per_s"] = round(sum(tps) / len(tps)) if tps else None
         row["seeds"] = seeds
         rows.append(row)
     base = next((r for r in rows if r["name"] == "eagle3"), None)
+    verdict = compare_rows(rows) if base else None
     data = Path(args.work) / "base" / "variants_data.json"
     out = {
         "benchmark": "benchmarks/variants.py",
@@ -252,10 +311,15 @@ def stage_report(args) -> dict:
         "data": json.loads(data.read_text()) if data.exists() else None,
         "rows": rows,
     }
+    info = Path(args.work) / "run_info.json"  # how and where the run was made, written by whoever ran it
+    if info.exists():
+        extra = json.loads(info.read_text())
+        out = {**{k: v for k, v in out.items() if k != "rows"}, **extra, "rows": rows}
     if base:
         out["vs_eagle3_mt_bench_k3"] = {
             r["name"]: round(r["mt_bench_tau_k3"] / base["mt_bench_tau_k3"] - 1, 4) for r in rows
         }
+        out["verdict"] = verdict
     if not args.smoke:
         (RESULTS / "variants.json").write_text(json.dumps(out, indent=2) + "\n")
     from rich.console import Console
