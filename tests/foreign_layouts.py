@@ -37,6 +37,10 @@ def write_layout(src: Path, out: Path, layout: str, embed: torch.Tensor | None =
     cfg = json.loads((src / "config.json").read_text())
     ids = cfg["eagle_aux_hidden_state_layer_ids"]
     layer = {k: cfg[k] for k in LAYER_FIELDS}
+    # a variant drafter's flags, top-level where each tool's config (and vLLM reading it) has them
+    flags = {
+        k: True for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)
+    }
     out.mkdir(parents=True)
     to_layers0 = {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}
     if layout == "eagle":
@@ -53,6 +57,7 @@ def write_layout(src: Path, out: Path, layout: str, embed: torch.Tensor | None =
             "tie_word_embeddings": False,
             "torch_dtype": cfg["torch_dtype"],
             "use_cache": True,
+            **flags,
         }
     elif layout == "specforge":
         names = sorted(t)
@@ -79,6 +84,7 @@ def write_layout(src: Path, out: Path, layout: str, embed: torch.Tensor | None =
                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
                 "use_aux_hidden_state": True,
             },
+            **flags,
         }
     elif layout == "speculators":
         assert embed is not None
@@ -93,6 +99,7 @@ def write_layout(src: Path, out: Path, layout: str, embed: torch.Tensor | None =
             "speculators_version": "0.3.0",
             "draft_vocab_size": cfg["draft_vocab_size"],
             "norm_before_residual": False,
+            **flags,
             "target_hidden_size": cfg["target_hidden_size"],
             "eagle_aux_hidden_state_layer_ids": ids,
             "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1, **layer},
@@ -129,6 +136,7 @@ def write_layout(src: Path, out: Path, layout: str, embed: torch.Tensor | None =
                 "use_mtp_layernorm": False,
                 "next_layer_regular": True,
             },
+            **flags,
         }
     elif layout == "layers0":
         save_file(to_layers0, str(out / "model.safetensors"))

@@ -349,7 +349,9 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
     vLLM starts, serves it without a word and zero-fills what is missing: its τ (diagnose's
     counter deltas on the first DIAGNOSE_PROMPTS questions) equals the τ eagle3kit's simulate
     computes for the drafter with that tensor zeroed, on vLLM's own outputs. Without fc the
-    acceptance per draft falls by more than half. Without d2t it falls less here, because
+    acceptance per draft falls by more than a third (by more than half for a plain EAGLE-3
+    drafter; EAGLE-3.1's, the default, kept 62% of its gain in this suite's run: 1.454
+    against 1.730). Without d2t it falls less here, because
     SmolLM2's BPE ids are ordered by frequency: the draft ids whose offset is 0 (the first 955
     of 2048) carry most drafts; the constructed pair below shows the collapse."""
     from typer.testing import CliRunner
@@ -369,7 +371,7 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
     )
     assert abs(got["tau"] / zeroed["tau"] - 1) <= 0.02 and got["tau"] < good
     if name == "no_fc":
-        assert got["tau"] - 1 < 0.5 * (good - 1)
+        assert got["tau"] - 1 < (2 / 3) * (good - 1)
 
 
 def diagnosed(served, name: str) -> dict:
@@ -462,10 +464,13 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
     trained, smollm2_target, tmp_path
 ):
     """SafeAILab EAGLE, SpecForge, speculators and ModelOpt layouts written from the trained
-    drafter (tests/foreign_layouts.py) import strictly: every tensor and every config field the
-    drafter is built from equal the drafter's own, so `eagle3kit evaluate` (deterministic) measures
-    the same τ; it is measured for the drafter and for the layout furthest from ours
-    (speculators: other tensor names, its own config schema) on the same 5 held-out questions."""
+    drafter (tests/foreign_layouts.py; EAGLE-3.1, the default, its flags top-level where vLLM reads
+    them) import strictly: every tensor and every config field the drafter is built from equal the
+    drafter's own, so `eagle3kit evaluate` (deterministic) measures the same τ; it is measured for
+    the drafter and for the layout furthest from ours (speculators: other tensor names, its own
+    config schema) on the same 5 held-out questions. SpecForge 0.2 has no field for EAGLE-3.1's
+    post-norm feedback (its ``norm_output: true`` is the final norm before lm_head, the pre-norm
+    output fed back), so its folder imports as that network: equal but for ``norm_output``."""
     from foreign_layouts import write_layout
     from safetensors.torch import load_file
 
@@ -488,7 +493,11 @@ def test_each_foreign_layout_of_our_drafter_imports_strictly_and_evaluates_to_th
             load_file(str(tmp_path / f"{layout}-imported" / "model.safetensors")),
         )
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert load_exported(tmp_path / f"{layout}-imported").config == own, layout
+        got = load_exported(tmp_path / f"{layout}-imported").config
+        if layout == "specforge" and own.norm_output:
+            assert not got.norm_output and "SpecForge 0.2's default" in " ".join(res["notes"])
+            got.norm_output = True
+        assert got == own, layout
     taus["speculators"] = run_evaluate(
         cfg,
         trained,

@@ -234,14 +234,15 @@ _LATER = {"loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0}
 def trained_settings(cfg: Config) -> dict:
     """The settings that change what is trained, as ``train`` hashes them into a resume's inputs:
     the ``train`` section less :data:`_LOGISTICS`, and the ``drafter`` section. Settings added after
-    runs existed (the ``drafter`` section, :data:`_LATER`) count only when set otherwise than their
-    default, so a run made before them resumes."""
+    runs existed (the ``drafter`` section, :data:`_LATER`) count only when they train otherwise than
+    those runs did (for the drafter: any flag of plain EAGLE-3's set otherwise, whatever the preset's
+    name), so a run made before them resumes when its config says ``drafter: {variant: eagle3}``."""
     out = {
         k: v
         for k, v in cfg.train.model_dump(mode="json", exclude=_LOGISTICS).items()
         if k not in _LATER or v != _LATER[k]
     }
-    if cfg.drafter != DrafterVariantConfig():
+    if cfg.drafter.model_dump(exclude={"variant"}) != DrafterVariantConfig().model_dump(exclude={"variant"}):
         out["drafter"] = cfg.drafter.model_dump(mode="json")
     return out
 
@@ -608,9 +609,17 @@ class _Training:
                     "last.safetensors is missing or from another step than train_state.pt (a kill during a save)"
                 ]
             keep = _set_aside(ckpt, log_path)
+            old_drafter = json.loads(st.get("train_config") or "{}").get("drafter")
+            hint = (
+                f" (they are a plain EAGLE-3 drafter's; this config trains drafter.variant "
+                f"{self.cfg.drafter.variant}, and a config without a drafter section trains EAGLE-3.1 since "
+                "issue 24: write drafter: {variant: eagle3} to resume them)"
+                if "train.drafter" in changed and old_drafter is None
+                else ""
+            )
             console.print(
                 f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
-                f"moved them to {keep} and starting fresh"
+                f"moved them to {keep} and starting fresh{hint}"
             )
         world.barrier()
 
