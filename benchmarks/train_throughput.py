@@ -11,7 +11,8 @@ its argmax always lies in the draft vocabulary: every position is supervised at 
 Two paths, measured in the same run with the same data:
 
 * fast: what ``train`` does on CUDA (``eagle3kit.train.stage.train_step``): flex attention with a block
-  mask (compiled), the loss in checkpointed chunks of ``--loss-chunk`` positions, bf16 autocast
+  mask (compiled), the loss unchunked when it fits (``train.loss_chunk`` unset; ``--loss-chunk`` to
+  force chunks), the teacher's logits once per batch, bf16 autocast
   over fp32 master weights, fused AdamW;
 * reference: the same step with the dense TTT attention and the unchunked fp32 loss (the
   readable CPU path), at the largest batch that fits (halved from ``--batch`` on out-of-memory).
@@ -77,7 +78,7 @@ def main() -> None:
     from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch
     from eagle3kit.train.distributed import World
-    from eagle3kit.train.stage import train_step
+    from eagle3kit.train.stage import _resolve_speed, train_step
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="timed steps of the fast path")
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--loss-chunk", type=int, default=4096)
+    ap.add_argument("--loss-chunk", type=int, default=None, help="default: what train picks (_resolve_speed)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument(
         "--tiny", action="store_true", help="a small model and few tokens (a smoke run of the script)"
@@ -164,19 +165,20 @@ def main() -> None:
         ]
         return make_batch(samples, list(range(b)), S, dev)
 
-    tc = TrainConfig(ttt_steps=S, step_weight=0.8, grad_clip=0.5)
+    tc = TrainConfig(
+        ttt_steps=S, step_weight=0.8, grad_clip=0.5, tokens_per_step=B * T, loss_chunk=args.loss_chunk
+    )
+    auto = _resolve_speed(tc, dev, vd)  # the fast path: what train picks on this GPU
 
     def run(drafter, path: str, b: int, steps: int, warmup: int) -> dict:
         fast = path.startswith("fast")
-        speed = (
-            {"attention": "flex", "bf16": True, "loss_chunk": args.loss_chunk}
-            if fast
-            else {"attention": "reference", "bf16": False, "loss_chunk": 0}
-        )
+        speed = auto if fast else {"attention": "reference", "bf16": False, "loss_chunk": 0}
         model_ = World(rank, world, dev).wrap(drafter, args.parallel)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
         losses, sup = [], []
         torch.cuda.reset_peak_memory_stats(dev)
+        torch.cuda.synchronize(dev)
+        t_wall = time.perf_counter()
         for i in range(warmup + steps):
             if i == warmup:
                 torch.cuda.synchronize(dev)
@@ -193,6 +195,8 @@ def main() -> None:
             "steps": steps,
             "seconds": round(sec, 3),
             "tokens_per_s": b * T * steps / sec * world,
+            "tokens_per_s_wall": b * T * (warmup + steps) / (time.perf_counter() - t_wall) * world,
+            "speed": speed,
             "losses": losses,
             "supervised_fraction": round(sum(sup) / len(sup), 4),
             "peak_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 1),
@@ -205,7 +209,7 @@ def main() -> None:
 
         batch = batch_of(b)
         got = []
-        for attention, chunk in (("reference", 0), ("flex", args.loss_chunk)):
+        for attention, chunk in (("reference", 0), ("flex", auto["loss_chunk"] or 4096)):
             d = new_drafter()
             loss, _ = ttt_loss(d, target, batch, draft_ids, S, 0.8, attention=attention, loss_chunk=chunk)
             loss.backward()

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -223,10 +224,14 @@ def stage_train(args) -> None:
         raise SystemExit(f"rows {failed} failed: see {args.work}/train-*.log")
 
 
+def console_warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
 def epoch_history(vdir: Path) -> dict:
     """A row's validation τ (K = 3) and train loss after each epoch, from its ``report.json``."""
     rep = vdir / "report.json"
-    hist = (json.loads(rep.read_text()).get("train") or {}).get("history", []) if rep.exists() else []
+    hist = (_read_json(rep, "training").get("train") or {}).get("history", []) if rep.exists() else []
     return {
         "val_tau_k3_by_epoch": [round(h["val_tau"], 4) for h in hist if h.get("val_tau") is not None],
         "loss_by_epoch": [round(h["train_loss"], 4) for h in hist if h.get("train_loss") is not None],
@@ -237,46 +242,105 @@ COLUMNS = [f"{short}_tau_k{k}" for short in SETS.values() for k in KS]
 
 
 def compare_rows(rows: list[dict]) -> dict:
-    """The best eagle3kit row (the largest mean relative gain over ``eagle3`` across the four τ
-    columns), its gain per column, the seed spreads it must beat (the larger of the baseline's and
-    its own, max − min over seeds) and SpecForge's row against it.
+    """The best eagle3kit row against ``eagle3``: its gain per τ column, the seed spreads it must
+    beat (the larger of the baseline's and its own, max − min over seeds) and SpecForge's row
+    against it.
 
     A row "wins by more than the seed spread" in a column when its gain over the baseline's mean
-    exceeds that spread and every one of its seeds lies above every baseline seed."""
-    base = next(r for r in rows if r["name"] == "eagle3")
-    ours = [r for r in rows if r["name"] not in ("eagle3", "specforge")]
+    exceeds that spread and every one of its seeds lies above every baseline seed; with fewer than
+    two seeds on either side that is not measured (None), never a win. The best row is the one
+    with the largest mean relative gain among the rows that win in every column, else among all.
+    Rows with a non-finite or missing τ column are left out (listed under ``skipped``).
 
-    def gain(r, c):
-        return r[c] / base[c] - 1
+    Raises:
+        ValueError: no ``eagle3`` row, or a baseline τ that is not a positive finite number.
+    """
 
-    best = max(ours, key=lambda r: sum(gain(r, c) for c in COLUMNS) / len(COLUMNS)) if ours else None
-    if best is None:
-        return {}
-    cols = {}
-    for c in COLUMNS:
-        spread = max(base.get("seed_spread", {}).get(c, 0.0), best.get("seed_spread", {}).get(c, 0.0))
+    def finite(r):
+        return all(isinstance(r.get(c), (int, float)) and math.isfinite(r[c]) for c in COLUMNS)
+
+    base = next((r for r in rows if r["name"] == "eagle3"), None)
+    if base is None:
+        raise ValueError("no eagle3 row: the baseline every row is compared with")
+    if not finite(base) or min(base[c] for c in COLUMNS) <= 0:
+        raise ValueError(f"the eagle3 row's τ is not a positive finite number in every column: {base}")
+    skipped = [r["name"] for r in rows if r["name"] not in ("eagle3", "specforge") and not finite(r)]
+    ours = [r for r in rows if r["name"] not in ("eagle3", "specforge") and finite(r)]
+    if not ours:
+        return {"skipped": skipped} if skipped else {}
+
+    def taus(r, c):
         key = {"mt_bench": "mt_bench", "gsm8k": "gsm8k_heldout"}[c.split("_tau")[0]]
-        lows = [x["tau"][key][f"k{c[-1]}"] for x in best["seeds"]]
-        highs = [x["tau"][key][f"k{c[-1]}"] for x in base["seeds"]]
-        cols[c] = {
-            "best": best[c],
-            "eagle3": base[c],
-            "gain": round(gain(best, c), 4),
-            "seed_spread": spread,
-            "wins_by_more_than_seed_spread": best[c] - base[c] > spread and min(lows) > max(highs),
-        }
-    sf = next((r for r in rows if r["name"] == "specforge"), None)
+        return [x["tau"][key][f"k{c[-1]}"] for x in r.get("seeds") or []]
+
+    def columns(r) -> dict:
+        out = {}
+        for c in COLUMNS:
+            mine, theirs = taus(r, c), taus(base, c)
+            measured = len(mine) >= 2 and len(theirs) >= 2
+            spread = max(base.get("seed_spread", {}).get(c, 0.0), r.get("seed_spread", {}).get(c, 0.0))
+            out[c] = {
+                "best": r[c],
+                "eagle3": base[c],
+                "gain": round(r[c] / base[c] - 1, 4),
+                "seed_spread": spread if measured else None,
+                "wins_by_more_than_seed_spread": (r[c] - base[c] > spread and min(mine) > max(theirs))
+                if measured
+                else None,
+            }
+        return out
+
+    cols_of = {r["name"]: columns(r) for r in ours}
+
+    def mean_gain(r):
+        return sum(v["gain"] for v in cols_of[r["name"]].values()) / len(COLUMNS)
+
+    winners = [
+        r for r in ours if all(v["wins_by_more_than_seed_spread"] for v in cols_of[r["name"]].values())
+    ]
+    best = max(winners or ours, key=mean_gain)
+    cols = cols_of[best["name"]]
+    sf = next((r for r in rows if r["name"] == "specforge" and finite(r)), None)
     return {
         "best": best["name"],
-        "best_seeds": len(best["seeds"]),
-        "baseline_seeds": len(base["seeds"]),
+        "best_seeds": len(best.get("seeds") or []),
+        "baseline_seeds": len(base.get("seeds") or []),
         "columns": cols,
         "mt_bench_k3_gain_over_eagle3": cols["mt_bench_tau_k3"]["gain"],
         "mt_bench_k3_goal_10pct_met": cols["mt_bench_tau_k3"]["gain"] >= 0.10,
         "vs_specforge": {c: round(best[c] / sf[c] - 1, 4) for c in COLUMNS} if sf else None,
         "specforge_vs_eagle3": {c: round(sf[c] / base[c] - 1, 4) for c in COLUMNS} if sf else None,
-        "default_should_change": all(v["wins_by_more_than_seed_spread"] for v in cols.values()),
+        "default_should_change": bool(winners) and best in winners,
+        **({"skipped": skipped} if skipped else {}),
     }
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``; a clear error naming the file otherwise."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"{path}: not readable JSON ({e}); rerun that row's {what} or delete the file"
+        ) from None
+    if not isinstance(got, dict):
+        raise SystemExit(f"{path}: holds a {type(got).__name__}, not the JSON object {what} writes")
+    return got
+
+
+def _seed_result(p: Path, name: str) -> dict:
+    """One row folder's ``result.json``, checked against its folder name (``NAME-sSEED``)."""
+    r = _read_json(p, "training")
+    folder_seed = p.parent.name[len(name) + 2 :]
+    key = r.get("key")
+    if not isinstance(key, str) or key != f"{name}:{folder_seed}":
+        raise SystemExit(f"{p}: its key {key!r} is not {name}:{folder_seed}, the folder's row and seed")
+    for s in SETS:
+        for k in KS:
+            v = ((r.get("tau") or {}).get(s) or {}).get(f"k{k}")
+            if not isinstance(v, (int, float)):
+                raise SystemExit(f"{p}: no τ for {s} at K={k}; rerun the row's evaluation (--stages train)")
+    return {"seed": int(folder_seed), **r}
 
 
 def stage_report(args) -> dict:
@@ -285,8 +349,11 @@ def stage_report(args) -> dict:
     for name in list(ROWS) + ["specforge"]:
         seeds = []
         for p in sorted(Path(args.work).glob(f"{name}-s*/result.json")):
-            r = json.loads(p.read_text())
-            seeds.append({"seed": int(r["key"].split(":")[1]), **r, **epoch_history(p.parent)})
+            tail = p.parent.name[len(name) + 2 :]
+            if not tail.isdigit() or str(int(tail)) != tail:  # eagle3-sX, eagle3-s00: not a row's folder
+                console_warn(f"{p.parent}: not a row folder (NAME-sSEED); left out")
+                continue
+            seeds.append({**_seed_result(p, name), **epoch_history(p.parent)})
         if not seeds:
             continue
         row = {"name": name}
@@ -312,9 +379,16 @@ def stage_report(args) -> dict:
         "rows": rows,
     }
     info = Path(args.work) / "run_info.json"  # how and where the run was made, written by whoever ran it
-    if info.exists():
-        extra = json.loads(info.read_text())
-        out = {**{k: v for k, v in out.items() if k != "rows"}, **extra, "rows": rows}
+    if info.exists():  # it adds to what the run recorded, never replaces it
+        extra = _read_json(info, "the run's launcher")
+        clash = sorted(k for k in extra if k in out)
+        if clash:
+            console_warn(f"{info}: {clash} left as the run recorded them")
+        out = {
+            **{k: v for k, v in extra.items() if k not in out},
+            **{k: v for k, v in out.items() if k != "rows"},
+            "rows": rows,
+        }
     if base:
         out["vs_eagle3_mt_bench_k3"] = {
             r["name"]: round(r["mt_bench_tau_k3"] / base["mt_bench_tau_k3"] - 1, 4) for r in rows

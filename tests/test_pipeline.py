@@ -65,6 +65,10 @@ def test_run_writes_every_stage_and_the_report_keys(tiny_run):
     )
     assert 0 < report["vocab"]["coverage"] <= 1
     assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
+    tr = report["train"]  # steady: the steps after the first three only; wall: the stage's whole clock
+    assert (
+        tr["tokens_per_s_wall"] == tr["tokens_per_s"] and tr["tokens_per_s_steady"] > tr["tokens_per_s_wall"]
+    )
     m = run.manifest
     assert m["aux_layer_ids"] == {"convention": "hf_output_hidden_states_index", "ids": [2, 4, 5]}
     assert m["tokenizer_sha256"] and m["chat_template_sha256"] and m["draft_vocab_sha256"]
@@ -224,6 +228,14 @@ def test_train_rerun_resumes_and_never_deletes_earlier_checkpoints(tiny_run):
     run_train(changed, run)  # other inputs: the old state is set aside, not lost
     assert (run / "checkpoints.prev-1/best.safetensors").read_bytes() == before
     assert (run / "checkpoints.prev-1/train_log.jsonl").exists()
+    # the first inputs again: their set-aside checkpoints are put back and resumed (all done), and
+    # the other run's are set aside in turn
+    back = run_train(cfg, run)
+    assert back["history"] == report["train"]["history"]
+    assert (run / "checkpoints/best.safetensors").read_bytes() == before
+    assert not (run / "checkpoints.prev-1").exists()
+    assert len(back["history"]) == cfg.train.epochs != 1
+    assert len(json.loads((run / "checkpoints.prev-2/train_log.jsonl").read_text().splitlines()[-1])) > 0
 
 
 def test_train_refuses_a_vocab_built_with_another_tokenizer(tiny_run, tmp_path):

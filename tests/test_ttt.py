@@ -145,12 +145,22 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
 def test_tf32_matmuls_turns_tf32_on_inside_the_block_only():
     from eagle3kit.train.stage import tf32_matmuls
 
-    before = torch.backends.cuda.matmul.allow_tf32
+    mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = mm.fp32_precision, conv.fp32_precision
     with tf32_matmuls(True):
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+        assert (mm.fp32_precision, conv.fp32_precision) == ("tf32", "tf32")
+    assert (mm.fp32_precision, conv.fp32_precision) == before
     with tf32_matmuls(False):
-        assert torch.backends.cuda.matmul.allow_tf32 == before
+        assert (mm.fp32_precision, conv.fp32_precision) == before
+    # a process that set TF32 the way PyTorch >= 2.9 asks keeps it after the block (the legacy
+    # flags, set here, raised "mix of the legacy and new APIs")
+    mm.fp32_precision = "tf32"
+    try:
+        with tf32_matmuls(True):
+            pass
+        assert mm.fp32_precision == "tf32"
+    finally:
+        mm.fp32_precision = before[0]
 
 
 def test_padding_in_packed_rows_keeps_every_gradient_finite():
@@ -224,3 +234,75 @@ def test_simulating_two_drafters_in_one_target_pass_gives_each_its_own_tau():
     c.config.aux_layer_ids = [0, 1, 2]
     with pytest.raises(ValueError, match="different aux layers"):
         simulate_drafters([a, c], t, prompts, conts, 3, torch.device("cpu"))
+
+
+def test_the_teacher_table_gives_each_step_the_teacher_at_its_shift():
+    """TTT step k reads the teacher at t + k + 1: the table computed once per batch must give, row
+    for row, the softmax of the target's draft-vocabulary logits there."""
+    from eagle3kit.model.target import teacher_logits
+    from eagle3kit.train.ttt import TeacherTable, _supervised, _unshift, shift
+
+    t = tiny_target()
+    b = make_batch(_samples(t, [23, 30], seed=2), [0, 1], 3, "cpu")
+    draft_ids = torch.arange(48) * 2
+    in_draft = torch.zeros(V, dtype=torch.bool)
+    in_draft[draft_ids] = True
+    sups = [_supervised(b, k, in_draft) for k in range(3)]
+    need = torch.zeros_like(sups[0])
+    for k, s in enumerate(sups):
+        need |= _unshift(s, k + 1)
+    table = TeacherTable(t, b["last"], need, draft_ids)
+    assert int(need.sum()) < need.numel()  # padding and prompt positions are left out
+    for k, sup in enumerate(sups):
+        assert sup.any()
+        got, full = table.rows(table.index(sup, k + 1))
+        want = torch.softmax(teacher_logits(t, shift(b["last"], k + 1)[sup], draft_ids), -1)
+        assert full is None and torch.allclose(got, want, atol=1e-6)
+
+
+def test_the_fused_lm_head_and_loss_gives_the_reference_loss_and_gradients(monkeypatch):
+    """The forward KL with a chunk on: FusedDraftCE (gradients taken in the forward pass) against
+    the unchunked reference, fp64 drafter; then under bf16 autocast, within bf16's precision."""
+    from eagle3kit.train import ttt
+
+    calls = []
+    real = ttt.FusedDraftCE.apply
+    monkeypatch.setattr(ttt.FusedDraftCE, "apply", lambda *a: calls.append(1) or real(*a))
+    t = tiny_target()
+    b = make_batch(_samples(t, [23, 30], seed=2), [0, 1], 3, "cpu")
+    got = {}
+    for chunk in (0, 5):
+        d = tiny_drafter(vd=48)
+        loss, st = ttt_loss(d, t, b, d.d2t + torch.arange(48), 3, 0.8, loss_chunk=chunk)
+        loss.backward()
+        got[chunk] = (float(loss), st["acc"], {k: p.grad.clone() for k, p in d.named_parameters()})
+    assert calls and len(calls) == 3  # one fused call per TTT step, only with a chunk
+    assert got[0][0] == pytest.approx(got[5][0], rel=1e-6) and got[0][1] == got[5][1]
+    for k, g in got[0][2].items():
+        assert torch.allclose(g, got[5][2][k], rtol=1e-5, atol=1e-8), k  # the loss is taken in fp32
+    assert got[0][2]["lm_head.weight"].abs().sum() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        d = tiny_drafter(vd=48, dtype=torch.float32)
+        loss, _ = ttt_loss(d, t, b, d.d2t + torch.arange(48), 3, 0.8, loss_chunk=5)
+    loss.backward()
+    assert d.lm_head.weight.grad.dtype == torch.float32
+    assert float(loss) == pytest.approx(got[0][0], rel=2e-2)
+    g = d.lm_head.weight.grad.double()
+    assert float((g - got[0][2]["lm_head.weight"]).norm() / got[0][2]["lm_head.weight"].norm()) < 5e-2
+
+
+def test_loss_chunk_auto_is_unchunked_when_the_loss_fits_a_quarter_of_the_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.train.stage import _resolve_speed, unchunked_loss_bytes
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))
+    cuda = torch.device("cuda", 0)
+    eight_b = TrainConfig(tokens_per_step=16384, ttt_steps=7)
+    assert unchunked_loss_bytes(16384, 32000, 7) == 8 * 16384 * 32000 * 7  # 29.4 GB ≤ 35.25 GB
+    assert _resolve_speed(eight_b, cuda, 32000)["loss_chunk"] == 0
+    assert _resolve_speed(eight_b, cuda, 128256)["loss_chunk"] == 4096  # 118 GB: chunked (fused for kl)
+    assert _resolve_speed(eight_b, cuda)["loss_chunk"] == 4096  # the draft vocabulary unknown
+    assert _resolve_speed(TrainConfig(loss_chunk=1024), cuda, 32000)["loss_chunk"] == 1024
+    assert _resolve_speed(eight_b, torch.device("cpu"), 32000)["loss_chunk"] == 0

@@ -494,3 +494,51 @@ def test_init_from_another_variant_names_settings_the_config_takes(variant_folde
     advice = str(e.value).split("drafter section: ")[1]
     assert advice == "norm_before_fc: true, parallel_drafting: false (and no mask_token_id)"
     DrafterVariantConfig(norm_before_fc=True, parallel_drafting=False)  # the advice is a valid section
+
+
+@pytest.mark.parametrize(
+    "edit, code",
+    [
+        (lambda c: {k: v for k, v in c.items() if k != "norm_output"}, "variant_mismatch"),
+        (lambda c: {**c, "norm_before_residual": True}, "variant_mismatch"),
+        (None, "non_finite"),
+    ],
+)
+def test_check_refuses_an_export_whose_flags_or_weights_were_edited_after_export(
+    tiny_target_dir, tmp_path, edit, code
+):
+    """An EAGLE-3.1 export records the variant it was trained as; flags edited by hand (a flag
+    dropped, another added) would serve another network, and a NaN weight would be loaded as is."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.contract import ExportError
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5], fc_norm=True, norm_output=True))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7 + 3, vocab_size=tc.vocab_size))
+    folder = export_drafter(d, tmp_path / "d")
+    target = TargetConfig(model=str(tiny_target_dir))
+    assert not [f for f in check_drafter(folder, target) if f.severity == "error"]
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["eagle3kit"]["drafter_variant"] == {"fc_norm": True, "norm_output": True}
+    if edit is not None:
+        (folder / "config.json").write_text(json.dumps(edit(cfg)))
+    else:
+        t = load_file(str(folder / "model.safetensors"))
+        t["fc.weight"][0, 0] = float("nan")
+        save_file(t, str(folder / "model.safetensors"))
+        with pytest.raises(ExportError, match="fc.weight holds non-finite values"):
+            d.fc.weight.data[0, 0] = float("nan")
+            export_drafter(d, tmp_path / "nan")
+    found = [f for f in check_drafter(folder, target) if f.severity == "error"]
+    assert code in {f.code for f in found}, found
+    if code == "variant_mismatch":
+        assert "as eagle3.1" in next(f.message for f in found if f.code == code)

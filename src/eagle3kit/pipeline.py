@@ -83,6 +83,13 @@ def summary_rows(report: dict) -> list[tuple[str, object]]:
     rows.append(
         ("train: best validation τ (epoch)", f"{tr.get('best_val_tau', '-')} ({tr.get('best_epoch', '-')})")
     )
+    if "tokens_per_s_wall" in tr:
+        rows.append(
+            (
+                "train: tokens/s steady / wall",
+                f"{tr.get('tokens_per_s_steady', '-')} / {tr['tokens_per_s_wall']}",
+            )
+        )
     rows.append(("export: drafter folder (serve this)", report.get("export", {}).get("path", "-")))
     return rows + evaluate_rows(ev)
 

@@ -469,7 +469,10 @@ class TrainConfig(_Strict):
         default=None,
         ge=0,
         description="positions per checkpointed chunk of the "
-        "draft-vocabulary loss (0: unchunked); default 4096 on CUDA, 0 elsewhere",
+        "draft-vocabulary loss (0: unchunked); default 0 unless the unchunked loss (8 bytes × "
+        "tokens_per_step × draft vocabulary × TTT steps) would take more than a quarter of the CUDA "
+        "device's memory, then 4096 (for loss kl the lm_head and the loss fused, gradients taken in "
+        "the forward pass; for the LK losses checkpointed chunks)",
     )
     pack_length: int = Field(
         default=0,

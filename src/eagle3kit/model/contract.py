@@ -110,6 +110,11 @@ def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None
                 check_maps(tensors["d2t"], tensors["t2d"], c.vocab_size)
             except ValueError as e:
                 problems.append(str(e))
+    problems += [
+        f"{name} holds non-finite values (NaN or inf): the engine would draft garbage from it"
+        for name, t in tensors.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
     if problems:
         raise ExportError("drafter export refused:\n  " + "\n  ".join(problems))
 
@@ -163,6 +168,8 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
             "version": __version__,
             "aux_layer_ids_convention": "top-level: HF output_hidden_states index "
             "(= vLLM); eagle_config: output of layer j (= SGLang/SpecForge, HF index - 1)",
+            # the network trained, so `check` can tell when the flags an engine reads say otherwise
+            "drafter_variant": c.variant(),
             **(provenance or {}),
         },
     }

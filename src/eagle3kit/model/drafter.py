@@ -402,9 +402,13 @@ class Eagle3Drafter(nn.Module):
         """Draft ids → target ids (``id + d2t[id]``)."""
         return draft_ids + self.d2t[draft_ids]
 
+    def head_input(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[…, H] pre-norm output → […, H] what the lm_head reads (the final norm)."""
+        return self.norm(prenorm)
+
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[…, H] pre-norm output → […, Vd] draft logits."""
-        return self.lm_head(self.norm(prenorm))
+        return self.lm_head(self.head_input(prenorm))
 
     # ---- training-time test -------------------------------------------------------------
     def forward(self, *args, **kwargs) -> list[torch.Tensor]:

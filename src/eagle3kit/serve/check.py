@@ -23,10 +23,11 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from packaging.version import InvalidVersion, Version
 from safetensors import safe_open
 
-from eagle3kit.core.config import TargetConfig
+from eagle3kit.core.config import VARIANTS, TargetConfig
 from eagle3kit.core.engines import (
     installed_vllm,
     is_kimi_wrapper,
@@ -171,6 +172,7 @@ def check_drafter(
             )
         ]
     out += _check_tensors(folder, fields, tc, variant)
+    out += _check_as_exported(folder, variant, engine)
     out += _check_variant(variant, engine, engine_version, d)
     out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
     out += _check_positions(folder.config, fields, tc, max_model_len)
@@ -190,6 +192,49 @@ class _Folder:
     dtypes: dict
     maps: dict
     speculators: bool
+    nonfinite: list = ()  # float tensors holding NaN or inf
+
+
+def _check_as_exported(folder: _Folder, variant: dict, engine: str) -> list[Finding]:
+    """Non-finite weights, and the variant an engine reads against the one eagle3kit exported
+    (``eagle3kit.drafter_variant``): a flag edited by hand serves another network."""
+    out = [
+        Finding(
+            "non_finite",
+            f"{k} holds NaN or inf values: the engine would load it and draft garbage",
+            "export again from a checkpoint of a run whose loss stayed finite",
+        )
+        for k in folder.nonfinite
+    ]
+    trained = (
+        (folder.config.get("eagle3kit") or {}).get("drafter_variant")
+        if isinstance(folder.config.get("eagle3kit"), dict)
+        else None
+    )
+
+    def on(flags: dict) -> dict:
+        return {k: v for k, v in flags.items() if v}
+
+    if isinstance(trained, dict) and on(trained) != on(variant):
+        out.append(
+            Finding(
+                "variant_mismatch",
+                f"the flags {engine} reads give {_variant_name(variant)}, but eagle3kit exported this drafter "
+                f"as {_variant_name(trained)} (eagle3kit.drafter_variant): it would serve another network "
+                "than the one trained",
+                "export the drafter again with `eagle3kit export` instead of editing config.json's flags",
+            )
+        )
+    return out
+
+
+def _variant_name(flags: dict) -> str:
+    """A variant as a person names it: the preset whose flags these are, else the flags."""
+    on = {k: v for k, v in flags.items() if v and k != "mask_token_id"}
+    for name, preset in VARIANTS.items():
+        if on == {k: v for k, v in preset.items() if v}:
+            return name
+    return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
 def _read_folder(cfg_path: Path, st_path: Path) -> _Folder:
@@ -204,7 +249,13 @@ def _read_folder(cfg_path: Path, st_path: Path) -> _Folder:
         shapes = {name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         dtypes = {name(k): str(f.get_slice(k).get_dtype()) for k in f.keys()}
         maps = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in shapes}
-    return _Folder(dc, shapes, dtypes, maps, speculators)
+        nonfinite = [
+            name(k)
+            for k in f.keys()
+            if dtypes[name(k)].upper() in ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+            if not bool(torch.isfinite(f.get_tensor(k)).all())
+        ]
+    return _Folder(dc, shapes, dtypes, maps, speculators, nonfinite)
 
 
 def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -270,22 +271,51 @@ def feature_source_warning(source: str | None, serve_engine: str | None) -> str 
 @contextlib.contextmanager
 def tf32_matmuls(on: bool):
     """fp32 matrix products (and convolutions) on TF32 tensor cores inside the block when ``on``
-    (``torch.backends.cuda.matmul.allow_tf32``: 10-bit mantissa operands, fp32 accumulation, relative
-    error near 3e-4 — NVIDIA's A100 whitepaper, "TF32"); the previous setting is restored after."""
+    (10-bit mantissa operands, fp32 accumulation, relative error near 3e-4 — NVIDIA's A100
+    whitepaper, "TF32"), set through PyTorch's ``fp32_precision`` settings (the API PyTorch ≥ 2.9
+    asks for; mixing it with the legacy ``allow_tf32`` flags raises); the exact previous values
+    are restored after, so a process-wide setting outlives the block."""
     if not on:
         yield
         return
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    old = [k.fp32_precision for k in knobs]
+    for k in knobs:
+        k.fp32_precision = "tf32"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+        for k, v in zip(knobs, old):
+            k.fp32_precision = v
 
 
-def _resolve_speed(tc, device: torch.device) -> dict:
-    """The fast-path settings for ``device``: flex attention, bf16 autocast and a chunked loss on
-    CUDA; the readable reference (dense attention, fp32, unchunked loss) elsewhere.
+# optimizer steps of a run left out of its steady tokens/s (flex attention's compilation, the
+# allocator's and autotuner's warm-up)
+WARM_STEPS = 3
+
+# Bytes the unchunked loss keeps for the backward pass, per position, TTT step and draft-vocabulary
+# entry: the fp32 log-softmax and the fp32 teacher rows (the product's saved inputs), 8 bytes;
+# measured on the H200 at the 8B shape (benchmarks/peers.py: 16,384 positions, Vd 32,000, TTT 7)
+UNCHUNKED_LOSS_BYTES = 8
+# the share of the GPU's memory the unchunked loss may take before ``loss_chunk: auto`` chunks it
+UNCHUNKED_LOSS_SHARE = 0.25
+
+
+def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int) -> int:
+    """Bytes the unchunked draft-vocabulary loss keeps for the backward pass at most (every
+    position of a ``tokens_per_step`` batch supervised): 8 · tokens · Vd · TTT steps."""
+    return UNCHUNKED_LOSS_BYTES * tokens_per_step * draft_vocab * ttt_steps
+
+
+def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
+    """The fast-path settings for ``device``: flex attention, bf16 autocast on CUDA, the readable
+    reference (dense attention, fp32) elsewhere. ``loss_chunk`` unset: 0 (unchunked: the
+    drafter's lm_head product taken once) unless, on CUDA, that loss (:func:`unchunked_loss_bytes`,
+    ``draft_vocab`` entries) would take more than a quarter of the device's memory (or
+    ``draft_vocab`` is not given); then 4096: for the forward KL the fused lm_head + loss of
+    :class:`~eagle3kit.train.ttt.FusedDraftCE`, for the LK objectives checkpointed chunks. Measured
+    on the H200 at the 8B shape (benchmarks/results/peers.json): unchunked 24,226 tokens/s, fused
+    22,465, checkpointed chunks 15,702.
 
     Raises:
         ConfigError: ``attention: flex`` or ``precision: tf32`` off CUDA."""
@@ -300,11 +330,23 @@ def _resolve_speed(tc, device: torch.device) -> dict:
             f"train.precision: tf32 needs a CUDA device (TF32 is a tensor-core mode; {device.type} has "
             "none); use precision: fp32 or auto here"
         )
+    chunk = tc.loss_chunk
+    if chunk is None:
+        chunk = 0
+        if cuda:
+            need = (
+                unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps) if draft_vocab else None
+            )
+            fits = (
+                need is not None
+                and need <= UNCHUNKED_LOSS_SHARE * torch.cuda.get_device_properties(device).total_memory
+            )
+            chunk = 0 if fits else 4096
     return {
         "attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
         "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
         "tf32": tc.precision == "tf32",
-        "loss_chunk": tc.loss_chunk if tc.loss_chunk is not None else (4096 if cuda else 0),
+        "loss_chunk": chunk,
     }
 
 
@@ -370,7 +412,7 @@ def _run_train(cfg: Config, run: RunDir, target: Target | None) -> dict:
         if t.world.main:
             console.print("[green]train: all epochs already done")
         done = run.report.get("train")
-        if done:
+        if done and not t.swapped:  # checkpoints put back: the report is theirs, written again
             return done
     t.prepare()  # pending mark, the feature cache, the log
     for epoch in range(t.start_epoch, t.tc.epochs):
@@ -401,7 +443,7 @@ class _Training:
             )
         self.world = world = init_world(pick_device(tc.device))
         self.device = device = world.device
-        self.speed = _resolve_speed(tc, device)
+        self.speed = _resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
         shard = run.require("tokens.safetensors", "tokenize")
         self.vocab_path = run.require("vocab.safetensors", "vocab")
         fingerprint = (
@@ -557,8 +599,12 @@ class _Training:
         self.best = {"val_tau": float("-inf"), "epoch": -1}
         self.acc_state = None
         best_rec = self.run.manifest.get("lineage", {}).get("checkpoints/best.safetensors") or {}
+        swapped = self._swap_back() if world.main else None
+        # every process learns it (a put-back run that is all done writes its report again)
+        self.swapped = world.sum_floats([1.0 if swapped else 0.0])[0] > 0
         if (
             world.main
+            and swapped is None
             and state_path.exists()
             and best_rec.get("sha256")
             and (ckpt / "best.safetensors").exists()
@@ -611,10 +657,11 @@ class _Training:
             keep = _set_aside(ckpt, log_path)
             old_drafter = json.loads(st.get("train_config") or "{}").get("drafter")
             hint = (
-                f" (they are a plain EAGLE-3 drafter's; this config trains drafter.variant "
-                f"{self.cfg.drafter.variant}, and a config without a drafter section trains EAGLE-3.1 since "
-                "issue 24: write drafter: {variant: eagle3} to resume them)"
-                if "train.drafter" in changed and old_drafter is None
+                " (they are a plain EAGLE-3 drafter's, and a config without a drafter section trains "
+                "EAGLE-3.1 since issue 24: write drafter: {variant: eagle3} to resume them)"
+                if "train.drafter" in changed
+                and old_drafter is None
+                and "drafter" not in self.cfg.model_fields_set
                 else ""
             )
             console.print(
@@ -622,6 +669,44 @@ class _Training:
                 f"moved them to {keep} and starting fresh{hint}"
             )
         world.barrier()
+
+    def _swap_back(self) -> Path | None:
+        """When ``checkpoints/`` was made from other inputs (or holds none) and a set-aside
+        ``checkpoints.prev-N`` was made from this run's inputs, put that one back (the newest such;
+        its log and TensorBoard events too) and set the current one aside; returns the folder put
+        back, or None. Main process only."""
+        run_dir, ckpt = self.ckpt.parent, self.ckpt
+
+        def inputs_of(folder: Path):
+            sp = folder / "train_state.pt"
+            if not sp.exists() or not (folder / "last.safetensors").exists():
+                return None
+            try:
+                return torch.load(sp, weights_only=True, mmap=True).get("inputs")
+            except Exception:  # unreadable: never swapped in
+                return None
+
+        if ckpt.exists() and inputs_of(ckpt) == self.inputs:
+            return None
+        prevs = [p for p in run_dir.glob(f"{ckpt.name}.prev-*") if p.name.rsplit("-", 1)[1].isdigit()]
+        for prev in sorted(prevs, key=lambda p: int(p.name.rsplit("-", 1)[1]), reverse=True):
+            if inputs_of(prev) != self.inputs:
+                continue
+            keep = None
+            if ckpt.exists() and any(ckpt.iterdir()):
+                keep = _set_aside(ckpt, self.log_path)
+            if ckpt.exists():
+                ckpt.rmdir()  # empty (or just emptied by the move)
+            prev.rename(ckpt)
+            for name, dest in (("train_log.jsonl", self.log_path), ("tensorboard", run_dir / "tensorboard")):
+                if (ckpt / name).exists() and not dest.exists():
+                    (ckpt / name).rename(dest)
+            console.print(
+                f"[green]train: {prev.name}/ was made from this run's inputs; put it back as checkpoints/"
+                + (f" (the checkpoints there moved to {keep.name}/)" if keep else "")
+            )
+            return prev
+        return None
 
     def _resume(self, st: dict) -> None:
         """Load weights, optimizer, schedule, data position and RNG state from ``st`` (train_state.pt)."""
@@ -662,6 +747,7 @@ class _Training:
             # steps a run killed before its first checkpoint logged: they are redone
             _truncate_log(self.log_path, 0)
         self.timer = Timer()
+        self.steady = [0, 0.0]  # tokens and seconds of this run's optimizer steps after its first WARM_STEPS
         self.cached = tc.feature_cache or self.features is not None
         if self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
             compute_features(
@@ -751,6 +837,7 @@ class _Training:
     def _step(self, epoch: int, b) -> tuple:
         """One batch: features when not cached, the optimizer step, the schedule, the log record."""
         tc, train = self.tc, self.train
+        t_step = time.perf_counter()
         idx = [i for r in b for i in (r if isinstance(r, list) else [r])]
         if not self.cached:
             compute_features(
@@ -791,6 +878,9 @@ class _Training:
         }
         if "alpha" in st:  # the LK objectives: mean expected acceptance α per TTT step
             rec["alpha"] = [round(a, 4) for a in st["alpha"]]
+        if self.steps_run > WARM_STEPS:  # the log record's float() has waited for the step's kernels
+            self.steady[0] += st["tokens"]
+            self.steady[1] += time.perf_counter() - t_step
         self.logger.step(rec, self.trained_tokens / max(self.timer.seconds, 1e-9))
         self.last_stats = rec
         return loss, st
@@ -867,7 +957,13 @@ class _Training:
         if self.init:
             result.update({k: self.init[k] for k in ("init_from", "lm_head_rows_copied")})
         if self.trained_tokens:
-            result["tokens_per_s"] = round(self.trained_tokens / self.timer.seconds, 1)
+            # wall: every token over the stage's clock (features, compilation, validation and
+            # checkpoints included); steady: the optimizer steps after the run's first WARM_STEPS
+            result["tokens_per_s"] = result["tokens_per_s_wall"] = round(
+                self.trained_tokens / self.timer.seconds, 1
+            )
+            if self.steady[1] > 0:
+                result["tokens_per_s_steady"] = round(self.steady[0] / self.steady[1], 1)
         if world.main:
             best_sha = sha256_tensors(self.ckpt / "best.safetensors")
             self.run.record_stage(

@@ -14,7 +14,12 @@ Two ways to compute the same loss:
 * ``loss_chunk=C`` — C positions at a time under activation checkpointing: the [C, Vd] teacher
   softmax, drafter logits and log-softmax are recomputed in the backward pass instead of being
   kept, so the memory of the loss no longer grows with the batch (at 16K positions and a 32K draft
-  vocabulary the reference keeps about 6 GB a step).
+  vocabulary the reference keeps about 6 GB a step), at the price of a second drafter lm_head
+  product.
+
+Either way the teacher's draft-vocabulary logits are computed once per batch for every position a
+step reads (:class:`TeacherTable`), not once per step: TTT step k reads the teacher at t+k+1, so
+the steps share their positions at different shifts.
 
 Three objectives per step (``loss``), all over the same supervised positions:
 
@@ -49,20 +54,64 @@ def shift(x: torch.Tensor, k: int) -> torch.Tensor:
 LOSSES = ("kl", "lk_alpha", "lk_lambda")
 
 
-def _teacher_probs(
-    target: Target, draft_ids: torch.Tensor, src: tuple
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 [n, Vd] teacher distribution from ``("last", last [n, Ht])`` (softmax of the target's
-    draft-vocabulary logits) or ``("topk", values [n, K], ids [n, K])`` (softmax over the stored
-    top-K logits, 0 elsewhere); and for ``("last", last, lse [n])`` also p(v) = exp(z_v − lse), the
-    target's full-vocabulary probabilities of the draft tokens (None otherwise)."""
-    if src[0] == "topk":
-        vals = torch.softmax(src[1].float(), dim=-1)
-        return torch.zeros(vals.shape[0], draft_ids.numel(), device=vals.device).scatter_(
-            1, src[2].long(), vals
-        ), None
-    z = teacher_logits(target, src[1], draft_ids)
-    return torch.softmax(z, dim=-1), (torch.exp(z - src[2][:, None]) if len(src) > 2 else None)
+class TeacherTable:
+    """The teacher of every position a batch's TTT steps read, computed once per batch.
+
+    Step k supervises position t with the teacher at t+k+1, so the seven steps of TTT 7 read the
+    same positions at seven shifts; the draft-vocabulary logits are taken once here (one
+    [M, Ht] × [Ht, Vd] product, no gradient) instead of once per step and again in the backward
+    pass of a checkpointed chunk. Rows are looked up by index (:meth:`rows`).
+
+    Args:
+        target: the frozen target (its lm_head; the full vocabulary for ``lse`` when needed).
+        last: [B, T, Ht] post-norm target states (any float dtype).
+        need: bool [B, T], the positions some step reads.
+        draft_ids: int64 [Vd] target ids of the draft vocabulary.
+        lse: fp32 [B, T] cached full-vocabulary log-normalisers, or None.
+        full: also keep the full-vocabulary normaliser (the LK objectives); computed from ``last``
+            when ``lse`` is None.
+        chunk: rows per product (bounds the transient [chunk, V] of the full normaliser).
+    Memory: ``z`` is fp32 [M, Vd] (M = need.sum(); 2.1 GB at 16K positions and Vd 32,000).
+    """
+
+    def __init__(self, target: Target, last, need, draft_ids, lse=None, full=False, chunk=4096):
+        self.row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+        self.row[need] = torch.arange(int(need.sum()), device=need.device)
+        src = last[need]
+        with torch.no_grad():
+            w = target.parts.lm_head.weight
+            dw = w[draft_ids.to(w.device)]  # the draft rows, gathered once
+            bias = getattr(target.parts.lm_head, "bias", None)
+            db = bias[draft_ids.to(w.device)] if bias is not None else None
+            zs = []
+            for a in range(0, len(src), chunk):
+                z = src[a : a + chunk].to(w.device, w.dtype) @ dw.T
+                zs.append((z if db is None else z + db).float().to(last.device))
+            self.z = torch.cat(zs) if zs else torch.zeros(0, draft_ids.numel(), device=last.device)
+            self.lse_draft = torch.logsumexp(self.z, -1)
+            self.lse = None
+            if full:
+                self.lse = lse[need].float() if lse is not None else full_logsumexp(target, src, chunk)
+
+    def index(self, sup: torch.Tensor, shift_by: int) -> torch.Tensor:
+        """int64 [n]: the table rows of the teacher at (b, t + shift_by) for every supervised (b, t)
+        of ``sup`` [B, T], in ``sup``'s row-major order (the order of ``x[sup]``)."""
+        b, t = sup.nonzero(as_tuple=True)
+        return self.row[b, t + shift_by]
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 [n, Vd] teacher softmax over the draft vocabulary at table rows ``idx``, and with
+        the full normaliser p(v) = exp(z_v − lse), the target's full-vocabulary probabilities of the
+        draft tokens (None otherwise)."""
+        z = self.z[idx]
+        p = torch.exp(z - self.lse_draft[idx, None])
+        return p, (torch.exp(z - self.lse[idx, None]) if self.lse is not None else None)
+
+
+def _topk_probs(vals: torch.Tensor, ids: torch.Tensor, vd: int) -> tuple[torch.Tensor, None]:
+    """fp32 [n, Vd]: the softmax over stored top-K logits ``vals`` [n, K] at draft ids ``ids``, 0 elsewhere."""
+    p = torch.softmax(vals.float(), dim=-1)
+    return torch.zeros(p.shape[0], vd, device=p.device).scatter_(1, ids.long(), p), None
 
 
 @torch.no_grad()
@@ -74,43 +123,112 @@ def full_logsumexp(target: Target, last: torch.Tensor, chunk: int = 1024) -> tor
     )
 
 
+class FusedDraftCE(torch.autograd.Function):
+    """The drafter's lm_head product and the soft cross-entropy to the teacher, ``chunk`` positions
+    at a time, with the gradients taken in the forward pass (the scheme of Liger-Kernel's fused
+    linear cross-entropy, written here for a soft teacher over the draft vocabulary): for logits
+    z = x·Wᵀ and teacher p, CE = Σ_rows (Σ_v p_v)·logsumexp(z) − Σ_v p_v·z_v and ∂CE/∂z =
+    softmax(z)·Σ_v p_v − p. Nothing of size [n, Vd] outlives a chunk and nothing is recomputed in
+    the backward pass, which scales the stored ∂CE/∂x and ∂CE/∂W by the incoming gradient.
+
+    ``apply(x, weight, teacher, chunk)``: x [n, H] normed drafter states (any float dtype; the
+    products run in the autocast dtype when autocast is on, else in x's), weight [Vd, H] the
+    lm_head's, ``teacher(a, b) -> fp32 [b − a, Vd]`` the teacher rows a..b. Returns (ce_sum fp32
+    scalar, agree int64 scalar: positions whose drafter and teacher top-1 agree).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, teacher, chunk):
+        dev = x.device.type
+        cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            w = weight.to(cd)
+            grad_x = torch.empty(x.shape, dtype=cd, device=x.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+            ce = torch.zeros((), dtype=torch.float32, device=x.device)
+            agree = torch.zeros((), dtype=torch.long, device=x.device)
+            for a in range(0, x.shape[0], chunk):
+                xc = x[a : a + chunk].to(cd)
+                z = (xc @ w.T).float()
+                p = teacher(a, a + xc.shape[0])
+                psum = p.sum(-1)
+                lse = torch.logsumexp(z, -1)
+                ce += (psum * lse).sum() - (p * z).sum()
+                agree += (z.argmax(-1) == p.argmax(-1)).sum()
+                g = (torch.softmax(z, -1) * psum[:, None] - p).to(cd)
+                grad_x[a : a + chunk] = g @ w
+                grad_w += (g.T @ xc).float()
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return ce, agree
+
+    @staticmethod
+    def backward(ctx, g_ce, g_agree):
+        grad_x, grad_w = ctx.saved_tensors
+        return (grad_x * g_ce).to(ctx.x_dtype), (grad_w * g_ce).to(ctx.w_dtype), None, None
+
+
+def _fusable(drafter, chunk: int) -> bool:
+    """Whether :class:`FusedDraftCE` can stand for the drafter's lm_head + CE: a chunked loss
+    with gradients, the lm_head a plain bias-free Linear whose weight is a local tensor (under
+    FSDP2 it is a sharded DTensor gathered only inside the module's own forward)."""
+    head = drafter.lm_head
+    return (
+        bool(chunk)
+        and torch.is_grad_enabled()
+        and isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and type(head.weight.data) is torch.Tensor
+    )
+
+
 def draft_ce(
-    drafter, target: Target, draft_ids: torch.Tensor, hidden: torch.Tensor, src: tuple, chunk: int = 0
+    drafter, hidden: torch.Tensor, teacher, inputs: tuple, chunk: int = 0, fused: bool = False
 ) -> tuple[torch.Tensor, ...]:
     """Σ over positions of −Σ_v p_teacher(v) · log q_drafter(v), and the number of positions where
-    both distributions have the same top-1; with a full-vocabulary normaliser in ``src`` also
-    Σ α and Σ log α, α = Σ_v min(p(v), q(v)) (log α taken as 0 where α = 0).
+    both distributions have the same top-1; with a full-vocabulary normaliser also Σ α and Σ log α,
+    α = Σ_v min(p(v), q(v)) (log α taken as 0 where α = 0).
 
     Args:
         hidden: [n, H] drafter pre-norm outputs at the supervised positions (any float dtype;
             log-softmax is taken in fp32).
-        src: the teacher's inputs for the same positions (see :func:`_teacher_probs`).
+        teacher: ``teacher(*inputs) -> (p [n, Vd] fp32, p_full [n, Vd] fp32 or None)`` for the same
+            positions (:meth:`TeacherTable.rows`, or the top-K softmax).
+        inputs: tensors with n rows (sliced with ``hidden`` per chunk).
         chunk: positions per checkpointed chunk (0: all at once, no checkpointing).
+        fused: the forward KL by :class:`FusedDraftCE` when it applies (:func:`_fusable`; the
+            teacher must give no ``p_full``): the same sums, ``chunk`` positions at a time.
     Returns:
         (ce_sum fp32 scalar with grad, agree int64 scalar), plus (alpha_sum, log_alpha_sum) fp32
-        scalars with grad when ``src`` carries the normaliser.
+        scalars with grad when the teacher gives ``p_full``.
     """
-    lk = len(src) > 2
 
     def part(h, *teacher_in):
-        teacher, p_full = _teacher_probs(target, draft_ids, (src[0], *teacher_in))
+        p, p_full = teacher(*teacher_in)
         logq = torch.log_softmax(drafter.logits(h).float(), dim=-1)
-        out = (-(teacher * logq).sum(), (logq.argmax(-1) == teacher.argmax(-1)).sum())
+        out = (-(p * logq).sum(), (logq.argmax(-1) == p.argmax(-1)).sum())
         if p_full is None:
             return out
         alpha = torch.minimum(p_full, logq.exp()).sum(-1)
         return out + (alpha.sum(), torch.where(alpha > 0, alpha.clamp_min(1e-30).log(), 0.0).sum())
 
     n = hidden.shape[0]
+    if fused and _fusable(drafter, chunk):
+        return FusedDraftCE.apply(
+            drafter.head_input(hidden),
+            drafter.lm_head.weight,
+            lambda a, b: teacher(*(x[a:b] for x in inputs))[0],
+            chunk,
+        )
     if not chunk or n <= chunk:
-        return part(hidden, *src[1:])
+        return part(hidden, *inputs)
     sums = None
     for a in range(0, n, chunk):
         got = checkpoint(
-            part, hidden[a : a + chunk], *(x[a : a + chunk] for x in src[1:]), use_reentrant=False
+            part, hidden[a : a + chunk], *(x[a : a + chunk] for x in inputs), use_reentrant=False
         )
         sums = got if sums is None else tuple(x + y for x, y in zip(sums, got))
-    return sums if lk else sums[:2]
+    return sums
 
 
 def step_loss(kind: str, n: int, sums: tuple, scale: float = 1.0, decay: float = 1.0) -> torch.Tensor:
@@ -185,40 +303,79 @@ def ttt_loss(
             f"loss {loss} needs the target's full-vocabulary probabilities; features stored with a top-K "
             "teacher lack them: extract with teacher: last, or train online"
         )
+    sups = [_supervised(batch, k, in_draft) for k in range(steps)]
+    table = None if topk else _table(batch, sups, target, draft_ids, lk=loss != "kl")
+    counts = torch.stack([s.sum() for s in sups]).tolist()  # one host sync for every step's count
+    got = []  # per step (n, objective, agree, alpha): read back once, after every step is queued
     for k in range(steps):
-        sup, src = _step_teacher(batch, k, in_draft, target, lk=loss != "kl")
-        n = int(sup.sum())
+        sup, n = sups[k], int(counts[k])
         if n == 0:
-            for key in stats:
-                stats[key].append(0 if key == "n" else 0.0)
+            got.append(None)
             continue
-        sums = draft_ce(core, target, draft_ids, outs[k][sup], src, loss_chunk)
+        if topk:
+            vd = draft_ids.numel()
+            teacher = lambda v, i: _topk_probs(v, i, vd)  # noqa: E731
+            inputs = (shift(batch["topk_values"], k + 1)[sup], shift(batch["topk_ids"], k + 1)[sup])
+        else:
+            teacher, inputs = table.rows, (table.index(sup, k + 1),)
+        sums = draft_ce(core, outs[k][sup], teacher, inputs, loss_chunk, fused=loss == "kl")
         obj = step_loss(loss, n, sums, lk_kl_scale, lk_kl_decay)
         total = total + (step_weight**k) * obj
-        (
-            stats["loss"].append(float(obj.detach())),
-            stats["acc"].append(float(sums[1]) / n),
-            stats["n"].append(n),
-        )
-        if loss != "kl":
-            stats["alpha"].append(float(sums[2].detach()) / n)
+        got.append((n, obj.detach(), sums[1], sums[2].detach() if loss != "kl" else None))
+    _read_stats(got, stats, loss)
     return total, stats
 
 
-def _step_teacher(batch: dict, k: int, in_draft: torch.Tensor, target: Target, lk: bool) -> tuple:
-    """TTT step k's supervised positions (bool [B, T]: a completion input token and a teacher top-1
-    inside the draft vocabulary) and the teacher's inputs there (:func:`_teacher_probs`' ``src``;
-    with ``lk`` the full-vocabulary normaliser too: the batch's cached ``lse``, else computed)."""
-    nxt = k + 1
+def _read_stats(got: list, stats: dict, loss: str) -> None:
+    """Append every TTT step's (objective, top-1 agreement, α) to ``stats`` from ``got`` (per step
+    None or (n, objective, agree, α) as tensors), with one host synchronisation for all of them."""
+    live = [g for g in got if g is not None]
+    vals = iter(
+        torch.stack(
+            [
+                torch.stack([g[1].float(), g[2].float(), (g[1] if g[3] is None else g[3]).float()])
+                for g in live
+            ]
+        ).tolist()
+        if live
+        else []
+    )
+    for g in got:
+        if g is None:
+            for key in stats:
+                stats[key].append(0 if key == "n" else 0.0)
+            continue
+        v = next(vals)
+        stats["loss"].append(v[0])
+        stats["acc"].append(v[1] / g[0])
+        stats["n"].append(g[0])
+        if loss != "kl":
+            stats["alpha"].append(v[2] / g[0])
+
+
+def _supervised(batch: dict, k: int, in_draft: torch.Tensor) -> torch.Tensor:
+    """TTT step k's supervised positions, bool [B, T]: a completion input token whose teacher (at
+    t + k + 1) has its top-1 inside the draft vocabulary."""
     if "topk_ids" in batch:
-        sup = batch["sup"][k] & shift(batch["top1_in_draft"], nxt)
-        return sup, ("topk", shift(batch["topk_values"], nxt)[sup], shift(batch["topk_ids"], nxt)[sup])
-    sup = batch["sup"][k] & in_draft[shift(batch["argmax"], nxt)]
-    last = shift(batch["last"], nxt)[sup]
-    if not lk:
-        return sup, ("last", last)
-    lse = shift(batch["lse"], nxt)[sup] if "lse" in batch else full_logsumexp(target, last)
-    return sup, ("last", last, lse)
+        return batch["sup"][k] & shift(batch["top1_in_draft"], k + 1)
+    return batch["sup"][k] & in_draft[shift(batch["argmax"], k + 1)]
+
+
+def _table(batch: dict, sups: list, target: Target, draft_ids: torch.Tensor, lk: bool) -> TeacherTable:
+    """The batch's :class:`TeacherTable` over every position a step reads (t + k + 1 for each
+    supervised t of step k)."""
+    need = torch.zeros_like(sups[0])
+    for k, sup in enumerate(sups):
+        need |= _unshift(sup, k + 1)
+    return TeacherTable(target, batch["last"], need, draft_ids, batch.get("lse"), full=lk)
+
+
+def _unshift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of :func:`shift` for a bool [B, T] mask: out[:, t + k] = x[:, t]."""
+    out = torch.zeros_like(x)
+    if k < x.shape[1]:
+        out[:, k:] = x[:, : x.shape[1] - k]
+    return out
 
 
 def implied_tau(acc: list[float]) -> float:

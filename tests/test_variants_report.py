@@ -1,0 +1,102 @@
+"""benchmarks/variants.py's report: which row is best and whether it beats the baseline by more
+than the seed spread, from results as the benchmark writes them (and as a broken run leaves them)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import variants  # noqa: E402
+
+
+def _seed(name, seed, mt3, gsm3, mt5=None, gsm5=None):
+    return {
+        "key": f"{name}:{seed}",
+        "seed": seed,
+        "tau": {
+            "mt_bench": {"k3": mt3, "k5": mt3 if mt5 is None else mt5},
+            "gsm8k_heldout": {"k3": gsm3, "k5": gsm3 if gsm5 is None else gsm5},
+        },
+        "tokens_per_s": 100.0,
+    }
+
+
+def _row(name, *seeds):
+    row = {"name": name, "seeds": list(seeds)}
+    for c in variants.COLUMNS:
+        key = {"mt_bench": "mt_bench", "gsm8k": "gsm8k_heldout"}[c.split("_tau")[0]]
+        vals = [s["tau"][key][f"k{c[-1]}"] for s in seeds]
+        row[c] = sum(vals) / len(vals)
+        if len(vals) > 1:
+            row.setdefault("seed_spread", {})[c] = max(vals) - min(vals)
+    return row
+
+
+def test_one_seed_a_side_is_never_a_win_by_more_than_the_spread():
+    rows = [
+        _row("eagle3", _seed("eagle3", 0, 1.30, 1.80)),
+        _row("eagle3.1", _seed("eagle3.1", 0, 1.31, 1.81)),
+    ]
+    v = variants.compare_rows(rows)
+    assert v["best"] == "eagle3.1"
+    assert all(c["wins_by_more_than_seed_spread"] is None for c in v["columns"].values())
+    assert v["default_should_change"] is False
+
+
+def test_the_best_row_wins_every_column_and_a_non_finite_row_is_left_out():
+    base = _row("eagle3", _seed("eagle3", 0, 1.30, 1.80), _seed("eagle3", 1, 1.31, 1.81))
+    good = _row("eagle3.1", _seed("eagle3.1", 0, 1.36, 1.98), _seed("eagle3.1", 1, 1.35, 1.97))
+    # a larger mean gain that loses MT-bench: not the row the default should move to
+    lopsided = _row("lk_alpha", _seed("lk_alpha", 0, 1.20, 2.60), _seed("lk_alpha", 1, 1.21, 2.61))
+    broken = _row("norm_before_residual", _seed("norm_before_residual", 0, math.nan, 1.9))
+    v = variants.compare_rows([base, broken, lopsided, good])
+    assert v["best"] == "eagle3.1"
+    assert v["default_should_change"] is True
+    assert v["skipped"] == ["norm_before_residual"]
+    assert v["columns"]["mt_bench_tau_k3"]["gain"] == pytest.approx(1.355 / 1.305 - 1, abs=1e-4)
+
+
+def test_no_baseline_is_a_clear_error():
+    with pytest.raises(ValueError, match="no eagle3 row"):
+        variants.compare_rows([_row("eagle3.1", _seed("eagle3.1", 0, 1.3, 1.8))])
+
+
+def _args(work):
+    return SimpleNamespace(work=str(work), precision="fp32", loss_chunk=0, smoke=True)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"key": "eagle3:0", "tau": ', "not readable JSON"),
+        ("[1, 2]", "holds a list"),
+        (json.dumps(_seed("eagle3", 1, 1.3, 1.8)), "is not eagle3:0"),
+        (json.dumps({"key": "eagle3:0", "tau": {"mt_bench": {"k3": 1.3}}}), "no τ for mt_bench at K=5"),
+    ],
+)
+def test_a_broken_result_file_is_named_with_the_fix(tmp_path, content, match):
+    (tmp_path / "eagle3-s0").mkdir()
+    (tmp_path / "eagle3-s0" / "result.json").write_text(content)
+    with pytest.raises(SystemExit, match=match) as e:
+        variants.stage_report(_args(tmp_path))
+    assert "eagle3-s0/result.json" in str(e.value)
+
+
+def test_run_info_adds_to_the_recorded_settings_and_odd_folders_are_left_out(tmp_path, capsys):
+    for name, seed, mt in (("eagle3", 0, 1.30), ("eagle3", 1, 1.31), ("eagle3.1", 0, 1.35)):
+        d = tmp_path / f"{name}-s{seed}"
+        d.mkdir()
+        (d / "result.json").write_text(json.dumps(_seed(name, seed, mt, 1.8)))
+    (tmp_path / "eagle3-sX").mkdir()
+    (tmp_path / "eagle3-sX" / "result.json").write_text(json.dumps(_seed("eagle3", 7, 9.0, 9.0)))
+    (tmp_path / "run_info.json").write_text(json.dumps({"smoke": False, "machine": "H200"}))
+    out = variants.stage_report(_args(tmp_path))
+    assert out["smoke"] is True and out["machine"] == "H200"
+    assert [s["seed"] for s in out["rows"][0]["seeds"]] == [0, 1]
+    assert out["rows"][0]["mt_bench_tau_k3"] == pytest.approx(1.305)
+    err = capsys.readouterr().err
+    assert "eagle3-sX: not a row folder" in err and "['smoke'] left as the run recorded them" in err
