@@ -64,3 +64,12 @@ def test_relative_prompt_paths_resolve_against_the_config_folder(tmp_path):
     p.write_text("prompts:\n  sources:\n    - path: p.jsonl\n")
     cfg = load_config(p)
     assert cfg.prompts.sources[0].path == str(tmp_path / "p.jsonl")
+
+
+def test_a_variant_is_named_as_its_preset_and_other_flags_are_listed():
+    from eagle3kit.core.config import variant_name
+
+    assert variant_name({}) == "eagle3"
+    assert variant_name({"fc_norm": True, "norm_output": True, "norm_before_residual": False}) == "eagle3.1"
+    assert variant_name({"parallel_drafting": True, "mask_token_id": 5}) == "p-eagle"
+    assert variant_name({"norm_before_residual": True}) == "EAGLE-3 + norm_before_residual"

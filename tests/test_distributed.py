@@ -118,8 +118,9 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
     assert a[-1]["loss"] < a[0]["loss"]
     report = json.loads((runs["whole"] / "report.json").read_text())["train"]
     assert report["processes"] == 2 and report["attention"] == "reference" and report["precision"] == "fp32"
+    timing = ("tokens_per_s", "tokens_per_s_wall", "tokens_per_s_steady")  # clocks differ run to run
     assert report == json.loads((runs["killed"] / "report.json").read_text())["train"] | {
-        "tokens_per_s": report.get("tokens_per_s")
+        k: report.get(k) for k in timing
     }
     assert any(f.name.startswith("events.out.tfevents") for f in (runs["whole"] / "tensorboard").iterdir())
     assert RunDir(runs["whole"]).path.joinpath("checkpoints/best.safetensors").exists()

@@ -215,6 +215,18 @@ def test_c16_shallow_target_fails_before_any_work(tmp_path, smollm2_tokenizer):
     assert not (tmp_path / "run" / "prompts.jsonl").exists()
 
 
+def test_a_train_setting_this_machine_cannot_run_fails_before_any_stage(tmp_path, tiny_target_dir):
+    from eagle3kit.core.config import ConfigError
+
+    for bad in ({"precision": "tf32"}, {"attention": "flex"}):
+        cfg = load_config(
+            None, {"run_dir": str(tmp_path / "run"), "target": {"model": str(tiny_target_dir)}, "train": bad}
+        )
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            run_all(cfg)
+        assert not (tmp_path / "run" / "prompts.jsonl").exists()
+
+
 def test_train_rerun_resumes_and_never_deletes_earlier_checkpoints(tiny_run):
     from eagle3kit.train.stage import run_train
 
@@ -354,7 +366,7 @@ def test_a_variant_trained_with_an_lk_loss_says_so_in_its_report_and_logs_alpha(
         res = CliRunner().invoke(app, [stage, "-c", str(tmp_path / "c.yaml"), "--run-dir", str(copy)])
         assert res.exit_code == 0, res.output
     rep = json.loads((copy / "report.json").read_text())["train"]
-    assert rep["loss"] == "lk_lambda" and rep["drafter_variant"]["parallel_drafting"] is True
+    assert rep["loss"] == "lk_lambda" and rep["drafter_variant"] == "p-eagle"
     recs = [json.loads(x) for x in (copy / "train_log.jsonl").read_text().splitlines()]
     assert recs and all(len(r["alpha"]) == 3 and all(0 <= a <= 1 for a in r["alpha"]) for r in recs)
     assert load_exported(copy / "drafter").config.parallel_drafting

@@ -180,7 +180,7 @@ def extract(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="bf16 (default) or fp8 (e4m3, per-token scale)"
+        None, "--dtype", help="bf16 (default), fp8 (e4m3, per-token scale) or fp32"
     ),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="last (default) or topk:K"),
     shard_tokens: Optional[int] = typer.Option(
@@ -303,6 +303,12 @@ def train(
     ),
     features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)"),
+    online_from: Optional[list[str]] = typer.Option(
+        None,
+        "--online-from",
+        help="base URL of a vLLM capture server producing the states as training runs (repeat for "
+        "several; docs/online.md)",
+    ),
 ):
     """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
 
@@ -314,6 +320,7 @@ def train(
                 init_from=str(init_from) if init_from is not None else None,
                 features=str(features) if features is not None else None,
                 epochs=epochs,
+                online_from=list(online_from) if online_from else None,
             )
         },
     )

@@ -18,9 +18,15 @@ from eagle3kit.data.prompts import run_prompts
 from eagle3kit.data.tokenize import run_tokenize
 from eagle3kit.data.vocab import run_vocab
 from eagle3kit.eval.evaluate import run_evaluate
-from eagle3kit.model.target import chat_template_hash, load_target, resolve_aux_layer_ids, tokenizer_hash
+from eagle3kit.model.target import (
+    chat_template_hash,
+    load_target,
+    pick_device,
+    resolve_aux_layer_ids,
+    tokenizer_hash,
+)
 from eagle3kit.serve.export import run_export
-from eagle3kit.train.stage import run_train
+from eagle3kit.train.stage import _resolve_speed, run_train
 
 
 def stage_key(*parts) -> str:
@@ -136,6 +142,8 @@ def run_all(cfg: Config) -> dict:
 
     run = RunDir(cfg.run_dir)
     timer = Timer()
+    # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
+    _resolve_speed(cfg.train, pick_device(cfg.train.device))
     console.rule(f"eagle3kit run → {run.path}")
     target = load_target(cfg.target)
     write_run_header(cfg, run, target)

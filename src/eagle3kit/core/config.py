@@ -276,8 +276,10 @@ class VocabConfig(_Strict):
 
 
 class ExtractConfig(_Strict):
-    dtype: Literal["bf16", "fp8"] = Field(
-        default="bf16", description="bf16, or float8 e4m3 with a per-token scale"
+    dtype: Literal["bf16", "fp8", "fp32"] = Field(
+        default="bf16",
+        description="bf16, float8 e4m3 with a per-token scale, or fp32 (the states as a float32 "
+        "engine computes them: twice bf16's bytes)",
     )
     teacher: str = Field(
         default="last", description="last (the final hidden state) or topk:K (K largest draft-vocab logits)"
@@ -327,6 +329,16 @@ VARIANTS = {  # drafter.variant → its flags (DESIGN.md §4; model/drafter.py's
     "eagle3.1": {"fc_norm": True, "norm_output": True},  # the EAGLE-3.1 paper's per-layer norms
     "p-eagle": {"parallel_drafting": True},
 }
+
+
+def variant_name(flags: dict) -> str:
+    """A drafter's variant as a person names it (``eagle3``, ``eagle3.1``, ``p-eagle``), from the
+    flags that are on; flags no preset has are listed after ``EAGLE-3 +``."""
+    on = {k: v for k, v in flags.items() if v and k != "mask_token_id"}
+    for name, preset in VARIANTS.items():
+        if on == {k: v for k, v in preset.items() if v}:
+            return name
+    return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
 #: the drafter a config without a ``drafter`` section trains (docs/training.md, "Which drafter by default")
@@ -449,6 +461,21 @@ class TrainConfig(_Strict):
         default=None,
         description="train from the feature shards in this folder "
         "(`eagle3kit extract`) instead of running the target",
+    )
+    online_from: list[str] | None = Field(
+        default=None,
+        description="train from aux states that these vLLM capture servers produce as training runs "
+        "(base URLs; docs/online.md) instead of running the target here",
+    )
+    online_buffer_bytes: int = Field(
+        default=4 << 30,
+        gt=0,
+        description="most bytes of states a training process holds from the servers (files waiting "
+        "to be read plus requests in flight); each file is deleted once read",
+    )
+    online_inflight: int = Field(default=4, ge=1, description="most requests to the servers in flight")
+    online_timeout_s: float = Field(
+        default=120.0, gt=0, description="seconds a sample's states may take before the servers count as down"
     )
     init_from: str | None = Field(
         default=None,

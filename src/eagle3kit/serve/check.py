@@ -27,7 +27,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 from safetensors import safe_open
 
-from eagle3kit.core.config import VARIANTS, TargetConfig
+from eagle3kit.core.config import TargetConfig, variant_name
 from eagle3kit.core.engines import (
     installed_vllm,
     is_kimi_wrapper,
@@ -219,22 +219,13 @@ def _check_as_exported(folder: _Folder, variant: dict, engine: str) -> list[Find
         out.append(
             Finding(
                 "variant_mismatch",
-                f"the flags {engine} reads give {_variant_name(variant)}, but eagle3kit exported this drafter "
-                f"as {_variant_name(trained)} (eagle3kit.drafter_variant): it would serve another network "
+                f"the flags {engine} reads give {variant_name(variant)}, but eagle3kit exported this drafter "
+                f"as {variant_name(trained)} (eagle3kit.drafter_variant): it would serve another network "
                 "than the one trained",
                 "export the drafter again with `eagle3kit export` instead of editing config.json's flags",
             )
         )
     return out
-
-
-def _variant_name(flags: dict) -> str:
-    """A variant as a person names it: the preset whose flags these are, else the flags."""
-    on = {k: v for k, v in flags.items() if v and k != "mask_token_id"}
-    for name, preset in VARIANTS.items():
-        if on == {k: v for k, v in preset.items() if v}:
-            return name
-    return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
 def _read_folder(cfg_path: Path, st_path: Path) -> _Folder:
@@ -434,7 +425,8 @@ def _check_variant(variant: dict, engine: str, engine_version: str | None, folde
             Finding(
                 "engine_support",
                 f"SGLang support for {on} is not verified by eagle3kit (no SGLang runs here)",
-                "serve it with vLLM, or check the SGLang release you serve with",
+                "serve it with vLLM, check the SGLang release you serve with, or train the plain "
+                "drafter for SGLang (drafter: {variant: eagle3})",
                 "warning",
             )
         )

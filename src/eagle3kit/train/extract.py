@@ -59,13 +59,14 @@ def _pack(
     T, H = last.shape
     a = aux.reshape(T, 3, H)
     out: dict[str, torch.Tensor] = {}
-    if dtype == "bf16":
-        out["aux"] = a.to(torch.bfloat16)
+    plain = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
+    if plain is not None:
+        out["aux"] = a.to(plain)
     else:
         out["aux"], out["aux_scale"] = quantize_fp8(a)
     if topk is None:
-        if dtype == "bf16":
-            out["last"] = last.to(torch.bfloat16)
+        if plain is not None:
+            out["last"] = last.to(plain)
         else:
             out["last"], out["last_scale"] = quantize_fp8(last)
     else:

@@ -7,6 +7,8 @@ holds the three aux states (HF indices, DESIGN.md §3) and what the teacher need
 option         stored per token                                 bytes per token
 =============  ===============================================  =========================
 bf16 (default) aux [3, Ht] bf16 + last [Ht] bf16 (post-norm)    8·Ht (the baseline)
+fp32           aux [3, Ht] fp32 + last [Ht] fp32 (post-norm)    16·Ht (a float32 engine's
+                                                                exact states)
 fp8            aux [3, Ht] + last [Ht] float8 e4m3, one fp32     4·Ht + 16
                scale per token and state (amax / 448)
 topk:K         aux as above + the target's K largest logits     aux + K·(2 + 2 or 4) + 1
@@ -61,7 +63,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 def bytes_per_token(hidden: int, dtype: str, topk: int | None, draft_vocab_size: int) -> int:
     """Bytes a token takes in a shard for these options (the table in the module docstring)."""
-    state = hidden * 2 if dtype == "bf16" else hidden + 4
+    state = {"bf16": hidden * 2, "fp32": hidden * 4}.get(dtype, hidden + 4)
     teacher = state if topk is None else topk * (2 + (2 if draft_vocab_size <= 32767 else 4)) + 1
     return 3 * state + teacher
 
@@ -222,6 +224,11 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
     H = int(inputs.get("hidden_size") or target.hidden_size)
     topk = inputs.get("teacher", "last") != "last"
     fp8 = inputs.get("dtype") == "fp8"
+    state_dtypes = (
+        (torch.float8_e4m3fn,)
+        if fp8
+        else ((torch.float32,) if inputs.get("dtype") == "fp32" else (torch.bfloat16,))
+    )
     fix = f"rerun `eagle3kit extract --out {folder}` (it re-extracts bad shards)"
     for s in index["shards"]:
         path = folder / s["file"]
@@ -236,7 +243,7 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
         off = _expect(t, "offsets", (s["samples"] + 1,), (torch.int64,), path).tolist()
         if off[0] != 0 or off[-1] != n_tok or any(b < a for a, b in zip(off, off[1:])):
             raise DataError(f"{path}: offsets do not cover its {n_tok} tokens; {fix}")
-        aux_t = _expect(t, "aux", (n_tok, 3, H), (torch.float8_e4m3fn,) if fp8 else (torch.bfloat16,), path)
+        aux_t = _expect(t, "aux", (n_tok, 3, H), state_dtypes, path)
         if topk:
             K = _expect(
                 t,
@@ -248,7 +255,7 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
             _expect(t, "topk_ids", (n_tok, K), (torch.int16, torch.int32), path)
             _expect(t, "top1_in_draft", (n_tok,), (torch.bool,), path)
         else:
-            _expect(t, "last", (n_tok, H), (torch.float8_e4m3fn,) if fp8 else (torch.bfloat16,), path)
+            _expect(t, "last", (n_tok, H), state_dtypes, path)
         if fp8:
             _expect(t, "aux_scale", (n_tok, 3), (torch.float32,), path)
             if not topk:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError, DrafterVariantConfig
+from eagle3kit.core.config import Config, ConfigError, DrafterVariantConfig, variant_name
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats, match_runs, walk_chain
 from eagle3kit.core.rundir import (
@@ -66,7 +66,7 @@ from eagle3kit.train.checkpoints import (
     save_drafter_checkpoint,
 )
 from eagle3kit.train.distributed import full_state, init_world, load_full_state
-from eagle3kit.train.extract import feature_inputs
+from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.ttt import implied_tau, ttt_loss
@@ -106,6 +106,21 @@ def compute_features(
                 s.lse = norm[j].to(store_device) if lse else None
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
+
+
+@torch.no_grad()
+def fill_engine_features(
+    target: Target, samples: list[Sample], states: list[torch.Tensor], device, lse=False
+):
+    """Fill ``aux``, ``last`` and ``argmax`` (and ``lse``) of ``samples`` from an engine's captured
+    states, one [T, 4, Ht] per sample (:func:`~eagle3kit.train.extract.engine_features`: the final
+    norm applied once here), the teacher's top-1 taken at completion tokens as
+    :func:`compute_features` takes it."""
+    for s, h in zip(samples, states):
+        aux, last = engine_features(target, h)
+        top1, norm = teacher_top1_lse(target, last, where=s.mask.bool())
+        s.aux, s.last, s.argmax = aux.to(device), last.to(device), top1.to(device)
+        s.lse = norm.to(device) if lse else None
 
 
 @torch.no_grad()
@@ -225,6 +240,10 @@ _LOGISTICS = {
     "precision",
     "device",
     "serve_engine",
+    "online_from",  # hashed on its own: the producing engine's version and model
+    "online_buffer_bytes",
+    "online_inflight",
+    "online_timeout_s",
 }
 
 
@@ -348,6 +367,11 @@ def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> 
         "tf32": tc.precision == "tf32",
         "loss_chunk": chunk,
     }
+
+
+def _flat(b) -> list[int]:
+    """A batch's sample indices (a packed batch's rows flattened)."""
+    return [i for r in b for i in (r if isinstance(r, list) else [r])]
 
 
 def _epoch_batches(train: list[Sample], tc, epoch: int) -> list:
@@ -493,7 +517,8 @@ class _Training:
                 f"{tc.features} keep only the teacher's {self.features.get('teacher')}: extract them with "
                 "extract.teacher: last, train online (no train.features), or use train.loss: kl"
             )
-        warning = feature_source_warning((self.features or {}).get("source"), tc.serve_engine)
+        self.feeder = self._online(tc, target, aux_ids) if tc.online_from else None
+        warning = feature_source_warning(self._features_source(), tc.serve_engine)
         if warning and world.main:
             console.print(f"[yellow]{warning}[/]")
         self.samples = [s for s in all_samples if s.mask[1:].any()]
@@ -520,6 +545,8 @@ class _Training:
         }
         if self.features is not None:
             self.inputs["features"] = sha256_json(self.features)
+        if self.feeder is not None:  # the producing engine (not its address: a restarted server resumes)
+            self.inputs["features"] = sha256_json({"online": self._features_source()})
         self.provenance = {
             "target": {
                 "model": self.cfg.target.model,
@@ -530,8 +557,52 @@ class _Training:
             "draft_vocab_sha256": self.inputs["vocab"],
             "aux_layer_ids": {"convention": "hf_output_hidden_states_index", "ids": list(self.aux_ids)},
             # where the aux states and the teacher came from (check compares it with the serving engine)
-            "features_source": (self.features or {}).get("source") or "transformers",
+            "features_source": self._features_source() or "transformers",
         }
+
+    def _features_source(self) -> str | None:
+        """The features' tag (``vllm <version> (…)`` from ``extract`` or the online servers; None:
+        the target loaded here)."""
+        if self.feeder is not None:
+            return f"vllm {self.online_version} (extract_hidden_states, eagle3kit.train.vllm_capture)"
+        return (self.features or {}).get("source")
+
+    def _online(self, tc, target: Target, aux_ids):
+        """The :class:`~eagle3kit.train.online.EngineFeeder` of ``train.online_from`` (one buffer
+        folder per process), after asking every server what it is.
+
+        Raises:
+            ConfigError: train.features set too, or servers of different vLLM versions or models.
+            DataError: a server that does not answer."""
+        from eagle3kit.train.online import EngineFeeder, server_version  # noqa: PLC0415 (httpx, only online)
+
+        if tc.features:
+            raise ConfigError(
+                "train.online_from and train.features both name where features come from; keep one"
+            )
+        seen = [server_version(u) for u in tc.online_from]
+        if len({(v["version"], tuple(v["models"])) for v in seen}) > 1:
+            raise ConfigError(f"train.online_from: the servers differ (vLLM version or model): {seen}")
+        self.online_version, model = seen[0]["version"], seen[0]["models"][0]
+        dtype_bytes = torch.tensor([], dtype=target.dtype).element_size()
+        n_ids = len(aux_ids) + 1
+        return EngineFeeder(
+            tc.online_from,
+            model,
+            self.run.path / "online-buffer" / f"rank-{self.world.rank}",
+            tc.online_buffer_bytes,
+            n_ids,
+            n_ids * target.hidden_size * dtype_bytes,
+            tc.online_inflight,
+            tc.online_timeout_s,
+        )
+
+    def _fetch(self, samples: list[Sample]) -> None:
+        """Fill ``samples`` from the online servers (their states arrive in the scheduled order)."""
+        from eagle3kit.train.online import sample_key  # noqa: PLC0415
+
+        states = [self.feeder.get(sample_key(s.ids), s.ids) for s in samples]
+        fill_engine_features(self.target, samples, states, self.device, lse=self.tc.loss != "kl")
 
     def _split(self) -> None:
         """Seeded validation split (``train.val_fraction``), then this process's share of the rest."""
@@ -748,8 +819,17 @@ class _Training:
             _truncate_log(self.log_path, 0)
         self.timer = Timer()
         self.steady = [0, 0.0]  # tokens and seconds of this run's optimizer steps after its first WARM_STEPS
-        self.cached = tc.feature_cache or self.features is not None
-        if self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
+        self.cached = (tc.feature_cache or self.features is not None) and self.feeder is None
+        if self.feeder is not None:
+            self.consumed_path = self.run.path / "online-consumed" / f"rank-{world.rank}.jsonl"
+            self.consumed_path.parent.mkdir(exist_ok=True)
+            _truncate_log(self.consumed_path, self.step)  # steps after the last checkpoint are redone
+        if self.feeder is not None and self.start_epoch < tc.epochs and self.val:
+            from eagle3kit.train.online import sample_key  # noqa: PLC0415
+
+            self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val])
+            self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
+        elif self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
             compute_features(
                 self.target,
                 self.train + self.val,
@@ -804,6 +884,12 @@ class _Training:
         batches = _epoch_batches(train, tc, epoch)[: self.batches_per_epoch]
         first = self.start_batch if epoch == self.start_epoch else 0
         sums = self.acc_state if (epoch == self.start_epoch and self.acc_state) else [0.0, 0.0, 0, 0]
+        if self.feeder is not None:  # the servers fetch ahead, in the order the steps read
+            from eagle3kit.train.online import sample_key  # noqa: PLC0415
+
+            self.feeder.schedule(
+                [(sample_key(train[i].ids), train[i].ids) for b in batches[first:] for i in _flat(b)]
+            )
         with progress(disable=not world.main) as bar:
             task = bar.add_task(
                 f"train epoch {epoch + 1}/{tc.epochs}", total=len(batches), completed=first, tokens=0, note=""
@@ -838,8 +924,10 @@ class _Training:
         """One batch: features when not cached, the optimizer step, the schedule, the log record."""
         tc, train = self.tc, self.train
         t_step = time.perf_counter()
-        idx = [i for r in b for i in (r if isinstance(r, list) else [r])]
-        if not self.cached:
+        idx = _flat(b)
+        if self.feeder is not None:
+            self._fetch([train[i] for i in idx])
+        elif not self.cached:
             compute_features(
                 self.target,
                 [train[i] for i in idx],
@@ -876,6 +964,16 @@ class _Training:
             "implied_tau": round(implied_tau(st["acc"]), 4),
             "tokens": st["tokens"],
         }
+        if self.feeder is not None:  # which samples, by their token ids' hash (resume and kill checks)
+            from eagle3kit.train.online import sample_key  # noqa: PLC0415
+
+            rec["samples"] = [sample_key(train[i].ids) for i in idx]
+            rec["online_wait_s"] = round(self.feeder.wait_s, 3)
+            # every process's own samples (rank 0's log holds only its own): the union is the epoch
+            with open(self.consumed_path, "a") as fh:
+                fh.write(
+                    json.dumps({"step": self.step, "epoch": epoch + 1, "samples": rec["samples"]}) + "\n"
+                )
         if "alpha" in st:  # the LK objectives: mean expected acceptance α per TTT step
             rec["alpha"] = [round(a, 4) for a in st["alpha"]]
         if self.steps_run > WARM_STEPS:  # the log record's float() has waited for the step's kernels
@@ -943,7 +1041,7 @@ class _Training:
             "best_val_tau": round(self.best["val_tau"], 4) if self.n_val else None,
             "epochs": tc.epochs,
             "ttt_steps": tc.ttt_steps,
-            "drafter_variant": self.drafter.config.variant() or "eagle3",
+            "drafter_variant": variant_name(self.drafter.config.variant()),
             "loss": tc.loss,
             "train_samples": len(self.samples) - self.n_val,
             "val_samples": self.n_val,
@@ -956,6 +1054,8 @@ class _Training:
         }
         if self.init:
             result.update({k: self.init[k] for k in ("init_from", "lm_head_rows_copied")})
+        if self.feeder is not None:
+            result["online"] = {"servers": list(tc.online_from), **self.feeder.close()}
         if self.trained_tokens:
             # wall: every token over the stage's clock (features, compilation, validation and
             # checkpoints included); steady: the optimizer steps after the run's first WARM_STEPS

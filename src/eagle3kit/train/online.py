@@ -1,0 +1,364 @@
+"""Online training from the serving engine: vLLM capture servers produce the aux states and the
+teacher state of the training samples, the trainer consumes them as they arrive (issue 26).
+
+The producer is a vLLM server of the target started with its ``extract_hidden_states``
+speculative method and eagle3kit's capture connector (:func:`producer_args`; the same connector
+and reader as ``extract --backend vllm``, :mod:`eagle3kit.train.vllm_capture`). For each sample
+the trainer asks for one token (``/v1/completions``, the sample's token ids as the prompt,
+``max_tokens`` 1) with ``kv_transfer_params.hidden_states_path`` naming a file in its buffer
+folder; the server writes the sample's states there (``hidden_states`` [T, n_ids, Ht],
+``token_ids`` [T]) under an exclusive ``flock`` on ``<file>.lock``. The connector writes a
+finished request's file at the engine's next step, so a reader that waits longer than a moment
+sends a one-token flush request.
+
+Order and resume: a sample's file is named by the SHA-256 of its token ids
+(:func:`sample_key`), never by a request's position; a file is used only when its ``token_ids``
+equal the sample's. A trainer killed mid-epoch reruns from its last checkpoint: the files it had
+fetched and not consumed are reused, the ones no step will read again are deleted.
+
+The buffer is bounded: a request is sent only when the bytes of the files in the buffer folder
+plus the requests in flight (each counted at its size, T · n_ids · Ht · the engine's dtype) stay
+within ``buffer_bytes``; a file is deleted once its sample is consumed. The files are the ones
+vLLM's connector writes to a folder the server and trainer share (one machine); between machines
+a Mooncake transport is the plan (docs/online.md), not built.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors import safe_open
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.core.rundir import DataError
+
+CONNECTOR = "CPUHiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3kit.train.vllm_capture"
+
+
+def sample_key(ids: torch.Tensor) -> str:
+    """The SHA-256 (hex, 32 characters) of a sample's int64 token ids: its states' file name."""
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
+
+
+def producer_args(layer_ids: list[int], store: str | Path) -> dict:
+    """The vLLM settings of a capture producer: ``speculative_config`` (``extract_hidden_states``
+    of ``layer_ids``, the aux ids then N) and ``kv_transfer_config`` (eagle3kit's connector,
+    writing where each request's ``hidden_states_path`` says, ``store`` otherwise)."""
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR,
+            "kv_role": "kv_producer",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_connector_extra_config": {"shared_storage_path": str(store), "allow_custom_save_path": True},
+        },
+    }
+
+
+def producer_cli_args(layer_ids: list[int], store: str | Path) -> list[str]:
+    """:func:`producer_args` as ``vllm serve`` options (prefix caching off: every request's
+    states computed, none served from another request's blocks)."""
+    a = producer_args(layer_ids, store)
+    return [
+        "--speculative-config",
+        json.dumps(a["speculative_config"]),
+        "--kv-transfer-config",
+        json.dumps(a["kv_transfer_config"]),
+        "--no-enable-prefix-caching",
+    ]
+
+
+def read_states(path: str | Path, ids: torch.Tensor, n_ids: int) -> torch.Tensor:
+    """A capture file's states for a sample: ``hidden_states[:T]`` [T, n_ids, Ht] after checking
+    its ``token_ids`` are the sample's ``ids`` [T] (``extract --backend vllm`` reads its files the
+    same way).
+
+    Raises:
+        DataError: the file holds another sample's tokens or another number of states a token."""
+    with safe_open(str(path), "pt") as f:
+        tok = f.get_tensor("token_ids")
+        h = f.get_tensor("hidden_states")
+    n = ids.numel()
+    if tok[:n].tolist() != ids.tolist():
+        raise DataError(f"{path}: holds the states of other tokens than the sample's; delete it and rerun")
+    if h.shape[1] != n_ids:
+        raise DataError(
+            f"{path}: {h.shape[1]} states a token, expected {n_ids} (the server captures other layers)"
+        )
+    return h[:n]
+
+
+def _unlocked(path: str) -> bool:
+    """Whether ``path``'s writer has finished: no ``.lock`` beside it, or one we can share-lock."""
+    lock = path + ".lock"
+    if not os.path.exists(lock):
+        return os.path.exists(path)
+    try:
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(lf, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return False
+    except FileNotFoundError:
+        pass
+    return os.path.exists(path)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files in ``folder`` (a file removed while counting counts 0)."""
+    total = 0
+    for e in os.scandir(folder):
+        try:
+            if e.is_file(follow_symlinks=False):
+                total += e.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class EngineFeeder:
+    """Captured states for a trainer's samples, fetched ahead in the order it will read them.
+
+    Args:
+        urls: base URLs of the capture servers (``http://host:port``); requests go round-robin.
+        model: the served model name.
+        buffer: this trainer process's buffer folder (created; files of samples it will not read
+            are deleted).
+        buffer_bytes: most bytes the buffer's files and the requests in flight may take.
+        n_ids: states a token (aux ids + 1).
+        bytes_per_token: n_ids · Ht · the engine's dtype size (a request's reservation per token).
+        inflight: most requests in flight at once.
+        timeout_s: how long a sample may take (request, write and retries) before the server is
+            declared down.
+    Raises (from :meth:`get`):
+        DataError: a server stopped answering (naming it and the fix), or returned a file of other
+            tokens; ConfigError: a sample larger than the whole buffer.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        buffer: str | Path,
+        buffer_bytes: int,
+        n_ids: int,
+        bytes_per_token: int,
+        inflight: int = 4,
+        timeout_s: float = 120.0,
+    ):
+        self.urls, self.model = [u.rstrip("/") for u in urls], model
+        self.buffer = Path(buffer)
+        self.buffer.mkdir(parents=True, exist_ok=True)
+        (self.buffer / ".flush").mkdir(exist_ok=True)
+        self.limit, self.n_ids, self.bpt = int(buffer_bytes), n_ids, bytes_per_token
+        self.timeout = timeout_s
+        self.client = httpx.Client(timeout=timeout_s)
+        self.pool = ThreadPoolExecutor(max(1, inflight), thread_name_prefix="eagle3kit-feeder")
+        self.inflight = max(1, inflight)
+        self.cv = threading.Condition()
+        self.reserved = 0  # bytes of requests in flight
+        self.futures: dict[str, Future] = {}
+        self.sizes: dict[str, int] = {}
+        self.order: list[tuple[str, torch.Tensor]] = []
+        self.next = 0  # index into order of the next request to send
+        self.wait_s = 0.0
+        self.peak_bytes = 0
+        self.requests = 0
+        self.reused = 0
+        self.error: BaseException | None = None
+        self._rr = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def schedule(self, order: list[tuple[str, torch.Tensor]]) -> None:
+        """The samples (key, token ids) in the order :meth:`get` will ask for them (this epoch's rest,
+        from the resume point); files of samples not in it are deleted."""
+        with self.cv:
+            self.order, self.next = list(order), 0
+            keep = {k for k, _ in order}
+            for f in self.buffer.glob("*.safetensors"):
+                if f.stem not in keep and f.stem not in self.futures:
+                    f.unlink(missing_ok=True)
+                    Path(str(f) + ".lock").unlink(missing_ok=True)
+            self.cv.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="eagle3kit-feeder")
+            self._thread.start()
+
+    def _note_peak(self) -> None:
+        """The most bytes the buffer folder held when looked at (a request is sent only while the
+        files plus every request in flight, counted whole, stay within the bound)."""
+        self.peak_bytes = max(self.peak_bytes, folder_bytes(self.buffer))
+
+    def _size(self, ids: torch.Tensor) -> int:
+        return ids.numel() * self.bpt
+
+    def _run(self) -> None:
+        """Send requests in order while the buffer has room (the bound: files + in flight)."""
+        while True:
+            with self.cv:
+                while not self._stop and (
+                    self.next >= len(self.order)
+                    or len(self.futures) >= self.inflight
+                    or folder_bytes(self.buffer) + self.reserved + self._size(self.order[self.next][1])
+                    > self.limit
+                ):
+                    self.cv.wait(0.05)
+                if self._stop:
+                    return
+                key, ids = self.order[self.next]
+                self.next += 1
+                if key in self.futures:
+                    continue
+                size = self._size(ids)
+                if size > self.limit:
+                    self.error = ConfigError(
+                        f"a sample of {ids.numel()} tokens needs {size:,} bytes of states, more than "
+                        f"train.online_buffer_bytes ({self.limit:,}); raise it"
+                    )
+                    self.cv.notify_all()
+                    return
+                path = self.buffer / f"{key}.safetensors"
+                if path.exists() and not Path(str(path) + ".lock").exists():
+                    fut: Future = Future()  # fetched by an earlier run (or twice in an epoch): reused
+                    fut.set_result(path)
+                    self.reused += 1
+                else:
+                    self.reserved += size
+                    self.sizes[key] = size
+                    fut = self.pool.submit(self._fetch, key, ids, path)
+                self.futures[key] = fut
+                self._note_peak()
+
+    def _post(self, ids: list[int], path: Path) -> dict:
+        url = self.urls[self._rr % len(self.urls)]
+        self._rr += 1
+        r = self.client.post(
+            f"{url}/v1/completions",
+            json={
+                "model": self.model,
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "kv_transfer_params": {"hidden_states_path": str(path)},
+            },
+        )
+        if r.status_code != 200:
+            raise DataError(f"the capture server at {url} answered HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def _fetch(self, key: str, ids: torch.Tensor, path: Path) -> Path:
+        """One sample: the request, then the file once its writer is done (flushing if needed)."""
+        deadline = time.monotonic() + self.timeout
+        last_err: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                got = self._post(ids.tolist(), path)
+                want = str(path)
+                if (got.get("kv_transfer_params") or {}).get("hidden_states_path") != want:
+                    raise DataError(
+                        f"the capture server did not write states where asked ({want}): start it with "
+                        "eagle3kit's producer settings (eagle3kit.train.online.producer_args)"
+                    )
+                t_flush = time.monotonic() + 0.5
+                while not _unlocked(want):
+                    if time.monotonic() > t_flush:  # the engine writes at its next step: give it one
+                        self._post(ids[:1].tolist(), self.buffer / ".flush" / f"{key}.safetensors")
+                        t_flush = time.monotonic() + 0.5
+                    if time.monotonic() > deadline:
+                        raise DataError(f"the capture server never finished writing {want}")
+                    time.sleep(0.01)
+                for f in (self.buffer / ".flush").iterdir():
+                    f.unlink(missing_ok=True)
+                self.requests += 1
+                with self.cv:
+                    self.reserved -= self.sizes.pop(key, 0)
+                    self._note_peak()
+                    self.cv.notify_all()
+                return path
+            except (httpx.TransportError, DataError) as e:  # down, restarting, or a bad answer: retry
+                last_err = e
+                time.sleep(0.5)
+        with self.cv:
+            self.reserved -= self.sizes.pop(key, 0)
+            self.cv.notify_all()
+        raise DataError(
+            f"the capture server(s) {', '.join(self.urls)} gave no states for a sample of {ids.numel()} tokens "
+            f"in {self.timeout:.0f} s ({type(last_err).__name__}: {str(last_err)[:200]}); start the server "
+            "again (or fix the error above) and rerun train: it resumes from its last checkpoint"
+        )
+
+    # ---- consuming ----------------------------------------------------------------------------
+    def get(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        """The states [T, n_ids, Ht] of the sample ``key`` (token ids ``ids``), waiting for them if
+        needed (counted in :attr:`wait_s`); its file is deleted once read."""
+        t0 = time.perf_counter()
+        with self.cv:
+            while key not in self.futures and self.error is None:
+                self.cv.wait(0.05)
+            if self.error is not None:
+                raise self.error
+            fut = self.futures.pop(key)
+            self.cv.notify_all()
+        path = fut.result()
+        self.wait_s += time.perf_counter() - t0
+        self._note_peak()
+        states = read_states(path, ids, self.n_ids)
+        if not any(k == key for k, _ in self.order[self.next :]):
+            path.unlink(missing_ok=True)
+            Path(str(path) + ".lock").unlink(missing_ok=True)
+        with self.cv:
+            self.cv.notify_all()
+        return states
+
+    def close(self) -> dict:
+        """Stop fetching; returns the statistics (seconds waited, peak bytes, requests, reused files)."""
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+        return self.stats()
+
+    def stats(self) -> dict:
+        return {
+            "wait_s": round(self.wait_s, 3),
+            "peak_buffer_bytes": self.peak_bytes,
+            "requests": self.requests,
+            "reused_files": self.reused,
+        }
+
+
+def server_version(url: str) -> dict:
+    """What the capture server says it is (``/version``, ``/v1/models``): the features' source."""
+    try:
+        with httpx.Client(timeout=10) as c:
+            version = c.get(f"{url.rstrip('/')}/version").json().get("version")
+            models = [m["id"] for m in c.get(f"{url.rstrip('/')}/v1/models").json().get("data", [])]
+    except (httpx.HTTPError, ValueError) as e:
+        raise DataError(
+            f"train.online_from: no vLLM server answers at {url} ({type(e).__name__}); start the capture "
+            "server first (docs/online.md) or fix the URL"
+        ) from None
+    return {"engine": "vllm", "version": version, "url": url, "models": models}
+
+
+def dumps_source(src: list[dict]) -> str:
+    return json.dumps(src, sort_keys=True)

@@ -1,0 +1,279 @@
+"""Online training from the serving engine (issue 26): a separately started vLLM server (CPU build)
+produces the aux states and the teacher state as training runs, through a bounded buffer; the
+drafter equals the one trained offline on the states ``extract --backend vllm`` stored, and a
+killed trainer or producer resumes without a lost, repeated or mismatched sample."""
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from conftest import SHARED, build_tiny_llama
+
+from eagle3kit.core.engines import VLLMServer, free_port
+
+pytestmark = [pytest.mark.vllm]
+
+
+def _cfg(run, target, **train):
+    import yaml
+
+    cfg = {
+        "run_dir": str(run),
+        "target": {"model": str(target), "dtype": "float32"},
+        "vocab": {"draft_vocab_size": 512},
+        "extract": {"backend": "vllm", "dtype": "fp32", "shard_tokens": 4000},
+        "drafter": {"variant": "eagle3"},
+        "train": {
+            "epochs": 2,
+            "ttt_steps": 3,
+            "tokens_per_step": 600,
+            "val_fraction": 0.2,
+            "checkpoint_every": 2,
+            "tensorboard": False,
+            "lr": 3e-3,
+            **train,
+        },
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run / "config.yaml"
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory, smollm2_tokenizer):
+    """A tiny 8-layer Llama (head size 64: one vLLM's CPU build runs) with SmolLM2's tokenizer, a
+    run folder of 12 GSM8K conversations with its tokens and draft vocabulary, and a capture
+    server of that target (started once, as a user would start it)."""
+    from eagle3kit.core.config import PromptSource, load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.data.tokenize import save_shard
+    from eagle3kit.data.vocab import run_vocab
+    from eagle3kit.train.online import producer_cli_args
+
+    tmp = tmp_path_factory.mktemp("online")
+    m = build_tiny_llama(
+        8, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64
+    )
+    m.generation_config.eos_token_id = 2
+    m.save_pretrained(tmp / "target")
+    smollm2_tokenizer.save_pretrained(tmp / "target")
+    base = tmp / "base"
+    base.mkdir()
+    rows, _ = read_source(
+        PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-12)
+    )
+    samples = []
+    for r in rows:
+        ids = smollm2_tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        samples.append((ids, [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)))
+    save_shard(base / "tokens.safetensors", samples)
+    cfg = load_config(_cfg(base, tmp / "target"))
+    run_vocab(cfg, RunDir(base))
+    srv = VLLMServer(
+        tmp / "target",
+        free_port(),
+        tmp / "producer.log",
+        served_name="target",
+        max_model_len=1024,
+        extra_args=producer_cli_args([2, 4, 5, 8], tmp / "producer-store"),
+    )
+    srv.start(300)
+    try:
+        yield {"tmp": tmp, "base": base, "target": tmp / "target", "server": srv, "samples": samples}
+    finally:
+        srv.kill()
+
+
+def _copy_run(online, name):
+    d = online["tmp"] / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    for f in ("tokens.safetensors", "vocab.safetensors", "manifest.json"):
+        if (online["base"] / f).exists():
+            shutil.copy(online["base"] / f, d / f)
+    return d
+
+
+def _train(cfg_path, env=None):
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.train.stage import run_train
+
+    cfg = load_config(cfg_path)
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return run_train(cfg, RunDir(cfg.run_dir))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def _log(run):
+    return [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_online_training_equals_offline_training_on_the_stored_engine_states(online):
+    """Point 1: same seed, same loss at every step as training on the states `extract --backend
+    vllm` stored (fp32), and the same drafter; the feature source recorded as the engine's."""
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.train.extract import run_extract
+    from eagle3kit.train.online import sample_key
+
+    off = _copy_run(online, "offline")
+    cfg = load_config(_cfg(off, online["target"]))
+    ext = run_extract(cfg, RunDir(off))
+    rep_off = _train(_cfg(off, online["target"], features=ext["path"]))
+    on = _copy_run(online, "online")
+    rep_on = _train(_cfg(on, online["target"], online_from=[online["server"].url]))
+    a, b = _log(off), _log(on)
+    assert len(a) == len(b) > 4
+    for x, y in zip(a, b):
+        assert x["step"] == y["step"] and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5), (x, y)
+    assert rep_on["best_val_tau"] == pytest.approx(rep_off["best_val_tau"], abs=1e-3)
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(r / "checkpoints/best.safetensors")) for r in (off, on))
+    assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-3
+    from eagle3kit.core.engines import installed_vllm
+    from eagle3kit.train.checkpoints import checkpoint_provenance
+
+    assert rep_on["online"]["requests"] > 0 and rep_on["online"]["wait_s"] >= 0
+    # the source as `extract --backend vllm` tags it: `parity` and train.serve_engine read it the same way
+    src = checkpoint_provenance(on / "checkpoints/best.safetensors")["features_source"]
+    assert src == checkpoint_provenance(off / "checkpoints/best.safetensors")["features_source"]
+    assert src.startswith(f"vllm {installed_vllm()} (extract_hidden_states")
+    # every step names its samples by their token ids' hash; an epoch is the training split
+    keys = [k for r in b if r["epoch"] == 1 for k in r["samples"]]
+    assert len(keys) == len(set(keys)) and set(keys) <= {
+        sample_key(torch.tensor(s[0])) for s in online["samples"]
+    }
+    assert not list((on / "online-buffer" / "rank-0").glob("*.safetensors"))  # consumed, deleted
+
+
+def test_the_buffer_never_holds_more_than_its_bound(online):
+    """Point 2: a buffer of about three samples' states while the run trains on all of them: a
+    monitor of the folder's bytes (polled every 5 ms) never sees more than the setting."""
+    from eagle3kit.train.online import folder_bytes
+
+    run = _copy_run(online, "bounded")
+    longest = max(len(s[0]) for s in online["samples"])
+    bound = 3 * longest * 4 * 128 * 4  # three of the longest samples: 4 states × 128 × fp32
+    total = sum(len(s[0]) for s in online["samples"]) * 4 * 128 * 4
+    assert total > 2 * bound
+    seen, stop = [0], threading.Event()
+    buf = run / "online-buffer" / "rank-0"
+
+    def watch():
+        while not stop.is_set():
+            if buf.exists():
+                seen[0] = max(seen[0], folder_bytes(buf))
+            time.sleep(0.005)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        rep = _train(
+            _cfg(run, online["target"], online_from=[online["server"].url], online_buffer_bytes=bound)
+        )
+    finally:
+        stop.set()
+        t.join()
+    assert 0 < seen[0] <= bound, (seen[0], bound)
+    assert 0 < rep["online"]["peak_buffer_bytes"] <= bound
+
+
+def _whole(online):
+    """The uninterrupted online run the kill tests compare with (trained once per module)."""
+    whole = online["tmp"] / "whole"
+    if not (whole / "train_log.jsonl").exists() or "train" not in json.loads(
+        (whole / "report.json").read_text() if (whole / "report.json").exists() else "{}"
+    ):
+        whole = _copy_run(online, "whole")
+        _train(_cfg(whole, online["target"], online_from=[online["server"].url]))
+    return whole
+
+
+def test_a_killed_trainer_resumes_with_the_same_samples_and_loss_curve(online):
+    """Point 3 (trainer): killed after step 3 (its checkpoint at step 2), rerun: every step's
+    samples (by hash) and loss equal the uninterrupted run's."""
+    whole = _whole(online)
+    cut = _copy_run(online, "cut")
+    cfg = _cfg(cut, online["target"], online_from=[online["server"].url])
+    with pytest.raises(SystemExit):
+        _train(cfg, {"EAGLE3KIT_STOP_AFTER_STEPS": "3"})
+    orphan = cut / "online-buffer" / "rank-0" / f"{'0' * 32}.safetensors"  # no step reads it
+    orphan.write_bytes(b"x" * 100)
+    _train(cfg)
+    assert not orphan.exists()
+    a, b = _log(whole), _log(cut)
+    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+
+
+def test_a_producer_killed_mid_epoch_is_named_and_the_rerun_resumes(online):
+    """Point 3 (producer, and both): the server killed during training; train stops naming the
+    server and the fix; a new server (and a new trainer process state) resumes the run to the same
+    samples and loss curve as the uninterrupted run of the test above."""
+    from eagle3kit.core.rundir import DataError
+
+    srv = online["server"]
+    whole = _whole(online)
+    run = _copy_run(online, "producer-killed")
+    cfg = _cfg(run, online["target"], online_from=[srv.url], online_timeout_s=8, online_inflight=1)
+
+    def kill_later():
+        while not (run / "train_log.jsonl").exists() or len(_log(run)) < 4:
+            time.sleep(0.05)
+        srv.kill()
+
+    k = threading.Thread(target=kill_later, daemon=True)
+    k.start()
+    try:
+        with pytest.raises(DataError, match="start the server again"):
+            _train(cfg)
+    finally:
+        k.join()
+        srv.start(300)  # the module's server again, at the same address
+    _train(cfg)
+    a, b = _log(whole), _log(run)
+    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+
+
+def test_two_trainer_processes_fed_by_one_producer_train_the_epoch_once(online):
+    """Point 4: two gloo processes under torchrun, one server: the union of the samples each
+    trained in an epoch is the training split, no sample twice."""
+    import subprocess
+    import sys
+
+    from eagle3kit.train.online import sample_key
+
+    run = _copy_run(online, "two")
+    cfg = _cfg(run, online["target"], online_from=[online["server"].url], device="cpu", epochs=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "eagle3kit", "train", "-c", str(cfg)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    per_rank = []
+    for r in (0, 1):
+        lines = (run / "online-consumed" / f"rank-{r}.jsonl").read_text().splitlines()
+        per_rank.append([k for x in lines for k in json.loads(x)["samples"]])
+    a, b = per_rank
+    assert a and b and not set(a) & set(b)
+    union = a + b
+    assert len(union) == len(set(union))
+    every = {sample_key(torch.tensor(s[0])) for s in online["samples"]}
+    val = json.loads((run / "report.json").read_text())["train"]["val_samples"]
+    # each process trains the same number of batches (the shorter share's): at most a batch's samples left out
+    assert union and set(union) <= every and len(every) - val - len(union) <= 4
