@@ -147,3 +147,20 @@ def diagnose_cli(url: str, drafter, prompts, out: Path, *extra: str) -> dict:
         "report": json.loads(rep.read_text()) if rep.exists() and md.exists() else None,
         "md": md.read_text() if md.exists() else "",
     }
+
+
+def gsm8k_token_samples(tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
+    """The last ``n`` GSM8K conversations of ../shared (question and answer) as (token ids, mask)
+    samples in the tokenizer's chat template, the second half of each supervised."""
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.data.sources import read_source
+
+    rows, _ = read_source(
+        PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-n)
+    )
+    samples = []
+    for r in rows:
+        ids = tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        samples.append((ids, [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)))
+    return samples

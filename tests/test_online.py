@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import SHARED, build_tiny_llama
+from conftest import build_tiny_llama, gsm8k_token_samples
 
 from eagle3kit.core.engines import VLLMServer, free_port
 
@@ -47,9 +47,8 @@ def online(tmp_path_factory, smollm2_tokenizer):
     """A tiny 8-layer Llama (head size 64: one vLLM's CPU build runs) with SmolLM2's tokenizer, a
     run folder of 12 GSM8K conversations with its tokens and draft vocabulary, and a capture
     server of that target (started once, as a user would start it)."""
-    from eagle3kit.core.config import PromptSource, load_config
+    from eagle3kit.core.config import load_config
     from eagle3kit.core.rundir import RunDir
-    from eagle3kit.data.sources import read_source
     from eagle3kit.data.tokenize import save_shard
     from eagle3kit.data.vocab import run_vocab
     from eagle3kit.train.online import producer_cli_args
@@ -63,14 +62,7 @@ def online(tmp_path_factory, smollm2_tokenizer):
     smollm2_tokenizer.save_pretrained(tmp / "target")
     base = tmp / "base"
     base.mkdir()
-    rows, _ = read_source(
-        PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-12)
-    )
-    samples = []
-    for r in rows:
-        ids = smollm2_tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        samples.append((ids, [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)))
+    samples = gsm8k_token_samples(smollm2_tokenizer, 12)
     save_shard(base / "tokens.safetensors", samples)
     cfg = load_config(_cfg(base, tmp / "target"))
     run_vocab(cfg, RunDir(base))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SHARED
+from conftest import gsm8k_token_samples
 from typer.testing import CliRunner
 
 VLLM = importlib.util.find_spec("vllm") is not None
@@ -32,21 +32,12 @@ def _cli(*args, timeout=900):
 @pytest.fixture(scope="module")
 def gsm8k_run(tmp_path_factory, smollm2_tokenizer):
     """A run folder holding 5 whole GSM8K conversations (question and answer) as token samples."""
-    from eagle3kit.core.config import PromptSource
-    from eagle3kit.data.sources import read_source
     from eagle3kit.data.tokenize import save_shard
 
     run = tmp_path_factory.mktemp("capture") / "run"
     run.mkdir()
     (run / "config.yaml").write_text(f"run_dir: {run}\n")
-    rows, _ = read_source(
-        PromptSource(name="gsm8k", path=str(SHARED / "data/chats/gsm8k_train.jsonl"), start=-5)
-    )
-    samples = []
-    for r in rows:
-        ids = smollm2_tokenizer.apply_chat_template(r["messages"][:2], tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        samples.append((ids, [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)))
+    samples = gsm8k_token_samples(smollm2_tokenizer, 5)
     save_shard(run / "tokens.safetensors", samples)
     return run
 
