@@ -69,6 +69,7 @@ from eagle3kit.train.distributed import full_state, init_world, load_full_state
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
+from eagle3kit.train.online import EngineFeeder, sample_key, server_version
 from eagle3kit.train.ttt import implied_tau, ttt_loss
 
 
@@ -574,8 +575,6 @@ class _Training:
         Raises:
             ConfigError: train.features set too, or servers of different vLLM versions or models.
             DataError: a server that does not answer."""
-        from eagle3kit.train.online import EngineFeeder, server_version  # noqa: PLC0415 (httpx, only online)
-
         if tc.features:
             raise ConfigError(
                 "train.online_from and train.features both name where features come from; keep one"
@@ -597,12 +596,13 @@ class _Training:
             tc.online_timeout_s,
         )
 
-    def _fetch(self, samples: list[Sample]) -> None:
-        """Fill ``samples`` from the online servers (their states arrive in the scheduled order)."""
-        from eagle3kit.train.online import sample_key  # noqa: PLC0415
-
-        states = [self.feeder.get(sample_key(s.ids), s.ids) for s in samples]
+    def _fetch(self, samples: list[Sample]) -> list[str]:
+        """Fill ``samples`` from the online servers (their states arrive in the scheduled order);
+        returns their keys (:func:`~eagle3kit.train.online.sample_key`)."""
+        keys = [sample_key(s.ids) for s in samples]
+        states = [self.feeder.get(k, s.ids) for k, s in zip(keys, samples)]
         fill_engine_features(self.target, samples, states, self.device, lse=self.tc.loss != "kl")
+        return keys
 
     def _split(self) -> None:
         """Seeded validation split (``train.val_fraction``), then this process's share of the rest."""
@@ -825,8 +825,6 @@ class _Training:
             self.consumed_path.parent.mkdir(exist_ok=True)
             _truncate_log(self.consumed_path, self.step)  # steps after the last checkpoint are redone
         if self.feeder is not None and self.start_epoch < tc.epochs and self.val:
-            from eagle3kit.train.online import sample_key  # noqa: PLC0415
-
             self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val])
             self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
         elif self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
@@ -885,8 +883,6 @@ class _Training:
         first = self.start_batch if epoch == self.start_epoch else 0
         sums = self.acc_state if (epoch == self.start_epoch and self.acc_state) else [0.0, 0.0, 0, 0]
         if self.feeder is not None:  # the servers fetch ahead, in the order the steps read
-            from eagle3kit.train.online import sample_key  # noqa: PLC0415
-
             self.feeder.schedule(
                 [(sample_key(train[i].ids), train[i].ids) for b in batches[first:] for i in _flat(b)]
             )
@@ -925,8 +921,9 @@ class _Training:
         tc, train = self.tc, self.train
         t_step = time.perf_counter()
         idx = _flat(b)
+        keys = None
         if self.feeder is not None:
-            self._fetch([train[i] for i in idx])
+            keys = self._fetch([train[i] for i in idx])
         elif not self.cached:
             compute_features(
                 self.target,
@@ -965,9 +962,7 @@ class _Training:
             "tokens": st["tokens"],
         }
         if self.feeder is not None:  # which samples, by their token ids' hash (resume and kill checks)
-            from eagle3kit.train.online import sample_key  # noqa: PLC0415
-
-            rec["samples"] = [sample_key(train[i].ids) for i in idx]
+            rec["samples"] = keys
             rec["online_wait_s"] = round(self.feeder.wait_s, 3)
             # every process's own samples (rank 0's log holds only its own): the union is the epoch
             with open(self.consumed_path, "a") as fh:

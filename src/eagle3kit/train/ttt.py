@@ -79,14 +79,7 @@ class TeacherTable:
         self.row[need] = torch.arange(int(need.sum()), device=need.device)
         src = last[need]
         with torch.no_grad():
-            w = target.parts.lm_head.weight
-            dw = w[draft_ids.to(w.device)]  # the draft rows, gathered once
-            bias = getattr(target.parts.lm_head, "bias", None)
-            db = bias[draft_ids.to(w.device)] if bias is not None else None
-            zs = []
-            for a in range(0, len(src), chunk):
-                z = src[a : a + chunk].to(w.device, w.dtype) @ dw.T
-                zs.append((z if db is None else z + db).float().to(last.device))
+            zs = [teacher_logits(target, src[a : a + chunk], draft_ids) for a in range(0, len(src), chunk)]
             self.z = torch.cat(zs) if zs else torch.zeros(0, draft_ids.numel(), device=last.device)
             self.lse_draft = torch.logsumexp(self.z, -1)
             self.lse = None
