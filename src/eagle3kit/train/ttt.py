@@ -11,11 +11,11 @@ Two ways to compute the same loss:
 
 * ``loss_chunk=0`` — the readable reference: teacher and drafter distributions of every
   supervised position of a step exist at once ([n, Vd] fp32 each).
-* ``loss_chunk=C`` — C positions at a time under activation checkpointing: the [C, Vd] teacher
-  softmax, drafter logits and log-softmax are recomputed in the backward pass instead of being
-  kept, so the memory of the loss no longer grows with the batch (at 16K positions and a 32K draft
-  vocabulary the reference keeps about 6 GB a step), at the price of a second drafter lm_head
-  product.
+* ``loss_chunk=C`` — C positions at a time, so the memory of the loss no longer grows with the
+  batch (at 16K positions and a 32K draft vocabulary the reference keeps about 6 GB a step): for
+  ``kl`` with gradients, :class:`FusedDraftCE` (lm_head and loss with the gradients taken in the
+  forward pass); otherwise under activation checkpointing, the [C, Vd] teacher softmax, drafter
+  logits and log-softmax recomputed in the backward pass at the price of a second lm_head product.
 
 Either way the teacher's draft-vocabulary logits are computed once per batch for every position a
 step reads (:class:`TeacherTable`), not once per step: TTT step k reads the teacher at t+k+1, so
