@@ -109,13 +109,18 @@ SHAPES = {
     ),
 }
 # eagle3kit paths: train.attention / precision / loss_chunk
-PATHS = {
-    "bf16-flex-c4096": {"attention": "flex", "bf16": True, "tf32": False, "loss_chunk": 4096},
-    "bf16-flex-c0": {"attention": "flex", "bf16": True, "tf32": False, "loss_chunk": 0},
-    "tf32-flex-c0": {"attention": "flex", "bf16": False, "tf32": True, "loss_chunk": 0},
-    "tf32-flex-c4096": {"attention": "flex", "bf16": False, "tf32": True, "loss_chunk": 4096},
-    "tf32-ref-c0": {"attention": "reference", "bf16": False, "tf32": True, "loss_chunk": 0},
-    "bf16-ref-c0": {"attention": "reference", "bf16": True, "tf32": False, "loss_chunk": 0},
+PATHS = {  # name: train's speed settings (``compile``: the drafter layer's torch.compile)
+    f"{prec}-{att}-c{chunk}{'-nc' if not comp else ''}": {
+        "attention": "flex" if att == "flex" else "reference",
+        "bf16": prec == "bf16",
+        "tf32": prec == "tf32",
+        "loss_chunk": chunk,
+        "compile": comp,
+    }
+    for prec in ("bf16", "tf32")
+    for att in ("flex", "ref")
+    for chunk in (0, 4096, 8192, 16384)
+    for comp in (True, False)
 }
 TTT, LR, CLIP = 7, 3e-4, 0.5
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -361,6 +366,8 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
     drafter = Eagle3Drafter(
         DrafterConfig.from_target(cfg, vd, tuple(prep["aux_ids"]), vocab_size=cfg.vocab_size)
     ).to(dev)
+    if speed.get("compile"):
+        drafter.compile_layer()
     drafter.d2t.copy_(draft_ids - torch.arange(vd, device=dev))
     drafter.t2d.zero_()
     drafter.t2d[draft_ids] = True
@@ -378,6 +385,7 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
         losses.append(round(float(loss.detach()), 4))
         tokens += B * T
     sync()
+    steady = (len(steps) - WARM_STEPS) * B * T / (time.perf_counter() - t0)
     prof_out = os.environ.get("PEERS_PROFILE")
     if prof_out and dev.type == "cuda":  # two more steps under the profiler: where the time goes
         from torch.profiler import ProfilerActivity, profile
@@ -389,7 +397,6 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
         Path(prof_out).write_text(
             prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
         )
-    steady = (len(steps) - WARM_STEPS) * B * T / (time.perf_counter() - t0)
     out.write_text(
         json.dumps(
             {

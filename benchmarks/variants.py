@@ -155,6 +155,14 @@ def stage_data(args) -> None:
     (run / "variants_data.json").write_text(json.dumps(stats, indent=2, default=str))
 
 
+def speed_settings(args) -> dict:
+    """The ``train`` speed settings of every eagle3kit row: the dense reference path at
+    ``--precision``/``--loss-chunk``, or with ``--speed auto`` train's own defaults."""
+    if args.speed == "auto":
+        return {"attention": "auto", "precision": "auto", "loss_chunk": None}
+    return {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
+
+
 def run_dir(args, key: str) -> Path:
     name, seed = key.split(":")
     return Path(args.work) / f"{name}-s{seed}"
@@ -176,7 +184,7 @@ def train_one(args, key: str) -> None:
         return
     drafter, loss = ROWS[name]
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))
-    speed = {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
+    speed = speed_settings(args)
     res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **speed)
     tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
     out = {
@@ -186,12 +194,21 @@ def train_one(args, key: str) -> None:
         "train_seconds": round(seconds, 1),
         **{
             k: res.get(k)
-            for k in ("tokens_per_s", "best_val_tau", "best_epoch", "final_loss", "train_samples")
+            for k in (
+                "tokens_per_s",
+                "tokens_per_s_steady",
+                "tokens_per_s_wall",
+                "best_val_tau",
+                "best_epoch",
+                "final_loss",
+                "train_samples",
+            )
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "concurrent_processes": args.parallel,
-        "loss_chunk": args.loss_chunk,
-        "precision": args.precision,
+        "speed": args.speed,
+        "loss_chunk": speed["loss_chunk"],
+        "precision": speed["precision"],
     }
     (vdir / "result.json").write_text(json.dumps(out, indent=2))
 
@@ -208,7 +225,7 @@ def stage_train(args) -> None:
             log = open(Path(args.work) / f"train-{key.replace(':', '-s')}.log", "w")
             argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
             argv += ["--parallel", str(args.parallel), "--loss-chunk", str(args.loss_chunk)]
-            argv += ["--precision", args.precision]
+            argv += ["--precision", args.precision, "--speed", args.speed]
             argv += ["--smoke"] if args.smoke else []
             running.append(
                 (key, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ))
@@ -373,7 +390,7 @@ def stage_report(args) -> dict:
     out = {
         "benchmark": "benchmarks/variants.py",
         "recipe": str(EXAMPLE.relative_to(ROOT)),
-        "speed_path": {**SPEED, "precision": args.precision, "loss_chunk": args.loss_chunk},
+        "speed_path": speed_settings(args),
         "smoke": args.smoke,
         "data": json.loads(data.read_text()) if data.exists() else None,
         "rows": rows,
@@ -395,7 +412,7 @@ def stage_report(args) -> dict:
         }
         out["verdict"] = verdict
     if not args.smoke:
-        (RESULTS / "variants.json").write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     from rich.console import Console
     from rich.table import Table
 
@@ -437,6 +454,14 @@ def main() -> None:
         default="fp32",
         help="train.precision of every eagle3kit row (tf32: fp32 with TF32 matrix products, CUDA only)",
     )
+    ap.add_argument(
+        "--speed",
+        choices=["reference", "auto"],
+        default="reference",
+        help="reference: the dense path with --precision and --loss-chunk; auto: what `train` picks on "
+        "this device by default (attention, precision and loss_chunk: auto; on CUDA flex + bf16)",
+    )
+    ap.add_argument("--out", default=str(RESULTS / "variants.json"), help="the results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]

@@ -68,7 +68,7 @@ wait)
   done
   ls $W/*/result.json 2>/dev/null | sed 's/^/done: /'
   (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
-    */specforge.log */train_log.jsonl base/variants_data.json 2>/dev/null)
+    */specforge.log */train_log.jsonl base/variants_data.json variants_*.json 2>/dev/null)
   tail -c 3000 $W/main.log
   ;;
 esac

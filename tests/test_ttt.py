@@ -115,27 +115,34 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
     from eagle3kit.core.config import ConfigError, TrainConfig
     from eagle3kit.train.stage import _resolve_speed
 
-    assert _resolve_speed(TrainConfig(), torch.device("cuda", 0)) == {
+    cuda = torch.device("cuda", 0)
+    assert _resolve_speed(TrainConfig(), cuda) == {
         "attention": "flex",
         "bf16": True,
         "tf32": False,
         "loss_chunk": 4096,
+        "compile": True,
     }
     assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {
         "attention": "reference",
         "bf16": False,
         "tf32": False,
         "loss_chunk": 0,
+        "compile": False,
     }
     assert _resolve_speed(
-        TrainConfig(attention="reference", precision="fp32", loss_chunk=0), torch.device("cuda", 0)
-    ) == {"attention": "reference", "bf16": False, "tf32": False, "loss_chunk": 0}
-    assert _resolve_speed(TrainConfig(attention="reference", precision="tf32"), torch.device("cuda", 0)) == {
+        TrainConfig(attention="reference", precision="fp32", loss_chunk=0, compile=False), cuda
+    ) == {"attention": "reference", "bf16": False, "tf32": False, "loss_chunk": 0, "compile": False}
+    assert _resolve_speed(TrainConfig(attention="reference", precision="tf32"), cuda) == {
         "attention": "reference",
         "bf16": False,
         "tf32": True,
         "loss_chunk": 4096,
+        "compile": True,
     }
+    # FSDP2 shards the layer's parameters: the layer is not compiled unless asked for
+    assert _resolve_speed(TrainConfig(parallel="fsdp"), cuda)["compile"] is False
+    assert _resolve_speed(TrainConfig(parallel="fsdp", compile=True), cuda)["compile"] is True
     with pytest.raises(ConfigError, match="flex needs a CUDA device"):
         _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
     with pytest.raises(ConfigError, match="tf32 needs a CUDA device"):

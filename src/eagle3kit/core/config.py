@@ -518,10 +518,10 @@ class TrainConfig(_Strict):
         description="also save a resumable checkpoint every this many "
         "steps (0: at the end of each epoch only)",
     )
-    compile: bool = Field(
-        default=False,
-        description="also torch.compile the drafter layer's norms, concatenation "
-        "and MLP (flex attention is compiled regardless)",
+    compile: bool | None = Field(
+        default=None,
+        description="also torch.compile the drafter layer's norms, concatenation, rotary "
+        "and MLP (flex attention is compiled regardless); unset: on CUDA unless parallel: fsdp",
     )
     loss: Literal["kl", "lk_alpha", "lk_lambda"] = Field(
         default="kl",

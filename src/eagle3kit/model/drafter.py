@@ -365,9 +365,11 @@ class Eagle3Drafter(nn.Module):
                 nn.init.normal_(mod.weight, std=0.02)
 
     def compile_layer(self) -> None:
-        """Compile the decoder layer's norm/concat and residual/MLP pieces with ``torch.compile``
-        (fuses the element-wise work around the matmuls; the attention has its own kernel)."""
+        """Compile the decoder layer's norm/concat, q/k/v projections with the rotary embedding,
+        and residual/MLP pieces with ``torch.compile`` (fuses the element-wise work and the dtype
+        casts around the matmuls; the attention has its own kernel)."""
         self.midlayer.attn_input = compiled(self.midlayer.attn_input)
+        self.midlayer.self_attn.qkv = compiled(self.midlayer.self_attn.qkv)
         self.midlayer.finish = compiled(self.midlayer.finish)
 
     def set_vocab(self, vocab) -> None:

@@ -367,6 +367,7 @@ def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> 
         "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
         "tf32": tc.precision == "tf32",
         "loss_chunk": chunk,
+        "compile": tc.compile if tc.compile is not None else (cuda and tc.parallel != "fsdp"),
     }
 
 
@@ -637,7 +638,7 @@ class _Training:
                     + (f"; {fresh} start fresh)" if fresh else ")")
                 )
         self.drafter = drafter = drafter.to(device)
-        if tc.compile:
+        if self.speed["compile"]:
             drafter.compile_layer()
         self.model = world.wrap(drafter, tc.parallel)
         self.draft_ids = self.vocab.ids.to(device)
@@ -1046,6 +1047,7 @@ class _Training:
             "attention": self.speed["attention"],
             "precision": "bf16" if self.speed["bf16"] else ("tf32" if self.speed["tf32"] else "fp32"),
             "loss_chunk": self.speed["loss_chunk"],
+            "compile": self.speed["compile"],
         }
         if self.init:
             result.update({k: self.init[k] for k in ("init_from", "lm_head_rows_copied")})

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from eagle3kit.model.drafter import compiled
 from eagle3kit.model.target import Target, embed_tokens, teacher_logits
 
 
@@ -116,24 +117,74 @@ def full_logsumexp(target: Target, last: torch.Tensor, chunk: int = 1024) -> tor
     )
 
 
+def _ce_chunk(z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of :class:`FusedDraftCE`: drafter logits ``z`` [c, Vd] (the product's dtype) and
+    teacher rows ``p`` fp32 [c, Vd] → (Σ CE fp32 scalar, top-1 agreements int64 scalar, ∂CE/∂z
+    [c, Vd] in ``z``'s dtype). The log-normaliser, the softmax and the gradient are taken in fp32."""
+    zf = z.float()
+    psum = p.sum(-1)
+    lse = torch.logsumexp(zf, -1)
+    ce = (psum * lse).sum() - (p * zf).sum()
+    agree = (zf.argmax(-1) == p.argmax(-1)).sum()
+    g = torch.exp(zf - lse[:, None]) * psum[:, None] - p
+    return ce, agree, g.to(z.dtype)
+
+
+def _ce_chunk_table(z, table_z, table_lse, idx):
+    """:func:`_ce_chunk` with the teacher rows read from a :class:`TeacherTable` inside the
+    kernel: p = exp(table_z[idx] − table_lse[idx]) (``table_z`` fp32 [M, Vd], ``table_lse`` fp32
+    [M], ``idx`` int64 [c]), so the [c, Vd] teacher softmax is never written to memory when this
+    runs compiled."""
+    return _ce_chunk(z, torch.exp(table_z[idx] - table_lse[idx, None]))
+
+
+_CE_KERNELS: dict = {}
+
+
+def _ce_kernels(device: torch.device):
+    """(:func:`_ce_chunk`, :func:`_ce_chunk_table`): compiled by ``torch.compile`` on CUDA (one
+    fused pass over the chunk's logits instead of about ten element-wise kernels), eager elsewhere
+    (the CPU tests run the same functions without a compiler)."""
+    if device.type != "cuda":
+        return _ce_chunk, _ce_chunk_table
+    if "cuda" not in _CE_KERNELS:
+        _CE_KERNELS["cuda"] = (compiled(_ce_chunk), compiled(_ce_chunk_table))
+    return _CE_KERNELS["cuda"]
+
+
+class TableRows:
+    """The teacher of :class:`FusedDraftCE` as a lookup into a :class:`TeacherTable`: rows
+    ``idx`` (int64 [n]) of its draft-vocabulary softmax, gathered inside the fused kernel."""
+
+    def __init__(self, table: "TeacherTable", idx: torch.Tensor):
+        self.table, self.idx = table, idx
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        """fp32 [b − a, Vd]: the teacher softmax of rows a..b."""
+        return self.table.rows(self.idx[a:b])[0]
+
+
 class FusedDraftCE(torch.autograd.Function):
     """The drafter's lm_head product and the soft cross-entropy to the teacher, ``chunk`` positions
     at a time, with the gradients taken in the forward pass (the scheme of Liger-Kernel's fused
     linear cross-entropy, written here for a soft teacher over the draft vocabulary): for logits
     z = x·Wᵀ and teacher p, CE = Σ_rows (Σ_v p_v)·logsumexp(z) − Σ_v p_v·z_v and ∂CE/∂z =
     softmax(z)·Σ_v p_v − p. Nothing of size [n, Vd] outlives a chunk and nothing is recomputed in
-    the backward pass, which scales the stored ∂CE/∂x and ∂CE/∂W by the incoming gradient.
+    the backward pass, which scales the stored ∂CE/∂x and ∂CE/∂W by the incoming gradient. The
+    per-chunk element-wise work is one compiled kernel on CUDA (:func:`_ce_kernels`).
 
     ``apply(x, weight, teacher, chunk)``: x [n, H] normed drafter states (any float dtype; the
     products run in the autocast dtype when autocast is on, else in x's), weight [Vd, H] the
-    lm_head's, ``teacher(a, b) -> fp32 [b − a, Vd]`` the teacher rows a..b. Returns (ce_sum fp32
-    scalar, agree int64 scalar: positions whose drafter and teacher top-1 agree).
+    lm_head's, ``teacher``: a :class:`TableRows`, or any ``teacher(a, b) -> fp32 [b − a, Vd]``
+    giving the teacher rows a..b. Returns (ce_sum fp32 scalar, agree int64 scalar: positions whose
+    drafter and teacher top-1 agree).
     """
 
     @staticmethod
     def forward(ctx, x, weight, teacher, chunk):
         dev = x.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        plain, from_table = _ce_kernels(x.device)
         with torch.autocast(dev, enabled=False):
             w = weight.to(cd)
             grad_x = torch.empty(x.shape, dtype=cd, device=x.device)
@@ -142,14 +193,16 @@ class FusedDraftCE(torch.autograd.Function):
             agree = torch.zeros((), dtype=torch.long, device=x.device)
             for a in range(0, x.shape[0], chunk):
                 xc = x[a : a + chunk].to(cd)
-                z = (xc @ w.T).float()
-                p = teacher(a, a + xc.shape[0])
-                psum = p.sum(-1)
-                lse = torch.logsumexp(z, -1)
-                ce += (psum * lse).sum() - (p * z).sum()
-                agree += (z.argmax(-1) == p.argmax(-1)).sum()
-                g = (torch.softmax(z, -1) * psum[:, None] - p).to(cd)
-                grad_x[a : a + chunk] = g @ w
+                z = xc @ w.T
+                b = a + xc.shape[0]
+                if isinstance(teacher, TableRows):
+                    t = teacher.table
+                    c, n_agree, g = from_table(z, t.z, t.lse_draft, teacher.idx[a:b])
+                else:
+                    c, n_agree, g = plain(z, teacher(a, b))
+                ce += c
+                agree += n_agree
+                grad_x[a:b] = g @ w
                 grad_w += (g.T @ xc).float()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -207,12 +260,13 @@ def draft_ce(
 
     n = hidden.shape[0]
     if fused and _fusable(drafter, chunk):
-        return FusedDraftCE.apply(
-            drafter.head_input(hidden),
-            drafter.lm_head.weight,
-            lambda a, b: teacher(*(x[a:b] for x in inputs))[0],
-            chunk,
+        table = getattr(teacher, "__self__", None)  # TeacherTable.rows: its rows gathered in the kernel
+        rows = (
+            TableRows(table, inputs[0])
+            if isinstance(table, TeacherTable) and table.lse is None
+            else (lambda a, b: teacher(*(x[a:b] for x in inputs))[0])
         )
+        return FusedDraftCE.apply(drafter.head_input(hidden), drafter.lm_head.weight, rows, chunk)
     if not chunk or n <= chunk:
         return part(hidden, *inputs)
     sums = None
@@ -273,8 +327,13 @@ def ttt_loss(
     core = getattr(drafter, "module", drafter)  # a DistributedDataParallel wrapper's drafter
     w = core.fc.weight
     embeds = [embed_tokens(target, t, w) for t in core.step_tokens(batch["tok"])]
+    dev = w.device.type
+    # under autocast fc reads the aux states in the autocast dtype: cast them to it once (the same
+    # values as via fp32) unless a norm of the variant reads them first
+    plain_fc = core.input_norm is None and core.fc_norm is None
+    aux_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and plain_fc else w.dtype
     outs = drafter(
-        batch["aux"].to(w.dtype),
+        batch["aux"].to(aux_dtype),
         embeds,
         batch["positions"],
         batch["key_mask"],
