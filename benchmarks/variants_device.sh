@@ -54,7 +54,7 @@ start)
     --work $W --shared /tmp/shared --stages train,report --rows "$rows" --parallel "$par" "$@" >$W/main.log 2>&1 </dev/null &
   echo "started: $rows ($par at a time)"
   cd - >/dev/null
-  exec "$0" wait 510
+  exec "$0" wait "${VW_WAIT:-510}"
   ;;
 wait)
   end=$(($(date +%s) + ${1:-540}))

@@ -120,7 +120,7 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
         "attention": "flex",
         "bf16": True,
         "tf32": False,
-        "loss_chunk": 4096,
+        "loss_chunk": 8192,
         "compile": True,
     }
     assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {
@@ -137,7 +137,7 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
         "attention": "reference",
         "bf16": False,
         "tf32": True,
-        "loss_chunk": 4096,
+        "loss_chunk": 8192,
         "compile": True,
     }
     # FSDP2 shards the layer's parameters: the layer is not compiled unless asked for
@@ -298,18 +298,25 @@ def test_the_fused_lm_head_and_loss_gives_the_reference_loss_and_gradients(monke
     assert float((g - got[0][2]["lm_head.weight"]).norm() / got[0][2]["lm_head.weight"].norm()) < 5e-2
 
 
-def test_loss_chunk_auto_is_unchunked_when_the_loss_fits_a_quarter_of_the_gpu(monkeypatch):
+def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_quarter_of_the_gpu(monkeypatch):
     from types import SimpleNamespace
 
     from eagle3kit.core.config import TrainConfig
-    from eagle3kit.train.stage import _resolve_speed, unchunked_loss_bytes
+    from eagle3kit.train.stage import FUSED_LOSS_CHUNK, _resolve_speed, unchunked_loss_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))
     cuda = torch.device("cuda", 0)
-    eight_b = TrainConfig(tokens_per_step=16384, ttt_steps=7)
+    # the forward KL: the fused chunks on CUDA whatever the size (faster than unchunked at the 8B shape)
+    assert FUSED_LOSS_CHUNK == 8192
+    assert _resolve_speed(TrainConfig(tokens_per_step=16384), cuda, 32000)["loss_chunk"] == 8192
+    assert _resolve_speed(TrainConfig(tokens_per_step=8192), cuda, 8192)["loss_chunk"] == 8192
+    # ... but not under FSDP2 (a sharded lm_head is not fusable): the memory rule below
+    assert _resolve_speed(TrainConfig(tokens_per_step=16384, parallel="fsdp"), cuda, 32000)["loss_chunk"] == 0
+    # the LK objectives: unchunked when the loss fits a quarter of the GPU, else checkpointed chunks
+    eight_b = TrainConfig(tokens_per_step=16384, ttt_steps=7, loss="lk_alpha")
     assert unchunked_loss_bytes(16384, 32000, 7) == 8 * 16384 * 32000 * 7  # 29.4 GB ≤ 35.25 GB
     assert _resolve_speed(eight_b, cuda, 32000)["loss_chunk"] == 0
-    assert _resolve_speed(eight_b, cuda, 128256)["loss_chunk"] == 4096  # 118 GB: chunked (fused for kl)
+    assert _resolve_speed(eight_b, cuda, 128256)["loss_chunk"] == 4096  # 118 GB: chunked
     assert _resolve_speed(eight_b, cuda)["loss_chunk"] == 4096  # the draft vocabulary unknown
     assert _resolve_speed(TrainConfig(loss_chunk=1024), cuda, 32000)["loss_chunk"] == 1024
-    assert _resolve_speed(eight_b, torch.device("cpu"), 32000)["loss_chunk"] == 0
+    assert _resolve_speed(TrainConfig(), torch.device("cpu"), 32000)["loss_chunk"] == 0

@@ -319,6 +319,9 @@ WARM_STEPS = 3
 UNCHUNKED_LOSS_BYTES = 8
 # the share of the GPU's memory the unchunked loss may take before ``loss_chunk: auto`` chunks it
 UNCHUNKED_LOSS_SHARE = 0.25
+# positions per chunk of the fused forward-KL loss (``loss_chunk: auto`` with ``loss: kl`` on CUDA):
+# the fastest of 0 / 4096 / 8192 on the H200 at the 8B shape (benchmarks/results/peers.json)
+FUSED_LOSS_CHUNK = 8192
 
 
 def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int) -> int:
@@ -328,14 +331,15 @@ def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int)
 
 
 def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
-    """The fast-path settings for ``device``: flex attention, bf16 autocast on CUDA, the readable
-    reference (dense attention, fp32) elsewhere. ``loss_chunk`` unset: 0 (unchunked: the
-    drafter's lm_head product taken once) unless, on CUDA, that loss (:func:`unchunked_loss_bytes`,
-    ``draft_vocab`` entries) would take more than a quarter of the device's memory (or
-    ``draft_vocab`` is not given); then 4096: for the forward KL the fused lm_head + loss of
-    :class:`~eagle3kit.train.ttt.FusedDraftCE`, for the LK objectives checkpointed chunks. Measured
-    on the H200 at the 8B shape (benchmarks/results/peers.json): unchunked 24,226 tokens/s, fused
-    22,465, checkpointed chunks 15,702.
+    """The fast-path settings for ``device``: flex attention, bf16 autocast and the drafter layer
+    compiled on CUDA, the readable reference (dense attention, fp32) elsewhere. ``loss_chunk``
+    unset, on CUDA: for ``loss: kl`` :data:`FUSED_LOSS_CHUNK` (the fused lm_head + loss of
+    :class:`~eagle3kit.train.ttt.FusedDraftCE`, its element-wise work one compiled kernel); for the
+    LK objectives 0 (unchunked) unless that loss (:func:`unchunked_loss_bytes`, ``draft_vocab``
+    entries) would take more than a quarter of the device's memory (or ``draft_vocab`` is not
+    given), then 4096-position checkpointed chunks. Elsewhere 0. Measured on the H200 at the 8B
+    shape, compiled (benchmarks/results/peers.json): fused chunks of 8192 28,982 tokens/s, of 4096
+    28,583, unchunked 27,070.
 
     Raises:
         ConfigError: ``attention: flex`` or ``precision: tf32`` off CUDA."""
@@ -353,7 +357,9 @@ def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> 
     chunk = tc.loss_chunk
     if chunk is None:
         chunk = 0
-        if cuda:
+        if cuda and tc.loss == "kl" and tc.parallel != "fsdp":  # FSDP2: the lm_head is sharded, not fusable
+            chunk = FUSED_LOSS_CHUNK
+        elif cuda:
             need = (
                 unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps) if draft_vocab else None
             )
