@@ -158,7 +158,7 @@ def stage_data(args) -> None:
 def speed_settings(args) -> dict:
     """The ``train`` speed settings of every eagle3kit row: the dense reference path at
     ``--precision``/``--loss-chunk``, or with ``--speed auto`` train's own defaults."""
-    if args.speed == "auto":
+    if getattr(args, "speed", "reference") == "auto":
         return {"attention": "auto", "precision": "auto", "loss_chunk": None}
     return {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
 
