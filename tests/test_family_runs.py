@@ -22,16 +22,19 @@ pytestmark = [
 SERVED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss")
 
 
-# the family vLLM refuses needs no τ: a small run shows it passes (transformers generates and evaluates)
-SMALL_RUN = {"kimi_k25_native": {"prompts": 64, "epochs": 10}}
+# the family vLLM refuses needs no τ: a small run shows it passes (transformers generates and evaluates);
+# its test asserts only the backends and the refusals, so 16 prompts, 2 epochs and 4 held-out prompts do
+# (transformers generates about 60 tokens/s here: 64 prompts × 48 tokens took 52 s of the module)
+SMALL_RUN = {"kimi_k25_native": {"prompts": 16, "epochs": 2, "eval_prompts": 4}}
 
 
 @pytest.fixture(scope="module")
-def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers):
+def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numerics_run):
     """Every family's whole run, one after another; each family's vLLM server with its drafter is
     spawned as soon as its run ends and measured from a thread once it answers
     (:func:`family_flow.finish_row`), beside the next family's run (a start is mostly one core's
-    work; a run leaves about half of the second core idle); the refusals' launches start first.
+    work; a run leaves about half of the second core idle); the refusals' launches start first,
+    then :func:`other_numerics_run` (whose server starts beside these runs).
     A run or a measurement that raises is kept as its exception, for that family's test to raise."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -253,23 +256,47 @@ def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, 
         assert all(v["relative_error"] < 1e-3 and v["top1_agreement"] == 1.0 for v in res["layers"].values())
 
 
-def test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling(tmp_path, smollm2_tok_dir):
+@pytest.fixture(scope="module")
+def other_numerics_run(tmp_path_factory, smollm2_tok_dir):
+    """The whole run of :func:`test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling`
+    (DeepSeek-V3 without rope scaling) and its vLLM server, spawned as the run ends: with the whole
+    module it is made before the family runs (:func:`family_rows`), so that the server's start
+    (about a minute, mostly one core's work) runs beside them instead of on its own at the end.
+    Yields the row of :func:`family_flow.run_family`, or the exception its run raised."""
+    try:
+        row = family_flow.run_family(
+            "deepseek_v3_default_rope",
+            tmp_path_factory.mktemp("other-numerics"),
+            smollm2_tok_dir,
+            serve=False,
+            eval_prompts=8,
+        )
+        family_flow.spawn_server(row)
+    except Exception as e:  # noqa: BLE001 — re-raised by the test
+        row = e
+    try:
+        yield row
+    finally:
+        if isinstance(row, dict):
+            row["_server"].kill()
+
+
+def test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling(tmp_path, other_numerics_run):
     """Issue 23, point 2: DeepSeek-V3 without rope scaling (vLLM's CPU rotary kernel moves its
     states, tests/test_deepseek_numerics.py), a drafter trained by `eagle3kit run` on the
-    transformers target's features, served by vLLM with MLA disabled. `diagnose` finds no
-    integration fault, and — `check` having warned `engine_numerics` — captures vLLM's own states
-    on the served sequences: parity disagrees on every aux layer, and the verdict is other
-    numerics, with the fix (exit 1)."""
+    transformers target's features (:func:`other_numerics_run`), served by vLLM with MLA disabled.
+    `diagnose` finds no integration fault, and — `check` having warned `engine_numerics` — captures
+    vLLM's own states on the served sequences: parity disagrees on every aux layer, and the verdict
+    is other numerics, with the fix (exit 1)."""
     from conftest import GSM8K, diagnose_cli
 
     from eagle3kit.core.config import PromptSource
     from eagle3kit.core.engines import wait_servers
     from eagle3kit.data.sources import read_source
 
-    row = family_flow.run_family(
-        "deepseek_v3_default_rope", tmp_path, smollm2_tok_dir, serve=False, eval_prompts=8
-    )
-    family_flow.spawn_server(row)
+    row = other_numerics_run
+    if isinstance(row, Exception):
+        raise row
     srv = row["_server"]
     try:
         err = wait_servers([srv], 400)[0]
