@@ -327,13 +327,8 @@ def ttt_loss(
     core = getattr(drafter, "module", drafter)  # a DistributedDataParallel wrapper's drafter
     w = core.fc.weight
     embeds = [embed_tokens(target, t, w) for t in core.step_tokens(batch["tok"])]
-    dev = w.device.type
-    # under autocast fc reads the aux states in the autocast dtype: cast them to it once (the same
-    # values as via fp32) unless a norm of the variant reads them first
-    plain_fc = core.input_norm is None and core.fc_norm is None
-    aux_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and plain_fc else w.dtype
     outs = drafter(
-        batch["aux"].to(aux_dtype),
+        batch["aux"].to(_aux_dtype(core)),
         embeds,
         batch["positions"],
         batch["key_mask"],
@@ -376,6 +371,17 @@ def ttt_loss(
         got.append((n, obj.detach(), sums[1], sums[2].detach() if loss != "kl" else None))
     _read_stats(got, stats, loss)
     return total, stats
+
+
+def _aux_dtype(core) -> torch.dtype:
+    """The dtype the aux states enter the drafter in: under autocast ``fc`` reads them in the
+    autocast dtype, so they are cast to it once (the same values as through fp32) unless a norm of
+    the variant (``input_norm``, ``fc_norm``) reads them first; else the drafter's weight dtype."""
+    dev = core.fc.weight.device.type
+    plain_fc = core.input_norm is None and core.fc_norm is None
+    return (
+        torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and plain_fc else core.fc.weight.dtype
+    )
 
 
 def _read_stats(got: list, stats: dict, loss: str) -> None:
