@@ -198,21 +198,21 @@ def compiled(fn):
     return torch.compile(fn)
 
 
-_FLEX: dict = {}
+_COMPILED: dict = {}  # function → its compiled form (CUDA), made once per process
+
+
+def compiled_for(device: torch.device, fn):
+    """``fn`` compiled by :func:`compiled` on CUDA (once per process, then reused), ``fn`` itself
+    elsewhere: the CPU tests run the same functions eagerly, without a compiler (flex attention then
+    runs its unfused reference, which materializes the scores: fine for the small CPU shapes)."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = compiled(fn)
+    return _COMPILED[fn]
 
 
 _BLOCK_MASKS: dict = {}  # (T, steps so far, device) → BlockMask of unpacked rows
-
-
-def _flex_kernels(device: torch.device):
-    """(flex_attention, create_block_mask) — compiled on CUDA, eager elsewhere (flex's unfused
-    reference, which materializes the scores: fine for the small shapes of CPU tests)."""
-
-    if device.type != "cuda":
-        return flex_attention, create_block_mask
-    if "cuda" not in _FLEX:
-        _FLEX["cuda"] = compiled(flex_attention)  # keys are T·(k+1) long: shapes change every step
-    return _FLEX["cuda"], create_block_mask
 
 
 def flex_ttt_attention(
@@ -229,7 +229,7 @@ def flex_ttt_attention(
         in :meth:`Eagle3Drafter.ttt_forward` (EAGLE-3's training-time test, Li et al. 2025, §3.2).
     """
     B, _, T, _ = q.shape
-    flex, create_block_mask = _flex_kernels(q.device)
+    flex = compiled_for(q.device, flex_attention)  # keys are T·(k+1) long: shapes change every step
     if torch.is_autocast_enabled(q.device.type):  # rotary promotes q/k to fp32: attend in the autocast dtype
         dt = torch.get_autocast_dtype(q.device.type)
         q, keys, vals = q.to(dt), [k.to(dt) for k in keys], [v.to(dt) for v in vals]

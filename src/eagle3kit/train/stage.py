@@ -354,10 +354,11 @@ def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> 
             f"train.precision: tf32 needs a CUDA device (TF32 is a tensor-core mode; {device.type} has "
             "none); use precision: fp32 or auto here"
         )
+    fsdp = tc.parallel == "fsdp"  # FSDP2 shards the layer and the lm_head: neither compiled nor fused
     chunk = tc.loss_chunk
     if chunk is None:
         chunk = 0
-        if cuda and tc.loss == "kl" and tc.parallel != "fsdp":  # FSDP2: the lm_head is sharded, not fusable
+        if cuda and tc.loss == "kl" and not fsdp:
             chunk = FUSED_LOSS_CHUNK
         elif cuda:
             need = (
@@ -373,7 +374,7 @@ def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> 
         "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
         "tf32": tc.precision == "tf32",
         "loss_chunk": chunk,
-        "compile": tc.compile if tc.compile is not None else (cuda and tc.parallel != "fsdp"),
+        "compile": tc.compile if tc.compile is not None else (cuda and not fsdp),
     }
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle3kit.model.drafter import compiled
+from eagle3kit.model.drafter import compiled_for
 from eagle3kit.model.target import Target, embed_tokens, teacher_logits
 
 
@@ -93,6 +93,10 @@ class TeacherTable:
         b, t = sup.nonzero(as_tuple=True)
         return self.row[b, t + shift_by]
 
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`rows` (the table is the ``teacher`` callable of :func:`draft_ce`)."""
+        return self.rows(idx)
+
     def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 [n, Vd] teacher softmax over the draft vocabulary at table rows ``idx``, and with
         the full normaliser p(v) = exp(z_v − lse), the target's full-vocabulary probabilities of the
@@ -138,30 +142,13 @@ def _ce_chunk_table(z, table_z, table_lse, idx):
     return _ce_chunk(z, torch.exp(table_z[idx] - table_lse[idx, None]))
 
 
-_CE_KERNELS: dict = {}
-
-
-def _ce_kernels(device: torch.device):
-    """(:func:`_ce_chunk`, :func:`_ce_chunk_table`): compiled by ``torch.compile`` on CUDA (one
-    fused pass over the chunk's logits instead of about ten element-wise kernels), eager elsewhere
-    (the CPU tests run the same functions without a compiler)."""
-    if device.type != "cuda":
-        return _ce_chunk, _ce_chunk_table
-    if "cuda" not in _CE_KERNELS:
-        _CE_KERNELS["cuda"] = (compiled(_ce_chunk), compiled(_ce_chunk_table))
-    return _CE_KERNELS["cuda"]
-
-
 class TableRows:
-    """The teacher of :class:`FusedDraftCE` as a lookup into a :class:`TeacherTable`: rows
-    ``idx`` (int64 [n]) of its draft-vocabulary softmax, gathered inside the fused kernel."""
+    """The teacher of :class:`FusedDraftCE` as a lookup into a :class:`TeacherTable`: rows ``idx``
+    (int64 [n]) of its draft-vocabulary softmax, gathered inside the fused kernel
+    (:func:`_ce_chunk_table`)."""
 
     def __init__(self, table: "TeacherTable", idx: torch.Tensor):
         self.table, self.idx = table, idx
-
-    def __call__(self, a: int, b: int) -> torch.Tensor:
-        """fp32 [b − a, Vd]: the teacher softmax of rows a..b."""
-        return self.table.rows(self.idx[a:b])[0]
 
 
 class FusedDraftCE(torch.autograd.Function):
@@ -171,7 +158,9 @@ class FusedDraftCE(torch.autograd.Function):
     z = x·Wᵀ and teacher p, CE = Σ_rows (Σ_v p_v)·logsumexp(z) − Σ_v p_v·z_v and ∂CE/∂z =
     softmax(z)·Σ_v p_v − p. Nothing of size [n, Vd] outlives a chunk and nothing is recomputed in
     the backward pass, which scales the stored ∂CE/∂x and ∂CE/∂W by the incoming gradient. The
-    per-chunk element-wise work is one compiled kernel on CUDA (:func:`_ce_kernels`).
+    per-chunk element-wise work is one compiled kernel on CUDA (:func:`_ce_chunk`, through
+    :func:`~eagle3kit.model.drafter.compiled_for`: one fused pass over the chunk's logits instead
+    of about ten element-wise kernels).
 
     ``apply(x, weight, teacher, chunk)``: x [n, H] normed drafter states (any float dtype; the
     products run in the autocast dtype when autocast is on, else in x's), weight [Vd, H] the
@@ -184,7 +173,7 @@ class FusedDraftCE(torch.autograd.Function):
     def forward(ctx, x, weight, teacher, chunk):
         dev = x.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        plain, from_table = _ce_kernels(x.device)
+        plain, from_table = compiled_for(x.device, _ce_chunk), compiled_for(x.device, _ce_chunk_table)
         with torch.autocast(dev, enabled=False):
             w = weight.to(cd)
             grad_x = torch.empty(x.shape, dtype=cd, device=x.device)
@@ -239,7 +228,8 @@ def draft_ce(
         hidden: [n, H] drafter pre-norm outputs at the supervised positions (any float dtype;
             log-softmax is taken in fp32).
         teacher: ``teacher(*inputs) -> (p [n, Vd] fp32, p_full [n, Vd] fp32 or None)`` for the same
-            positions (:meth:`TeacherTable.rows`, or the top-K softmax).
+            positions (a :class:`TeacherTable`, whose rows the fused path gathers inside its
+            kernel, or the top-K softmax).
         inputs: tensors with n rows (sliced with ``hidden`` per chunk).
         chunk: positions per checkpointed chunk (0: all at once, no checkpointing).
         fused: the forward KL by :class:`FusedDraftCE` when it applies (:func:`_fusable`; the
@@ -260,10 +250,9 @@ def draft_ce(
 
     n = hidden.shape[0]
     if fused and _fusable(drafter, chunk):
-        table = getattr(teacher, "__self__", None)  # TeacherTable.rows: its rows gathered in the kernel
-        rows = (
-            TableRows(table, inputs[0])
-            if isinstance(table, TeacherTable) and table.lse is None
+        rows = (  # a TeacherTable's rows are gathered inside the fused kernel
+            TableRows(teacher, inputs[0])
+            if isinstance(teacher, TeacherTable)
             else (lambda a, b: teacher(*(x[a:b] for x in inputs))[0])
         )
         return FusedDraftCE.apply(drafter.head_input(hidden), drafter.lm_head.weight, rows, chunk)
@@ -364,7 +353,7 @@ def ttt_loss(
             teacher = lambda v, i: _topk_probs(v, i, vd)  # noqa: E731
             inputs = (shift(batch["topk_values"], k + 1)[sup], shift(batch["topk_ids"], k + 1)[sup])
         else:
-            teacher, inputs = table.rows, (table.index(sup, k + 1),)
+            teacher, inputs = table, (table.index(sup, k + 1),)
         sums = draft_ce(core, outs[k][sup], teacher, inputs, loss_chunk, fused=loss == "kl")
         obj = step_loss(loss, n, sums, lk_kl_scale, lk_kl_decay)
         total = total + (step_weight**k) * obj
