@@ -309,6 +309,9 @@ def train(
         help="base URL of a vLLM capture server producing the states as training runs (repeat for "
         "several; docs/online.md)",
     ),
+    online_transport: Optional[str] = typer.Option(
+        None, "--online-transport", help="what the capture servers write: file (default) or fp8"
+    ),
 ):
     """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
 
@@ -321,6 +324,7 @@ def train(
                 features=str(features) if features is not None else None,
                 epochs=epochs,
                 online_from=list(online_from) if online_from else None,
+                online_transport=online_transport,
             )
         },
     )

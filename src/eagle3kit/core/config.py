@@ -473,6 +473,12 @@ class TrainConfig(_Strict):
         description="most bytes of states a training process holds from the servers (files waiting "
         "to be read plus requests in flight); each file is deleted once read",
     )
+    online_transport: Literal["file", "fp8"] = Field(
+        default="file",
+        description="what the capture servers write (hs-connectors' file layout): file (the engine's dtype) "
+        "or fp8 (float8 e4m3, one scale a token: a quarter of fp32's bytes); start them with "
+        "eagle3kit.train.online.producer_cli_args(..., transport)",
+    )
     online_inflight: int = Field(default=4, ge=1, description="most requests to the servers in flight")
     online_timeout_s: float = Field(
         default=120.0, gt=0, description="seconds a sample's states may take before the servers count as down"

@@ -17,10 +17,11 @@ equal the sample's. A trainer killed mid-epoch reruns from its last checkpoint: 
 fetched and not consumed are reused, the ones no step will read again are deleted.
 
 The buffer is bounded: a request is sent only when the bytes of the files in the buffer folder
-plus the requests in flight (each counted at its size, T · n_ids · Ht · the engine's dtype) stay
+plus the requests in flight (each counted at its size, T · the transport's bytes a token) stay
 within ``buffer_bytes``; a file is deleted once its sample is consumed. The files are the ones
-vLLM's connector writes to a folder the server and trainer share (one machine); between machines
-a Mooncake transport is the plan (docs/online.md), not built.
+vLLM's connector writes to a folder the server and trainer share (one machine), read through
+hs-connectors (``file`` or ``fp8``: :mod:`eagle3kit.train.transport`); between machines its
+Mooncake backend is the plan (docs/online.md), not wired in.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ from pathlib import Path
 
 import httpx
 import torch
-from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import DataError
-
-CONNECTOR = "CPUHiddenStatesConnector"
-CONNECTOR_MODULE = "eagle3kit.train.vllm_capture"
+from eagle3kit.core.ui import console
+from eagle3kit.train.transport import (
+    HEADER_BYTES,
+    DamagedCaptureError,
+    connector_config,
+    read_captured,
+    states_reader,
+)
 
 
 def sample_key(ids: torch.Tensor) -> str:
@@ -50,29 +55,25 @@ def sample_key(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
 
 
-def producer_args(layer_ids: list[int], store: str | Path) -> dict:
+def producer_args(layer_ids: list[int], store: str | Path, transport: str = "file") -> dict:
     """The vLLM settings of a capture producer: ``speculative_config`` (``extract_hidden_states``
-    of ``layer_ids``, the aux ids then N) and ``kv_transfer_config`` (eagle3kit's connector,
-    writing where each request's ``hidden_states_path`` says, ``store`` otherwise)."""
+    of ``layer_ids``, the aux ids then N) and ``kv_transfer_config`` (eagle3kit's connector for
+    ``transport``, ``file`` or ``fp8``, writing where each request's ``hidden_states_path`` says,
+    ``store`` otherwise)."""
     return {
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
-        "kv_transfer_config": {
-            "kv_connector": CONNECTOR,
-            "kv_role": "kv_producer",
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_connector_extra_config": {"shared_storage_path": str(store), "allow_custom_save_path": True},
-        },
+        "kv_transfer_config": connector_config(transport, store, custom_paths=True),
     }
 
 
-def producer_cli_args(layer_ids: list[int], store: str | Path) -> list[str]:
+def producer_cli_args(layer_ids: list[int], store: str | Path, transport: str = "file") -> list[str]:
     """:func:`producer_args` as ``vllm serve`` options (prefix caching off: every request's
     states computed, none served from another request's blocks)."""
-    a = producer_args(layer_ids, store)
+    a = producer_args(layer_ids, store, transport)
     return [
         "--speculative-config",
         json.dumps(a["speculative_config"]),
@@ -80,26 +81,6 @@ def producer_cli_args(layer_ids: list[int], store: str | Path) -> list[str]:
         json.dumps(a["kv_transfer_config"]),
         "--no-enable-prefix-caching",
     ]
-
-
-def read_states(path: str | Path, ids: torch.Tensor, n_ids: int) -> torch.Tensor:
-    """A capture file's states for a sample: ``hidden_states[:T]`` [T, n_ids, Ht] after checking
-    its ``token_ids`` are the sample's ``ids`` [T] (``extract --backend vllm`` reads its files the
-    same way).
-
-    Raises:
-        DataError: the file holds another sample's tokens or another number of states a token."""
-    with safe_open(str(path), "pt") as f:
-        tok = f.get_tensor("token_ids")
-        h = f.get_tensor("hidden_states")
-    n = ids.numel()
-    if tok[:n].tolist() != ids.tolist():
-        raise DataError(f"{path}: holds the states of other tokens than the sample's; delete it and rerun")
-    if h.shape[1] != n_ids:
-        raise DataError(
-            f"{path}: {h.shape[1]} states a token, expected {n_ids} (the server captures other layers)"
-        )
-    return h[:n]
 
 
 def _unlocked(path: str) -> bool:
@@ -140,13 +121,15 @@ class EngineFeeder:
             are deleted).
         buffer_bytes: most bytes the buffer's files and the requests in flight may take.
         n_ids: states a token (aux ids + 1).
-        bytes_per_token: n_ids · Ht · the engine's dtype size (a request's reservation per token).
+        bytes_per_token: one token's bytes in a capture file of ``transport`` (a request's
+            reservation per token; :func:`eagle3kit.train.transport.bytes_per_token`).
         inflight: most requests in flight at once.
         timeout_s: how long a sample may take (request, write and retries) before the server is
             declared down.
+        transport: ``file`` or ``fp8``, what the servers write (checked on every file).
     Raises (from :meth:`get`):
         DataError: a server stopped answering (naming it and the fix), or returned a file of other
-            tokens; ConfigError: a sample larger than the whole buffer.
+            tokens or of another transport; ConfigError: a sample larger than the whole buffer.
     """
 
     def __init__(
@@ -159,9 +142,11 @@ class EngineFeeder:
         bytes_per_token: int,
         inflight: int = 4,
         timeout_s: float = 120.0,
+        transport: str = "file",
     ):
         self.urls, self.model = [u.rstrip("/") for u in urls], model
         self.buffer = Path(buffer)
+        self.transport, self.reader = transport, states_reader(buffer)
         self.buffer.mkdir(parents=True, exist_ok=True)
         (self.buffer / ".flush").mkdir(exist_ok=True)
         self.limit, self.n_ids, self.bpt = int(buffer_bytes), n_ids, bytes_per_token
@@ -179,19 +164,21 @@ class EngineFeeder:
         self.peak_bytes = 0
         self.requests = 0
         self.reused = 0
+        self.damaged = 0  # files that could not be read and were requested again
         self.error: BaseException | None = None
         self._rr = 0
         self._stop = False
         self._thread: threading.Thread | None = None
 
     # ---- scheduling -------------------------------------------------------------------------
-    def schedule(self, order: list[tuple[str, torch.Tensor]]) -> None:
+    def schedule(self, order: list[tuple[str, torch.Tensor]], prune: bool = True) -> None:
         """The samples (key, token ids) in the order :meth:`get` will ask for them (this epoch's rest,
-        from the resume point); files of samples not in it are deleted."""
+        from the resume point); with ``prune``, files of samples not in it are deleted (without:
+        kept for a later schedule, as the validation samples' fetch before a resumed epoch does)."""
         with self.cv:
             self.order, self.next = list(order), 0
             keep = {k for k, _ in order}
-            for f in self.buffer.glob("*.safetensors"):
+            for f in self.buffer.glob("*.safetensors") if prune else ():
                 if f.stem not in keep and f.stem not in self.futures:
                     f.unlink(missing_ok=True)
                     Path(str(f) + ".lock").unlink(missing_ok=True)
@@ -206,7 +193,7 @@ class EngineFeeder:
         self.peak_bytes = max(self.peak_bytes, folder_bytes(self.buffer))
 
     def _size(self, ids: torch.Tensor) -> int:
-        return ids.numel() * self.bpt
+        return ids.numel() * self.bpt + HEADER_BYTES
 
     def _run(self) -> None:
         """Send requests in order while the buffer has room (the bound: files + in flight)."""
@@ -234,7 +221,7 @@ class EngineFeeder:
                     self.cv.notify_all()
                     return
                 path = self.buffer / f"{key}.safetensors"
-                if path.exists() and not Path(str(path) + ".lock").exists():
+                if _unlocked(str(path)):  # its writer done (the connector leaves the .lock file behind)
                     fut: Future = Future()  # fetched by an earlier run (or twice in an epoch): reused
                     fut.set_result(path)
                     self.reused += 1
@@ -318,7 +305,14 @@ class EngineFeeder:
         path = fut.result()
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
-        states = read_states(path, ids, self.n_ids)
+        try:
+            states = read_captured(self.reader, path, ids, self.n_ids, self.transport)
+        except DamagedCaptureError as e:  # cut short by a server killed mid-write: ask for it again
+            console.print(f"[yellow]train: {e}; requesting its states again[/]")
+            self.damaged += 1
+            path.unlink(missing_ok=True)
+            Path(str(path) + ".lock").unlink(missing_ok=True)
+            states = read_captured(self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport)
         if not any(k == key for k, _ in self.order[self.next :]):
             path.unlink(missing_ok=True)
             Path(str(path) + ".lock").unlink(missing_ok=True)
@@ -327,7 +321,8 @@ class EngineFeeder:
         return states
 
     def close(self) -> dict:
-        """Stop fetching; returns the statistics (seconds waited, peak bytes, requests, reused files)."""
+        """Stop fetching; returns the statistics (seconds waited, peak bytes, requests, reused files,
+        damaged files requested again)."""
         with self.cv:
             self._stop = True
             self.cv.notify_all()
@@ -343,6 +338,7 @@ class EngineFeeder:
             "peak_buffer_bytes": self.peak_bytes,
             "requests": self.requests,
             "reused_files": self.reused,
+            "damaged_files": self.damaged,
         }
 
 

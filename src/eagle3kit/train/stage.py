@@ -70,6 +70,7 @@ from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
+from eagle3kit.train.transport import bytes_per_token
 from eagle3kit.train.ttt import implied_tau, ttt_loss
 
 
@@ -249,7 +250,7 @@ _LOGISTICS = {
 
 
 # train settings added after runs existed, with the default that leaves what is trained as it was
-_LATER = {"loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0}
+_LATER = {"loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "online_transport": "file"}
 
 
 def trained_settings(cfg: Config) -> dict:
@@ -573,7 +574,8 @@ class _Training:
         """The features' tag (``vllm <version> (…)`` from ``extract`` or the online servers; None:
         the target loaded here)."""
         if self.feeder is not None:
-            return f"vllm {self.online_version} (extract_hidden_states, eagle3kit.train.vllm_capture)"
+            fp8 = ", fp8 through hs-connectors" if self.tc.online_transport == "fp8" else ""
+            return f"vllm {self.online_version} (extract_hidden_states, eagle3kit.train.vllm_capture{fp8})"
         return (self.features or {}).get("source")
 
     def _online(self, tc, target: Target, aux_ids):
@@ -599,9 +601,10 @@ class _Training:
             self.run.path / "online-buffer" / f"rank-{self.world.rank}",
             tc.online_buffer_bytes,
             n_ids,
-            n_ids * target.hidden_size * dtype_bytes,
+            bytes_per_token(tc.online_transport, n_ids, target.hidden_size, dtype_bytes),
             tc.online_inflight,
             tc.online_timeout_s,
+            tc.online_transport,
         )
 
     def _fetch(self, samples: list[Sample]) -> list[str]:
@@ -833,7 +836,8 @@ class _Training:
             self.consumed_path.parent.mkdir(exist_ok=True)
             _truncate_log(self.consumed_path, self.step)  # steps after the last checkpoint are redone
         if self.feeder is not None and self.start_epoch < tc.epochs and self.val:
-            self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val])
+            # not pruned: the files a killed run fetched for this epoch's rest stay for its schedule below
+            self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val], prune=False)
             self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
         elif self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
             compute_features(

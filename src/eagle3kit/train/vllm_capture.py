@@ -13,7 +13,9 @@ writes synchronously. It is loaded through vLLM's own plugin mechanism, never by
 
 Each request's file holds ``hidden_states`` [T, n_aux, H] and ``token_ids`` [T]. A finished
 request is reported as done sending, as the parent class does once its copy completes, so vLLM
-frees its cache blocks.
+frees its cache blocks. :class:`CPUFP8HiddenStatesConnector` does the same for hs-connectors' fp8
+connector (the ``fp8`` transport); both files are read through hs-connectors
+(:mod:`eagle3kit.train.transport`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
@@ -33,6 +37,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.core.engines import launched_env, vllm_launch
 from eagle3kit.data.backends import release_vllm_engine, shutdown_vllm
 from eagle3kit.model.target import serving_folder
+from eagle3kit.train.transport import connector_config, read_captured, states_reader
 
 
 class _Done:
@@ -60,13 +65,32 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
-            save_file(tensors, pending.filename)
+            self.save_states(tensors, pending.filename)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
         # reported as done sending by get_finished, so the scheduler frees the request's cache blocks
         # (without it the cache fills after a few dozen requests and the engine waits forever)
         self._req_copy_events[pending.req_id] = _Done()
+
+    @staticmethod
+    def save_states(tensors: dict[str, torch.Tensor], filename: str) -> None:
+        """Write one request's ``hidden_states`` [T, n_ids, H] and ``token_ids`` [T] as they are."""
+        save_file(tensors, filename)
+
+
+class CPUFP8HiddenStatesConnector(CPUHiddenStatesConnector, FP8HiddenStatesConnector):
+    """hs-connectors' ``FP8HiddenStatesConnector`` (per-token float8 e4m3 states, the ``fp8``
+    transport of :mod:`eagle3kit.train.transport`) with the same synchronous CPU write: on GPUs
+    its own asynchronous write runs, on the CPU build the states are quantized by hs-connectors'
+    ``quantize_tensor_to_fp8`` and written here."""
+
+    @staticmethod
+    def save_states(tensors: dict[str, torch.Tensor], filename: str) -> None:
+        """Write ``hidden_states`` as float8 e4m3 [T, n_ids, H] with ``hidden_states_scales`` fp32
+        [T, 1, 1] (hs-connectors' layout, which its ``FP8Transfer`` reads) and ``token_ids`` [T]."""
+        fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+        save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, filename)
 
 
 def engine_model_folder(target, engine_model: str | None) -> str:
@@ -185,12 +209,7 @@ class VLLMCapture:
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         }
-        kw["kv_transfer_config"] = {
-            "kv_connector": "CPUHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_module_path": "eagle3kit.train.vllm_capture",
-            "kv_connector_extra_config": {"shared_storage_path": self.store},
-        }
+        kw["kv_transfer_config"] = connector_config("file", self.store)
         try:
             with launched_env(launch):
                 self.llm = LLM(**kw)
@@ -216,11 +235,10 @@ class VLLMCapture:
 
         Raises:
             ConfigError: vLLM refused a sample (longer than its ``max_model_len``, say).
-            RuntimeError: vLLM wrote no file for a sample, or one for other tokens."""
+            RuntimeError: vLLM returned no ``hidden_states_path`` (the capture method is not active).
+            DataError: vLLM wrote no file for a sample, or one for other tokens or layers
+                (:func:`eagle3kit.train.transport.read_captured`)."""
         from vllm import SamplingParams  # noqa: PLC0415 (the engine's own module, imported once it runs)
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: PLC0415
-            load_hidden_states,
-        )
 
         prompts = [{"prompt_token_ids": [int(t) for t in s]} for s in samples]
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
@@ -242,20 +260,8 @@ class VLLMCapture:
                 "vLLM returned no hidden_states_path: the extract_hidden_states method or the "
                 "eagle3kit.train.vllm_capture connector was not active in this engine"
             )
-        states = []
-        for s, p in zip(samples, paths):
-            if os.path.exists(p + ".lock"):
-                t = load_hidden_states(p)  # waits for vLLM's asynchronous writer (GPUs) to finish
-            elif os.path.exists(p):
-                t = load_file(p)
-            else:
-                raise RuntimeError(f"vLLM wrote no hidden states for a sample of {len(s)} tokens ({p})")
-            if t["token_ids"][: len(s)].tolist() != s.tolist():
-                raise RuntimeError(f"vLLM captured other tokens than the sample's ({p})")
-            h = t["hidden_states"][: len(s)]
-            if h.shape[1] != self.n_ids:
-                raise RuntimeError(f"vLLM captured {h.shape[1]} states per token, expected {self.n_ids}")
-            states.append(h)
+        reader = states_reader(self.store)  # waits for vLLM's asynchronous writer (GPUs) to finish
+        states = [read_captured(reader, p, s, self.n_ids) for s, p in zip(samples, paths)]
         for p in paths + [(flush[0].kv_transfer_params or {}).get("hidden_states_path") or ""]:
             for f in (p, p + ".lock"):
                 if f and os.path.exists(f):

