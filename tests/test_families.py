@@ -338,3 +338,35 @@ def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders,
     (out / "user_data.txt").unlink()
     (out / "eagle3kit-source.json").write_text("not json")  # a damaged marker: re-exported
     assert (export_fp32_folder(target, out) / "config.json").is_file()
+
+
+@pytest.mark.parametrize("family", ON_DISK)
+def test_a_trainer_fed_by_the_engine_loads_only_the_embedding_final_norm_and_lm_head(family, family_folders):
+    """Issue 26: `load_target_head` (what `train.online_from` loads) gives the tensors `load_target`
+    gives for the embedding, final norm and lm_head, keeps every decoder layer on the meta device
+    (no memory: a forward fails instead of computing with random weights), and the same weights
+    fingerprint, through each family's checkpoint names (Kimi-K2.5's wrapper layouts included)."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_head import load_target_head
+
+    cfg = TargetConfig(model=str(family_folders[family]), dtype="float32")
+    whole, head = load_target(cfg, device="cpu"), load_target_head(cfg, device="cpu")
+    assert head.source["loaded"] == "head"
+    assert head.source["weights_fingerprint"] == whole.source["weights_fingerprint"]
+    for part in ("embed", "final_norm", "lm_head"):
+        a, b = getattr(whole.parts, part).weight, getattr(head.parts, part).weight
+        assert b.device.type == "cpu" and torch.equal(a, b), part
+    assert all(p.is_meta for p in head.parts.layers.parameters())
+    assert (head.num_layers, head.hidden_size, head.vocab_size) == (
+        whole.num_layers,
+        whole.hidden_size,
+        whole.vocab_size,
+    )
+    held = {id(p): p.numel() for p in head.model.parameters() if not p.is_meta}
+    three = {
+        id(p): p.numel()
+        for m in (head.parts.embed, head.parts.final_norm, head.parts.lm_head)
+        for p in m.parameters()
+    }
+    assert held == three  # nothing else has storage

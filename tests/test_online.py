@@ -129,7 +129,8 @@ def _log(run):
 
 def test_online_training_equals_offline_training_on_the_stored_engine_states(online):
     """Point 1: same seed, same loss at every step as training on the states `extract --backend
-    vllm` stored (fp32), and the same drafter; the feature source recorded as the engine's."""
+    vllm` stored (fp32), and the same drafter, although the online trainer loaded only the target's
+    embedding, final norm and lm_head; the feature source recorded as the engine's."""
     from eagle3kit.core.config import load_config
     from eagle3kit.core.rundir import RunDir
     from eagle3kit.train.extract import run_extract
@@ -154,6 +155,8 @@ def test_online_training_equals_offline_training_on_the_stored_engine_states(onl
     from eagle3kit.train.checkpoints import checkpoint_provenance
 
     assert rep_on["online"]["requests"] > 0 and rep_on["online"]["wait_s"] >= 0
+    # the online trainer held only the target's embedding, final norm and lm_head (decoder layers on meta)
+    assert rep_on["online"]["target_loaded"] == "head"
     # the source as `extract --backend vllm` tags it: `parity` and train.serve_engine read it the same way
     src = checkpoint_provenance(on / "checkpoints/best.safetensors")["features_source"]
     assert src == checkpoint_provenance(off / "checkpoints/best.safetensors")["features_source"]
@@ -278,7 +281,8 @@ def test_two_trainer_processes_fed_by_one_producer_train_the_epoch_once(online):
          "-m", "eagle3kit", "train", "-c", str(cfg)],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    (run / "torchrun.log").write_text(res.stdout + res.stderr)  # the whole of it, for a failure's traceback
+    assert res.returncode == 0, f"{run / 'torchrun.log'}: " + (res.stdout + res.stderr)[-3000:]
     per_rank = []
     for r in (0, 1):
         lines = (run / "online-consumed" / f"rank-{r}.jsonl").read_text().splitlines()

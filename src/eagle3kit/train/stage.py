@@ -59,6 +59,7 @@ from eagle3kit.model.target import (
     tokenizer_hash,
     weights_fingerprint,
 )
+from eagle3kit.model.target_head import load_target_head
 from eagle3kit.train.batches import Sample, _pad, length_batches, make_batch, packed_batches
 from eagle3kit.train.checkpoints import (
     _set_aside,
@@ -489,8 +490,8 @@ class _Training:
             run, "train", ["tokens.safetensors", "vocab.safetensors"], target=fingerprint
         )
         self.vocab, vocab_meta = load_vocab(self.vocab_path, expected_size=cfg.vocab.draft_vocab_size)
-        if target is None:
-            target = load_target(cfg.target, device=device)
+        if target is None:  # fed by the engine: only the embedding, final norm and lm_head are needed
+            target = (load_target_head if tc.online_from else load_target)(cfg.target, device=device)
         self.target = target
         if self.vocab.vocab_size != target.vocab_size:
             raise ConfigError(
@@ -835,10 +836,11 @@ class _Training:
             self.consumed_path = self.run.path / "online-consumed" / f"rank-{world.rank}.jsonl"
             self.consumed_path.parent.mkdir(exist_ok=True)
             _truncate_log(self.consumed_path, self.step)  # steps after the last checkpoint are redone
-        if self.feeder is not None and self.start_epoch < tc.epochs and self.val:
-            # not pruned: the files a killed run fetched for this epoch's rest stay for its schedule below
-            self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val], prune=False)
-            self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
+        if self.feeder is not None:  # every feature from the servers (no process runs the target)
+            if self.start_epoch < tc.epochs and self.val:
+                # not pruned: the files a killed run fetched for this epoch's rest stay for its schedule below
+                self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val], prune=False)
+                self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
         elif self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
             compute_features(
                 self.target,
@@ -1063,7 +1065,11 @@ class _Training:
         if self.init:
             result.update({k: self.init[k] for k in ("init_from", "lm_head_rows_copied")})
         if self.feeder is not None:
-            result["online"] = {"servers": list(tc.online_from), **self.feeder.close()}
+            result["online"] = {
+                "servers": list(tc.online_from),
+                "target_loaded": self.target.source.get("loaded", "whole"),
+                **self.feeder.close(),
+            }
         if self.trained_tokens:
             # wall: every token over the stage's clock (features, compilation, validation and
             # checkpoints included); steady: the optimizer steps after the run's first WARM_STEPS
