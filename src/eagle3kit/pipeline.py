@@ -108,7 +108,7 @@ def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
     for name, s in ev.get("sets", {}).items():
         rows.append(
             (
-                f"  {name}: τ / untrained τ (simulate, greedy chain) / prompts",
+                f"  {name}: τ ({ev.get('mode', '-')}) / untrained τ / prompts",
                 f"{s.get('tau')} / {s.get('untrained_tau', '-')} / {s.get('num_prompts')}",
             )
         )
