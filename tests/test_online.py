@@ -322,3 +322,62 @@ def test_the_fp8_transport_trains_on_hs_connectors_fp8_files_near_the_plain_run(
     wrong = _copy_run(online, "fp8-told-file")
     with pytest.raises(DataError, match="train.online_transport is file; set it to fp8"):
         _train(_cfg(wrong, online["target"], online_from=[srv.url]))
+
+
+def test_a_buffer_smaller_than_a_sample_and_a_server_of_other_weights_are_refused(online):
+    """The attacks that hung or trained silently on the wrong states: a buffer bound below one
+    sample's states stops at once naming the size to set; a trainer whose target has other weights
+    than the server's (same shapes, tokenizer and names) stops once the server's own next tokens
+    disagree with the trainer's lm_head on the captured states."""
+    from eagle3kit.core.config import ConfigError
+
+    url = online["server"].url
+    small = _copy_run(online, "small-buffer")
+    with pytest.raises(ConfigError, match="raise it to at least"):
+        _train(_cfg(small, online["target"], online_from=[url], online_buffer_bytes=1000))
+    other = online["tmp"] / "target-other-weights"
+    if not other.exists():
+        m = build_tiny_llama(
+            8, seed=1, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=64,
+        )  # fmt: skip
+        m.save_pretrained(other)
+        for f in online["target"].glob("*token*"):
+            shutil.copy(f, other / f.name)
+    wrong = _copy_run(online, "other-weights")
+    with pytest.raises(ConfigError, match=r"on [01] of 4 samples: it serves other weights"):
+        _train(_cfg(wrong, other, online_from=[url]))
+
+
+def test_the_capture_server_records_its_layers_and_its_next_token_in_each_answer(online):
+    """What the trainer's checks read: eagle3kit's connector writes the captured layer ids into
+    each file's header, and the answer carries the engine's next token; a trainer needing other
+    layers is refused by name."""
+    from safetensors import safe_open
+
+    from eagle3kit.core.rundir import DataError
+    from eagle3kit.train.online import EngineFeeder, sample_key
+
+    ids = torch.tensor(online["samples"][0][0])
+    key = sample_key(ids)
+    buf = online["tmp"] / "one-sample-buffer"
+    feeder = EngineFeeder([online["server"].url], "target", buf, 1 << 26, 4, 8 + 4 * 128 * 4)
+    try:
+        feeder.schedule([(key, ids), (key, ids)])  # asked twice: the file stays after the first read
+        assert feeder.get(key, ids).shape == (len(ids), 4, 128)
+        with safe_open(str(buf / f"{key}.safetensors"), "pt") as f:
+            assert json.loads(f.metadata()["layer_ids"]) == [2, 4, 5, 8]
+        assert isinstance(feeder.engine_next[key], int)
+    finally:
+        feeder.close()
+    other = EngineFeeder(
+        [online["server"].url], "target", buf, 1 << 26, 4, 8 + 4 * 128 * 4, layer_ids=[1, 3, 6, 8]
+    )
+    try:
+        other.schedule([(key, ids)])
+        with pytest.raises(
+            DataError, match=r"captures layers \[2, 4, 5, 8\], this trainer needs \[1, 3, 6, 8\]"
+        ):
+            other.get(key, ids)  # a reused file of other layers is requested again, and again of other layers
+    finally:
+        other.close()

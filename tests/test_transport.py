@@ -115,3 +115,25 @@ def test_each_transport_names_its_connector_to_vllm():
     assert connector_config("file", "/s")["kv_connector"] == "CPUHiddenStatesConnector"
     with pytest.raises(ValueError, match="expected one of file, fp8"):
         connector_config("mooncake", "/s")
+
+
+def test_a_file_of_other_layers_than_the_trainer_needs_is_refused_by_name(tmp_path):
+    """eagle3kit's connectors record the captured layer ids in the file's header; a server started
+    with other aux ids (same count, same N) is refused instead of trained on."""
+    from eagle3kit.train.vllm_capture import CPUFP8HiddenStatesConnector
+
+    h, ids = _states()
+    path = tmp_path / "other.safetensors"
+    CPUFP8HiddenStatesConnector.save_states(
+        {"hidden_states": h, "token_ids": ids}, str(path), {"layer_ids": "[1, 3, 6, 8]"}
+    )
+    with pytest.raises(DataError, match=r"captures layers \[1, 3, 6, 8\], this trainer needs \[2, 4, 5, 8\]"):
+        read_captured(states_reader(tmp_path), path, ids, N_IDS, "fp8", [2, 4, 5, 8])
+    CPUFP8HiddenStatesConnector.save_states(
+        {"hidden_states": h, "token_ids": ids}, str(path), {"layer_ids": "[2, 4, 5, 8]"}
+    )
+    assert read_captured(states_reader(tmp_path), path, ids, N_IDS, "fp8", [2, 4, 5, 8]).shape == (
+        T,
+        N_IDS,
+        H,
+    )

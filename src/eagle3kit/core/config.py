@@ -464,6 +464,7 @@ class TrainConfig(_Strict):
     )
     online_from: list[str] | None = Field(
         default=None,
+        min_length=1,
         description="train from aux states that these vLLM capture servers produce as training runs "
         "(base URLs; docs/online.md) instead of running the target here",
     )

@@ -127,6 +127,8 @@ class EngineFeeder:
         timeout_s: how long a sample may take (request, write and retries) before the server is
             declared down.
         transport: ``file`` or ``fp8``, what the servers write (checked on every file).
+        layer_ids: the layer ids the servers must capture (aux ids, then N; checked where the
+            file records them).
     Raises (from :meth:`get`):
         DataError: a server stopped answering (naming it and the fix), or returned a file of other
             tokens or of another transport; ConfigError: a sample larger than the whole buffer.
@@ -143,10 +145,11 @@ class EngineFeeder:
         inflight: int = 4,
         timeout_s: float = 120.0,
         transport: str = "file",
+        layer_ids: list[int] | None = None,
     ):
         self.urls, self.model = [u.rstrip("/") for u in urls], model
         self.buffer = Path(buffer)
-        self.transport, self.reader = transport, states_reader(buffer)
+        self.transport, self.reader, self.layer_ids = transport, states_reader(buffer), layer_ids
         self.buffer.mkdir(parents=True, exist_ok=True)
         (self.buffer / ".flush").mkdir(exist_ok=True)
         self.limit, self.n_ids, self.bpt = int(buffer_bytes), n_ids, bytes_per_token
@@ -165,6 +168,9 @@ class EngineFeeder:
         self.requests = 0
         self.reused = 0
         self.damaged = 0  # files that could not be read and were requested again
+        self.stale = 0  # files an earlier run left that do not fit this one (requested again)
+        self.reused_keys: set[str] = set()
+        self.engine_next: dict[str, int] = {}  # key → the engine's greedy token after the sample
         self.error: BaseException | None = None
         self._rr = 0
         self._stop = False
@@ -175,6 +181,12 @@ class EngineFeeder:
         """The samples (key, token ids) in the order :meth:`get` will ask for them (this epoch's rest,
         from the resume point); with ``prune``, files of samples not in it are deleted (without:
         kept for a later schedule, as the validation samples' fetch before a resumed epoch does)."""
+        big = max(order, key=lambda o: o[1].numel(), default=None)
+        if big is not None and self._size(big[1]) > self.limit:
+            raise ConfigError(
+                f"a sample of {big[1].numel()} tokens needs {self._size(big[1]):,} bytes of states, more than "
+                f"train.online_buffer_bytes ({self.limit:,}); raise it to at least {self._size(big[1]):,}"
+            )
         with self.cv:
             self.order, self.next = list(order), 0
             keep = {k for k, _ in order}
@@ -212,19 +224,13 @@ class EngineFeeder:
                 self.next += 1
                 if key in self.futures:
                     continue
-                size = self._size(ids)
-                if size > self.limit:
-                    self.error = ConfigError(
-                        f"a sample of {ids.numel()} tokens needs {size:,} bytes of states, more than "
-                        f"train.online_buffer_bytes ({self.limit:,}); raise it"
-                    )
-                    self.cv.notify_all()
-                    return
+                size = self._size(ids)  # at most the limit (schedule refuses a larger sample)
                 path = self.buffer / f"{key}.safetensors"
                 if _unlocked(str(path)):  # its writer done (the connector leaves the .lock file behind)
                     fut: Future = Future()  # fetched by an earlier run (or twice in an epoch): reused
                     fut.set_result(path)
                     self.reused += 1
+                    self.reused_keys.add(key)
                 else:
                     self.reserved += size
                     self.sizes[key] = size
@@ -243,8 +249,14 @@ class EngineFeeder:
                 "max_tokens": 1,
                 "temperature": 0.0,
                 "kv_transfer_params": {"hidden_states_path": str(path)},
+                "return_token_ids": True,  # the engine's own next token: checked against the trainer's head
             },
         )
+        if r.status_code in (404, 405, 501):  # no completions endpoint: not vLLM at all, retrying cannot help
+            raise ConfigError(
+                f"{url} is not a vLLM capture server (HTTP {r.status_code} for /v1/completions); start the "
+                "target with eagle3kit.train.online.producer_cli_args (docs/online.md) or fix train.online_from"
+            )
         if r.status_code != 200:
             raise DataError(f"the capture server at {url} answered HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -257,10 +269,14 @@ class EngineFeeder:
             try:
                 got = self._post(ids.tolist(), path)
                 want = str(path)
+                nxt = ((got.get("choices") or [{}])[0].get("token_ids") or [None])[0]
+                if nxt is not None:
+                    self.engine_next[key] = int(nxt)
                 if (got.get("kv_transfer_params") or {}).get("hidden_states_path") != want:
-                    raise DataError(
-                        f"the capture server did not write states where asked ({want}): start it with "
-                        "eagle3kit's producer settings (eagle3kit.train.online.producer_args)"
+                    raise ConfigError(  # a server without the capture settings: retrying cannot help
+                        f"the server at {self.urls[(self._rr - 1) % len(self.urls)]} writes no states (no "
+                        "hidden_states_path in its answer): it is not a capture server. Start the target with "
+                        "eagle3kit.train.online.producer_cli_args (docs/online.md) or fix train.online_from"
                     )
                 t_flush = time.monotonic() + 0.5
                 while not _unlocked(want):
@@ -286,7 +302,7 @@ class EngineFeeder:
             self.cv.notify_all()
         raise DataError(
             f"the capture server(s) {', '.join(self.urls)} gave no states for a sample of {ids.numel()} tokens "
-            f"in {self.timeout:.0f} s ({type(last_err).__name__}: {str(last_err)[:200]}); start the server "
+            f"in {self.timeout:.0f} s ({type(last_err).__name__}: {str(last_err)[:600]}); start the server "
             "again (or fix the error above) and rerun train: it resumes from its last checkpoint"
         )
 
@@ -306,13 +322,21 @@ class EngineFeeder:
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
         try:
-            states = read_captured(self.reader, path, ids, self.n_ids, self.transport)
-        except DamagedCaptureError as e:  # cut short by a server killed mid-write: ask for it again
-            console.print(f"[yellow]train: {e}; requesting its states again[/]")
-            self.damaged += 1
+            states = read_captured(self.reader, path, ids, self.n_ids, self.transport, self.layer_ids)
+        except DataError as e:  # cut short by a server killed mid-write, or left by another run: ask again
+            if not isinstance(e, DamagedCaptureError) and key not in self.reused_keys:
+                raise  # what this run's servers wrote just now: the error is theirs (the message says)
+            console.print(f"[yellow]train: {str(e).split('; delete it')[0]}; requesting its states again[/]")
+            if isinstance(e, DamagedCaptureError):
+                self.damaged += 1
+            else:
+                self.stale += 1
+            self.reused_keys.discard(key)
             path.unlink(missing_ok=True)
             Path(str(path) + ".lock").unlink(missing_ok=True)
-            states = read_captured(self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport)
+            states = read_captured(
+                self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
+            )
         if not any(k == key for k, _ in self.order[self.next :]):
             path.unlink(missing_ok=True)
             Path(str(path) + ".lock").unlink(missing_ok=True)
@@ -339,6 +363,7 @@ class EngineFeeder:
             "requests": self.requests,
             "reused_files": self.reused,
             "damaged_files": self.damaged,
+            "stale_files": self.stale,
         }
 
 

@@ -55,6 +55,7 @@ from eagle3kit.model.target import (
     pick_device,
     resolve_aux_layer_ids,
     target_features,
+    teacher_logits,
     teacher_top1_lse,
     tokenizer_hash,
     weights_fingerprint,
@@ -314,6 +315,7 @@ def tf32_matmuls(on: bool):
 # optimizer steps of a run left out of its steady tokens/s (flex attention's compilation, the
 # allocator's and autotuner's warm-up)
 WARM_STEPS = 3
+ENGINE_CHECK = 16  # online: samples whose engine token is compared with this target's argmax
 
 # Bytes the unchunked loss keeps for the backward pass, per position, TTT step and draft-vocabulary
 # entry: the fp32 log-softmax and the fp32 teacher rows (the product's saved inputs), 8 bytes;
@@ -529,6 +531,7 @@ class _Training:
                 "extract.teacher: last, train online (no train.features), or use train.loss: kl"
             )
         self.feeder = self._online(tc, target, aux_ids) if tc.online_from else None
+        self.engine_agree = [0, 0]  # samples whose engine token equals this target's argmax, of those checked
         warning = feature_source_warning(self._features_source(), tc.serve_engine)
         if warning and world.main:
             console.print(f"[yellow]{warning}[/]")
@@ -606,6 +609,7 @@ class _Training:
             tc.online_inflight,
             tc.online_timeout_s,
             tc.online_transport,
+            [*aux_ids, target.num_layers],
         )
 
     def _fetch(self, samples: list[Sample]) -> list[str]:
@@ -614,7 +618,33 @@ class _Training:
         keys = [sample_key(s.ids) for s in samples]
         states = [self.feeder.get(k, s.ids) for k, s in zip(keys, samples)]
         fill_engine_features(self.target, samples, states, self.device, lse=self.tc.loss != "kl")
+        self._check_engine_tokens(keys, samples)
         return keys
+
+    def _check_engine_tokens(self, keys: list[str], samples: list[Sample]) -> None:
+        """The servers serve this target: the token each one generated after a sample equals the
+        argmax of this target's lm_head over the captured last state there (ties aside), on at least
+        half of the samples checked, from the 4th to the ENGINE_CHECK-th of this run (a server of
+        other weights, or capturing another last layer, agrees on almost none).
+
+        Raises:
+            ConfigError: the agreement is below half, naming the servers and the fix."""
+        seen = self.engine_agree
+        for k, s in zip(keys, samples):
+            nxt = self.feeder.engine_next.pop(k, None)
+            if nxt is None or seen[1] >= ENGINE_CHECK:
+                continue
+            mine = int(teacher_logits(self.target, s.last[-1:]).argmax(-1))
+            seen[0] += int(mine == nxt)
+            seen[1] += 1
+            if seen[1] >= 4 and seen[0] * 2 < seen[1]:  # from the 4th sample on (a resumed run's few too)
+                raise ConfigError(
+                    f"train.online_from {', '.join(self.tc.online_from)}: the server's next token after a "
+                    f"sample equals this target's prediction from the captured states on {seen[0]} of "
+                    f"{seen[1]} samples: it serves other weights than {self.cfg.target.model} (or captures "
+                    "another last layer). Serve the same checkpoint, with "
+                    "eagle3kit.train.online.producer_cli_args for this target's layer ids"
+                )
 
     def _split(self) -> None:
         """Seeded validation split (``train.val_fraction``), then this process's share of the rest."""

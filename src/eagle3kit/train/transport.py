@@ -21,6 +21,7 @@ plan (docs/online.md), not wired in.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -77,21 +78,29 @@ def states_reader(folder: str | Path) -> FP8Transfer:
 
 
 def read_captured(
-    reader: FP8Transfer, path: str | Path, ids: torch.Tensor, n_ids: int, transport: str | None = None
+    reader: FP8Transfer,
+    path: str | Path,
+    ids: torch.Tensor,
+    n_ids: int,
+    transport: str | None = None,
+    layer_ids: list[int] | None = None,
 ) -> torch.Tensor:
     """A capture file's states for a sample: ``hidden_states[:T]`` [T, n_ids, Ht] (the engine's
     dtype; float32 for fp8) after checking its ``token_ids`` are the sample's ``ids`` [T] and,
-    when ``transport`` is given, that the file is of that transport.
+    when ``transport`` is given, that the file is of that transport and, when ``layer_ids`` is given
+    and the writer recorded them (eagle3kit's connectors on the CPU build do; vLLM's own GPU write
+    does not), that it captured those layers.
 
     Raises:
         DataError: no file, a damaged one, a file of other tokens, of another number of states a
             token, or of another transport than the one named (naming the setting to change)."""
     path = str(path)
     try:
-        fp8 = None
+        fp8 = captured = None
         if transport is not None and Path(path).exists():
-            with safe_open(path, "pt") as f:  # the keys only
+            with safe_open(path, "pt") as f:  # the keys and header only
                 fp8 = SCALES_KEY in f.keys()
+                captured = (f.metadata() or {}).get("layer_ids")
         got = reader.get_generated({"hidden_states_path": path})
         if got is not None and not {"token_ids", "hidden_states"} <= set(got):
             raise KeyError(f"it holds {sorted(got)}, not token_ids and hidden_states")
@@ -109,6 +118,12 @@ def read_captured(
         )
     if got is None:
         raise DataError(f"{path}: the capture engine wrote no states there")
+    if layer_ids is not None and captured is not None and json.loads(captured) != list(layer_ids):
+        raise DataError(
+            f"{path}: the capture server captures layers {json.loads(captured)}, this trainer needs "
+            f"{list(layer_ids)} (its aux ids, then N); start the server with "
+            f"eagle3kit.train.online.producer_cli_args({list(layer_ids)}, …)"
+        )
     tok, h = got["token_ids"], got["hidden_states"]
     n = ids.numel()
     if tok[:n].tolist() != ids.tolist():

@@ -65,7 +65,7 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
-            self.save_states(tensors, pending.filename)
+            self.save_states(tensors, pending.filename, self._capture_metadata())
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -73,10 +73,19 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         # (without it the cache fills after a few dozen requests and the engine waits forever)
         self._req_copy_events[pending.req_id] = _Done()
 
+    def _capture_metadata(self) -> dict | None:
+        """``{"layer_ids": "[…]"}``, the layer ids this engine captures (the trainer checks them)."""
+        try:
+            hf = self._vllm_config.speculative_config.draft_model_config.hf_config
+            return {"layer_ids": json.dumps([int(i) for i in hf.eagle_aux_hidden_state_layer_ids])}
+        except (AttributeError, TypeError):
+            return None
+
     @staticmethod
-    def save_states(tensors: dict[str, torch.Tensor], filename: str) -> None:
-        """Write one request's ``hidden_states`` [T, n_ids, H] and ``token_ids`` [T] as they are."""
-        save_file(tensors, filename)
+    def save_states(tensors: dict[str, torch.Tensor], filename: str, metadata: dict | None = None) -> None:
+        """Write one request's ``hidden_states`` [T, n_ids, H] and ``token_ids`` [T] as they are
+        (``metadata``: the safetensors header's, the captured ``layer_ids``)."""
+        save_file(tensors, filename, metadata=metadata)
 
 
 class CPUFP8HiddenStatesConnector(CPUHiddenStatesConnector, FP8HiddenStatesConnector):
@@ -86,11 +95,11 @@ class CPUFP8HiddenStatesConnector(CPUHiddenStatesConnector, FP8HiddenStatesConne
     ``quantize_tensor_to_fp8`` and written here."""
 
     @staticmethod
-    def save_states(tensors: dict[str, torch.Tensor], filename: str) -> None:
+    def save_states(tensors: dict[str, torch.Tensor], filename: str, metadata: dict | None = None) -> None:
         """Write ``hidden_states`` as float8 e4m3 [T, n_ids, H] with ``hidden_states_scales`` fp32
         [T, 1, 1] (hs-connectors' layout, which its ``FP8Transfer`` reads) and ``token_ids`` [T]."""
         fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
-        save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, filename)
+        save_file({**tensors, "hidden_states": fp8, SCALES_KEY: scales}, filename, metadata=metadata)
 
 
 def engine_model_folder(target, engine_model: str | None) -> str:
