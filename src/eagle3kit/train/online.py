@@ -99,6 +99,12 @@ def _unlocked(path: str) -> bool:
     return os.path.exists(path)
 
 
+def _remove(path: Path) -> None:
+    """Delete a capture file and the ``.lock`` its writer leaves beside it."""
+    path.unlink(missing_ok=True)
+    Path(str(path) + ".lock").unlink(missing_ok=True)
+
+
 def folder_bytes(folder: Path) -> int:
     """Bytes of the files in ``folder`` (a file removed while counting counts 0)."""
     total = 0
@@ -192,8 +198,7 @@ class EngineFeeder:
             keep = {k for k, _ in order}
             for f in self.buffer.glob("*.safetensors") if prune else ():
                 if f.stem not in keep and f.stem not in self.futures:
-                    f.unlink(missing_ok=True)
-                    Path(str(f) + ".lock").unlink(missing_ok=True)
+                    _remove(f)
             self.cv.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True, name="eagle3kit-feeder")
@@ -332,14 +337,12 @@ class EngineFeeder:
             else:
                 self.stale += 1
             self.reused_keys.discard(key)
-            path.unlink(missing_ok=True)
-            Path(str(path) + ".lock").unlink(missing_ok=True)
+            _remove(path)
             states = read_captured(
                 self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
             )
         if not any(k == key for k, _ in self.order[self.next :]):
-            path.unlink(missing_ok=True)
-            Path(str(path) + ".lock").unlink(missing_ok=True)
+            _remove(path)
         with self.cv:
             self.cv.notify_all()
         return states
