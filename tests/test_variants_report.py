@@ -100,3 +100,42 @@ def test_run_info_adds_to_the_recorded_settings_and_odd_folders_are_left_out(tmp
     assert out["rows"][0]["mt_bench_tau_k3"] == pytest.approx(1.305)
     err = capsys.readouterr().err
     assert "eagle3-sX: not a row folder" in err and "['smoke'] left as the run recorded them" in err
+
+
+def _write_seed(root: Path, name: str, seed: int, mt3: float, gsm3: float) -> None:
+    d = root / f"{name}-s{seed}"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(
+        json.dumps({k: v for k, v in _seed(name, seed, mt3, gsm3).items() if k != "seed"})
+    )
+
+
+def test_the_speed_check_compares_the_two_paths_per_column_within_the_seed_spread(tmp_path, capsys):
+    # reference rows in <work>, auto rows in <work>/speed-auto, as --speed writes them
+    for seed, (mt, gsm) in enumerate([(1.340, 1.970), (1.356, 1.990)]):  # spread 0.016 / 0.020
+        _write_seed(tmp_path, "eagle3.1", seed, mt, gsm)
+    for seed, (mt, gsm) in enumerate([(1.350, 1.930), (1.352, 1.935)]):  # GSM8K 0.0475 lower: outside
+        _write_seed(tmp_path / "speed-auto", "eagle3.1", seed, mt, gsm)
+    _write_seed(tmp_path, "eagle3", 0, 1.3, 1.8)  # under one path only: not compared
+    args = SimpleNamespace(
+        work=str(tmp_path), precision="tf32", loss_chunk=0, smoke=False, speed_out=str(tmp_path / "s.json")
+    )
+    out = variants.stage_speed(args)
+    assert [r["name"] for r in out["rows"]] == ["eagle3.1"]
+    cols = out["rows"][0]["columns"]
+    assert cols["mt_bench_tau_k3"]["difference"] == pytest.approx(1.351 - 1.348, abs=1e-4)
+    assert cols["mt_bench_tau_k3"]["within"] is True
+    assert cols["gsm8k_tau_k3"]["seed_spread"] == pytest.approx(0.020)
+    assert cols["gsm8k_tau_k3"]["within"] is False
+    assert out["same_tau_within_seed_spread"] is False
+    assert json.loads((tmp_path / "s.json").read_text())["rows"][0]["auto"]["gsm8k_tau_k3"] == pytest.approx(
+        1.9325
+    )
+    assert "same τ within the seed spread: False" in capsys.readouterr().out
+
+
+def test_the_speed_check_refuses_a_work_folder_with_no_row_under_both_paths(tmp_path):
+    _write_seed(tmp_path, "eagle3", 0, 1.3, 1.8)
+    args = SimpleNamespace(work=str(tmp_path), precision="tf32", loss_chunk=0, smoke=False, speed_out="x")
+    with pytest.raises(SystemExit, match="no row trained under both"):
+        variants.stage_speed(args)
