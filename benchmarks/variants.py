@@ -30,6 +30,10 @@ is per process, measured beside the others (the JSON says how many ran at once).
     python benchmarks/variants.py --work /tmp/variants --shared ../shared [--stages data,train,report]
         [--rows eagle3:0,eagle3:1,…,specforge:0] [--parallel 9] [--smoke]
 
+``--speed auto`` trains the rows with ``train``'s own defaults instead (under ``<work>/speed-auto``,
+beside the reference rows of the same data run); ``--stages speed`` then compares the two paths
+per τ column (results/speed_tau.json; issue 25: the faster path must train the same drafter).
+
 Resumable: a finished stage or row is skipped. Writes ``benchmarks/results/variants.json``
 (``rows``: ``name``, ``mt_bench_tau_k3``, ``gsm8k_tau_k3``, ``mt_bench_tau_k5``, ``gsm8k_tau_k5``,
 ``tokens_per_s``, ``seeds``) and prints one table.

@@ -87,6 +87,10 @@ start)
   exec "$0" wait "${VW_WAIT:-510}"
   ;;
 wait)
+  if [ ! -d $W ]; then # a fresh machine: the warm one was given back (30 s idle) and /tmp with it
+    echo "no $W on this machine: it is a fresh one, the run and its files are gone; stage again (stage1, then speed or start)" >&2
+    exit 3
+  fi
   end=$(($(date +%s) + ${1:-540}))
   while [ "$(date +%s)" -lt "$end" ]; do
     grep -q "variants: τ" $W/main.log 2>/dev/null && break
