@@ -166,6 +166,7 @@ class EngineFeeder:
         self.cv = threading.Condition()
         self.reserved = 0  # bytes of requests in flight
         self.futures: dict[str, Future] = {}
+        self.pending: dict[str, int] = {}  # key → reads still to come of its future (a key twice in order)
         self.sizes: dict[str, int] = {}
         self.order: list[tuple[str, torch.Tensor]] = []
         self.next = 0  # index into order of the next request to send
@@ -227,7 +228,8 @@ class EngineFeeder:
                     return
                 key, ids = self.order[self.next]
                 self.next += 1
-                if key in self.futures:
+                if key in self.futures:  # the same tokens twice in this order: one file, read twice
+                    self.pending[key] += 1
                     continue
                 size = self._size(ids)  # at most the limit (schedule refuses a larger sample)
                 path = self.buffer / f"{key}.safetensors"
@@ -240,7 +242,7 @@ class EngineFeeder:
                     self.reserved += size
                     self.sizes[key] = size
                     fut = self.pool.submit(self._fetch, key, ids, path)
-                self.futures[key] = fut
+                self.futures[key], self.pending[key] = fut, 1
                 self._note_peak()
 
     def _post(self, ids: list[int], path: Path) -> dict:
@@ -321,8 +323,8 @@ class EngineFeeder:
                 self.cv.wait(0.05)
             if self.error is not None:
                 raise self.error
-            fut = self.futures.pop(key)
-            self.cv.notify_all()
+            fut = self.futures[key]  # kept until read: the same tokens later in the order join it
+            self.pending[key] -= 1
         path = fut.result()
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
@@ -341,9 +343,11 @@ class EngineFeeder:
             states = read_captured(
                 self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
             )
-        if not any(k == key for k, _ in self.order[self.next :]):
-            _remove(path)
         with self.cv:
+            if self.pending[key] <= 0:  # this file's last scheduled read
+                del self.futures[key], self.pending[key]
+                if not any(k == key for k, _ in self.order[self.next :]):  # and none to schedule
+                    _remove(path)
             self.cv.notify_all()
         return states
 
