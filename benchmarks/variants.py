@@ -159,19 +159,19 @@ def stage_data(args) -> None:
     (run / "variants_data.json").write_text(json.dumps(stats, indent=2, default=str))
 
 
-def speed_settings(args) -> dict:
-    """The ``train`` speed settings of every eagle3kit row: the dense reference path at
-    ``--precision``/``--loss-chunk``, or with ``--speed auto`` train's own defaults."""
-    if getattr(args, "speed", "reference") == "auto":
+def speed_settings(args, speed: str | None = None) -> dict:
+    """The ``train`` speed settings of every eagle3kit row of ``speed`` (default ``--speed``): the
+    dense reference path at ``--precision``/``--loss-chunk``, or with ``auto`` train's own defaults."""
+    if (speed or getattr(args, "speed", "reference")) == "auto":
         return {"attention": "auto", "precision": "auto", "loss_chunk": None}
     return {**SPEED, "loss_chunk": args.loss_chunk, "precision": args.precision}
 
 
-def rows_root(args) -> Path:
-    """Where the rows of this ``--speed`` live: ``<work>`` for the reference path,
+def rows_root(args, speed: str | None = None) -> Path:
+    """Where the rows of ``speed`` (default ``--speed``) live: ``<work>`` for the reference path,
     ``<work>/speed-auto`` for train's defaults, so both can be trained on one data run."""
     root = Path(args.work)
-    return root / "speed-auto" if getattr(args, "speed", "reference") == "auto" else root
+    return root / "speed-auto" if (speed or getattr(args, "speed", "reference")) == "auto" else root
 
 
 def run_dir(args, key: str) -> Path:
@@ -230,10 +230,10 @@ def stage_train(args) -> None:
     todo = [k for k in args.rows if not (run_dir(args, k) / "result.json").exists()]
     running: list[tuple[str, subprocess.Popen]] = []
     failed = []
+    rows_root(args).mkdir(parents=True, exist_ok=True)
     while todo or running:
         while todo and len(running) < args.parallel:
             key = todo.pop(0)
-            rows_root(args).mkdir(parents=True, exist_ok=True)
             log = open(rows_root(args) / f"train-{key.replace(':', '-s')}.log", "w")
             argv = [sys.executable, __file__, "--work", args.work, "--shared", args.shared, "--worker", key]
             argv += ["--parallel", str(args.parallel), "--loss-chunk", str(args.loss_chunk)]
@@ -400,6 +400,24 @@ def collect_rows(root: Path) -> list[dict]:
     return rows
 
 
+def with_run_info(args, out: dict) -> dict:
+    """``out`` with the keys of ``<work>/run_info.json`` (how and where the run was made, written by
+    whoever ran it) that it lacks, first, and its ``rows`` last: the file adds to what the run
+    recorded, never replaces it (a clash is warned about)."""
+    info = Path(args.work) / "run_info.json"
+    if not info.exists():
+        return out
+    extra = _read_json(info, "the run's launcher")
+    clash = sorted(k for k in extra if k in out)
+    if clash:
+        console_warn(f"{info}: {clash} left as the run recorded them")
+    return {
+        **{k: v for k, v in extra.items() if k not in out},
+        **{k: v for k, v in out.items() if k != "rows"},
+        "rows": out["rows"],
+    }
+
+
 def stage_report(args) -> dict:
     """``benchmarks/results/variants.json`` and the table: per row the mean over its seeds."""
     rows = collect_rows(rows_root(args))
@@ -414,17 +432,7 @@ def stage_report(args) -> dict:
         "data": json.loads(data.read_text()) if data.exists() else None,
         "rows": rows,
     }
-    info = Path(args.work) / "run_info.json"  # how and where the run was made, written by whoever ran it
-    if info.exists():  # it adds to what the run recorded, never replaces it
-        extra = _read_json(info, "the run's launcher")
-        clash = sorted(k for k in extra if k in out)
-        if clash:
-            console_warn(f"{info}: {clash} left as the run recorded them")
-        out = {
-            **{k: v for k, v in extra.items() if k not in out},
-            **{k: v for k, v in out.items() if k != "rows"},
-            "rows": rows,
-        }
+    out = with_run_info(args, out)
     if base:
         out["vs_eagle3_mt_bench_k3"] = {
             r["name"]: round(r["mt_bench_tau_k3"] / base["mt_bench_tau_k3"] - 1, 4) for r in rows
@@ -460,8 +468,8 @@ def stage_speed(args) -> dict:
     Raises:
         SystemExit: no row measured under both paths.
     """
-    ref = {r["name"]: r for r in collect_rows(Path(args.work))}
-    auto = {r["name"]: r for r in collect_rows(Path(args.work) / "speed-auto")}
+    ref = {r["name"]: r for r in collect_rows(rows_root(args, "reference"))}
+    auto = {r["name"]: r for r in collect_rows(rows_root(args, "auto"))}
     names = [n for n in ref if n in auto]
     if not names:
         raise SystemExit(f"{args.work}: no row trained under both --speed reference and --speed auto")
@@ -490,15 +498,13 @@ def stage_speed(args) -> dict:
     out = {
         "benchmark": "benchmarks/variants.py --stages speed",
         "recipe": str(EXAMPLE.relative_to(ROOT)),
-        "reference_path": {**SPEED, "precision": args.precision, "loss_chunk": args.loss_chunk},
-        "auto_path": {"attention": "auto", "precision": "auto", "loss_chunk": "auto"},
+        "reference_path": speed_settings(args, "reference"),
+        "auto_path": speed_settings(args, "auto"),
         "rule": "auto's mean within the seed spread (max of the two paths' max − min) of the reference's mean",
         "rows": rows,
         "same_tau_within_seed_spread": verdict,
     }
-    info = Path(args.work) / "run_info.json"
-    if info.exists():
-        out = {**{k: v for k, v in _read_json(info, "the run's launcher").items() if k not in out}, **out}
+    out = with_run_info(args, out)
     if not args.smoke:
         Path(args.speed_out).write_text(json.dumps(out, indent=2) + "\n")
     from rich.console import Console

