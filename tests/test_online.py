@@ -243,7 +243,15 @@ def test_a_producer_killed_mid_epoch_is_named_and_the_rerun_resumes(online):
     srv = online["server"]
     whole = _whole(online)
     run = _copy_run(online, "producer-killed")
-    cfg = _cfg(run, online["target"], online_from=[srv.url], online_timeout_s=8, online_inflight=1)
+    longest = max(len(s[0]) for s in online["samples"])
+    cfg = _cfg(  # room for two samples' states: the epoch cannot be fetched ahead before the kill
+        run,
+        online["target"],
+        online_from=[srv.url],
+        online_timeout_s=8,
+        online_inflight=1,
+        online_buffer_bytes=2 * longest * 4 * 128 * 4,
+    )
 
     def kill_later():
         while not (run / "train_log.jsonl").exists() or len(_log(run)) < 4:

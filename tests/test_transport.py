@@ -182,3 +182,97 @@ def test_the_same_tokens_twice_in_one_epoch_are_read_twice_from_one_file_then_de
         assert torch.equal(states, samples[key][0])
     assert feeder.requests == 0
     assert sorted(p.name for p in buf.glob("*.safetensors")) == []  # each file deleted after its last read
+
+
+def _buffer_of(tmp_path, seeds):
+    """A buffer folder holding capture files an earlier run left: {key: (states, ids)}."""
+    from eagle3kit.train.online import sample_key
+    from eagle3kit.train.vllm_capture import CPUHiddenStatesConnector
+
+    buf = tmp_path / "buffer"
+    buf.mkdir()
+    out = {}
+    for seed in seeds:
+        h, ids = _states(seed)
+        key = sample_key(ids)
+        CPUHiddenStatesConnector.save_states(
+            {"hidden_states": h, "token_ids": ids}, str(buf / f"{key}.safetensors")
+        )
+        out[key] = (h, ids)
+    return buf, out
+
+
+def _read_all(feeder, reads, timeout=20):
+    import threading
+
+    got, err = [], []
+
+    def consume():
+        try:
+            for key, ids in reads:
+                got.append((key, feeder.get(key, ids)))
+        except Exception as e:  # noqa: BLE001 (handed to the test)
+            err.append(e)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"a read never returned (read {len(got)} of {len(reads)})"
+    return got, err
+
+
+def test_files_on_disk_and_repeats_need_no_room_in_a_tight_buffer(tmp_path):
+    """A reused file, or a repeat of a sample whose file is there, takes no new bytes: with room for
+    one and a half samples, [a, b, a] of files an earlier run left reads through (it once waited
+    forever, charging each a whole sample beside its own file), and inflight=1 is not filled by
+    files waiting for their read."""
+    from eagle3kit.train.online import EngineFeeder
+
+    buf, samples = _buffer_of(tmp_path, (0, 1))
+    (a, (ha, ia)), (b, (hb, ib)) = samples.items()
+    feeder = EngineFeeder(
+        ["http://127.0.0.1:9"], "target", buf, 1, N_IDS, bytes_per_token("file", N_IDS, H, 4), inflight=1
+    )
+    feeder.limit = int(1.5 * feeder._size(ia))
+    order = [(a, ia), (b, ib), (a, ia), (b, ib), (a, ia)]
+    try:
+        feeder.schedule(order)
+        got, err = _read_all(feeder, order)
+    finally:
+        feeder.close()
+    assert err == []
+    assert [k for k, _ in got] == [a, b, a, b, a]
+    assert all(torch.equal(states, samples[key][0]) for key, states in got)
+    assert feeder.requests == 0 and list(buf.glob("*.safetensors")) == []
+
+
+def test_a_new_schedule_drops_the_reads_the_old_one_left_and_an_unscheduled_read_is_refused(tmp_path):
+    """An epoch that ends with a read of a repeated sample still to come, then a new schedule: the
+    old read is dropped with its file (it once kept the only inflight slot, and the next epoch
+    waited forever); a read of a sample no schedule holds, or one read too many, is refused by name
+    instead of waiting."""
+    from eagle3kit.train.online import EngineFeeder
+
+    buf, samples = _buffer_of(tmp_path, (0, 1))
+    (a, (ha, ia)), (b, (hb, ib)) = samples.items()
+    feeder = EngineFeeder(
+        ["http://127.0.0.1:9"],
+        "target",
+        buf,
+        1 << 24,
+        N_IDS,
+        bytes_per_token("file", N_IDS, H, 4),
+        inflight=1,
+    )
+    try:
+        feeder.schedule([(a, ia), (a, ia)], prune=False)  # b's file kept for the next schedule
+        got, err = _read_all(feeder, [(a, ia)])
+        assert err == [] and torch.equal(got[0][1], ha)
+        feeder.schedule([(b, ib)])
+        got, err = _read_all(feeder, [(b, ib), (b, ib)])
+    finally:
+        feeder.close()
+    assert torch.equal(got[0][1], hb)
+    assert len(got) == 1 and isinstance(err[0], ValueError) and b in str(err[0])
+    assert "no read of it is scheduled" in str(err[0])
+    assert list(buf.glob("*.safetensors")) == []  # a's file went with the old schedule, b's after its read

@@ -137,7 +137,8 @@ class EngineFeeder:
             file records them).
     Raises (from :meth:`get`):
         DataError: a server stopped answering (naming it and the fix), or returned a file of other
-            tokens or of another transport; ConfigError: a sample larger than the whole buffer.
+            tokens or of another transport; ConfigError: a sample larger than the whole buffer;
+            ValueError: a read of a sample no schedule holds (or one read more than scheduled).
     """
 
     def __init__(
@@ -197,8 +198,12 @@ class EngineFeeder:
         with self.cv:
             self.order, self.next = list(order), 0
             keep = {k for k, _ in order}
+            for k in list(self.futures):  # reads of the earlier order are abandoned: this one counts anew
+                self.pending[k] = 0
+                if k not in keep:
+                    del self.futures[k], self.pending[k]
             for f in self.buffer.glob("*.safetensors") if prune else ():
-                if f.stem not in keep and f.stem not in self.futures:
+                if f.stem not in keep and f.stem not in self.sizes:  # (a file still being written stays)
                     _remove(f)
             self.cv.notify_all()
         if self._thread is None:
@@ -213,16 +218,30 @@ class EngineFeeder:
     def _size(self, ids: torch.Tensor) -> int:
         return ids.numel() * self.bpt + HEADER_BYTES
 
+    def _ready(self) -> bool:
+        """Whether the next sample of the order can be placed now (under :attr:`cv`): one whose
+        future exists (the same tokens again) or whose file is on disk needs no room; a request needs
+        a free slot and room for its whole size beside the files and the requests in flight. Blocked
+        with no request in flight and no file awaiting its read, nothing would ever free room: the
+        files left (an earlier run's or a later epoch's, not yet any read's) are deleted and fetched
+        again when their turn comes."""
+        key, ids = self.order[self.next]
+        if key in self.futures or _unlocked(str(self.buffer / f"{key}.safetensors")):
+            return True
+        if len(self.sizes) >= self.inflight:
+            return False
+        if folder_bytes(self.buffer) + self.reserved + self._size(ids) <= self.limit:
+            return True
+        if not self.futures and not self.sizes:
+            for f in self.buffer.glob("*.safetensors"):
+                _remove(f)
+        return False
+
     def _run(self) -> None:
         """Send requests in order while the buffer has room (the bound: files + in flight)."""
         while True:
             with self.cv:
-                while not self._stop and (
-                    self.next >= len(self.order)
-                    or len(self.futures) >= self.inflight
-                    or folder_bytes(self.buffer) + self.reserved + self._size(self.order[self.next][1])
-                    > self.limit
-                ):
+                while not self._stop and (self.next >= len(self.order) or not self._ready()):
                     self.cv.wait(0.05)
                 if self._stop:
                     return
@@ -320,6 +339,11 @@ class EngineFeeder:
         t0 = time.perf_counter()
         with self.cv:
             while key not in self.futures and self.error is None:
+                if not any(k == key for k, _ in self.order[self.next :]):
+                    raise ValueError(
+                        f"states of sample {key} were asked for but no read of it is scheduled (or all "
+                        "its scheduled reads were made): schedule() the order get() follows"
+                    )
                 self.cv.wait(0.05)
             if self.error is not None:
                 raise self.error
