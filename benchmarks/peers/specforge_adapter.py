@@ -742,6 +742,35 @@ def build_train_command(
     return argv, env
 
 
+# ---------------------------------------------------------------------------- its log
+
+
+def log_records(text: str) -> list[dict]:
+    """The metric records SpecForge's trainer prints, one per ``log_interval`` optimizer steps
+    (``step N: {...}`` lines of ``training/controller.py``'s logger), in order."""
+    import ast
+    import re
+
+    return [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", text, re.M)]
+
+
+def steady_samples_per_s(text: str) -> tuple[float, int]:
+    """SpecForge's steady rate from its log: the mean of ``perf/global_samples_per_second`` over
+    the log windows after the first (which holds its compilation), in samples a second, and how
+    many windows were averaged.
+
+    Raises:
+        ValueError: fewer than two windows logged (no steady window to average)."""
+    rates = [
+        r["perf/global_samples_per_second"]
+        for r in log_records(text)
+        if "perf/global_samples_per_second" in r
+    ]
+    if len(rates) < 2:
+        raise ValueError(f"SpecForge logged {len(rates)} step-rate records; need 2 or more")
+    return sum(rates[1:]) / len(rates[1:]), len(rates) - 1
+
+
 # ---------------------------------------------------------------------------- checkpoint, export
 
 

@@ -82,6 +82,10 @@ def train_specforge(args, key: str, vdir: Path, heldout_tau, open_run, ks) -> di
     seconds = time.perf_counter() - t
     if rc:
         raise SystemExit(f"SpecForge's trainer exited with {rc}: see {vdir / 'specforge.log'}")
+    # its steady rate: samples a second over the log windows after the first (its compilation),
+    # times the mean sample's tokens (its batches are random, so a window holds the mean sample)
+    rate, windows = sfa.steady_samples_per_s((vdir / "specforge.log").read_text(errors="replace"))
+    steady = rate * tokens / (len(samples) * cfg.train.epochs)
     if peers not in sys.path:
         sys.path.insert(0, peers)
     export = sfa.export_to_hf_folder(
@@ -95,7 +99,11 @@ def train_specforge(args, key: str, vdir: Path, heldout_tau, open_run, ks) -> di
         "prompts": counts,
         "train_seconds": round(seconds, 1),
         "tokens_per_s": round(tokens / seconds),
-        "tokens_per_s_note": "wall clock of SpecForge's whole run (start-up and compilation included)",
+        "tokens_per_s_wall": round(tokens / seconds),
+        "tokens_per_s_steady": round(steady),
+        "steady_windows": windows,
+        "tokens_per_s_note": "wall: SpecForge's whole run (start-up and compilation included); steady: its "
+        "logged samples/s after the first log window, times the mean sample's tokens",
         "train_samples": len(samples),
         "import_layout": imp["layout"],
         "import_notes": imp["notes"],

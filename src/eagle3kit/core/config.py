@@ -448,6 +448,12 @@ class TrainConfig(_Strict):
     grad_clip: float = 0.5
     warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
     tokens_per_step: int = Field(default=4096, gt=0)
+    shuffle: Literal["batches", "samples"] = Field(
+        default="batches",
+        description="batches: samples grouped by length once, the batches' order shuffled each epoch (the "
+        "same samples share a batch every epoch); samples: samples shuffled each epoch, then grouped by "
+        "length within windows of 8 batches' tokens (new batches every epoch, little more padding)",
+    )
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     feature_cache: bool = True
     serve_engine: Literal["vllm", "sglang"] | None = Field(

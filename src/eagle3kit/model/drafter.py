@@ -47,6 +47,7 @@ Two forwards compute the same function:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -212,7 +213,13 @@ def compiled_for(device: torch.device, fn):
     return _COMPILED[fn]
 
 
-_BLOCK_MASKS: dict = {}  # (T, steps so far, device) → BlockMask of unpacked rows
+# (T, steps so far, device) → BlockMask of unpacked rows, least recently used first. Length-grouped
+# batches give every batch its own T, so one epoch asks for (batches × TTT steps) masks (448 on the
+# SmolLM2 recipe: 64 batches, TTT 7); a cache smaller than that was emptied every epoch and each step
+# built its masks again (create_block_mask evaluates mask_mod over the whole [T, T·steps] grid). Each
+# mask is a few small index tensors (about 30 KB at T 2048, 7 steps).
+_BLOCK_MASKS: OrderedDict = OrderedDict()
+BLOCK_MASK_CACHE = 4096
 
 
 def flex_ttt_attention(
@@ -245,13 +252,15 @@ def flex_ttt_attention(
     key = (T, len(keys), str(q.device))
     # without packing the mask depends on (T, step) only
     block = _BLOCK_MASKS.get(key) if doc is None else None
-    if block is None:
+    if block is not None:
+        _BLOCK_MASKS.move_to_end(key)
+    else:
         block = create_block_mask(
             mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device
         )
         if doc is None:
-            if len(_BLOCK_MASKS) >= 256:
-                _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+            if len(_BLOCK_MASKS) >= BLOCK_MASK_CACHE:
+                _BLOCK_MASKS.popitem(last=False)
             _BLOCK_MASKS[key] = block
     return flex(
         q,

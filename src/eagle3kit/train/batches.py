@@ -32,22 +32,52 @@ class Sample:
     )
 
 
+# ``mix_samples``: samples are grouped by length within windows of this many batches' tokens
+MIX_WINDOW_BATCHES = 8
+
+
 def length_batches(
-    lengths: list[int], tokens_per_batch: int, shuffle: bool, rng: random.Random
+    lengths: list[int],
+    tokens_per_batch: int,
+    shuffle: bool,
+    rng: random.Random,
+    mix_samples: bool = False,
 ) -> list[list[int]]:
     """Group sample indices by similar length so that B · T_max ≤ ``tokens_per_batch`` (a longer
-    sample forms a batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        m = max(cur_max, lengths[i])
-        if cur and m * (len(cur) + 1) > tokens_per_batch:
+    sample forms a batch of its own).
+
+    Without ``mix_samples`` every sample is sorted by length once, so the same samples share a
+    batch every epoch (``shuffle`` reorders the batches only). With it the samples are shuffled
+    first (by ``rng``) and sorted by length only within consecutive windows of
+    :data:`MIX_WINDOW_BATCHES` × ``tokens_per_batch`` tokens: each epoch makes new batches, still of
+    similar lengths (the mega-batch idea of Hugging Face's ``LengthGroupedSampler``); the number of
+    batches can then differ by a few between epochs."""
+    if not mix_samples:
+        windows = [sorted(range(len(lengths)), key=lambda i: lengths[i])]
+    else:
+        order = list(range(len(lengths)))
+        rng.shuffle(order)
+        windows, cur, size = [], [], 0
+        for i in order:
+            if cur and size + lengths[i] > MIX_WINDOW_BATCHES * tokens_per_batch:
+                windows.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += lengths[i]
+        windows.append(cur)
+        windows = [sorted(w, key=lambda i: lengths[i]) for w in windows if w]
+    batches = []
+    for window in windows:
+        cur, cur_max = [], 0
+        for i in window:
+            m = max(cur_max, lengths[i])
+            if cur and m * (len(cur) + 1) > tokens_per_batch:
+                batches.append(cur)
+                cur, m = [], lengths[i]
+            cur.append(i)
+            cur_max = m
+        if cur:
             batches.append(cur)
-            cur, m = [], lengths[i]
-        cur.append(i)
-        cur_max = m
-    if cur:
-        batches.append(cur)
     if shuffle:
         rng.shuffle(batches)
     return batches

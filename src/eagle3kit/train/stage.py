@@ -393,7 +393,7 @@ def _epoch_batches(train: list[Sample], tc, epoch: int) -> list:
     rng = random.Random(tc.seed + epoch)
     if tc.pack_length:
         return packed_batches(lengths, tc.tokens_per_step, tc.pack_length, True, rng)
-    return length_batches(lengths, tc.tokens_per_step, True, rng)
+    return length_batches(lengths, tc.tokens_per_step, True, rng, mix_samples=tc.shuffle == "samples")
 
 
 def _rng_state() -> dict:
@@ -923,7 +923,9 @@ class _Training:
         ``[loss·n, acc0·n, n, tokens]``."""
         tc, world, train = self.tc, self.world, self.train
         self.drafter.train()
-        batches = _epoch_batches(train, tc, epoch)[: self.batches_per_epoch]
+        batches = _epoch_batches(train, tc, epoch)
+        # every process takes as many steps (the count can differ by epoch with train.shuffle: samples)
+        batches = batches[: min(self.batches_per_epoch, world.min_int(len(batches)))]
         first = self.start_batch if epoch == self.start_epoch else 0
         sums = self.acc_state if (epoch == self.start_epoch and self.acc_state) else [0.0, 0.0, 0, 0]
         if self.feeder is not None:  # the servers fetch ahead, in the order the steps read
