@@ -85,7 +85,7 @@ recipe)
   # issues 24 and 25 together (2026-12-04): the data run made on the CPU (pack), its tokens and
   # vocabulary made again here (this image's transformers converts SmolLM2's GGUF tokenizer with
   # another fingerprint); SpecForge's row alone on the GPU, then train's default (eagle3.1, auto)
-  # alone: the recipe's speed side by side; then QUALITY rows (the dense TF32 path), PARALLEL at once
+  # alone, with and without SpecForge's beta2 and batch mixing: the recipe's speed side by side; then QUALITY rows (the dense TF32 path), PARALLEL at once
   quality=${1:?quality rows}
   par=${2:-6}
   install_smollm2 || exit 1
@@ -98,7 +98,7 @@ export PYTHONPATH=/tmp/site:$REPO/src SPECFORGE_PATH=/tmp/site PYTHONUNBUFFERED=
 V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
 (cd benchmarks && python3 -c "from common import open_run; open_run('$W/base')") >$W/retok.log 2>&1
 \$V --stages train --rows specforge:0 --parallel 1 >$W/speed-specforge.log 2>&1
-\$V --stages train --rows eagle3.1:0 --parallel 1 --speed auto >$W/speed-auto.log 2>&1
+\$V --stages train --rows eagle3.1:0,eagle3.1_mixed_betas999:0 --parallel 1 --speed auto >$W/speed-auto.log 2>&1
 \$V --stages train,report --rows $quality --parallel $par --out $W/variants_new.json >$W/main.log 2>&1
 echo "variants: τ done" >>$W/main.log
 EOS
