@@ -354,7 +354,23 @@ def compare_rows(rows: list[dict]) -> dict:
         "vs_specforge": {c: round(best[c] / sf[c] - 1, 4) for c in COLUMNS} if sf else None,
         "specforge_vs_eagle3": {c: round(sf[c] / base[c] - 1, 4) for c in COLUMNS} if sf else None,
         "default_should_change": bool(winners) and best in winners,
+        "largest_gain": _largest_gain(max(ours, key=mean_gain), cols_of, base, sf),
         **({"skipped": skipped} if skipped else {}),
+    }
+
+
+def _largest_gain(r: dict, cols_of: dict, base: dict, sf: dict | None) -> dict:
+    """The row of the largest mean gain over ``eagle3`` whatever its seeds (the ``best`` of
+    :func:`compare_rows` needs two): its gain per column, whether each gain exceeds the baseline's
+    own seed spread (the only spread a one-seed row has), and its ratio to SpecForge's row."""
+    cols = cols_of[r["name"]]
+    spread = base.get("seed_spread") or {}
+    return {
+        "name": r["name"],
+        "seeds": len(r.get("seeds") or []),
+        "gain": {c: v["gain"] for c, v in cols.items()},
+        "gain_above_baseline_spread": {c: r[c] - base[c] > spread.get(c, 0.0) for c in COLUMNS},
+        "vs_specforge": {c: round(r[c] / sf[c] - 1, 4) for c in COLUMNS} if sf else None,
     }
 
 
@@ -397,7 +413,7 @@ def collect_rows(root: Path) -> list[dict]:
             if not tail.isdigit() or str(int(tail)) != tail:  # eagle3-sX, eagle3-s00: not a row's folder
                 console_warn(f"{p.parent}: not a row folder (NAME-sSEED); left out")
                 continue
-            seeds.append({**_seed_result(p, name), **epoch_history(p.parent)})
+            seeds.append({**epoch_history(p.parent), **_seed_result(p, name)})  # a result's own history first
         if not seeds:
             continue
         row = {"name": name}

@@ -295,19 +295,26 @@ def test_a_p_eagle_drafter_with_fc_norm_is_not_written_where_vllm_would_drop_it(
 
 
 def test_a_run_made_before_the_variants_resumes_and_a_variant_is_another_training():
-    """The settings hash of a plain EAGLE-3 config (``variant: eagle3``, or a section naming no flag) is
-    the one every run made before the drafter section and train.loss existed recorded (computed at
-    da828d9), so its checkpoints resume; the default (EAGLE-3.1 since issue 24), a variant or an LK
-    loss changes it, so their checkpoints are never resumed by another drafter."""
+    """The settings hash of a plain EAGLE-3 config (``variant: eagle3``, or a section naming no flag)
+    with the optimizer and batching of then (betas (0.9, 0.95), ``shuffle: batches``) is the one
+    every run made before the drafter section, train.loss and train.shuffle existed recorded
+    (computed at da828d9), so its checkpoints resume; the default (EAGLE-3.1 since issue 24, the
+    new betas and batch mixing), a variant, other betas, mixed batches or an LK loss change it, so
+    their checkpoints are never resumed by another training."""
     from eagle3kit.core.config import Config
     from eagle3kit.core.rundir import sha256_json
     from eagle3kit.train.stage import trained_settings
 
     old = "1d35fde9481f511c7d6febd542b3d3fa62158e806065c462334aac016a00c639"
+    then = {"betas": [0.9, 0.95], "shuffle": "batches"}
     for plain in ({"variant": "eagle3"}, {}, {"variant": None}):
-        assert sha256_json(trained_settings(Config.model_validate({"drafter": plain}))) == old
+        assert sha256_json(trained_settings(Config.model_validate({"drafter": plain, "train": then}))) == old
+    for changed in ({"betas": [0.9, 0.999]}, {"shuffle": "samples"}):
+        cfg = Config.model_validate({"drafter": {"variant": "eagle3"}, "train": {**then, **changed}})
+        assert sha256_json(trained_settings(cfg)) != old
     default = trained_settings(Config())
     assert sha256_json(default) != old
+    assert default["betas"] == [0.9, 0.999] and default["shuffle"] == "samples"
     assert default["drafter"]["variant"] == "eagle3.1" and default["drafter"]["fc_norm"] is True
     other = Config.model_validate({"drafter": {"variant": "p-eagle"}})
     assert trained_settings(other)["drafter"]["parallel_drafting"] is True

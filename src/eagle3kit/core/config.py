@@ -443,13 +443,17 @@ class TrainConfig(_Strict):
     )
     epochs: int = Field(default=20, ge=1)
     lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999),
+        description="AdamW's betas; (0.9, 0.999), torch's and SpecForge's, beat DESIGN.md's pilot (0.9, 0.95) on the "
+        "SmolLM2 recipe (benchmarks/results/variants.json)",
+    )
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
     tokens_per_step: int = Field(default=4096, gt=0)
     shuffle: Literal["batches", "samples"] = Field(
-        default="batches",
+        default="samples",
         description="batches: samples grouped by length once, the batches' order shuffled each epoch (the "
         "same samples share a batch every epoch); samples: samples shuffled each epoch, then grouped by "
         "length within windows of 8 batches' tokens (new batches every epoch, little more padding)",

@@ -252,7 +252,13 @@ _LOGISTICS = {
 
 
 # train settings added after runs existed, with the default that leaves what is trained as it was
-_LATER = {"loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "online_transport": "file"}
+_LATER = {
+    "loss": "kl",
+    "lk_kl_scale": 1.0,
+    "lk_kl_decay": 1.0,
+    "online_transport": "file",
+    "shuffle": "batches",
+}
 
 
 def trained_settings(cfg: Config) -> dict:
