@@ -34,13 +34,15 @@ pytestmark = [
     ),
 ]
 
+# train: the optimizer and batching the diagnose plants' margins were set with (the defaults before
+# 2026-12-04; limits.md: a plant that moves τ little is told apart only by the drafter as trained then)
 CONFIG = """run_dir: {run}
 prompts:
   sources: [{{path: {gsm8k}, name: gsm8k, stop: -80, limit: 240}}]
   heldout_fraction: 0.0
 generate: {{max_new_tokens: 64}}
 vocab: {{draft_vocab_size: 2048}}
-train: {{ttt_steps: 3, epochs: 6, tokens_per_step: 2048, precision: bf16}}
+train: {{ttt_steps: 3, epochs: 6, tokens_per_step: 2048, precision: bf16, betas: [0.9, 0.95], shuffle: batches}}
 evaluate:
   k: 3
   max_new_tokens: 64

@@ -25,7 +25,11 @@ SERVED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss")
 # the family vLLM refuses needs no τ: a small run shows it passes (transformers generates and evaluates);
 # its test asserts only the backends and the refusals, so 16 prompts, 2 epochs and 4 held-out prompts do
 # (transformers generates about 60 tokens/s here: 64 prompts × 48 tokens took 52 s of the module)
-SMALL_RUN = {"kimi_k25_native": {"prompts": 16, "epochs": 2, "eval_prompts": 4}}
+SMALL_RUN = {  # the suite's time: families whose drafter clears τ 1.2 by far run smaller
+    "kimi_k25_native": {"prompts": 16, "epochs": 2, "eval_prompts": 4},
+    "qwen3": {"prompts": 120, "epochs": 12},  # τ 1.506 at 200 prompts, 20 epochs
+    "qwen3_moe": {"prompts": 120, "epochs": 12},  # τ 1.584 at 200 prompts, 20 epochs
+}
 
 
 @pytest.fixture(scope="module")

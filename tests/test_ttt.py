@@ -118,7 +118,10 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
     lengths = [random.Random(i).randint(20, 400) for i in range(300)]
 
     def epochs(mix):
-        return [length_batches(lengths, 2048, True, random.Random(e), mix_samples=mix) for e in range(2)]
+        return [
+            length_batches(lengths, 2048, True, random.Random(e), random.Random(-e) if mix else None)
+            for e in range(2)
+        ]
 
     def padded(batches):
         return sum(len(b) * max(lengths[i] for i in b) for b in batches)
@@ -134,6 +137,10 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
     assert padded(mixed[0]) < 1.25 * padded(fixed[0])  # grouped by length within windows
     whole_random = [list(range(300))[i : i + 10] for i in range(0, 300, 10)]  # what no grouping would pad
     assert padded(mixed[0]) < padded(whole_random)
+    small = lengths[:40]  # 40 samples fit in one window: the sorted grouping's batches, in its order
+    assert length_batches(small, 2048, True, random.Random(3), random.Random(9)) == length_batches(
+        small, 2048, True, random.Random(3)
+    )
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():

@@ -32,7 +32,7 @@ class Sample:
     )
 
 
-# ``mix_samples``: samples are grouped by length within windows of this many batches' tokens
+# ``mix``: samples are grouped by length within windows of this many batches' tokens
 MIX_WINDOW_BATCHES = 8
 
 
@@ -41,22 +41,23 @@ def length_batches(
     tokens_per_batch: int,
     shuffle: bool,
     rng: random.Random,
-    mix_samples: bool = False,
+    mix: random.Random | None = None,
 ) -> list[list[int]]:
     """Group sample indices by similar length so that B · T_max ≤ ``tokens_per_batch`` (a longer
-    sample forms a batch of its own).
+    sample forms a batch of its own); ``shuffle``: the batches' order drawn from ``rng``.
 
-    Without ``mix_samples`` every sample is sorted by length once, so the same samples share a
-    batch every epoch (``shuffle`` reorders the batches only). With it the samples are shuffled
-    first (by ``rng``) and sorted by length only within consecutive windows of
-    :data:`MIX_WINDOW_BATCHES` × ``tokens_per_batch`` tokens: each epoch makes new batches, still of
-    similar lengths (the mega-batch idea of Hugging Face's ``LengthGroupedSampler``); the number of
-    batches can then differ by a few between epochs."""
-    if not mix_samples:
+    Without ``mix`` every sample is sorted by length once, so the same samples share a batch every
+    epoch. With it the samples are shuffled first (by ``mix``, a generator of their own, so the
+    batches' order draws the same numbers either way) and sorted by (length, index) only within
+    consecutive windows of :data:`MIX_WINDOW_BATCHES` × ``tokens_per_batch`` tokens: each epoch
+    makes new batches, still of similar lengths (the mega-batch idea of Hugging Face's
+    ``LengthGroupedSampler``), and a data set that fits in one window gets exactly the batches of
+    the sorted grouping. The number of batches can differ by a few between epochs."""
+    if mix is None:
         windows = [sorted(range(len(lengths)), key=lambda i: lengths[i])]
     else:
         order = list(range(len(lengths)))
-        rng.shuffle(order)
+        mix.shuffle(order)
         windows, cur, size = [], [], 0
         for i in order:
             if cur and size + lengths[i] > MIX_WINDOW_BATCHES * tokens_per_batch:
@@ -65,7 +66,7 @@ def length_batches(
             cur.append(i)
             size += lengths[i]
         windows.append(cur)
-        windows = [sorted(w, key=lambda i: lengths[i]) for w in windows if w]
+        windows = [sorted(w, key=lambda i: (lengths[i], i)) for w in windows if w]
     batches = []
     for window in windows:
         cur, cur_max = [], 0

@@ -399,7 +399,8 @@ def _epoch_batches(train: list[Sample], tc, epoch: int) -> list:
     rng = random.Random(tc.seed + epoch)
     if tc.pack_length:
         return packed_batches(lengths, tc.tokens_per_step, tc.pack_length, True, rng)
-    return length_batches(lengths, tc.tokens_per_step, True, rng, mix_samples=tc.shuffle == "samples")
+    mix = random.Random(f"{tc.seed}:{epoch}:samples") if tc.shuffle == "samples" else None
+    return length_batches(lengths, tc.tokens_per_step, True, rng, mix)
 
 
 def _rng_state() -> dict:
