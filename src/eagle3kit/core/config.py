@@ -456,7 +456,8 @@ class TrainConfig(_Strict):
         default="samples",
         description="batches: samples grouped by length once, the batches' order shuffled each epoch (the "
         "same samples share a batch every epoch); samples: samples shuffled each epoch, then grouped by "
-        "length within windows of 8 batches' tokens (new batches every epoch, little more padding)",
+        "length within windows of 8 batches' tokens (new batches every epoch, little more padding; a data set "
+        "within one window keeps the grouped batches); not read with pack_length",
     )
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     feature_cache: bool = True
