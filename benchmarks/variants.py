@@ -64,7 +64,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 EXAMPLE = ROOT / "examples" / "smollm2-shared-data.yaml"
-ROWS = {  # name: (drafter section, train.loss[, other train settings])
+# the optimizer and batching every row trains with unless it names others: train's defaults until
+# 2026-12-04, so the rows of 2026-12-02 are trained again as they were, whatever train's defaults now
+EARLIER = {"betas": (0.9, 0.95), "shuffle": "batches"}
+ROWS = {  # name: (drafter section, train.loss[, train settings over EARLIER])
     "eagle3": ({}, "kl"),
     "norm_before_residual": ({"norm_before_residual": True}, "kl"),
     "eagle3.1": ({"variant": "eagle3.1"}, "kl"),
@@ -76,7 +79,7 @@ ROWS = {  # name: (drafter section, train.loss[, other train settings])
     "lk_alpha": ({}, "lk_alpha"),
     "lk_lambda": ({}, "lk_lambda"),
     # what SpecForge 0.2.0 trains with otherwise (issue 24's open 2.4%): AdamW's β2 of torch's default,
-    # new length-grouped batches every epoch (train.shuffle: samples), and both
+    # new length-grouped batches every epoch (train.shuffle: samples), and both (train's defaults now)
     "eagle3_betas999": ({}, "kl", {"betas": (0.9, 0.999)}),
     "eagle3_mixed": ({}, "kl", {"shuffle": "samples"}),
     "eagle3_mixed_betas999": ({}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples"}),
@@ -202,7 +205,8 @@ def train_one(args, key: str) -> None:
     drafter, loss, *more = ROWS[name]
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))
     speed = speed_settings(args)
-    settings = {**speed, **(more[0] if more else {})}
+    trained = {**EARLIER, **(more[0] if more else {})}
+    settings = {**speed, **trained}
     res, seconds = train_variant(
         cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
     )
@@ -229,11 +233,7 @@ def train_one(args, key: str) -> None:
         "speed": args.speed,
         "loss_chunk": speed["loss_chunk"],
         "precision": speed["precision"],
-        **(
-            {"train_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in more[0].items()}}
-            if more
-            else {}
-        ),
+        "train_settings": {k: list(v) if isinstance(v, tuple) else v for k, v in trained.items()},
     }
     (vdir / "result.json").write_text(json.dumps(out, indent=2))
 

@@ -73,3 +73,17 @@ def test_a_variant_is_named_as_its_preset_and_other_flags_are_listed():
     assert variant_name({"fc_norm": True, "norm_output": True, "norm_before_residual": False}) == "eagle3.1"
     assert variant_name({"parallel_drafting": True, "mask_token_id": 5}) == "p-eagle"
     assert variant_name({"norm_before_residual": True}) == "EAGLE-3 + norm_before_residual"
+
+
+@pytest.mark.parametrize(
+    "betas",
+    [[1.5, 0.9], [-0.1, 0.9], [1.0, 0.999], [0.9, 1.0], [float("nan"), 0.9], [True, 0.9], ["0.9", "0.99"]],
+)
+def test_betas_outside_adamws_range_are_refused_before_any_work(betas):
+    """AdamW takes betas in [0, 1): anything else (and YAML's true or a quoted number) is a config
+    error naming train.betas, not a traceback from torch after the target loaded."""
+    from eagle3kit.core.config import Config
+
+    with pytest.raises(ValueError, match=r"train\.betas"):
+        Config.model_validate({"train": {"betas": betas}})
+    assert Config.model_validate({"train": {"betas": [0.9, 0.95]}}).train.betas == (0.9, 0.95)

@@ -164,3 +164,75 @@ def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_file
     assert [r["step"] for r in _log(d)] == list(range(1, len(_log(d)) + 1)) and len(_log(d)) > 8
     again = run_train(cfg, RunDir(d))  # all done: the report is kept as it was
     assert again["last_step"] == res["last_step"] and again["tokens_per_s"] == res["tokens_per_s"]
+
+
+def _mixed_cfg(run_dir, target_dir, shuffle: str = "samples"):
+    cfg = run_dir / "c.yaml"
+    cfg.write_text(
+        f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float32, device: cpu}}\n"
+        "vocab: {draft_vocab_size: 256}\n"
+        "train: {epochs: 3, ttt_steps: 2, tokens_per_step: 46, lr: 0.003, checkpoint_every: 4, "
+        f"val_fraction: 0.1, device: cpu, shuffle: {shuffle}, tensorboard: false}}\nevaluate: {{k: 2}}\n"
+    )
+    from eagle3kit.core.config import load_config
+
+    return load_config(cfg)
+
+
+def test_mixed_batches_resume_to_the_uninterrupted_steps_when_epochs_differ_in_length(
+    base_run, tmp_path, tiny_target_dir, monkeypatch
+):
+    """train.shuffle: samples makes each epoch's batches anew, so epochs can differ in their number
+    of steps: every epoch trains all of its own batches (not the first epoch's count), and a run
+    killed in a later epoch resumes to exactly the uninterrupted run's steps and losses (its step
+    numbers once ran one ahead, a killed run's record kept twice). Switching to ``shuffle: batches``
+    and back, the middle attempt killed before its first checkpoint, puts the first run back with
+    its own log (the middle attempt's log once stayed in its place)."""
+    from eagle3kit.train.stage import run_train
+
+    whole = tmp_path / "whole"
+    shutil.copytree(base_run, whole)
+    run_train(_mixed_cfg(whole, tiny_target_dir), RunDir(whole))
+    a = _log(whole)
+    per_epoch = [sum(r["epoch"] == e for r in a) for e in range(1, 4)]
+    assert len(set(per_epoch)) > 1, per_epoch  # the case: epochs of different lengths
+    assert [r["step"] for r in a] == list(range(1, len(a) + 1))
+    cut_at = sum(per_epoch[:1]) + 6  # inside epoch 2, past a checkpoint made in it
+    d = tmp_path / "cut"
+    shutil.copytree(base_run, d)
+    monkeypatch.setenv("EAGLE3KIT_STOP_AFTER_STEPS", str(cut_at))
+    with pytest.raises(SystemExit):
+        run_train(_mixed_cfg(d, tiny_target_dir), RunDir(d))
+    monkeypatch.setenv("EAGLE3KIT_STOP_AFTER_STEPS", "2")  # another training, killed before a checkpoint
+    with pytest.raises(SystemExit):
+        run_train(_mixed_cfg(d, tiny_target_dir, "batches"), RunDir(d))
+    monkeypatch.delenv("EAGLE3KIT_STOP_AFTER_STEPS")
+    run_train(_mixed_cfg(d, tiny_target_dir), RunDir(d))  # the first put back, resumed in epoch 2
+    b = _log(d)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    assert [r["epoch"] for r in b] == [r["epoch"] for r in a]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-9)
+    assert len(_log(next(tmp_path.glob("cut/checkpoints.prev-*")))) == 2  # the middle attempt's log, aside
+
+
+def test_a_run_trained_with_the_earlier_optimizer_is_set_aside_naming_how_to_resume_it(
+    base_run, tmp_path, tiny_target_dir, monkeypatch
+):
+    """A run killed under the defaults of before 2026-12-04 (betas (0.9, 0.95), fixed batches) and
+    rerun with today's is another training: its checkpoints are set aside, and the message says
+    which settings resume them."""
+    from eagle3kit.core.ui import console
+    from eagle3kit.train.stage import run_train
+
+    d = tmp_path / "earlier"
+    shutil.copytree(base_run, d)
+    cfg = _mixed_cfg(d, tiny_target_dir, "batches")
+    cfg.train.betas = (0.9, 0.95)
+    monkeypatch.setenv("EAGLE3KIT_STOP_AFTER_STEPS", "4")
+    with pytest.raises(SystemExit):
+        run_train(cfg, RunDir(d))
+    with console.capture() as cap, pytest.raises(SystemExit):
+        run_train(_mixed_cfg(d, tiny_target_dir), RunDir(d))
+    said = " ".join(cap.get().split())
+    assert "changed: train.betas, train.shuffle" in said
+    assert "write train: {betas: [0.9, 0.95], shuffle: batches} to resume them" in said

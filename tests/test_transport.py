@@ -276,3 +276,86 @@ def test_a_new_schedule_drops_the_reads_the_old_one_left_and_an_unscheduled_read
     assert len(got) == 1 and isinstance(err[0], ValueError) and b in str(err[0])
     assert "no read of it is scheduled" in str(err[0])
     assert list(buf.glob("*.safetensors")) == []  # a's file went with the old schedule, b's after its read
+
+
+def _slow_server_feeder(buf, limit, inflight, states, delay=0.4):
+    """An EngineFeeder whose server is a stand-in: each request takes ``delay`` s, then writes the
+    sample's states under the connector's lock, as vLLM's capture server does."""
+    import fcntl
+    import time
+
+    from eagle3kit.train.online import EngineFeeder, sample_key
+    from eagle3kit.train.vllm_capture import CPUHiddenStatesConnector
+
+    f = EngineFeeder(
+        ["http://127.0.0.1:9"], "target", buf, limit, N_IDS, bytes_per_token("file", N_IDS, H, 4), inflight
+    )
+    f.posts = 0
+
+    def post(ids, path):
+        f.posts += 1
+        time.sleep(delay)
+        ids = torch.tensor(ids)
+        with open(str(path) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            CPUHiddenStatesConnector.save_states(
+                {"hidden_states": states[sample_key(ids)], "token_ids": ids}, str(path)
+            )
+        return {"kv_transfer_params": {"hidden_states_path": str(path)}, "choices": [{"token_ids": [5]}]}
+
+    f._post = post
+    return f
+
+
+def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_forever(tmp_path):
+    """A schedule that drops a sample in flight, then one that asks for it again, sends no second
+    request for the same file (its reservation was once counted twice and never freed); a schedule
+    whose first sample has no room beside the file of a later one makes room instead of waiting
+    forever; the feeder's thread dying (its buffer folder deleted) is raised by the read that waits."""
+    import shutil
+    import time
+
+    from eagle3kit.train.online import sample_key
+
+    samples = {}
+    for seed, n in ((0, 10), (1, 12), (2, 60)):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 49152, (n,), generator=g)
+        samples[seed] = (sample_key(ids), ids, torch.randn(n, N_IDS, H, generator=g))
+    states = {k: h for k, _, h in samples.values()}
+    (k, ik, hk), (j, ij, hj), (big, ibig, hbig) = samples.values()
+
+    f = _slow_server_feeder(tmp_path / "a", 1, 4, states)
+    f.limit = f._size(ibig) + f._size(ik) // 2
+    try:
+        f.schedule([(k, ik)])
+        time.sleep(0.1)  # in flight
+        f.schedule([])
+        f.schedule([(k, ik)])
+        got, err = _read_all(f, [(k, ik)])
+        assert err == [] and torch.equal(got[0][1], hk) and f.posts == 1 and f.reserved == 0
+        f.schedule([(big, ibig)])  # fits only in an empty buffer
+        got, err = _read_all(f, [(big, ibig)])
+        assert err == [] and torch.equal(got[0][1], hbig)
+    finally:
+        f.close()
+
+    f = _slow_server_feeder(tmp_path / "b", 1, 1, states)
+    f.limit = int(1.2 * f._size(ij))  # one sample at a time
+    try:
+        f.schedule([(k, ik)])
+        time.sleep(0.1)
+        f.schedule([(j, ij), (k, ik)])  # k's file will land first and fill the buffer
+        got, err = _read_all(f, [(j, ij), (k, ik)])
+        assert err == [] and [torch.equal(s, h) for (_, s), h in zip(got, (hj, hk))] == [True, True]
+    finally:
+        f.close()
+
+    f = _slow_server_feeder(tmp_path / "c", 1 << 24, 4, states)
+    shutil.rmtree(tmp_path / "c")
+    try:
+        f.schedule([(k, ik)])
+        got, err = _read_all(f, [(k, ik)])
+        assert got == [] and isinstance(err[0], DataError) and "stopped" in str(err[0])
+    finally:
+        f.close()

@@ -553,6 +553,22 @@ class TrainConfig(_Strict):
         default=None, description="also log to this Weights & Biases project (pip install wandb)"
     )
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_are_numbers(cls, v):
+        """Two numbers: YAML's true/false or a quoted string is refused, not read as 1.0 or 0.9."""
+        if isinstance(v, (list, tuple)) and any(isinstance(b, (bool, str)) for b in v):
+            raise ValueError(f"train.betas {list(v)} must be two numbers, as [0.9, 0.999]")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v):
+        """AdamW's betas lie in [0, 1) (torch.optim.AdamW raises otherwise, after the target loaded)."""
+        if not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"train.betas {list(v)} must each lie in [0, 1), as [0.9, 0.999]")
+        return v
+
     @field_validator("init_from")
     @classmethod
     def _init_from_folder(cls, v):

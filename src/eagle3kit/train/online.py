@@ -226,19 +226,34 @@ class EngineFeeder:
         files left (an earlier run's or a later epoch's, not yet any read's) are deleted and fetched
         again when their turn comes."""
         key, ids = self.order[self.next]
-        if key in self.futures or _unlocked(str(self.buffer / f"{key}.safetensors")):
+        if key in self.futures:
+            return True
+        if key in self.sizes:  # an earlier order's request for these tokens, still in flight: its file
+            return False
+        if _unlocked(str(self.buffer / f"{key}.safetensors")):
             return True
         if len(self.sizes) >= self.inflight:
             return False
         if folder_bytes(self.buffer) + self.reserved + self._size(ids) <= self.limit:
             return True
-        if not self.futures and not self.sizes:
+        if not self.sizes and not any(self.pending.get(k, 0) > 0 for k in self.futures):
+            for k in list(self.futures):  # files no scheduled read waits for yet: made room for
+                del self.futures[k], self.pending[k]
             for f in self.buffer.glob("*.safetensors"):
                 _remove(f)
         return False
 
     def _run(self) -> None:
-        """Send requests in order while the buffer has room (the bound: files + in flight)."""
+        """Send requests in order while the buffer has room (the bound: files + in flight); an
+        error here (the buffer folder gone, say) is handed to the reads instead of leaving them waiting."""
+        try:
+            self._send()
+        except BaseException as e:  # noqa: BLE001 (raised by get())
+            with self.cv:
+                self.error = DataError(f"the feeder of {self.buffer} stopped: {type(e).__name__}: {e}")
+                self.cv.notify_all()
+
+    def _send(self) -> None:
         while True:
             with self.cv:
                 while not self._stop and (self.next >= len(self.order) or not self._ready()):
@@ -348,8 +363,7 @@ class EngineFeeder:
             if self.error is not None:
                 raise self.error
             fut = self.futures[key]  # kept until read: the same tokens later in the order join it
-            self.pending[key] -= 1
-        path = fut.result()
+        path = fut.result()  # (the read counts as pending until done: no room is made by deleting it)
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
         try:
@@ -368,6 +382,7 @@ class EngineFeeder:
                 self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
             )
         with self.cv:
+            self.pending[key] -= 1
             if self.pending[key] <= 0:  # this file's last scheduled read
                 del self.futures[key], self.pending[key]
                 if not any(k == key for k, _ in self.order[self.next :]):  # and none to schedule

@@ -697,9 +697,11 @@ class _Training:
             weight_decay=tc.weight_decay,
             fused=device.type == "cuda",
         )
-        # every process takes as many
-        self.batches_per_epoch = world.min_int(len(_epoch_batches(self.train, tc, 0)))
-        total_steps = self.batches_per_epoch * tc.epochs
+        # each epoch's optimizer steps, the same on every process (the fewest batches any has); an
+        # epoch's batches are fixed by train.seed, so this is known before the first step, and with
+        # train.shuffle: samples it can differ by a few between epochs
+        self.epoch_steps = [world.min_int(len(_epoch_batches(self.train, tc, e))) for e in range(tc.epochs)]
+        total_steps = sum(self.epoch_steps)
         warmup = max(1, math.ceil(tc.warmup_ratio * total_steps))
 
         def lr_at(step: int) -> float:
@@ -784,6 +786,16 @@ class _Training:
                 and "drafter" not in self.cfg.model_fields_set
                 else ""
             )
+            old_tc = json.loads(st.get("train_config") or "{}")
+            if (
+                old_tc.get("betas") == [0.9, 0.95]
+                and old_tc.get("shuffle", "batches") == "batches"
+                and {"train.betas", "train.shuffle"} & set(changed)
+            ):
+                hint += (
+                    " (they were trained with the optimizer and batches of before 2026-12-04: write train: "
+                    "{betas: [0.9, 0.95], shuffle: batches} to resume them)"
+                )
             console.print(
                 f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
                 f"moved them to {keep} and starting fresh{hint}"
@@ -813,7 +825,11 @@ class _Training:
             if inputs_of(prev) != self.inputs:
                 continue
             keep = None
-            if ckpt.exists() and any(ckpt.iterdir()):
+            # the current attempt's checkpoints, or only its log and events (killed before its first
+            # checkpoint): set aside, so the folder put back brings its own log
+            stray = self.log_path.exists() or (run_dir / "tensorboard").exists()
+            if (ckpt.exists() and any(ckpt.iterdir())) or stray:
+                ckpt.mkdir(exist_ok=True)
                 keep = _set_aside(ckpt, self.log_path)
             if ckpt.exists():
                 ckpt.rmdir()  # empty (or just emptied by the move)
@@ -823,7 +839,7 @@ class _Training:
                     (ckpt / name).rename(dest)
             console.print(
                 f"[green]train: {prev.name}/ was made from this run's inputs; put it back as checkpoints/"
-                + (f" (the checkpoints there moved to {keep.name}/)" if keep else "")
+                + (f" (what was there, checkpoints or a log, moved to {keep.name}/)" if keep else "")
             )
             return prev
         return None
@@ -845,11 +861,15 @@ class _Training:
             torch.cuda.set_rng_state_all(st["rng"]["cuda"])
         if world.main and self.start_epoch < tc.epochs:
             # past the ckpt
-            _truncate_log(self.log_path, self.start_epoch * self.batches_per_epoch + self.start_batch)
+            _truncate_log(self.log_path, self.steps_before(self.start_epoch, self.start_batch))
             console.print(
                 f"[green]train: resuming at epoch {self.start_epoch + 1} of {tc.epochs}, "
-                f"step {self.start_batch} of {self.batches_per_epoch}"
+                f"step {self.start_batch} of {self.epoch_steps[self.start_epoch]}"
             )
+
+    def steps_before(self, epoch: int, batch: int) -> int:
+        """Optimizer steps taken before ``batch`` of ``epoch`` (0-based)."""
+        return sum(self.epoch_steps[:epoch]) + batch
 
     def prepare(self) -> None:
         """Mark best.safetensors pending, fill the feature cache, open the log (TensorBoard, W&B)."""
@@ -862,7 +882,7 @@ class _Training:
                 self.target.source.get("weights_fingerprint"),
             )
         # optimizer steps already taken
-        self.step = self.start_epoch * self.batches_per_epoch + self.start_batch
+        self.step = self.steps_before(self.start_epoch, self.start_batch)
         if self.step == 0 and world.main:
             # steps a run killed before its first checkpoint logged: they are redone
             _truncate_log(self.log_path, 0)
@@ -930,9 +950,7 @@ class _Training:
         ``[loss·n, acc0·n, n, tokens]``."""
         tc, world, train = self.tc, self.world, self.train
         self.drafter.train()
-        batches = _epoch_batches(train, tc, epoch)
-        # every process takes as many steps (the count can differ by epoch with train.shuffle: samples)
-        batches = batches[: min(self.batches_per_epoch, world.min_int(len(batches)))]
+        batches = _epoch_batches(train, tc, epoch)[: self.epoch_steps[epoch]]
         first = self.start_batch if epoch == self.start_epoch else 0
         sums = self.acc_state if (epoch == self.start_epoch and self.acc_state) else [0.0, 0.0, 0, 0]
         if self.feeder is not None:  # the servers fetch ahead, in the order the steps read
