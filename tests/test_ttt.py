@@ -352,3 +352,19 @@ def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_qua
     assert _resolve_speed(eight_b, cuda)["loss_chunk"] == 4096  # the draft vocabulary unknown
     assert _resolve_speed(TrainConfig(loss_chunk=1024), cuda, 32000)["loss_chunk"] == 1024
     assert _resolve_speed(TrainConfig(), torch.device("cpu"), 32000)["loss_chunk"] == 0
+
+
+@torch.no_grad()
+def test_block_masks_are_cached_least_recently_used_first_within_a_byte_bound(monkeypatch):
+    """The masks of unpacked rows are kept per (T, steps, device) until their bytes pass the bound
+    (a mask's index tensors grow with T²); the one used last stays, the longest unused goes first."""
+    import eagle3kit.model.drafter as drafter
+
+    monkeypatch.setattr(drafter, "_BLOCK_MASKS", type(drafter._BLOCK_MASKS)())
+    monkeypatch.setattr(drafter, "BLOCK_MASK_CACHE_BYTES", 1500)
+    for T in (256, 300, 256, 512, 700):
+        kv = [torch.randn(1, 2, T, 16) for _ in range(2)]
+        drafter.flex_ttt_attention(torch.randn(1, 2, T, 16), kv, kv)
+    cached = drafter._BLOCK_MASKS
+    assert sum(n for _, n in cached.values()) <= 1500
+    assert list(cached)[-1] == (700, 2, "cpu") and (300, 2, "cpu") not in cached

@@ -213,13 +213,14 @@ def compiled_for(device: torch.device, fn):
     return _COMPILED[fn]
 
 
-# (T, steps so far, device) → BlockMask of unpacked rows, least recently used first. Length-grouped
-# batches give every batch its own T, so one epoch asks for (batches × TTT steps) masks (448 on the
-# SmolLM2 recipe: 64 batches, TTT 7); a cache smaller than that was emptied every epoch and each step
-# built its masks again (create_block_mask evaluates mask_mod over the whole [T, T·steps] grid). Each
-# mask is a few small index tensors (about 30 KB at T 2048, 7 steps).
+# (T, steps so far, device) → (BlockMask of unpacked rows, its bytes), least recently used first.
+# Length-grouped batches give every batch its own T, so one epoch asks for (batches × TTT steps)
+# masks (448 on the SmolLM2 recipe: 64 batches, TTT 7); a cache of 256 was emptied every epoch and
+# each step built its masks again (create_block_mask evaluates mask_mod over the whole [T, T·steps]
+# grid). A mask's index tensors grow with T² (about 30 KB at T 2048, 7 steps; 7 MB at 32K), so the
+# cache is bounded in bytes: thousands of short masks, a few dozen of 32K.
 _BLOCK_MASKS: OrderedDict = OrderedDict()
-BLOCK_MASK_CACHE = 4096
+BLOCK_MASK_CACHE_BYTES = 256 << 20
 
 
 def flex_ttt_attention(
@@ -251,7 +252,7 @@ def flex_ttt_attention(
 
     key = (T, len(keys), str(q.device))
     # without packing the mask depends on (T, step) only
-    block = _BLOCK_MASKS.get(key) if doc is None else None
+    block = _BLOCK_MASKS[key][0] if doc is None and key in _BLOCK_MASKS else None
     if block is not None:
         _BLOCK_MASKS.move_to_end(key)
     else:
@@ -259,9 +260,10 @@ def flex_ttt_attention(
             mask_mod, B if doc is not None else None, None, T, T * len(keys), device=q.device
         )
         if doc is None:
-            if len(_BLOCK_MASKS) >= BLOCK_MASK_CACHE:
+            size = sum(t.numel() * t.element_size() for t in block.as_tuple() if torch.is_tensor(t))
+            _BLOCK_MASKS[key] = (block, size)
+            while sum(n for _, n in _BLOCK_MASKS.values()) > BLOCK_MASK_CACHE_BYTES and len(_BLOCK_MASKS) > 1:
                 _BLOCK_MASKS.popitem(last=False)
-            _BLOCK_MASKS[key] = block
     return flex(
         q,
         torch.cat(keys, dim=2),
