@@ -236,3 +236,34 @@ def test_a_run_trained_with_the_earlier_optimizer_is_set_aside_naming_how_to_res
     said = " ".join(cap.get().split())
     assert "changed: train.betas, train.shuffle" in said
     assert "write train: {betas: [0.9, 0.95], shuffle: batches} to resume them" in said
+
+
+def test_a_stale_run_names_what_changed_and_how_to_resume_one_made_before_a_default_changed():
+    """The set-aside message names each train field that differs; a run made before issue 24's
+    default drafter (no ``drafter`` in its settings) is told to write ``drafter: {variant: eagle3}``
+    only when this config names no drafter; same inputs with unmatched files name the kill."""
+    from types import SimpleNamespace
+
+    from eagle3kit.core.config import Config
+    from eagle3kit.core.rundir import sha256_json
+    from eagle3kit.train.stage import _Training, trained_settings
+
+    def stale(cfg, old_tc, same=False):
+        tc = trained_settings(cfg)
+        me = SimpleNamespace(cfg=cfg, tc_fields=tc, inputs={"tokens": "a", "train_config": sha256_json(tc)})
+        old = {"tokens": "a", "train_config": sha256_json(tc if same else old_tc)}
+        return _Training._stale_inputs(me, {"inputs": old, "train_config": json.dumps(old_tc)})
+
+    now = trained_settings(Config())
+    before_24 = {k: v for k, v in now.items() if k != "drafter"}
+    changed, hint = stale(Config(), before_24)
+    assert changed == ["train.drafter"] and "write drafter: {variant: eagle3} to resume them" in hint
+    named = Config.model_validate({"drafter": {"variant": "eagle3.1"}})
+    changed, hint = stale(named, before_24)
+    assert changed == ["train.drafter"] and hint == ""  # the user chose the drafter: no advice
+    changed, hint = stale(Config(), {**now, "lr": now["lr"] * 2})
+    assert changed == ["train.lr"] and hint == ""
+    changed, hint = stale(Config(), now, same=True)
+    assert changed == [
+        "last.safetensors is missing or from another step than train_state.pt (a kill during a save)"
+    ]

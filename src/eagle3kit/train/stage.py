@@ -759,48 +759,56 @@ class _Training:
             return
         world.barrier()
         if world.main:
-            changed = sorted(
-                k
-                for k in set(self.inputs) | set(st.get("inputs", {}))
-                if self.inputs.get(k) != st.get("inputs", {}).get(k)
-            )
-            if "train_config" in changed and st.get("train_config"):
-                old_tc = json.loads(st["train_config"])
-                changed.remove("train_config")
-                changed += [
-                    f"train.{k}"
-                    for k in sorted(set(old_tc) | set(self.tc_fields))
-                    if old_tc.get(k) != self.tc_fields.get(k)
-                ]
-            if not changed:
-                changed = [
-                    "last.safetensors is missing or from another step than train_state.pt (a kill during a save)"
-                ]
             keep = _set_aside(ckpt, log_path)
-            old_drafter = json.loads(st.get("train_config") or "{}").get("drafter")
-            hint = (
-                " (they are a plain EAGLE-3 drafter's, and a config without a drafter section trains "
-                "EAGLE-3.1 since issue 24: write drafter: {variant: eagle3} to resume them)"
-                if "train.drafter" in changed
-                and old_drafter is None
-                and "drafter" not in self.cfg.model_fields_set
-                else ""
-            )
-            old_tc = json.loads(st.get("train_config") or "{}")
-            if (
-                old_tc.get("betas") == [0.9, 0.95]
-                and old_tc.get("shuffle", "batches") == "batches"
-                and {"train.betas", "train.shuffle"} & set(changed)
-            ):
-                hint += (
-                    " (they were trained with the optimizer and batches of before 2026-12-04: write train: "
-                    "{betas: [0.9, 0.95], shuffle: batches} to resume them)"
-                )
+            changed, hint = self._stale_inputs(st)
             console.print(
                 f"[yellow]train: checkpoints/ were made from other inputs (changed: {', '.join(changed)}); "
                 f"moved them to {keep} and starting fresh{hint}"
             )
         world.barrier()
+
+    def _stale_inputs(self, st: dict) -> tuple[list[str], str]:
+        """What differs between this run's inputs and those ``train_state.pt`` (``st``) was made
+        from, as ``train.<field>`` names where the train config changed, and a hint on how to
+        resume when the difference is one of the defaults that changed (the drafter variant in
+        issue 24, the optimizer and batches on 2026-12-04), an empty hint when none applies."""
+        changed = sorted(
+            k
+            for k in set(self.inputs) | set(st.get("inputs", {}))
+            if self.inputs.get(k) != st.get("inputs", {}).get(k)
+        )
+        old_tc = json.loads(st.get("train_config") or "{}")
+        if "train_config" in changed and old_tc:
+            changed.remove("train_config")
+            changed += [
+                f"train.{k}"
+                for k in sorted(set(old_tc) | set(self.tc_fields))
+                if old_tc.get(k) != self.tc_fields.get(k)
+            ]
+        if not changed:
+            changed = [
+                "last.safetensors is missing or from another step than train_state.pt (a kill during a save)"
+            ]
+        hint = ""
+        if (
+            "train.drafter" in changed
+            and old_tc.get("drafter") is None
+            and "drafter" not in self.cfg.model_fields_set
+        ):
+            hint = (
+                " (they are a plain EAGLE-3 drafter's, and a config without a drafter section trains "
+                "EAGLE-3.1 since issue 24: write drafter: {variant: eagle3} to resume them)"
+            )
+        if (
+            old_tc.get("betas") == [0.9, 0.95]
+            and old_tc.get("shuffle", "batches") == "batches"
+            and {"train.betas", "train.shuffle"} & set(changed)
+        ):
+            hint += (
+                " (they were trained with the optimizer and batches of before 2026-12-04: write train: "
+                "{betas: [0.9, 0.95], shuffle: batches} to resume them)"
+            )
+        return changed, hint
 
     def _swap_back(self) -> Path | None:
         """When ``checkpoints/`` was made from other inputs (or holds none) and a set-aside
