@@ -44,15 +44,25 @@ def base_run(tmp_path_factory, tiny_target):
     return d
 
 
-def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
+def _cfg_file(run_dir, target_dir, dtype: str, train: str):
+    """``run_dir/c.yaml``: the tiny target on the CPU, a 256-token draft vocabulary, TTT 2, and
+    ``train`` (the rest of the train section, as YAML flow items)."""
     cfg = run_dir / "c.yaml"
     cfg.write_text(
-        f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float64, device: cpu}}\n"
+        f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: {dtype}, device: cpu}}\n"
         "vocab: {draft_vocab_size: 256}\n"
-        "train: {epochs: 2, ttt_steps: 2, tokens_per_step: 64, lr: 0.003, checkpoint_every: 3, "
-        f"val_fraction: 0.1, device: cpu, parallel: {parallel}}}\nevaluate: {{k: 2}}\n"
+        f"train: {{ttt_steps: 2, lr: 0.003, val_fraction: 0.1, device: cpu, {train}}}\nevaluate: {{k: 2}}\n"
     )
     return cfg
+
+
+def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
+    return _cfg_file(
+        run_dir,
+        target_dir,
+        "float64",
+        f"epochs: 2, tokens_per_step: 64, checkpoint_every: 3, parallel: {parallel}",
+    )
 
 
 def _launch(
@@ -167,12 +177,11 @@ def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_file
 
 
 def _mixed_cfg(run_dir, target_dir, shuffle: str = "samples"):
-    cfg = run_dir / "c.yaml"
-    cfg.write_text(
-        f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: float32, device: cpu}}\n"
-        "vocab: {draft_vocab_size: 256}\n"
-        "train: {epochs: 3, ttt_steps: 2, tokens_per_step: 46, lr: 0.003, checkpoint_every: 4, "
-        f"val_fraction: 0.1, device: cpu, shuffle: {shuffle}, tensorboard: false}}\nevaluate: {{k: 2}}\n"
+    cfg = _cfg_file(
+        run_dir,
+        target_dir,
+        "float32",
+        f"epochs: 3, tokens_per_step: 46, checkpoint_every: 4, shuffle: {shuffle}, tensorboard: false",
     )
     from eagle3kit.core.config import load_config
 
