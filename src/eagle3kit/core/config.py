@@ -113,12 +113,18 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_true_for_a_number(cls, v, info):
-        """YAML's true/false where a number belongs (``epochs: true``) is refused, not read as 1/0."""
-        if isinstance(v, bool) and info.field_name in cls.model_fields:
-            ann = cls.model_fields[info.field_name].annotation
-            kinds = {ann, *typing.get_args(ann)}
-            if bool not in kinds and kinds & {int, float}:
-                raise ValueError("a number is needed here, not true/false")
+        """YAML's true/false where a number belongs (``epochs: true``, or an item of a list or tuple
+        of numbers: ``aux_layer_ids: [true, 5]``, ``betas: [true, 0.9]``) is refused, not read as 1/0."""
+        if info.field_name not in cls.model_fields:
+            return v
+        ann = cls.model_fields[info.field_name].annotation
+        kinds = {ann, *typing.get_args(ann)}
+        if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
+            kinds = {a for k in kinds if typing.get_origin(k) in (list, tuple) for a in typing.get_args(k)}
+        elif not isinstance(v, bool):
+            return v
+        if bool not in kinds and kinds & {int, float}:
+            raise ValueError("a number is needed here, not true/false")
         return v
 
 
@@ -556,8 +562,8 @@ class TrainConfig(_Strict):
     @field_validator("betas", mode="before")
     @classmethod
     def _betas_are_numbers(cls, v):
-        """Two numbers: YAML's true/false or a quoted string is refused, not read as 1.0 or 0.9."""
-        if isinstance(v, (list, tuple)) and any(isinstance(b, (bool, str)) for b in v):
+        """Two numbers: a quoted string is refused, not read as 0.9 (true/false: every _Strict field)."""
+        if isinstance(v, (list, tuple)) and any(isinstance(b, str) for b in v):
             raise ValueError(f"train.betas {list(v)} must be two numbers, as [0.9, 0.999]")
         return v
 
