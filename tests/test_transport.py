@@ -139,51 +139,6 @@ def test_a_file_of_other_layers_than_the_trainer_needs_is_refused_by_name(tmp_pa
     )
 
 
-def test_the_same_tokens_twice_in_one_epoch_are_read_twice_from_one_file_then_deleted(tmp_path):
-    """Two samples with equal token ids share a key (states are tied to the ids' hash): the feeder
-    must serve both reads from one file and delete it after the last (it once deleted it after the
-    first, and the second read waited forever). Files already in the buffer are reused, so no
-    server is needed: the URL below is never contacted."""
-    import threading
-
-    from eagle3kit.train.online import EngineFeeder, sample_key
-    from eagle3kit.train.vllm_capture import CPUHiddenStatesConnector
-
-    buf = tmp_path / "buffer"
-    buf.mkdir()
-    samples = {}
-    for seed in (0, 1):
-        h, ids = _states(seed)
-        key = sample_key(ids)
-        CPUHiddenStatesConnector.save_states(
-            {"hidden_states": h, "token_ids": ids}, str(buf / f"{key}.safetensors")
-        )
-        samples[key] = (h, ids)
-    (a, (ha, ia)), (b, (hb, ib)) = samples.items()
-    feeder = EngineFeeder(
-        ["http://127.0.0.1:9"], "target", buf, 1 << 24, N_IDS, bytes_per_token("file", N_IDS, H, 4)
-    )
-    got = []
-
-    def consume():
-        for key, ids in [(a, ia), (a, ia), (b, ib), (a, ia)]:
-            got.append((key, feeder.get(key, ids)))
-
-    try:
-        feeder.schedule([(a, ia), (a, ia), (b, ib), (a, ia)])
-        t = threading.Thread(target=consume, daemon=True)
-        t.start()
-        t.join(20)
-        assert not t.is_alive(), f"a read of a key scheduled twice never returned (read {len(got)} of 4)"
-    finally:
-        feeder.close()
-    assert [k for k, _ in got] == [a, a, b, a]
-    for key, states in got:
-        assert torch.equal(states, samples[key][0])
-    assert feeder.requests == 0
-    assert sorted(p.name for p in buf.glob("*.safetensors")) == []  # each file deleted after its last read
-
-
 def _buffer_of(tmp_path, seeds):
     """A buffer folder holding capture files an earlier run left: {key: (states, ids)}."""
     from eagle3kit.train.online import sample_key
@@ -219,6 +174,32 @@ def _read_all(feeder, reads, timeout=20):
     t.join(timeout)
     assert not t.is_alive(), f"a read never returned (read {len(got)} of {len(reads)})"
     return got, err
+
+
+def test_the_same_tokens_twice_in_one_epoch_are_read_twice_from_one_file_then_deleted(tmp_path):
+    """Two samples with equal token ids share a key (states are tied to the ids' hash): the feeder
+    must serve both reads from one file and delete it after the last (it once deleted it after the
+    first, and the second read waited forever). Files already in the buffer are reused, so no
+    server is needed: the URL below is never contacted."""
+    from eagle3kit.train.online import EngineFeeder
+
+    buf, samples = _buffer_of(tmp_path, (0, 1))
+    (a, (ha, ia)), (b, (hb, ib)) = samples.items()
+    feeder = EngineFeeder(
+        ["http://127.0.0.1:9"], "target", buf, 1 << 24, N_IDS, bytes_per_token("file", N_IDS, H, 4)
+    )
+    order = [(a, ia), (a, ia), (b, ib), (a, ia)]
+    try:
+        feeder.schedule(order)
+        got, err = _read_all(feeder, order)  # a read of a key scheduled twice once never returned
+    finally:
+        feeder.close()
+    assert err == []
+    assert [k for k, _ in got] == [a, a, b, a]
+    for key, states in got:
+        assert torch.equal(states, samples[key][0])
+    assert feeder.requests == 0
+    assert sorted(p.name for p in buf.glob("*.safetensors")) == []  # each file deleted after its last read
 
 
 def test_files_on_disk_and_repeats_need_no_room_in_a_tight_buffer(tmp_path):
