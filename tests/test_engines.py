@@ -92,3 +92,17 @@ def test_an_engine_in_this_process_reserves_no_core_and_a_server_keeps_vllms_def
     assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=False).env == {}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     assert vllm_launch(tiny_target_dir, speculative=False, cpu_build=True).env == {}
+
+
+def test_free_ports_lie_outside_the_kernels_ephemeral_range_and_are_never_given_twice():
+    """A server's port is not one the kernel may hand a starting vLLM's own sockets (bind(0) gave
+    ports in that range, and one of four servers started together found its port taken), and two
+    servers of one process never get the same port."""
+    from pathlib import Path
+
+    from eagle3kit.core.engines import free_port
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == 200
+    assert all(not (low <= p <= high) and p >= 20000 for p in ports)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -422,11 +423,36 @@ def installed_vllm() -> str | None:
     return None
 
 
-def free_port() -> int:
+_PORTS_GIVEN: set[int] = set()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1, free now, for a server started a little later (:class:`VLLMServer`).
+
+    Drawn at random outside the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``;
+    32768–60999 where unknown): from 20000 up to it (above it where it starts below 21000), and
+    never the same twice in one process. A port the kernel hands out with ``bind(0)`` is
+    ephemeral: free only until a starting vLLM asks the kernel for ports of its own (its engine
+    core's and torch.distributed's sockets), and one of four servers started together found its
+    port taken (``Address already in use``, 2026-12-04). Raises OSError when 500 draws find none
+    free."""
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+    span = (20000, low) if low > 21000 else (high + 1, 65536)  # above the range where it starts low
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(*span)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise OSError(f"no free TCP port on 127.0.0.1 in [{span[0]}, {span[1]}) after 500 draws")
 
 
 SPEC_METRICS = {
