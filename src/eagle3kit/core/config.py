@@ -153,13 +153,26 @@ class TargetConfig(_Strict):
 
 
 class PromptSource(_Strict):
-    """One prompt file. ``format: auto`` detects MT-bench ``turns``, ShareGPT ``conversations``,
-    OpenAI ``messages``, OpenAssistant trees (``prompt.text``), plain JSON strings, and objects
-    with a ``field`` (default: ``prompt``, ``question``, ``instruction`` or ``text``).
-    ``start``/``stop`` slice the rows in file order (Python slice semantics, so ``start: -80``
-    is the last 80), before ``categories``/``exclude_categories`` and ``limit`` apply."""
+    """One prompt source: a JSONL file (``path``) or a Hugging Face ``datasets`` dataset
+    (``dataset``: a name eagle3kit knows — ``sharegpt``, ``ultrachat``, ``gsm8k``, ``magpie`` —, a hub
+    id, or a local folder saved with ``save_to_disk`` or holding data files; ``subset`` and
+    ``split`` pick its part). ``format: auto`` detects MT-bench ``turns``, ShareGPT
+    ``conversations``, OpenAI ``messages``, OpenAssistant trees (``prompt.text``), plain JSON strings,
+    and objects with a ``field`` (default: ``prompt``, ``question``, ``instruction`` or ``text``; a
+    list of strings there is read as turns, its first kept). ``start``/``stop`` slice the rows in
+    file order (Python slice semantics, so ``start: -80`` is the last 80), before
+    ``categories``/``exclude_categories`` and ``limit`` apply."""
 
-    path: str
+    path: str | None = None
+    dataset: str | None = Field(
+        default=None,
+        description="a datasets dataset instead of a file: sharegpt, ultrachat, gsm8k, magpie, a hub id, or a "
+        "local folder (save_to_disk, or data files)",
+    )
+    subset: str | None = Field(default=None, description="dataset: its configuration (gsm8k's is main)")
+    split: str | None = Field(
+        default=None, description="dataset: its split (default: the known name's, else train)"
+    )
     name: str | None = None
     format: Literal["auto", "mt_bench", "sharegpt", "openai", "oasst", "plain"] = "auto"
     field: str | None = None
@@ -169,9 +182,35 @@ class PromptSource(_Strict):
     stop: int | None = None
     limit: int | None = Field(default=None, gt=0)
 
+    @model_validator(mode="after")
+    def _one_origin(self):
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError(
+                "a prompt source names either a file (path: …) or a datasets dataset (dataset: …), "
+                f"not {'both' if self.path is not None else 'neither'}"
+            )
+        if self.path is not None and (self.subset is not None or self.split is not None):
+            raise ValueError("subset and split are read only with dataset: (a file has neither)")
+        return self
+
     @property
     def label(self) -> str:
-        return self.name or Path(self.path).name.split(".")[0]
+        if self.name:
+            return self.name
+        if self.path is not None:
+            return Path(self.path).name.split(".")[0]
+        return Path(self.dataset.rstrip("/")).name
+
+    @property
+    def origin(self) -> str:
+        """Where the rows come from, as a message names it: the file's path, or the dataset and split."""
+        if self.path is not None:
+            return self.path
+        return (
+            f"dataset {self.dataset}"
+            + (f" ({self.subset})" if self.subset else "")
+            + (f" [{self.split}]" if self.split else "")
+        )
 
 
 class PromptsConfig(_Strict):
@@ -231,6 +270,11 @@ class GenerateConfig(_Strict):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int = 0
+    engine_args: dict = Field(
+        default_factory=dict,
+        description="backend vllm: more vllm.LLM arguments (tensor_parallel_size, gpu_memory_utilization, "
+        "max_num_seqs, ...); on a GPU the default share of memory is what is free less 5%",
+    )
 
     @model_validator(mode="after")
     def _server(self):
@@ -736,12 +780,22 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         cfg.run_dir = str(base.resolve() / run_dir)
     cfg.run_dir = str(Path(cfg.run_dir).expanduser())
     for src in list(cfg.prompts.sources) + list(cfg.evaluate.sets):
-        if not Path(src.path).is_absolute() and not src.path.startswith("~"):
-            cand = base / src.path
-            if cand.exists() or not Path(src.path).exists():
-                src.path = str(cand)
-        src.path = str(Path(src.path).expanduser())
+        if src.path is not None:
+            src.path = _beside(base, src.path, always=True)
+        else:  # a dataset: a folder beside the config when one is there, else a name or hub id as written
+            src.dataset = _beside(base, src.dataset, always=False)
     return cfg
+
+
+def _beside(base: Path, path: str, always: bool) -> str:
+    """``path`` read relative to the config file's folder ``base`` (``~`` expanded): a relative path
+    that exists there, or does not exist from the current folder either, is taken from ``base``
+    (``always``), or only when it exists there (a dataset's name or hub id otherwise stays as written)."""
+    if not Path(path).is_absolute() and not path.startswith("~"):
+        cand = base / path
+        if cand.exists() or (always and not Path(path).exists()):
+            return str(cand)
+    return str(Path(path).expanduser()) if path.startswith("~") or Path(path).exists() or always else path
 
 
 def dump_config(cfg: Config) -> str:

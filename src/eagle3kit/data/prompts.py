@@ -74,17 +74,17 @@ def _from_sources(cfg: Config, run: RunDir, bad: list | None, counts: Counter, i
     pc = cfg.prompts
     rows: list[dict] = []
     for src in pc.sources:
-        got, dropped = read_source(src, bad)
+        inputs[src.label] = {}
+        got, dropped = read_source(src, bad, lineage=inputs[src.label])
         counts.update({k if k == "history_cut" else f"dropped_{k}": v for k, v in dropped.items()})
         counts[f"rows_from_{src.label}"] = len(got)
         rows.extend(got)
-        inputs[src.label] = {"path": src.path, "sha256": sha256_file(src.path)}
     if pc.sources and not rows:
         if bad is not None:
             report_bad_rows(bad, run / "prompts_rejected.jsonl")
         raise DataError(
             "the prompts stage produced 0 prompts ("
-            + ", ".join(f"{s.path}" for s in pc.sources)
+            + ", ".join(s.origin for s in pc.sources)
             + f"; dropped: {dict(counts) or 'none'}); check the files and their filters"
         )
     if pc.sources and pc.synthesize == 64:

@@ -17,8 +17,9 @@ import re
 from collections import Counter
 
 from eagle3kit.core.config import PromptSource
-from eagle3kit.core.rundir import DataError, read_jsonl, write_jsonl
+from eagle3kit.core.rundir import DataError, read_jsonl, sha256_file, write_jsonl
 from eagle3kit.core.ui import console
+from eagle3kit.data.hub_datasets import open_dataset, resolve_dataset
 
 _TEXT_FIELDS = ("prompt", "question", "instruction", "text", "input")
 
@@ -112,7 +113,10 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
     if fmt in ("auto", "plain"):
         keys = [field] if field else [k for k in _TEXT_FIELDS if k in row]
         if keys and keys[0] in row:
-            return [{"role": "user", "content": _text(row[keys[0]], where, f"field {keys[0]!r}")}], cat
+            value = row[keys[0]]
+            if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+                value = value[0]  # a list of turns (MT-bench on the hub: prompt = [turn 1, turn 2])
+            return [{"role": "user", "content": _text(value, where, f"field {keys[0]!r}")}], cat
     raise DataError(
         f"{where}: row matches no prompt format (keys: {sorted(row)[:8]}); expected 'turns', 'messages', "
         f"'conversations', an OpenAssistant 'prompt' tree, or a text field ({', '.join(_TEXT_FIELDS)}); "
@@ -120,47 +124,68 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
     )
 
 
-def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[dict], Counter]:
-    """Read one prompt source into rows; returns (rows, counts of what was dropped and why).
-
-    Without ``bad_rows`` the first malformed row raises. With a list, each malformed row (bad
-    JSON, not UTF-8, no known format, a wrongly typed field, an empty prompt) is skipped and
-    ``{"path", "line", "reason"}`` appended to it, so one bad line never stops a run.
-
-    Raises:
-        DataError: a malformed row (only without ``bad_rows``), or an unreadable file.
-    """
-    dropped: Counter = Counter()
-    first_bad = len(bad_rows) if bad_rows is not None else 0
+def _open_rows(src: PromptSource, bad_rows: list | None, dropped: Counter):
+    """``(rows, categories present, prompt field)`` of a source: a file's ``(line, value)`` pairs
+    (lines that are not JSON go to ``bad_rows``), or a dataset's lazily read rows, sliced by
+    ``start``/``stop``."""
+    if src.dataset is not None:
+        rows, field = open_dataset(src)
+        return rows, rows.categories, field
     lines: list | None = [] if bad_rows is not None else None
-    rows = [(n, r) for n, r in read_jsonl(src.path, bad_lines=lines)]
+    file_rows = [(n, r) for n, r in read_jsonl(src.path, bad_lines=lines)]
     for n, reason in lines or []:
         bad_rows.append({"path": src.path, "line": n, "reason": reason})
         dropped["malformed"] += 1
+    present = {r.get("category") for _, r in file_rows if isinstance(r, dict)}
+    return file_rows[slice(src.start, src.stop)], present, src.field
+
+
+def _check_categories(src: PromptSource, present: set) -> None:
+    """Refuse a ``categories``/``exclude_categories`` entry that no row of the source has."""
     wanted = set(src.categories or ()) | set(src.exclude_categories or ())
-    if wanted:
-        present = {r.get("category") for _, r in rows if isinstance(r, dict)}
-        unknown = sorted(c for c in wanted if c not in present)
-        if unknown:
-            have = (
-                ", ".join(sorted(str(c) for c in present if c is not None))
-                or "none (its rows carry no 'category')"
-            )
-            raise DataError(
-                f"{src.path}: the source {src.label!r} names categories no row of the file has: "
-                f"{', '.join(map(repr, unknown))}; the file's categories are {have}. Fix the spelling "
-                "(a category that matches nothing would silently give 0 prompts)"
-            )
-    rows = rows[slice(src.start, src.stop)]
+    unknown = sorted(c for c in wanted if c not in present)
+    if unknown:
+        have = (
+            ", ".join(sorted(str(c) for c in present if c is not None))
+            or "none (its rows carry no 'category')"
+        )
+        raise DataError(
+            f"{src.origin}: the source {src.label!r} names categories no row of it has: "
+            f"{', '.join(map(repr, unknown))}; its categories are {have}. Fix the spelling "
+            "(a category that matches nothing would silently give 0 prompts)"
+        )
+
+
+def read_source(
+    src: PromptSource, bad_rows: list | None = None, lineage: dict | None = None
+) -> tuple[list[dict], Counter]:
+    """Read one prompt source (a JSONL file, or a ``datasets`` dataset through
+    :mod:`eagle3kit.data.hub_datasets`) into rows; returns (rows, counts of what was dropped and why).
+
+    Without ``bad_rows`` the first malformed row raises. With a list, each malformed row (bad
+    JSON, not UTF-8, no known format, a wrongly typed field, an empty prompt) is skipped and
+    ``{"path", "line", "reason"}`` appended to it, so one bad line never stops a run. A dataset's
+    rows are numbered from 1 in its split, as a file's lines are. ``lineage``, when given, is filled
+    with what the rows were read from: ``{"path", "sha256"}`` of a file, or ``{"dataset", "subset",
+    "split", "rows_sha256"}`` of a dataset (the hash of every row read, in order).
+
+    Raises:
+        DataError: a malformed row (only without ``bad_rows``), an unreadable file, or a dataset
+            ``datasets`` cannot load.
+    """
+    dropped: Counter = Counter()
+    first_bad = len(bad_rows) if bad_rows is not None else 0
+    rows, present, field = _open_rows(src, bad_rows, dropped)
+    _check_categories(src, present)
     out = []
     for n, raw in rows:
-        where = f"{src.path}:{n}"
+        where = f"{src.origin}:{n}"
         try:
-            msgs, cat = parse_row(raw, src.format, src.field, where)
+            msgs, cat = parse_row(raw, src.format, field, where)
         except DataError as e:
             if bad_rows is None:
                 raise
-            bad_rows.append({"path": src.path, "line": n, "reason": str(e)[len(where) + 2 :]})
+            bad_rows.append({"path": src.origin, "line": n, "reason": str(e)[len(where) + 2 :]})
             dropped["malformed"] += 1
             continue
         if src.categories is not None and cat not in src.categories:
@@ -173,7 +198,7 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
             dropped["empty_prompt"] += 1
             if bad_rows is not None:
                 bad_rows.append(
-                    {"path": src.path, "line": n, "reason": "empty prompt (the user text is blank)"}
+                    {"path": src.origin, "line": n, "reason": "empty prompt (the user text is blank)"}
                 )
             continue
         try:
@@ -184,7 +209,7 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
                     f"{where}: the text holds a lone surrogate (invalid Unicode); fix or drop that row"
                 ) from None
             bad_rows.append(
-                {"path": src.path, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"}
+                {"path": src.origin, "line": n, "reason": "the text holds a lone surrogate (invalid Unicode)"}
             )
             dropped["malformed"] += 1
             continue
@@ -197,6 +222,12 @@ def read_source(src: PromptSource, bad_rows: list | None = None) -> tuple[list[d
             break
     if bad_rows is not None:
         bad_rows[first_bad:] = sorted(bad_rows[first_bad:], key=lambda b: b["line"])
+    if lineage is not None:
+        if src.dataset is not None:
+            name, subset, split, _ = resolve_dataset(src)
+            lineage.update(dataset=name, subset=subset, split=split, rows_sha256=rows.sha256)
+        else:
+            lineage.update(path=src.path, sha256=sha256_file(src.path))
     return out, dropped
 
 

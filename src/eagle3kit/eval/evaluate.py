@@ -119,16 +119,24 @@ def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold:
 
 
 def greedy_continuations(
-    target: Target, prompts: list[list[int]], max_new_tokens: int, backend: str, batch: int
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    backend: str,
+    batch: int,
+    engine_args: dict | None = None,
 ) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (batched through the generation backend)."""
+    """The target's greedy continuation of every prompt (batched through the generation backend;
+    ``engine_args``: ``generate.engine_args``, for vLLM)."""
     out: list[list[int]] = []
     with progress() as bar:
         task = bar.add_task(f"target greedy ({backend})", total=len(prompts), tokens=0, note="")
         n = 0
         step = batch if backend == "transformers" else max(batch, 64)
         for i in range(0, len(prompts), step):
-            got = generate_completions(target, prompts[i : i + step], max_new_tokens, backend)
+            got = generate_completions(
+                target, prompts[i : i + step], max_new_tokens, backend, engine_args=engine_args
+            )
             out.extend(got)
             n += sum(len(g) for g in got)
             bar.update(task, advance=len(got), tokens=n)
@@ -473,7 +481,9 @@ def _simulate_set(
     then the trained (and untrained) drafter over them. Fills ``entry``; returns
     ``(stats, continuations, untrained stats or None)``."""
     ec = cfg.evaluate
-    conts = greedy_continuations(target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size)
+    conts = greedy_continuations(
+        target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size, cfg.generate.engine_args
+    )
     both = simulate_drafters(
         [drafter] + ([baseline] if baseline is not None else []),
         target,

