@@ -8,6 +8,7 @@ with speculation equal its outputs without."""
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ def trained(tmp_path_factory, plain_server, constructed):
 
 DIAGNOSE_PROMPTS = 6  # per diagnosed server, sent one at a time (the broken exports' verify steps are slow)
 DECODER_PROMPTS = 8  # the reference decoder's share of the held-out questions
+ALONE_PROMPTS = 8  # held-out questions sent to `vllm serve DRAFTER` (the drafter folder alone)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,9 @@ def served(trained, plain_server, tmp_path_factory):
         ]
         return VLLMServer(target, free_port(), tmp / f"{name}.log", extra_args=extra)
 
+    # `vllm serve <run>/drafter-speculators` with nothing else: vLLM reads the verifier the folder names
+    alone = VLLMServer(trained / "drafter-speculators", free_port(), tmp / "alone.log")
+
     def measure(name, srv):
         before = spec_decode_counters(srv.url)
         ids = served_token_ids(srv.url, rows, 64)
@@ -119,7 +124,8 @@ def served(trained, plain_server, tmp_path_factory):
             None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)),
         )
 
-    servers = {"plain": plain_server, **dict(zip(folders, start_servers([server(n) for n in folders])))}
+    started = start_servers([server(n) for n in folders] + [alone])
+    servers = {"plain": plain_server, **dict(zip(folders, started)), "alone": started[-1]}
     try:
         err = wait_servers([plain_server], 300)[0]  # spawned before the run: up long ago
         if err:
@@ -127,6 +133,11 @@ def served(trained, plain_server, tmp_path_factory):
         for name, srv in servers.items():
             if name in ("plain", "eagle3"):
                 measure(name, srv)
+            if name == "alone":
+                before = spec_decode_counters(srv.url)
+                ids = served_token_ids(srv.url, rows[:ALONE_PROMPTS], 64)
+                out[name] = (ids, spec_decode_delta(before, spec_decode_counters(srv.url)))
+                continue
             if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
                 out["bench"] = run_bench_ci(srv, servers["plain"], rows[:8], trained / "drafter", tmp)
                 out["bench_other_template"] = out["bench"].pop("bench_other_template")
@@ -291,6 +302,23 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
         f"tree (4/4/16) on 3 prompts: τ {tree['stats'].tau:.4f}, greedy_identical {tree['greedy_identical']}"
     )
     assert tree["greedy_identical"] and tree["stats"].tau > 1.3
+
+
+def test_vllm_serves_the_drafter_folder_alone_with_the_target_it_names(trained, served):
+    """`vllm serve <run>/drafter-speculators` and nothing else (no --model target, no
+    --speculative-config): vLLM loads the verifier the folder names (`eagle3kit run` wrote it, naming
+    SmolLM2's float32 export) and drafts with the folder. Its outputs equal the target's alone on the
+    first ALONE_PROMPTS held-out questions, and its own counters show drafts accepted."""
+    config = json.loads((trained / "drafter-speculators" / "config.json").read_text())
+    verifier = Path(config["speculators_config"]["verifier"]["name_or_path"])
+    assert (
+        json.loads((verifier / "config.json").read_text())["num_hidden_layers"] == 30
+    )  # SmolLM2's float32 export
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    outs, got = served["alone"]
+    print(f"vllm serve DRAFTER: τ {got['tau']:.4f} ({got['accepted']} accepted of {got['drafts']} drafts)")
+    assert outs == served["plain"][0][:ALONE_PROMPTS]  # the target's own greedy outputs
+    assert got["drafts"] > 0 and got["accepted"] > 0 and got["tau"] > 1.2
 
 
 def test_bench_against_vllm_with_a_baseline_reports_the_engines_own_numbers(served, trained):

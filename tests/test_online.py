@@ -52,7 +52,6 @@ def online(tmp_path_factory, smollm2_tokenizer):
     from eagle3kit.core.rundir import RunDir
     from eagle3kit.data.tokenize import save_shard
     from eagle3kit.data.vocab import run_vocab
-    from eagle3kit.train.online import producer_cli_args
 
     tmp = tmp_path_factory.mktemp("online")
     m = build_tiny_llama(  # initializer_range 0.07: greedy text that mostly loops, which a drafter learns
@@ -80,13 +79,13 @@ def online(tmp_path_factory, smollm2_tokenizer):
     save_shard(base / "tokens.safetensors", samples)
     cfg = load_config(_cfg(base, tmp / "target"))
     run_vocab(cfg, RunDir(base))
-    srv = VLLMServer(
+    srv = VLLMServer(  # each server takes the capture settings `eagle3kit capture-server` prints for the run
         tmp / "target",
         free_port(),
         tmp / "producer.log",
         served_name="target",
         max_model_len=1024,
-        extra_args=producer_cli_args([2, 4, 5, 8], tmp / "producer-store"),
+        extra_args=capture_args(base / "config.yaml", "file"),
     )
     fp8 = VLLMServer(  # the fp8 transport's server, starting while the tests before its own run
         tmp / "target",
@@ -94,7 +93,7 @@ def online(tmp_path_factory, smollm2_tokenizer):
         tmp / "producer-fp8.log",
         served_name="target",
         max_model_len=1024,
-        extra_args=producer_cli_args([2, 4, 5, 8], tmp / "producer-fp8-store", "fp8"),
+        extra_args=capture_args(base / "config.yaml", "fp8"),
     )
     fp8.spawn()
     try:
@@ -110,6 +109,24 @@ def online(tmp_path_factory, smollm2_tokenizer):
     finally:
         srv.kill()
         fp8.kill()
+
+
+def capture_args(config, transport: str) -> list[str]:
+    """The capture options of the command `eagle3kit capture-server -c config --transport T` prints
+    (what follows its --port): the layer ids resolved from the config, then the connector."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    res = CliRunner().invoke(app, ["capture-server", "-c", str(config), "--transport", transport])
+    assert res.exit_code == 0, res.output
+    cmd = shlex.split(next(ln for ln in res.stdout.splitlines() if "--speculative-config" in ln))
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["draft_model_config"]["hf_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]
+    }
+    return cmd[cmd.index("--port") + 2 :]
 
 
 def _copy_run(online, name):

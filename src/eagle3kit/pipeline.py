@@ -3,6 +3,7 @@
 Stages whose inputs are unchanged since their last run are skipped (prompts, tokenize, vocab:
 keyed by the hash of their inputs and config section); ``generate`` and ``train`` resume by
 themselves; ``export`` and ``evaluate`` always run. The target is loaded once and shared.
+Under ``torchrun`` every process trains and rank 0 alone runs the other stages (:func:`run_all`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from eagle3kit.data.prompts import run_prompts
 from eagle3kit.data.tokenize import run_tokenize
 from eagle3kit.data.vocab import run_vocab
 from eagle3kit.eval.evaluate import run_evaluate
+from eagle3kit.model.contract import ExportError
 from eagle3kit.model.target import (
     chat_template_hash,
     load_target,
@@ -26,6 +28,7 @@ from eagle3kit.model.target import (
     tokenizer_hash,
 )
 from eagle3kit.serve.export import run_export
+from eagle3kit.train.distributed import Launch, end_world
 from eagle3kit.train.stage import _resolve_speed, run_train
 
 
@@ -96,7 +99,15 @@ def summary_rows(report: dict) -> list[tuple[str, object]]:
                 f"{tr.get('tokens_per_s_steady', '-')} / {tr['tokens_per_s_wall']}",
             )
         )
-    rows.append(("export: drafter folder (serve this)", report.get("export", {}).get("path", "-")))
+    rows.append(
+        (
+            "export: drafter folder (SGLang; vLLM with --speculative-config)",
+            report.get("export", {}).get("path", "-"),
+        )
+    )
+    alone = report.get("export-speculators", {}).get("path")
+    if alone:
+        rows.append(("export: vllm serve this folder alone", alone))
     return rows + evaluate_rows(ev)
 
 
@@ -137,13 +148,59 @@ def evaluate_rows(ev: dict) -> list[tuple[str, object]]:
     return rows
 
 
+def export_for_vllm_alone(cfg: Config, run: RunDir, target) -> None:
+    """``<run>/drafter-speculators``: the drafter in vLLM's speculators layout, naming its target, which
+    ``vllm serve <run>/drafter-speculators`` serves with no other argument; a drafter that layout
+    cannot hold (P-EAGLE with ``fc_norm``) is said, not refused (``<run>/drafter`` serves it)."""
+    try:
+        run_export(cfg, run, set_aside_existing=True, fmt="speculators", target=target)
+    except ExportError as e:
+        console.print(
+            f"[yellow]export: no speculators folder ({e}); serve <run>/drafter with --speculative-config"
+        )
+
+
 def run_all(cfg: Config) -> dict:
-    """Run every stage; returns ``report.json``'s content and prints the summary table."""
+    """Run every stage; returns ``report.json``'s content and prints the summary table.
+
+    Under ``torchrun`` (:class:`~eagle3kit.train.distributed.Launch`) rank 0 runs the data stages
+    while the other ranks wait, every rank trains, then rank 0 alone exports and evaluates (the
+    others return an empty dict)."""
 
     run = RunDir(cfg.run_dir)
     timer = Timer()
+    launch = Launch.from_env()
     # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
     _resolve_speed(cfg.train, pick_device(cfg.train.device))
+    target = None
+    if launch.rank == 0:
+        try:
+            target = prepare_data(cfg, run)
+        except BaseException as e:
+            launch.announce("data", f"{type(e).__name__}: {e}")
+            raise
+        launch.announce("data")
+    else:
+        if launch.local_rank == 0:
+            console.print(f"node {launch.node}: waiting for rank 0's prompts → generate → tokenize → vocab")
+        launch.wait_for_rank0("data")
+    run_train(cfg, run, target)
+    if launch.size > 1:
+        end_world()
+        if launch.rank != 0:
+            return {}
+    run_export(cfg, run, set_aside_existing=True)
+    export_for_vllm_alone(cfg, run, target)
+    run_evaluate(cfg, run, target)
+    run.update_report("run", {"seconds": round(timer.seconds, 1), "processes": launch.size})
+    report = run.report
+    print_table(f"eagle3kit run: {Path(cfg.run_dir)} ({timer.seconds / 60:.1f} min)", summary_rows(report))
+    return report
+
+
+def prepare_data(cfg: Config, run: RunDir):
+    """The stages before training (prompts, generate, tokenize, vocab), each skipped when its inputs
+    are unchanged (generate resumes by itself); returns the loaded target, shared by the stages."""
     console.rule(f"eagle3kit run → {run.path}")
     target = load_target(cfg.target)
     write_run_header(cfg, run, target)
@@ -167,10 +224,4 @@ def run_all(cfg: Config) -> dict:
     else:
         run_vocab(cfg, run, target.tokenizer)
         _mark(run, "vocab", key)
-    run_train(cfg, run, target)
-    run_export(cfg, run, set_aside_existing=True)
-    run_evaluate(cfg, run, target)
-    run.update_report("run", {"seconds": round(timer.seconds, 1)})
-    report = run.report
-    print_table(f"eagle3kit run: {Path(cfg.run_dir)} ({timer.seconds / 60:.1f} min)", summary_rows(report))
-    return report
+    return target

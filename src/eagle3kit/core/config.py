@@ -539,7 +539,7 @@ class TrainConfig(_Strict):
         default="file",
         description="what the capture servers write (hs-connectors' file layout): file (the engine's dtype) "
         "or fp8 (float8 e4m3, one scale a token: a quarter of fp32's bytes); start them with "
-        "eagle3kit.train.online.producer_cli_args(..., transport)",
+        "`eagle3kit capture-server --transport …`",
     )
     online_inflight: int = Field(default=4, ge=1, description="most requests to the servers in flight")
     online_timeout_s: float = Field(

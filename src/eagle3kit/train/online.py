@@ -55,31 +55,75 @@ def sample_key(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
 
 
-def producer_args(layer_ids: list[int], store: str | Path, transport: str = "file") -> dict:
+def producer_args(layer_ids: list[int], store: str | Path, transport: str = "file", own: bool = True) -> dict:
     """The vLLM settings of a capture producer: ``speculative_config`` (``extract_hidden_states``
-    of ``layer_ids``, the aux ids then N) and ``kv_transfer_config`` (eagle3kit's connector for
+    of ``layer_ids``, the aux ids then N) and ``kv_transfer_config`` (the connector for
     ``transport``, ``file`` or ``fp8``, writing where each request's ``hidden_states_path`` says,
-    ``store`` otherwise)."""
+    ``store`` otherwise: eagle3kit's, or with ``own`` false vLLM's / hs-connectors' own,
+    :func:`~eagle3kit.train.transport.connector_config`)."""
     return {
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
-        "kv_transfer_config": connector_config(transport, store, custom_paths=True),
+        "kv_transfer_config": connector_config(transport, store, custom_paths=True, own=own),
     }
 
 
-def producer_cli_args(layer_ids: list[int], store: str | Path, transport: str = "file") -> list[str]:
+def producer_cli_args(
+    layer_ids: list[int], store: str | Path, transport: str = "file", own: bool = True
+) -> list[str]:
     """:func:`producer_args` as ``vllm serve`` options (prefix caching off: every request's
     states computed, none served from another request's blocks)."""
-    a = producer_args(layer_ids, store, transport)
+    a = producer_args(layer_ids, store, transport, own)
     return [
         "--speculative-config",
         json.dumps(a["speculative_config"]),
         "--kv-transfer-config",
         json.dumps(a["kv_transfer_config"]),
         "--no-enable-prefix-caching",
+    ]
+
+
+def capture_server_command(
+    model: str,
+    layer_ids: list[int],
+    store: str | Path,
+    dtype: str,
+    transport: str = "file",
+    port: int = 8000,
+    cpu_build: bool = False,
+    own: bool = True,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """The command that starts a capture server for ``train --online-from``: ``vllm serve MODEL``
+    (on vLLM's CPU build, whose ``vllm`` script does not start, ``python -m
+    vllm.entrypoints.openai.api_server --model MODEL`` with float32's eager settings), served as
+    ``target``, in ``dtype`` (the trainer's; it reserves its buffer at that width), with
+    :func:`producer_cli_args` for ``layer_ids`` (the aux ids, then N) and ``extra`` options
+    (``--tensor-parallel-size 8``, …). Returns the argv list."""
+    if cpu_build:
+        head = [
+            "python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+        ]
+        head += ["--enforce-eager", "--kv-cache-memory-bytes", str(2 << 30)]
+    else:
+        head = ["vllm", "serve", str(model), "--dtype", dtype]
+    return [
+        *head,
+        "--served-model-name",
+        "target",
+        "--port",
+        str(port),
+        *producer_cli_args(layer_ids, store, transport, own),
+        *(extra or []),
     ]
 
 
@@ -296,7 +340,7 @@ class EngineFeeder:
         if r.status_code in (404, 405, 501):  # no completions endpoint: not vLLM at all, retrying cannot help
             raise ConfigError(
                 f"{url} is not a vLLM capture server (HTTP {r.status_code} for /v1/completions); start the "
-                "target with eagle3kit.train.online.producer_cli_args (docs/online.md) or fix train.online_from"
+                "target with the command `eagle3kit capture-server -c CONFIG` prints, or fix train.online_from"
             )
         if r.status_code != 200:
             raise DataError(f"the capture server at {url} answered HTTP {r.status_code}: {r.text[:300]}")
@@ -317,7 +361,7 @@ class EngineFeeder:
                     raise ConfigError(  # a server without the capture settings: retrying cannot help
                         f"the server at {self.urls[(self._rr - 1) % len(self.urls)]} writes no states (no "
                         "hidden_states_path in its answer): it is not a capture server. Start the target with "
-                        "eagle3kit.train.online.producer_cli_args (docs/online.md) or fix train.online_from"
+                        "the command `eagle3kit capture-server -c CONFIG` prints, or fix train.online_from"
                     )
                 t_flush = time.monotonic() + 0.5
                 while not _unlocked(want):

@@ -650,7 +650,7 @@ class _Training:
                     f"sample equals this target's prediction from the captured states on {seen[0]} of "
                     f"{seen[1]} samples: it serves other weights than {self.cfg.target.model} (or captures "
                     "another last layer). Serve the same checkpoint, with "
-                    "eagle3kit.train.online.producer_cli_args for this target's layer ids"
+                    "the command `eagle3kit capture-server -c CONFIG` prints for this run's config"
                 )
 
     def _split(self) -> None:
@@ -689,6 +689,11 @@ class _Training:
         if self.speed["compile"]:
             drafter.compile_layer()
         self.model = world.wrap(drafter, tc.parallel)
+        if world.size > 1 and world.main:
+            console.print(
+                f"train: world size {world.size} ({tc.parallel.upper()} on {device.type}): each process trains "
+                f"its share of {len(self.samples) - self.n_val} samples"
+            )
         self.draft_ids = self.vocab.ids.to(device)
         self.opt = torch.optim.AdamW(
             drafter.parameters(),

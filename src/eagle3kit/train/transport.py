@@ -41,11 +41,22 @@ class DamagedCaptureError(DataError):
 
 CONNECTORS = {"file": "CPUHiddenStatesConnector", "fp8": "CPUFP8HiddenStatesConnector"}
 CONNECTOR_MODULE = "eagle3kit.train.vllm_capture"
+#: the same layouts written by vLLM's and hs-connectors' own connectors (CUDA only): a capture server in
+#: an environment without eagle3kit (they record no layer ids in the file)
+ENGINE_CONNECTORS = {
+    "file": (
+        "ExampleHiddenStatesConnector",
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+    ),
+    "fp8": ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"),
+}
 
 
-def connector_config(transport: str, store: str | Path, custom_paths: bool = False) -> dict:
+def connector_config(transport: str, store: str | Path, custom_paths: bool = False, own: bool = True) -> dict:
     """vLLM's ``kv_transfer_config`` for a capture engine writing ``transport``'s files to
-    ``store`` (or, with ``custom_paths``, where each request's ``hidden_states_path`` says).
+    ``store`` (or, with ``custom_paths``, where each request's ``hidden_states_path`` says), through
+    eagle3kit's connectors (``own``; they run on the CPU build too) or vLLM's / hs-connectors' own
+    (:data:`ENGINE_CONNECTORS`).
 
     Raises:
         ValueError: an unknown transport (the config's Literal refuses it first)."""
@@ -54,10 +65,11 @@ def connector_config(transport: str, store: str | Path, custom_paths: bool = Fal
     extra: dict = {"shared_storage_path": str(store)}
     if custom_paths:
         extra["allow_custom_save_path"] = True
+    name, module = (CONNECTORS[transport], CONNECTOR_MODULE) if own else ENGINE_CONNECTORS[transport]
     return {
-        "kv_connector": CONNECTORS[transport],
+        "kv_connector": name,
         "kv_role": "kv_producer",
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_module_path": module,
         "kv_connector_extra_config": extra,
     }
 
@@ -114,15 +126,15 @@ def read_captured(
         raise DataError(
             f"{path}: the capture server writes {'fp8' if fp8 else 'plain'} states but "
             f"train.online_transport is {transport}; set it to {'fp8' if fp8 else 'file'} (or start the "
-            "server with the connector of eagle3kit.train.online.producer_cli_args for that transport)"
+            "server with the command `eagle3kit capture-server --transport …` prints)"
         )
     if got is None:
         raise DataError(f"{path}: the capture engine wrote no states there")
     if layer_ids is not None and captured is not None and json.loads(captured) != list(layer_ids):
         raise DataError(
             f"{path}: the capture server captures layers {json.loads(captured)}, this trainer needs "
-            f"{list(layer_ids)} (its aux ids, then N); start the server with "
-            f"eagle3kit.train.online.producer_cli_args({list(layer_ids)}, …)"
+            f"{list(layer_ids)} (its aux ids, then N); start the server with the command "
+            "`eagle3kit capture-server -c CONFIG` prints for this run's config"
         )
     tok, h = got["token_ids"], got["hidden_states"]
     n = ids.numel()

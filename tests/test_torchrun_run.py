@@ -1,0 +1,142 @@
+"""`eagle3kit run` under torchrun, as the GPU recipes launch it, on a tiny target on the CPU (gloo):
+two processes on one node run each stage that is not distributed once (rank 0) and train together;
+two "nodes" (two torchrun agents over a localhost c10d rendezvous, one process each) train, one node
+dies after 5 steps, and the relaunch resumes to the uninterrupted run's loss at every step. Each launch is
+a real ``python -m torch.distributed.run … -m eagle3kit run -c CONFIG``."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import GSM8K
+
+from eagle3kit.core.config import load_config
+from eagle3kit.core.engines import free_port
+from eagle3kit.core.rundir import read_jsonl
+from eagle3kit.pipeline import run_all
+
+CONFIG = """run_dir: {run}
+target: {{model: {target}, dtype: float32, device: cpu}}
+prompts: {{sources: [{{path: {gsm8k}, stop: 24}}], heldout_fraction: 0.25}}
+generate: {{backend: transformers, max_new_tokens: 16, batch_size: 8}}
+vocab: {{draft_vocab_size: 256}}
+train: {{epochs: 2, ttt_steps: 2, tokens_per_step: 64, checkpoint_every: 3, device: cpu, lr: 0.003}}
+evaluate: {{k: 2, max_new_tokens: 16}}
+"""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _config(d, tiny_target_dir):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "c.yaml").write_text(CONFIG.format(run=d / "run", target=tiny_target_dir, gsm8k=GSM8K))
+    return d / "c.yaml"
+
+
+def _env(stop_after: int = 0) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
+    if stop_after:
+        env["EAGLE3KIT_STOP_AFTER_STEPS"] = str(stop_after)
+    return env
+
+
+def _losses(run) -> list[float]:
+    return [r["loss"] for _, r in read_jsonl(run / "train_log.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, tiny_target_dir):
+    """`torchrun --standalone --nproc-per-node 2 -m eagle3kit run -c c.yaml`, and the same config run
+    in one process (eagle3kit.pipeline.run_all) for the report's sections."""
+    d = tmp_path_factory.mktemp("torchrun")
+    cfg = _config(d / "two", tiny_target_dir)
+    res = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "eagle3kit", "run", "-c", str(cfg)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    single = run_all(load_config(_config(d / "one", tiny_target_dir)))
+    return {"run": d / "two" / "run", "res": res, "single": single}
+
+
+def test_torchrun_runs_each_data_stage_once_trains_on_both_processes_and_reports_as_one(two_processes):
+    res, run = two_processes["res"], two_processes["run"]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    prompts = [r["id"] for _, r in read_jsonl(run / "prompts.jsonl")]
+    convs = [r["id"] for _, r in read_jsonl(run / "conversations.jsonl")]
+    assert len(prompts) == 18 and sorted(convs) == sorted(prompts)  # 24 − 6 held out, each generated once
+    assert len(list(read_jsonl(run / "heldout.jsonl"))) == 6
+    out = res.stdout + res.stderr  # the progress lines are on stderr, the summary table on stdout
+    assert out.count("eagle3kit run →") == 1 and out.count("generate (transformers)") == 1  # rank 0's stages
+    assert "train: world size 2 (DDP on cpu)" in out
+    assert out.count("eagle3kit run: ") == 1 and out.count("evaluate heldout: τ") == 1  # one summary
+    report = json.loads((run / "report.json").read_text())
+    assert report["train"]["processes"] == 2 and report["run"]["processes"] == 2
+    assert set(report) == set(two_processes["single"])  # the same sections as a run in one process
+    assert report["generate"]["generated"] == 18 and report["prompts"]["rows_kept"] == 18
+    # the steps of an epoch: each process trains half the samples, so half the single run's steps
+    assert len(_losses(run)) < len(_losses(run.parent.parent / "one" / "run"))
+    assert (run / "drafter" / "model.safetensors").exists() and (run / "drafter-speculators").is_dir()
+
+
+def _two_nodes(cfg, port: int, stop_after_on_node1: int = 0) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents (`--nnodes 2 --nproc-per-node 1`) over a c10d rendezvous on localhost."""
+    procs = [
+        subprocess.Popen(
+            [
+                *TORCHRUN,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"eagle3kit-{port}",
+                "-m",
+                "eagle3kit",
+                "run",
+                "-c",
+                str(cfg),
+            ],
+            env=_env(stop_after_on_node1 if node == 1 else 0),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def test_two_nodes_train_one_dies_and_the_relaunch_resumes_to_the_uninterrupted_loss_curve(
+    two_processes, tmp_path, tiny_target_dir
+):
+    cfg = _config(tmp_path, tiny_target_dir)
+    died = _two_nodes(cfg, free_port(), stop_after_on_node1=5)
+    assert all(p.returncode != 0 for p in died), [p.stderr[-2000:] for p in died]
+    assert "stopped after 5 steps" in died[1].stderr
+    # rank 0 took 5 steps (checkpoint at step 3); the steps it logged after the checkpoint may be lost
+    # with it when torchrun stops the surviving node, and the resume writes them again
+    assert 3 <= len(_losses(tmp_path / "run")) <= 5
+    again = _two_nodes(cfg, free_port())
+    assert all(p.returncode == 0 for p in again), [p.stdout[-2000:] + p.stderr[-2000:] for p in again]
+    both = again[0].stderr + again[1].stderr
+    assert "resuming at epoch 1 of 2, step 3 of" in both and "vocab: up to date" in both
+    assert "waiting for rank 0's prompts" in both  # the node whose process is not rank 0
+    whole = _losses(two_processes["run"])
+    assert _losses(tmp_path / "run") == pytest.approx(whole, rel=1e-6, abs=1e-7)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["train"]["processes"] == 2 and "evaluate" in report
