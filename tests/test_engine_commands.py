@@ -20,7 +20,18 @@ def test_capture_server_prints_the_targets_aux_ids_and_n_and_the_connector(tmp_p
     (tmp_path / "c.yaml").write_text(
         f"run_dir: {tmp_path / 'run'}\ntarget: {{model: {tiny_target_dir}, aux_layer_ids: [1, 3, 6]}}\n"
     )
-    res = CliRunner().invoke(app, ["capture-server", "-c", str(tmp_path / "c.yaml"), "--port", "8123"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "capture-server",
+            "-c",
+            str(tmp_path / "c.yaml"),
+            "--port",
+            "8123",
+            "--vllm-args",
+            "--max-num-seqs 64",
+        ],
+    )
     assert res.exit_code == 0, res.output
     cmd = _cmd(res.stdout)
     assert cmd[cmd.index("--model") + 1] == str(tiny_target_dir)  # this machine's CPU build: its own launcher
@@ -37,7 +48,7 @@ def test_capture_server_prints_the_targets_aux_ids_and_n_and_the_connector(tmp_p
         "shared_storage_path": str(tmp_path / "run" / "online-buffer"),
         "allow_custom_save_path": True,
     }
-    assert "--no-enable-prefix-caching" in cmd
+    assert "--no-enable-prefix-caching" in cmd and cmd[-2:] == ["--max-num-seqs", "64"]
     # a vLLM environment without eagle3kit: vLLM's and hs-connectors' own connectors, by module path
     for transport, want in (
         ("file", ("ExampleHiddenStatesConnector", "vllm.distributed.kv_transfer.kv_connector.v1.")),

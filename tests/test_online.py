@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import build_tiny_llama, gsm8k_token_samples
+from conftest import GSM8K, build_tiny_llama, gsm8k_token_samples
 
 from eagle3kit.core.engines import VLLMServer, free_port
 
@@ -481,3 +481,38 @@ def test_the_capture_server_records_its_layers_and_its_next_token_in_each_answer
             other.get(key, ids)  # a reused file of other layers is requested again, and again of other layers
     finally:
         other.close()
+
+
+def test_run_fed_by_a_capture_server_never_loads_the_target_whole_and_leaves_evaluate_to_the_engine(
+    online, tmp_path
+):
+    """`eagle3kit run` with train.online_from and a server generating (generate.backend openai), as the
+    recipe for a target too big for the trainer runs it: every stage holds only the target's embedding,
+    final norm and lm_head (the report says `head`), training reads the server's states, both folders
+    are exported, and evaluate (which would run the target) is skipped, saying where to measure."""
+    import yaml
+
+    from eagle3kit.core.config import load_config
+    from eagle3kit.pipeline import run_all
+
+    url = online["server"].url
+    cfg = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": str(online["target"]), "dtype": "float32"},
+        "prompts": {"sources": [{"path": str(GSM8K), "stop": 8}], "heldout_fraction": 0.0},
+        "generate": {"backend": "openai", "base_url": url + "/v1", "model": "target", "max_new_tokens": 24},
+        "vocab": {"draft_vocab_size": 512},
+        "train": {
+            "epochs": 1,
+            "ttt_steps": 2,
+            "tokens_per_step": 600,
+            "tensorboard": False,
+            "online_from": [url],
+        },
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    report = run_all(load_config(tmp_path / "c.yaml"))
+    assert report["generate"]["generated"] == 8 and report["train"]["online"]["target_loaded"] == "head"
+    assert "evaluate" not in report
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "drafter-speculators" / "model.safetensors").exists()

@@ -804,6 +804,11 @@ def capture_server(
         help="write through vLLM's and hs-connectors' own connectors (CUDA; for a vLLM environment without "
         "eagle3kit) instead of eagle3kit's (which record the layer ids in each file, and run on the CPU build)",
     ),
+    vllm_args: str = typer.Option(
+        "",
+        "--vllm-args",
+        help="more vllm serve options, e.g. '--tensor-parallel-size 8 --gpu-memory-utilization 0.8'",
+    ),
 ):
     """Print the command that starts a vLLM capture server for `train --online-from`: the config's target,
     its aux layer ids and N, and the connector that writes each sample's states."""
@@ -829,6 +834,7 @@ def capture_server(
         port,
         cpu_build=vllm_cpu_build(),
         own=not vllm_connector,
+        extra=shlex.split(vllm_args),
     )
     console.print(f"# a capture server for {cfg.target.model}: layers {ids} (the aux ids, then N = {n})")
     print(shlex.join(cmd))

@@ -27,6 +27,7 @@ from eagle3kit.model.target import (
     resolve_aux_layer_ids,
     tokenizer_hash,
 )
+from eagle3kit.model.target_head import load_target_head
 from eagle3kit.serve.export import run_export
 from eagle3kit.train.distributed import Launch, end_world
 from eagle3kit.train.stage import _resolve_speed, run_train
@@ -191,7 +192,13 @@ def run_all(cfg: Config) -> dict:
             return {}
     run_export(cfg, run, set_aside_existing=True)
     export_for_vllm_alone(cfg, run, target)
-    run_evaluate(cfg, run, target)
+    if target.source.get("loaded") == "head":
+        console.print(
+            "[yellow]evaluate: skipped: the trainer was fed by the capture servers and holds only the target's "
+            "embedding, norm and lm_head; measure the drafter where it is served (`eagle3kit bench`, `diagnose`)"
+        )
+    else:
+        run_evaluate(cfg, run, target)
     run.update_report("run", {"seconds": round(timer.seconds, 1), "processes": launch.size})
     report = run.report
     print_table(f"eagle3kit run: {Path(cfg.run_dir)} ({timer.seconds / 60:.1f} min)", summary_rows(report))
@@ -200,9 +207,14 @@ def run_all(cfg: Config) -> dict:
 
 def prepare_data(cfg: Config, run: RunDir):
     """The stages before training (prompts, generate, tokenize, vocab), each skipped when its inputs
-    are unchanged (generate resumes by itself); returns the loaded target, shared by the stages."""
+    are unchanged (generate resumes by itself); returns the loaded target, shared by the stages (only
+    its embedding, final norm and lm_head when capture servers feed the trainer, ``train.online_from``,
+    and a server generates, ``generate.backend: openai``)."""
     console.rule(f"eagle3kit run → {run.path}")
-    target = load_target(cfg.target)
+    head_only = (
+        bool(cfg.train.online_from) and cfg.generate.backend == "openai"
+    )  # no stage runs the target here
+    target = (load_target_head if head_only else load_target)(cfg.target)
     write_run_header(cfg, run, target)
 
     key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model)
