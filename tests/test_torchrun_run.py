@@ -83,8 +83,9 @@ def test_torchrun_runs_each_data_stage_once_trains_on_both_processes_and_reports
     assert (run / "drafter" / "model.safetensors").exists() and (run / "drafter-speculators").is_dir()
 
 
-def _two_nodes(cfg, port: int, stop_after_on_node1: int = 0) -> list[subprocess.CompletedProcess]:
-    """Two torchrun agents (`--nnodes 2 --nproc-per-node 1`) over a c10d rendezvous on localhost."""
+def _two_nodes(how: list[str], port: int, stop_after_on_node1: int = 0) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents (`--nnodes 2 --nproc-per-node 1`) over a c10d rendezvous on localhost,
+    each running `eagle3kit run` with ``how`` (`-c CONFIG`, or `--run-dir RUN`: the run's own config)."""
     procs = [
         subprocess.Popen(
             [
@@ -104,8 +105,7 @@ def _two_nodes(cfg, port: int, stop_after_on_node1: int = 0) -> list[subprocess.
                 "-m",
                 "eagle3kit",
                 "run",
-                "-c",
-                str(cfg),
+                *how,
             ],
             env=_env(stop_after_on_node1 if node == 1 else 0),
             stdout=subprocess.PIPE,
@@ -125,13 +125,13 @@ def test_two_nodes_train_one_dies_and_the_relaunch_resumes_to_the_uninterrupted_
     two_processes, tmp_path, tiny_target_dir
 ):
     cfg = _config(tmp_path, tiny_target_dir)
-    died = _two_nodes(cfg, free_port(), stop_after_on_node1=5)
+    died = _two_nodes(["-c", str(cfg)], free_port(), stop_after_on_node1=5)
     assert all(p.returncode != 0 for p in died), [p.stderr[-2000:] for p in died]
     assert "stopped after 5 steps" in died[1].stderr
     # rank 0 took 5 steps (checkpoint at step 3); the steps it logged after the checkpoint may be lost
     # with it when torchrun stops the surviving node, and the resume writes them again
     assert 3 <= len(_losses(tmp_path / "run")) <= 5
-    again = _two_nodes(cfg, free_port())
+    again = _two_nodes(["--run-dir", str(tmp_path / "run")], free_port())  # relaunched by its run folder
     assert all(p.returncode == 0 for p in again), [p.stdout[-2000:] + p.stderr[-2000:] for p in again]
     both = again[0].stderr + again[1].stderr
     assert "resuming at epoch 1 of 2, step 3 of" in both and "vocab: up to date" in both

@@ -844,17 +844,24 @@ def capture_server(
 @app.command("run")
 @_guard
 def run_cmd(
-    config: Optional[Path] = typer.Argument(None, help="YAML config (default: the built-in SmolLM2 run)"),
+    config: Optional[Path] = typer.Argument(
+        None,
+        help="YAML config (default: <run-dir>/config.yaml with --run-dir, else the built-in SmolLM2 run)",
+    ),
     config_opt: Optional[Path] = typer.Option(
         None, "--config", "-c", help="the same YAML config, given as the other stages take it"
     ),
     run_dir: Optional[Path] = RunDirOpt,
 ):
-    """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate."""
+    """Run every stage: prompts → generate → tokenize → vocab → train → export → evaluate (under torchrun:
+    rank 0 runs the stages, every process trains). A rerun skips or resumes what is done."""
 
     if config is not None and config_opt is not None and config != config_opt:
         raise typer.BadParameter(f"two configs given ({config} and -c {config_opt}); give one")
-    cfg = load_config(config or config_opt, {"run_dir": str(run_dir)} if run_dir else None)
+    config = config or config_opt
+    if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
+        config = run_dir / "config.yaml"  # the run's own, as every other stage reads it
+    cfg = load_config(config, {"run_dir": str(run_dir)} if run_dir else None)
     run_all(cfg)
 
 
