@@ -813,6 +813,8 @@ def capture_server(
     """Print the command that starts a vLLM capture server for `train --online-from`: the config's target,
     its aux layer ids and N, and the connector that writes each sample's states."""
 
+    if transport not in (None, "file", "fp8"):
+        raise ConfigError(f"--transport {transport!r}: give file or fp8 (train.online_transport's values)")
     cfg = load_config(
         config or (run_dir / "config.yaml" if run_dir else None), _some(run_dir=run_dir and str(run_dir))
     )
