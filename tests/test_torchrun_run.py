@@ -1,5 +1,6 @@
 """`eagle3kit run` under torchrun, as the GPU recipes launch it, on a tiny target on the CPU (gloo):
-two processes on one node run each stage that is not distributed once (rank 0) and train together;
+two processes on one node run each stage that is not distributed once (rank 0, generating with vLLM's
+CPU build in its own process, whose process group is gone before training's) and train together;
 two "nodes" (two torchrun agents over a localhost c10d rendezvous, one process each) train, one node
 dies after 5 steps, and the relaunch resumes to the uninterrupted run's loss at every step. Each launch is
 a real ``python -m torch.distributed.run … -m eagle3kit run -c CONFIG``."""
@@ -20,7 +21,7 @@ from eagle3kit.pipeline import run_all
 CONFIG = """run_dir: {run}
 target: {{model: {target}, dtype: float32, device: cpu}}
 prompts: {{sources: [{{path: {gsm8k}, stop: 24}}], heldout_fraction: 0.25}}
-generate: {{backend: transformers, max_new_tokens: 16, batch_size: 8}}
+generate: {{backend: {backend}, max_new_tokens: 16, batch_size: 8}}
 vocab: {{draft_vocab_size: 256}}
 train: {{epochs: 2, ttt_steps: 2, tokens_per_step: 64, checkpoint_every: 3, device: cpu, lr: 0.003}}
 evaluate: {{k: 2, max_new_tokens: 16}}
@@ -28,10 +29,23 @@ evaluate: {{k: 2, max_new_tokens: 16}}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _config(d, tiny_target_dir):
+def _config(d, target, backend: str = "transformers"):
     d.mkdir(parents=True, exist_ok=True)
-    (d / "c.yaml").write_text(CONFIG.format(run=d / "run", target=tiny_target_dir, gsm8k=GSM8K))
+    (d / "c.yaml").write_text(CONFIG.format(run=d / "run", target=target, gsm8k=GSM8K, backend=backend))
     return d / "c.yaml"
+
+
+@pytest.fixture(scope="module")
+def vllm_target(tmp_path_factory, smollm2_tokenizer):
+    """A tiny Llama with head size 64 (one vLLM's CPU build runs) and SmolLM2's tokenizer."""
+    from conftest import build_tiny_llama
+
+    d = tmp_path_factory.mktemp("tiny-vllm")
+    m = build_tiny_llama(8, hidden_size=128, intermediate_size=256, num_attention_heads=2, head_dim=64)
+    m.generation_config.eos_token_id = 2
+    m.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return d
 
 
 def _env(stop_after: int = 0) -> dict:
@@ -47,11 +61,12 @@ def _losses(run) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, tiny_target_dir):
-    """`torchrun --standalone --nproc-per-node 2 -m eagle3kit run -c c.yaml`, and the same config run
-    in one process (eagle3kit.pipeline.run_all) for the report's sections."""
+def two_processes(tmp_path_factory, vllm_target):
+    """`torchrun --standalone --nproc-per-node 2 -m eagle3kit run -c c.yaml` (generate.backend vllm: rank 0
+    runs an in-process engine), and the same config in one process (eagle3kit.pipeline.run_all), with
+    transformers generating, for the report's sections."""
     d = tmp_path_factory.mktemp("torchrun")
-    cfg = _config(d / "two", tiny_target_dir)
+    cfg = _config(d / "two", vllm_target, "vllm")
     res = subprocess.run(
         [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "eagle3kit", "run", "-c", str(cfg)],
         env=_env(),
@@ -59,7 +74,7 @@ def two_processes(tmp_path_factory, tiny_target_dir):
         text=True,
         timeout=600,
     )
-    single = run_all(load_config(_config(d / "one", tiny_target_dir)))
+    single = run_all(load_config(_config(d / "one", vllm_target)))
     return {"run": d / "two" / "run", "res": res, "single": single}
 
 
@@ -71,7 +86,7 @@ def test_torchrun_runs_each_data_stage_once_trains_on_both_processes_and_reports
     assert len(prompts) == 18 and sorted(convs) == sorted(prompts)  # 24 − 6 held out, each generated once
     assert len(list(read_jsonl(run / "heldout.jsonl"))) == 6
     out = res.stdout + res.stderr  # the progress lines are on stderr, the summary table on stdout
-    assert out.count("eagle3kit run →") == 1 and out.count("generate (transformers)") == 1  # rank 0's stages
+    assert out.count("eagle3kit run →") == 1 and out.count("generate (vllm)") == 1  # rank 0's stages
     assert "train: world size 2 (DDP on cpu)" in out
     assert out.count("eagle3kit run: ") == 1 and out.count("evaluate heldout: τ") == 1  # one summary
     report = json.loads((run / "report.json").read_text())
@@ -122,9 +137,9 @@ def _two_nodes(how: list[str], port: int, stop_after_on_node1: int = 0) -> list[
 
 
 def test_two_nodes_train_one_dies_and_the_relaunch_resumes_to_the_uninterrupted_loss_curve(
-    two_processes, tmp_path, tiny_target_dir
+    two_processes, tmp_path, vllm_target
 ):
-    cfg = _config(tmp_path, tiny_target_dir)
+    cfg = _config(tmp_path, vllm_target, "vllm")  # the same data as the uninterrupted run's
     died = _two_nodes(["-c", str(cfg)], free_port(), stop_after_on_node1=5)
     assert all(p.returncode != 0 for p in died), [p.stderr[-2000:] for p in died]
     assert "stopped after 5 steps" in died[1].stderr

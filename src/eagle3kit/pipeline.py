@@ -14,6 +14,7 @@ from eagle3kit import __version__
 from eagle3kit.core.config import Config, dump_config
 from eagle3kit.core.rundir import RunDir, sha256_file, sha256_json, sha256_tensors, write_json, write_text
 from eagle3kit.core.ui import Timer, console, print_table
+from eagle3kit.data.backends import release_vllm_engine
 from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
 from eagle3kit.data.tokenize import run_tokenize
@@ -180,6 +181,10 @@ def run_all(cfg: Config) -> dict:
         except BaseException as e:
             launch.announce("data", f"{type(e).__name__}: {e}")
             raise
+        if (
+            launch.size > 1
+        ):  # vLLM's in-process engine holds a process group of its own: gone before training's
+            release_vllm_engine()
         launch.announce("data")
     else:
         if launch.local_rank == 0:

@@ -136,6 +136,11 @@ def init_world(device: torch.device) -> World:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    elif dist.get_world_size() != size:  # another library's group (an in-process vLLM engine's) is not ours
+        raise RuntimeError(
+            f"a process group of {dist.get_world_size()} process(es) already exists in this process, not torchrun's "
+            f"{size}: release what made it (an in-process vLLM engine) before training"
+        )
     return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
 
 
