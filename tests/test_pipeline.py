@@ -381,3 +381,24 @@ def test_a_variant_trained_with_an_lk_loss_says_so_in_its_report_and_logs_alpha(
     recs = [json.loads(x) for x in (copy / "train_log.jsonl").read_text().splitlines()]
     assert recs and all(len(r["alpha"]) == 3 and all(0 <= a <= 1 for a in r["alpha"]) for r in recs)
     assert load_exported(copy / "drafter").config.parallel_drafting
+
+
+def test_export_names_the_verifier_the_serving_machine_loads(tiny_run):
+    """`export --format speculators --verifier ID` writes ID as the target `vllm serve` loads; another
+    verifier over an existing folder needs --overwrite; --verifier without the speculators format is refused."""
+    _, _, run, _ = tiny_run
+    folder = run / "drafter-speculators"
+    before = json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]
+    base = ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", "org/target-8b"]
+    refused = CliRunner().invoke(app, base)
+    assert "already holds" in " ".join(refused.output.split()) or "--overwrite" in refused.output, refused.output
+    assert (
+        refused.exit_code != 0
+        and json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"] == before
+    )  # nothing overwritten unasked
+    res = CliRunner().invoke(app, [*base, "--overwrite"])
+    assert res.exit_code == 0, res.output
+    verifier = json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": "org/target-8b", "architectures": ["LlamaForCausalLM"]}
+    res = CliRunner().invoke(app, ["export", "--run-dir", str(run.path), "--verifier", "org/target-8b"])
+    assert res.exit_code == 2 and "--format speculators" in res.output
