@@ -87,3 +87,13 @@ def test_betas_outside_adamws_range_are_refused_before_any_work(betas):
     with pytest.raises(ValueError, match=r"train\.betas"):
         Config.model_validate({"train": {"betas": betas}})
     assert Config.model_validate({"train": {"betas": [0.9, 0.95]}}).train.betas == (0.9, 0.95)
+
+
+def test_generate_engine_args_cannot_set_what_eagle3kit_sets(tmp_path):
+    from eagle3kit.core.config import ConfigError, load_config
+
+    (tmp_path / "c.yaml").write_text(
+        "generate: {engine_args: {max_model_len: 512, tensor_parallel_size: 2}}\n"
+    )
+    with pytest.raises(ConfigError, match="engine_args sets max_model_len, which eagle3kit sets itself"):
+        load_config(tmp_path / "c.yaml")

@@ -276,3 +276,16 @@ def test_a_stale_run_names_what_changed_and_how_to_resume_one_made_before_a_defa
     assert changed == [
         "last.safetensors is missing or from another step than train_state.pt (a kill during a save)"
     ]
+
+
+def test_a_world_size_without_torchrun_is_refused_by_name(monkeypatch):
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.train.distributed import init_world
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(
+        ConfigError, match="WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT unset: launch with torchrun"
+    ):
+        init_world(torch.device("cpu"))

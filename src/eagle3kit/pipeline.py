@@ -12,11 +12,20 @@ from pathlib import Path
 
 from eagle3kit import __version__
 from eagle3kit.core.config import Config, dump_config
-from eagle3kit.core.rundir import RunDir, sha256_file, sha256_json, sha256_tensors, write_json, write_text
+from eagle3kit.core.rundir import (
+    DataError,
+    RunDir,
+    sha256_file,
+    sha256_json,
+    sha256_tensors,
+    write_json,
+    write_text,
+)
 from eagle3kit.core.ui import Timer, console, print_table
 from eagle3kit.data.backends import release_vllm_engine
 from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
+from eagle3kit.data.sources import read_source, source_fingerprint
 from eagle3kit.data.tokenize import run_tokenize
 from eagle3kit.data.vocab import run_vocab
 from eagle3kit.eval.evaluate import run_evaluate
@@ -157,6 +166,7 @@ def export_for_vllm_alone(cfg: Config, run: RunDir, target) -> None:
     try:
         run_export(cfg, run, set_aside_existing=True, fmt="speculators", target=target)
     except ExportError as e:
+        run.drop_stage("export-speculators")  # a folder moved aside and none written: the report names none
         console.print(
             f"[yellow]export: no speculators folder ({e}); serve <run>/drafter with --speculative-config"
         )
@@ -216,13 +226,21 @@ def prepare_data(cfg: Config, run: RunDir):
     its embedding, final norm and lm_head when capture servers feed the trainer, ``train.online_from``,
     and a server generates, ``generate.backend: openai``)."""
     console.rule(f"eagle3kit run → {run.path}")
+    for (
+        src
+    ) in cfg.evaluate.sets:  # an evaluation set that cannot be read stops the run now, not after training
+        if not read_source(src)[0]:
+            raise DataError(
+                f"evaluate.sets: {src.label} ({src.origin}) gives no prompt; check it and its filters"
+            )
     head_only = (
         bool(cfg.train.online_from) and cfg.generate.backend == "openai"
     )  # no stage runs the target here
     target = (load_target_head if head_only else load_target)(cfg.target)
     write_run_header(cfg, run, target)
 
-    key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model)
+    sources = [source_fingerprint(s) for s in cfg.prompts.sources]  # a source that changed runs prompts again
+    key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model, sources)
     if _fresh(run, "prompts", key, "prompts.jsonl"):
         console.print("prompts: up to date")
     else:

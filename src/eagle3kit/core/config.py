@@ -166,6 +166,7 @@ class PromptSource(_Strict):
     path: str | None = None
     dataset: str | None = Field(
         default=None,
+        min_length=1,
         description="a datasets dataset instead of a file: sharegpt, ultrachat, gsm8k, magpie, a hub id, or a "
         "local folder (save_to_disk, or data files)",
     )
@@ -278,6 +279,12 @@ class GenerateConfig(_Strict):
 
     @model_validator(mode="after")
     def _server(self):
+        own = sorted(set(self.engine_args) & {"model", "max_model_len", "seed", "tokenizer"})
+        if own:
+            raise ValueError(
+                f"generate.engine_args sets {', '.join(own)}, which eagle3kit sets itself (the target, its context "
+                "from the prompts, generate.seed): drop them"
+            )
         if self.base_url and self.backend == "auto":
             self.backend = "openai"  # a server was named: use it
         elif self.base_url and self.backend in ("transformers", "vllm"):
@@ -787,15 +794,24 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     return cfg
 
 
+#: the ``datasets`` datasets a prompt source names by a bare name (eagle3kit.data.hub_datasets holds where each lies)
+DATASET_NAMES = ("sharegpt", "ultrachat", "gsm8k", "magpie")
+
+
 def _beside(base: Path, path: str, always: bool) -> str:
-    """``path`` read relative to the config file's folder ``base`` (``~`` expanded): a relative path
-    that exists there, or does not exist from the current folder either, is taken from ``base``
-    (``always``), or only when it exists there (a dataset's name or hub id otherwise stays as written)."""
-    if not Path(path).is_absolute() and not path.startswith("~"):
-        cand = base / path
-        if cand.exists() or (always and not Path(path).exists()):
-            return str(cand)
-    return str(Path(path).expanduser()) if path.startswith("~") or Path(path).exists() or always else path
+    """``path`` as an absolute path when it names something local: relative to the config file's
+    folder ``base`` when it exists there (or, with ``always``, when it exists nowhere: a file that is
+    missing is named where the config says), else relative to the current folder, ``~`` expanded.
+    Without ``always`` (a dataset), a bare known name (``gsm8k``) and anything that exists nowhere
+    (a hub id) stay as written: a local folder of that name is given as a path (``./gsm8k``)."""
+    if not always and path.lower() in DATASET_NAMES:
+        return path
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        cand = base / p
+        if cand.exists() or (always and not p.exists()):
+            return str(cand.resolve())
+    return str(p.resolve()) if p.exists() or always else path
 
 
 def dump_config(cfg: Config) -> str:

@@ -494,6 +494,16 @@ class RunDir:
         _set_lineage(m, name, stage, None, consumed, target)
         write_json(self.path / "manifest.json", m)
 
+    def drop_stage(self, stage: str) -> None:
+        """Forget ``stage``'s record (manifest and report): its output is gone (moved aside and not
+        written again)."""
+        m = self.manifest
+        if m.get("stages", {}).pop(stage, None) is not None:
+            write_json(self.path / "manifest.json", m)
+        r = self.report
+        if r.pop(stage, None) is not None:
+            write_json(self.path / "report.json", r)
+
     def stage_inputs(self, stage: str) -> dict | None:
         return self.manifest.get("stages", {}).get(stage, {}).get("inputs")
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from eagle3kit.core.config import ConfigError
 from eagle3kit.core.engines import installed_vllm, launched_env, vllm_cpu_build, vllm_launch
 from eagle3kit.model.target import Target, serving_folder
 
@@ -135,14 +136,22 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0, engine
     cpu = vllm_cpu_build()
     memory = None if cpu else torch.cuda.mem_get_info(target.device if target.device.type == "cuda" else 0)
     dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    kwargs = {
+        **launch.engine_args,
+        **vllm_engine_args(cpu, dtype, memory, engine_args),
+    }  # the user's args win
     with launched_env(launch):
-        llm = LLM(
-            model=str(folder),
-            max_model_len=max_model_len,
-            seed=seed,
-            **vllm_engine_args(cpu, dtype, memory, engine_args),
-            **launch.engine_args,
-        )
+        try:
+            llm = LLM(model=str(folder), max_model_len=max_model_len, seed=seed, **kwargs)
+        except (
+            TypeError,
+            ValueError,
+        ) as e:  # an unknown argument, or one of the wrong type (pydantic's error)
+            if not engine_args or not any(k in str(e) for k in engine_args):
+                raise
+            raise ConfigError(
+                f"generate.engine_args {engine_args}: vLLM refused them: {str(e).splitlines()[0][:300]}"
+            ) from None
     _VLLM[key] = llm
     return llm
 

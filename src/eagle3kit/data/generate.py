@@ -283,6 +283,10 @@ def _run_generate(cfg: Config, run: RunDir, target: Target | None) -> dict:
         if target is None:
             target = load_target(cfg.target)
         backend = check_backend(backend, gc.backend, target)
+        if gc.engine_args and backend != "vllm":
+            console.print(
+                f"[yellow]generate: generate.engine_args are vLLM's, and {backend} generates: not used"
+            )
         timer = Timer()
         _generate_locally(cfg, target, backend, todo, out_path, settings, counts)
     if todo:

@@ -19,7 +19,7 @@ from collections import Counter
 from eagle3kit.core.config import PromptSource
 from eagle3kit.core.rundir import DataError, read_jsonl, sha256_file, write_jsonl
 from eagle3kit.core.ui import console
-from eagle3kit.data.hub_datasets import open_dataset, resolve_dataset
+from eagle3kit.data.hub_datasets import category_key, open_dataset, resolve_dataset
 
 _TEXT_FIELDS = ("prompt", "question", "instruction", "text", "input")
 
@@ -130,19 +130,23 @@ def _open_rows(src: PromptSource, bad_rows: list | None, dropped: Counter):
     ``start``/``stop``."""
     if src.dataset is not None:
         rows, field = open_dataset(src)
-        return rows, rows.categories, field
+        return rows, lambda: rows.categories, field
     lines: list | None = [] if bad_rows is not None else None
     file_rows = [(n, r) for n, r in read_jsonl(src.path, bad_lines=lines)]
     for n, reason in lines or []:
         bad_rows.append({"path": src.path, "line": n, "reason": reason})
         dropped["malformed"] += 1
-    present = {r.get("category") for _, r in file_rows if isinstance(r, dict)}
-    return file_rows[slice(src.start, src.stop)], present, src.field
+    present = {category_key(r.get("category")) for _, r in file_rows if isinstance(r, dict)}
+    return file_rows[slice(src.start, src.stop)], lambda: present, src.field
 
 
-def _check_categories(src: PromptSource, present: set) -> None:
-    """Refuse a ``categories``/``exclude_categories`` entry that no row of the source has."""
+def _check_categories(src: PromptSource, present) -> None:
+    """Refuse a ``categories``/``exclude_categories`` entry that no row of the source has
+    (``present``: a callable giving the source's categories, computed only when a filter is set)."""
     wanted = set(src.categories or ()) | set(src.exclude_categories or ())
+    if not wanted:
+        return
+    present = present()
     unknown = sorted(c for c in wanted if c not in present)
     if unknown:
         have = (
@@ -188,10 +192,10 @@ def read_source(
             bad_rows.append({"path": src.origin, "line": n, "reason": str(e)[len(where) + 2 :]})
             dropped["malformed"] += 1
             continue
-        if src.categories is not None and cat not in src.categories:
+        if src.categories is not None and category_key(cat) not in src.categories:
             dropped["category_filtered"] += 1
             continue
-        if src.exclude_categories is not None and cat in src.exclude_categories:
+        if src.exclude_categories is not None and category_key(cat) in src.exclude_categories:
             dropped["category_filtered"] += 1
             continue
         if not any(m["content"].strip() for m in msgs if m["role"] == "user"):
@@ -229,6 +233,16 @@ def read_source(
         else:
             lineage.update(path=src.path, sha256=sha256_file(src.path))
     return out, dropped
+
+
+def source_fingerprint(src: PromptSource) -> str:
+    """What a source's rows are now, to tell a changed source from an unchanged one: a file's sha256,
+    or a dataset's ``datasets`` fingerprint (of its files and the operations that made it; a dataset
+    saved again with other rows gets another). Raises DataError as :func:`read_source` does."""
+    if src.dataset is None:
+        return sha256_file(src.path)
+    rows, _ = open_dataset(src)
+    return str(getattr(rows.ds, "_fingerprint", None) or rows.ds.info)
 
 
 def _turns_after(raw, msgs: list[dict]) -> int:

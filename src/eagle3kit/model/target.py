@@ -64,15 +64,15 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ..
             f"aux layer ids {list(ids)} collide (id {dup} repeated) for a target with {num_layers} layers; "
             f"set target.aux_layer_ids to 3 distinct HF indices in [1, {num_layers - 1}]"
         )
-    if list(ids) != sorted(ids):
-        raise ConfigError(
-            f"aux layer ids {list(ids)} must be sorted ascending (the fc input order); write {sorted(ids)}"
-        )
     bad = [i for i in ids if not 1 <= i <= num_layers - 1]
     if bad:
         raise ConfigError(
             f"aux layer ids {bad} are outside [1, {num_layers - 1}] for a target with {num_layers} layers "
             f"(HF index N={num_layers} is after the final norm and is not an aux state; 0 is the embedding)"
+        )
+    if list(ids) != sorted(ids):
+        raise ConfigError(
+            f"aux layer ids {list(ids)} must be sorted ascending (the fc input order); write {sorted(ids)}"
         )
     return ids
 

@@ -73,7 +73,10 @@ def run_export(
             "--verifier names the target in the speculators format only: add --format speculators"
         )
     verifier_cfg = speculators_verifier(cfg, verifier, target) if fmt == "speculators" else None
-    if not overwrite and _up_to_date(out, fmt, prov.get("checkpoint_sha256"), verifier_cfg):
+    # the same drafter already there is kept, and the target it names too unless --verifier names another
+    if not overwrite and _up_to_date(
+        out, fmt, prov.get("checkpoint_sha256"), verifier_cfg if verifier else None
+    ):
         res = {"path": str(out), "format": fmt, "up_to_date": True}
         run.record_stage(
             _stage(fmt),
@@ -120,7 +123,12 @@ def speculators_verifier(cfg: Config, name_or_path: str | None = None, target=No
     loc = locate_target(cfg.target)
     path = loc["path"]
     if name_or_path is not None:
-        path = name_or_path
+        if not name_or_path.strip():
+            raise ExportError(
+                "--verifier is empty: give the target's hub id or folder as the serving machine reads it"
+            )
+        local = Path(name_or_path).expanduser()
+        path = str(local.resolve()) if local.exists() else name_or_path
     elif loc["gguf_file"]:
         if target is None or str(next(target.model.parameters()).dtype) != "torch.float32":
             target = load_target(cfg.target.model_copy(update={"dtype": "float32"}), device="cpu")

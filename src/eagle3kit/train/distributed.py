@@ -126,11 +126,19 @@ def init_world(device: torch.device) -> World:
     Args:
         device: the device the run asked for; on CUDA each process takes ``cuda:LOCAL_RANK``.
     Raises:
-        RuntimeError: torchrun's rendezvous failed (torch.distributed's message).
+        ConfigError: ``WORLD_SIZE`` > 1 without torchrun's other variables.
+        RuntimeError: torchrun's rendezvous failed (torch.distributed's message), or a process group
+            of another size already exists in this process.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return World(device=device)
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE is {size} but {', '.join(missing)} unset: launch with torchrun "
+            "(`torchrun --nproc-per-node N -m eagle3kit train …`), or unset WORLD_SIZE for one process"
+        )
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
