@@ -426,12 +426,13 @@ def test_run_keeps_the_verifier_an_export_named_and_refuses_an_empty_one(tiny_ru
         ],
     )
     assert res.exit_code == 0, res.output
+    aside = len(list(run.path.glob("drafter-speculators.prev-*")))
     export_for_vllm_alone(cfg, run, None)
     assert (
         json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
         == "org/x"
     )
-    assert not list(run.path.glob("drafter-speculators.prev-*"))
+    assert len(list(run.path.glob("drafter-speculators.prev-*"))) == aside  # nothing moved aside
     res = CliRunner().invoke(
         app, ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", " "]
     )
