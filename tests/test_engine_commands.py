@@ -129,3 +129,50 @@ def test_target_folder_writes_the_gguf_targets_float32_weights(tmp_path, smollm2
     want = {k: v for k, v in smollm2_target.model.state_dict().items() if k != "lm_head.weight"}  # tied
     assert want.keys() <= saved.keys() and all(torch.equal(saved[k], v) for k, v in want.items())
     assert json.loads((tmp_path / "smollm2-fp32" / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked_against_its_target(
+    tmp_path, monkeypatch, smollm2_tokenizer
+):
+    """A target given by hub id is read from the Hugging Face cache (never downloaded); `check` on a
+    speculators folder without --target checks it against the target it names, and warns when told
+    another one; a verifier that is not there is an error."""
+    import huggingface_hub.constants
+    from conftest import build_tiny_llama
+
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    m = build_tiny_llama(8, hidden_size=128, intermediate_size=256, num_attention_heads=2, head_dim=64)
+    m.save_pretrained(repo / "snapshots" / "abc")
+    smollm2_tokenizer.save_pretrained(repo / "snapshots" / "abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    d = Eagle3Drafter(DrafterConfig.from_target(m.config, m.config.vocab_size, [2, 4, 5]))
+    dual = export_drafter(d, tmp_path / "dual")
+    spec = export_drafter(
+        d,
+        tmp_path / "spec",
+        fmt="speculators",
+        verifier={"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]},
+    )
+    res = CliRunner().invoke(app, ["check", str(dual), "--target", "org/tiny"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["check", str(spec), "--json"])
+    assert res.exit_code == 0 and "verifier" not in res.output, res.output
+    res = CliRunner().invoke(app, ["check", str(spec), "--target", str(repo / "snapshots" / "abc")])
+    assert "verifier_differs" in res.output and "org/tiny" in res.output
+    gone = export_drafter(
+        d,
+        tmp_path / "gone",
+        fmt="speculators",
+        verifier={"name_or_path": "/no/such/target", "architectures": ["X"]},
+    )
+    res = CliRunner().invoke(app, ["check", str(gone), "--target", "org/tiny"])
+    assert res.exit_code == 1 and "verifier_missing" in res.output
+    res = CliRunner().invoke(app, ["check", str(dual), "--target", "org/absent"])
+    assert res.exit_code == 2 and "neither a local folder nor in the Hugging Face cache" in " ".join(
+        res.output.split()
+    )

@@ -437,6 +437,11 @@ def test_run_keeps_the_verifier_an_export_named_and_refuses_an_empty_one(tiny_ru
         app, ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", " "]
     )
     assert res.exit_code == 2 and "--verifier is empty" in res.output
+    res = CliRunner().invoke(
+        app,
+        ["export", "--run-dir", str(run.path), "--format", "speculators", "--verifier", "/no/such/target"],
+    )
+    assert res.exit_code == 2 and "no such folder here" in res.output
 
 
 def test_run_with_a_run_dir_alone_reads_its_config_and_never_starts_the_default_over_a_run(

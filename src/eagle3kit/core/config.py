@@ -150,6 +150,11 @@ class TargetConfig(_Strict):
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
     allow_download: bool = False
+    trust_remote_code: StrictBool = Field(
+        default=False,
+        description="run the Python files a hub checkpoint ships (its tokenizer or model class, as Kimi-K2.5's "
+        "tokenizer needs); only for a checkpoint you trust",
+    )
 
 
 class PromptSource(_Strict):

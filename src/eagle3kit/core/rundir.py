@@ -177,6 +177,15 @@ def write_failed(path: str | Path, e: BaseException) -> "DataError":
     )
 
 
+def as_umask_allows(*paths: str | Path) -> None:
+    """Give files the mode a new file of this process gets (0666 less the umask, 0644 by default):
+    ``safetensors`` writes its files 0600, which an engine serving them under another user cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:
+        os.chmod(p, 0o666 & ~mask)
+
+
 def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
     """``safetensors.torch.save_file`` through a temporary name in the same folder, then a rename:
     a failed or killed write leaves the earlier file as it was and no partial file.
@@ -190,6 +199,7 @@ def write_safetensors(path: str | Path, tensors: dict, metadata: dict | None = N
     tmp = path.with_name(path.name + ".tmp")
     try:
         safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)  # looked up per call: tests fail it
+        as_umask_allows(tmp)
         os.replace(tmp, path)
     except Exception as e:  # OSError, SafetensorError (an I/O error inside the Rust writer)
         try:

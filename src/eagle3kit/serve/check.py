@@ -123,6 +123,53 @@ def _vllm_supports_eagle3(architectures: list[str]) -> tuple[bool | None, str | 
     return None, (keep.errors[-1][:200] if keep.errors else None)
 
 
+def verifier_of(drafter_dir: str | Path) -> str | None:
+    """The target a speculators-layout folder names (``speculators_config.verifier.name_or_path``, what
+    ``vllm serve FOLDER`` loads), or None (another layout, or an unreadable config)."""
+    try:
+        cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+        name = cfg["speculators_config"]["verifier"]["name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _check_verifier(config: dict, target: TargetConfig) -> list[Finding]:
+    """A speculators folder's verifier: a local path that is not there is an error (``vllm serve FOLDER``
+    would fail to start); one other than the target checked against is a warning."""
+    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not isinstance(name, str):
+        return []
+    fix = (
+        "export again naming the target as the serving machine reads it: "
+        "`eagle3kit export --format speculators --verifier ID_OR_FOLDER --overwrite`"
+    )
+    local = name.startswith(("/", ".", "~"))
+    if local and not Path(name).expanduser().is_dir():
+        return [
+            Finding(
+                "verifier_missing",
+                f"the folder names its target {name}, which does not exist here: `vllm serve` on this folder fails",
+                fix,
+            )
+        ]
+    same = (
+        Path(name).expanduser().resolve() == Path(target.model).expanduser().resolve()
+        if local
+        else name == target.model
+    )
+    if same or (local and target.model.startswith("pkg:")):
+        return []
+    return [
+        Finding(
+            "verifier_differs",
+            f"`vllm serve` on this folder loads {name}; this check compared it with {target.model}",
+            f"check with --target {name}, or " + fix.split(": ", 1)[1],
+            "warning",
+        )
+    ]
+
+
 def check_drafter(
     drafter_dir: str | Path,
     target: TargetConfig,
@@ -161,6 +208,7 @@ def check_drafter(
         ]
     tcfg, tc = load_target_config(target)
     out, stop = _check_widths(folder, fields, tc)
+    out = _check_verifier(folder.config, target) + out
     if stop:
         return out
     if fields.draft_vocab_size is None:

@@ -128,6 +128,10 @@ def speculators_verifier(cfg: Config, name_or_path: str | None = None, target=No
                 "--verifier is empty: give the target's hub id or folder as the serving machine reads it"
             )
         local = Path(name_or_path).expanduser()
+        if name_or_path.startswith(("/", ".", "~")) and not local.is_dir():
+            raise ExportError(
+                f"--verifier {name_or_path}: no such folder here; give the target's folder, or its hub id (org/name)"
+            )
         path = str(local.resolve()) if local.exists() else name_or_path
     elif loc["gguf_file"]:
         if target is None or str(next(target.model.parameters()).dtype) != "torch.float32":

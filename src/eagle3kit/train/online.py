@@ -96,16 +96,19 @@ def capture_server_command(
     cpu_build: bool = False,
     own: bool = True,
     extra: list[str] | None = None,
+    python: str = "python",
+    vllm: str = "vllm",
 ) -> list[str]:
     """The command that starts a capture server for ``train --online-from``: ``vllm serve MODEL``
     (on vLLM's CPU build, whose ``vllm`` script does not start, ``python -m
     vllm.entrypoints.openai.api_server --model MODEL`` with float32's eager settings), served as
     ``target``, in ``dtype`` (the trainer's; it reserves its buffer at that width), with
     :func:`producer_cli_args` for ``layer_ids`` (the aux ids, then N) and ``extra`` options
-    (``--tensor-parallel-size 8``, …). Returns the argv list."""
+    (``--tensor-parallel-size 8``, …); ``python`` / ``vllm``: the interpreter or vLLM command it names.
+    Returns the argv list."""
     if cpu_build:
         head = [
-            "python",
+            python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -115,7 +118,7 @@ def capture_server_command(
         ]
         head += ["--enforce-eager", "--kv-cache-memory-bytes", str(2 << 30)]
     else:
-        head = ["vllm", "serve", str(model), "--dtype", dtype]
+        head = [vllm, "serve", str(model), "--dtype", dtype]
     return [
         *head,
         "--served-model-name",
