@@ -437,7 +437,10 @@ def load_target_config(cfg: TargetConfig):
             pass
     try:
         config = AutoConfig.from_pretrained(
-            loc["path"], local_files_only=not cfg.allow_download, trust_remote_code=cfg.trust_remote_code, **kw
+            loc["path"],
+            local_files_only=not cfg.allow_download,
+            trust_remote_code=cfg.trust_remote_code,
+            **kw,
         )
     except (
         Exception
