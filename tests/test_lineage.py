@@ -551,3 +551,33 @@ def test_bench_checks_free_disk_before_anything_is_timed(tmp_path, monkeypatch):
         "bench's results (bench.json, bench.md, bench.png) needs about" in said
         and "nothing was started" in said
     )
+
+
+def test_a_changed_chat_template_is_what_tokens_were_built_from_and_nothing_rewrites_that(copy):
+    """The target's chat template edited after a whole run: `train` refuses the tokens rendered with
+    the old one, `run` refuses to resume generation over rows whose prompts it rendered, the manifest still
+    names the template the tokens were built from until `tokenize` runs again, which records the new one."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import chat_template_hash, load_tokenizer
+    from eagle3kit.pipeline import run_all
+
+    cfg, run = copy
+    before = run.manifest["chat_template_sha256"]
+    jinja = cfg.target.model + "/chat_template.jinja"
+    with open(jinja, "a") as f:
+        f.write("{# a fix #}")
+    now = chat_template_hash(load_tokenizer(TargetConfig(model=cfg.target.model)))
+    assert now != before
+    config = str(run.path.parent / "c.yaml")
+    res = CliRunner().invoke(app, ["train", "-c", config])
+    assert res.exit_code == 2 and "another chat template" in " ".join(res.output.split()), res.output
+    with pytest.raises(ConfigError, match="chat_template"):
+        run_all(cfg)
+    assert run.manifest["chat_template_sha256"] == before  # the tokens' record was not rewritten
+    res = CliRunner().invoke(app, ["tokenize", "-c", config])
+    assert res.exit_code == 0, res.output
+    assert run.manifest["chat_template_sha256"] == now
+    assert run.manifest["stages"]["tokenize"]["inputs"]["chat_template"] == now

@@ -73,8 +73,6 @@ def write_run_header(cfg: Config, run: RunDir, target) -> None:
             "vocab_size": target.vocab_size,
             "dtype": cfg.target.dtype,
         },
-        tokenizer_sha256=tokenizer_hash(target.tokenizer),
-        chat_template_sha256=chat_template_hash(target.tokenizer),
         template_flags={},
         aux_layer_ids={"convention": "hf_output_hidden_states_index", "ids": list(aux)},
     )
@@ -240,20 +238,27 @@ def prepare_data(cfg: Config, run: RunDir):
     write_run_header(cfg, run, target)
 
     sources = [source_fingerprint(s) for s in cfg.prompts.sources]  # a source that changed runs prompts again
-    key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model, sources)
+    tok = target.tokenizer
+    writer = (
+        [target.source.get("weights_fingerprint"), chat_template_hash(tok)] if cfg.prompts.synthesize else []
+    )
+    key = stage_key(cfg.prompts, bool(cfg.evaluate.sets), cfg.target.model, sources, writer)
     if _fresh(run, "prompts", key, "prompts.jsonl"):
         console.print("prompts: up to date")
     else:
         run_prompts(cfg, run, target)
         _mark(run, "prompts", key)
     run_generate(cfg, run, target)
-    key = stage_key(cfg.tokenize, sha256_file(run / "conversations.jsonl"))
+    # the rendering too: another tokenizer or chat template makes other tokens from the same rows
+    key = stage_key(
+        cfg.tokenize, sha256_file(run / "conversations.jsonl"), tokenizer_hash(tok), chat_template_hash(tok)
+    )
     if _fresh(run, "tokenize", key, "tokens.safetensors"):
         console.print("tokenize: up to date")
     else:
         run_tokenize(cfg, run, target.tokenizer, target.end_of_turn_ids())
         _mark(run, "tokenize", key)
-    key = stage_key(cfg.vocab, sha256_tensors(run / "tokens.safetensors"))
+    key = stage_key(cfg.vocab, sha256_tensors(run / "tokens.safetensors"), tokenizer_hash(tok))
     if _fresh(run, "vocab", key, "vocab.safetensors"):
         console.print("vocab: up to date")
     else:

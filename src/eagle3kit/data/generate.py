@@ -38,6 +38,7 @@ from eagle3kit.data.backends import (
 from eagle3kit.data.server_backend import generate_via_server, server_version
 from eagle3kit.model.target import (
     Target,
+    chat_template_hash,
     load_target,
     load_tokenizer,
     target_architectures,
@@ -130,7 +131,8 @@ def check_backend(backend: str, asked: str, target: Target) -> str:
 def generation_settings(cfg: Config, target: Target | None = None) -> dict:
     """What a conversation row depends on: the target and its weights fingerprint
     (:func:`~eagle3kit.model.target.weights_fingerprint`; None through a server, whose weights eagle3kit
-    cannot see), the served model name (server backend), the template flags and the sampling
+    cannot see), the served model name (server backend), the hash of the chat template the prompts are
+    rendered with (None through a server, which renders them), the template flags and the sampling
     settings. Rows made with other settings — other weights at the same path too — are never
     mixed into a run (see :func:`existing_rows`)."""
 
@@ -145,10 +147,14 @@ def generation_settings(cfg: Config, target: Target | None = None) -> dict:
             else weights_fingerprint(cfg.target)
         )
     )  # a loaded target has it already
+    template = None  # through a server, the server renders with its own template
+    if not server:
+        template = chat_template_hash(target.tokenizer if target is not None else load_tokenizer(cfg.target))
     return {
         "target": cfg.target.model,
         "target_weights": weights,
         "served_model": gc.model if gc.backend == "openai" else None,
+        "chat_template": template,
         "template_flags": dict(gc.template_flags),
         "sampling": {
             "temperature": gc.temperature,
@@ -159,7 +165,7 @@ def generation_settings(cfg: Config, target: Target | None = None) -> dict:
     }
 
 
-SETTING_KEYS = ("target", "target_weights", "served_model", "template_flags", "sampling")
+SETTING_KEYS = ("target", "target_weights", "served_model", "chat_template", "template_flags", "sampling")
 
 
 def existing_rows(path, settings: dict) -> set[str]:

@@ -47,7 +47,7 @@ from eagle3kit.core.rundir import (
 from eagle3kit.core.ui import console, show_samples
 from eagle3kit.data.reasoning import THINK_CLOSE, THINK_OPEN, UNTRAINABLE_FLAGS, split_inline_think
 from eagle3kit.data.templates import MaskRule, Sample, ThinkSpec, build_samples, self_check, think_spec
-from eagle3kit.model.target import load_tokenizer, model_vocab_size, tokenizer_hash
+from eagle3kit.model.target import chat_template_hash, load_tokenizer, model_vocab_size, tokenizer_hash
 
 
 def check_row(row, where: str) -> None:
@@ -328,18 +328,22 @@ def run_tokenize(
     if show:
         show_samples(tok, samples[:show])
     out = run / "tokens.safetensors"
-    save_shard(out, [(s.ids, s.mask) for s in samples], {"tokenizer_sha256": tokenizer_hash(tok)})
+    rendered_by = {"tokenizer_sha256": tokenizer_hash(tok), "chat_template_sha256": chat_template_hash(tok)}
+    save_shard(out, [(s.ids, s.mask) for s in samples], rendered_by)
     res = {k: v for k, v in counts.items()}
     inputs = {
         "conversations.jsonl": sha256_file(src),
         "tokenizer": tokenizer_hash(tok),
+        "chat_template": rendered_by["chat_template_sha256"],
         "max_length": tc.max_length,
         "multi_turn": tc.multi_turn,
         "supervise": tc.supervise.model_dump(),
         "think_layout": spec.layout,
     }
     run.record_stage("tokenize", inputs, res, {"tokens.safetensors": sha256_tensors(out)}, consumed=consumed)
-    run.update_manifest(tokenizer_sha256=tokenizer_hash(tok))
+    run.update_manifest(
+        **rendered_by
+    )  # what the tokens were built from (never rewritten by a later run's header)
     return res
 
 

@@ -50,6 +50,7 @@ from eagle3kit.model.draft_vocab import DraftVocab, load_vocab
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.target import (
     Target,
+    chat_template_hash,
     embed_tokens,
     load_target,
     pick_device,
@@ -513,6 +514,11 @@ class _Training:
                 raise ConfigError(
                     f"{path} was built with another tokenizer than {cfg.target.model}'s; "
                     "rerun `eagle3kit tokenize` and `eagle3kit vocab` for this target"
+                )
+            if meta.get("chat_template_sha256") not in (None, chat_template_hash(target.tokenizer)):
+                raise ConfigError(
+                    f"{path} was rendered with another chat template than {cfg.target.model}'s (the template "
+                    f"changed since `eagle3kit tokenize`); rerun `eagle3kit tokenize --run-dir {run.path}`, then vocab"
                 )
         self.aux_ids = aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
         all_samples = [Sample(ids, mask) for ids, mask in load_shard(shard)]
