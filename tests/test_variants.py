@@ -549,3 +549,26 @@ def test_check_refuses_an_export_whose_flags_or_weights_were_edited_after_export
     assert code in {f.code for f in found}, found
     if code == "variant_mismatch":
         assert "as eagle3.1" in next(f.message for f in found if f.code == code)
+
+
+def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refused(smollm2_tokenizer):
+    """SmolLM2's pad id 2 is <|im_end|>, supervised in every conversation: the mask slots must not read as
+    it. Unset, the mask token is the smallest id that never occurs in the training data and is no special
+    token; a configured one that occurs is refused, naming how often."""
+    import pytest
+    import torch
+
+    from eagle3kit.core.config import ConfigError, DrafterVariantConfig
+    from eagle3kit.train.batches import Sample
+    from eagle3kit.train.stage import mask_token
+
+    tok = smollm2_tokenizer
+    special = set(tok.all_special_ids)
+    used = sorted(special | {17, 18, 20, 300})  # every special id occurs, and some text
+    samples = [Sample(torch.tensor(used), torch.ones(len(used), dtype=torch.bool))]
+    picked = mask_token(samples, tok, 49152, None)
+    assert picked == 19 and picked not in used and picked not in special
+    assert DrafterVariantConfig(variant="p-eagle").flags(tok, 49152, picked)["mask_token_id"] == 19
+    with pytest.raises(ConfigError, match=r"mask_token_id 2 \('<\|im_end\|>'\) occurs 1 times"):
+        mask_token(samples, tok, 49152, 2)
+    assert mask_token(samples, tok, 49152, 21) == 21

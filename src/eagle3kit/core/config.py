@@ -439,7 +439,8 @@ class DrafterVariantConfig(_Strict):
     mask_token_id: StrictInt | None = Field(
         default=None,
         ge=0,
-        description="P-EAGLE: the mask slots' input token (default: the tokenizer's mask, pad or unk token, else 0)",
+        description="P-EAGLE: the mask slots' input token (default: the smallest id that never occurs in the training "
+        "data and is no special token; one that occurs is refused)",
     )
 
     @model_validator(mode="after")
@@ -478,15 +479,19 @@ class DrafterVariantConfig(_Strict):
             raise ValueError("drafter.mask_token_id is read only with drafter.parallel_drafting: true")
         return self
 
-    def flags(self, tokenizer=None, vocab_size: int | None = None) -> dict:
+    def flags(self, tokenizer=None, vocab_size: int | None = None, unused_id: int | None = None) -> dict:
         """The :class:`~eagle3kit.model.drafter.DrafterConfig` keyword arguments, with the mask
-        token resolved from ``tokenizer`` when parallel drafting leaves it unset.
+        token resolved when parallel drafting leaves it unset: ``unused_id`` (what train picks: an id
+        that never occurs in the training data and is no special token), else the tokenizer's mask,
+        pad or unk token, else 0.
 
         Raises:
             ConfigError: a ``mask_token_id`` outside the target's vocabulary (``vocab_size``)."""
         out = self.model_dump(exclude={"variant", "mask_token_id"})
         if self.parallel_drafting:
             mid = self.mask_token_id
+            if mid is None and unused_id is not None:
+                mid = unused_id
             if mid is None:
                 ids = [getattr(tokenizer, a, None) for a in ("mask_token_id", "pad_token_id", "unk_token_id")]
                 mid = next((int(i) for i in ids if isinstance(i, int)), 0)

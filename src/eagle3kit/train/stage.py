@@ -171,11 +171,45 @@ def simulate_sequence(
     return walk_chain(runs, first - 1, ids.numel(), k, stats)
 
 
-def build_drafter(target: Target, vocab: DraftVocab, aux_ids, seed: int, variant=None) -> Eagle3Drafter:
+def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
+    """The mask token of parallel drafting (P-EAGLE's slots; DFlash's block): a token the drafter must
+    never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids),
+    else the smallest id that never occurs there and is no special token of ``tokenizer``.
+
+    Raises:
+        ConfigError: ``configured`` occurs in the training data (how often, and what it is), or every
+            id occurs (none is left)."""
+    counts = torch.bincount(torch.cat([s.ids.reshape(-1) for s in samples]), minlength=vocab_size)
+    if configured is not None:
+        n = int(counts[configured]) if configured < counts.numel() else 0
+        if n:
+            raise ConfigError(
+                f"drafter.mask_token_id {configured} ({tokenizer.convert_ids_to_tokens(configured)!r}) occurs "
+                f"{n} times in the training data: the mask slots would read as that text; leave it unset (an "
+                "id the data never uses is picked) or name such an id"
+            )
+        return configured
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | {
+        int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    }
+    free = [i for i in (counts[:vocab_size] == 0).nonzero().flatten().tolist() if i not in special]
+    if not free:
+        raise ConfigError("every token id occurs in the training data: name drafter.mask_token_id")
+    return free[0]
+
+
+def build_drafter(
+    target: Target, vocab: DraftVocab, aux_ids, seed: int, variant=None, samples: list | None = None
+) -> Eagle3Drafter:
     """A freshly initialised drafter shaped after the target (seeded); ``variant``: the run's
-    ``drafter`` section (:class:`~eagle3kit.core.config.DrafterVariantConfig`, None: EAGLE-3)."""
+    ``drafter`` section (:class:`~eagle3kit.core.config.DrafterVariantConfig`, None: EAGLE-3);
+    ``samples``: the training data, from which a P-EAGLE drafter's mask token is picked
+    (:func:`mask_token`)."""
     torch.manual_seed(seed)
-    flags = variant.flags(target.tokenizer, target.vocab_size) if variant is not None else {}
+    unused = None
+    if variant is not None and variant.parallel_drafting and samples:
+        unused = mask_token(samples, target.tokenizer, target.vocab_size, variant.mask_token_id)
+    flags = variant.flags(target.tokenizer, target.vocab_size, unused) if variant is not None else {}
     dcfg = DrafterConfig.from_target(
         target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags
     )
@@ -675,7 +709,9 @@ class _Training:
         """The drafter (seeded; from ``train.init_from`` when set), wrapped for the world, AdamW and
         the warmup + cosine schedule over every process's common number of steps."""
         tc, world, device = self.tc, self.world, self.device
-        drafter = build_drafter(self.target, self.vocab, self.aux_ids, tc.seed, self.cfg.drafter)
+        drafter = build_drafter(
+            self.target, self.vocab, self.aux_ids, tc.seed, self.cfg.drafter, self.samples
+        )
         # last.safetensors (weights + AdamW's two moments), best, and one of them being written
         if world.main:
             require_free(
