@@ -46,7 +46,6 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
@@ -77,6 +76,7 @@ from eagle3kit.model.target import (
     default_aux_layer_ids,
     load_target_config,
     rope_settings,
+    same_rope,
     validate_aux_layer_ids,
 )
 
@@ -437,9 +437,7 @@ def _drafter_config(
 
     # read as the target's rope is read
     own = rope_settings(
-        SimpleNamespace(
-            rope_parameters=f.rope_parameters, rope_theta=f.rope_theta or 10000.0, rope_scaling=f.rope_scaling
-        )
+        {"rope_parameters": f.rope_parameters, "rope_theta": f.rope_theta, "rope_scaling": f.rope_scaling}
     )
     rope_theta, rope_scaling = own["rope_theta"], own["rope_scaling"]
     mpe = f.max_position_embeddings or 2048
@@ -449,9 +447,7 @@ def _drafter_config(
             notes.append(f"max_position_embeddings {mpe} → the target's {t_mpe}")
             mpe = t_mpe
         rope = rope_settings(target_tc)
-        if float(rope_theta) != float(rope["rope_theta"]) or (rope_scaling or None) != (
-            rope.get("rope_scaling") or None
-        ):
+        if not same_rope(own, rope):
             raise DrafterImportError(
                 f"the source's rope (theta {rope_theta}, scaling {rope_scaling}) differs from the target's "
                 f"(theta {rope['rope_theta']}, scaling {rope.get('rope_scaling')}): the drafter was "

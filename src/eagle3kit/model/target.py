@@ -111,20 +111,44 @@ def text_config(config) -> object:
     )
 
 
-def rope_settings(tc) -> dict:
-    """``rope_theta`` and ``rope_scaling`` of a text config, read from transformers 5's
-    ``rope_parameters`` when present (never invented)."""
-    params = getattr(tc, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        theta = params.get("rope_theta", getattr(tc, "rope_theta", None))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
-            scaling = None
-        return {"rope_theta": theta, "rope_scaling": scaling}
-    return {
-        "rope_theta": getattr(tc, "rope_theta", 10000.0),
-        "rope_scaling": getattr(tc, "rope_scaling", None),
-    }
+def rope_settings(src) -> dict:
+    """The effective rope of a config (a config object or a ``config.json`` dict), read as transformers
+    5 and vLLM read it: ``rope_parameters`` (transformers 5's spelling) over ``rope_scaling``
+    (transformers 4's) over a top-level ``rope_theta`` (10,000 when none says); the legacy ``type`` key
+    read as ``rope_type``; a ``default`` type with no other field is no scaling (None). Values are kept as
+    written (compare with :func:`same_rope`).
+
+    Returns:
+        ``{"rope_theta": float, "rope_scaling": dict | None}``."""
+    get = src.get if isinstance(src, dict) else (lambda key: getattr(src, key, None))
+    merged: dict = {}
+    for part in (get("rope_scaling"), get("rope_parameters")):
+        if isinstance(part, dict):
+            merged.update(part)
+    theta = merged.pop("rope_theta", None)
+    if theta is None:
+        theta = get("rope_theta")
+    if "type" in merged:
+        legacy = merged.pop("type")
+        merged.setdefault("rope_type", legacy)
+    if merged.get("rope_type", "default") == "default" and set(merged) <= {"rope_type"}:
+        merged = {}
+    return {"rope_theta": float(theta if theta is not None else 10000.0), "rope_scaling": merged or None}
+
+
+def same_rope(a: dict, b: dict) -> bool:
+    """Whether two :func:`rope_settings` results give the same positions (numbers compared as floats:
+    ``factor: 8`` and ``8.0`` are one rope)."""
+
+    def key(r: dict) -> tuple:
+        sc = r.get("rope_scaling") or {}
+        norm = {
+            k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in sc.items()
+        }
+        return float(r["rope_theta"]), tuple(sorted(norm.items(), key=lambda kv: kv[0]))
+
+    return key(a) == key(b)
 
 
 @dataclass

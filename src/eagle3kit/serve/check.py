@@ -45,7 +45,13 @@ from eagle3kit.model.contract import (
 )
 from eagle3kit.model.draft_vocab import check_maps
 from eagle3kit.model.drafter import DrafterConfig
-from eagle3kit.model.target import load_target_config, locate_target, rope_settings, target_architectures
+from eagle3kit.model.target import (
+    load_target_config,
+    locate_target,
+    rope_settings,
+    same_rope,
+    target_architectures,
+)
 
 # SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
 # "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
@@ -580,15 +586,14 @@ def _check_positions(dc: dict, fields, tc, max_model_len: int | None) -> list[Fi
                 f"{mpe} and pass it to check",
             )
         )
-    rope = rope_settings(tc)
-    if float(fields.rope_theta or rope["rope_theta"]) != float(rope["rope_theta"]) or (
-        dc.get("rope_scaling") or None
-    ) != (rope.get("rope_scaling") or None):
+    rope, own = rope_settings(tc), rope_settings(dc)  # every spelling read as the engine reads it
+    if not same_rope(own, rope):
         out.append(
             Finding(
                 "rope",
-                f"rope_theta/rope_scaling {dc.get('rope_theta')}/{dc.get('rope_scaling')} differ from the "
-                f"target's {rope['rope_theta']}/{rope.get('rope_scaling')}",
+                f"the drafter's rope (theta {own['rope_theta']}, scaling {own['rope_scaling']}, as read from "
+                f"{', '.join(k for k in ('rope_parameters', 'rope_scaling', 'rope_theta') if k in dc) or 'no field'}) "
+                f"differs from the target's (theta {rope['rope_theta']}, scaling {rope['rope_scaling']})",
                 "export again (it copies the target's)",
             )
         )

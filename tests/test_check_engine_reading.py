@@ -1,0 +1,120 @@
+"""`check` and `import` read a drafter folder the way the engine reads it: every rope spelling that
+transformers 4/5 and vLLM accept resolves to one effective rope, which is what is compared; the shape
+fields vLLM builds the drafter from are compared with the weights; the drafter's attention type is said;
+conflicting flags between `eagle_config` and the top level are refused; unknown keys are listed."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from eagle3kit.core.config import TargetConfig
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.folder import DrafterImportError, export_drafter, read_drafter
+from eagle3kit.serve.check import check_drafter
+
+LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+
+
+def _target(tmp, smollm2_tokenizer, rope: dict | None):
+    """A tiny Llama folder whose config carries ``rope`` as transformers 5 writes it (rope_parameters)."""
+    from conftest import build_tiny_llama
+
+    params = (
+        {"rope_theta": 10000.0, "rope_type": "default"} if rope is None else {"rope_theta": 500000.0, **rope}
+    )
+    m = build_tiny_llama(8, rope_parameters=params)
+    m.save_pretrained(tmp)
+    smollm2_tokenizer.save_pretrained(tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, smollm2_tokenizer):
+    d = tmp_path_factory.mktemp("rope-targets")
+    return {
+        "plain": _target(d / "plain", smollm2_tokenizer, None),
+        "llama3": _target(d / "llama3", smollm2_tokenizer, {"rope_type": "llama3", **LLAMA3}),
+    }
+
+
+def _export(target, tmp):
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(target)
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7, vocab_size=tc.vocab_size))
+    return export_drafter(d, tmp / "drafter")
+
+
+def _edited(folder, tmp, edit, name="edited"):
+    out = tmp / name
+    shutil.copytree(folder, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(edit(cfg)))
+    return out
+
+
+def _errors(folder, target):
+    return [f for f in check_drafter(folder, TargetConfig(model=str(target))) if f.severity == "error"]
+
+
+def _respelled(cfg: dict, **fields) -> dict:
+    cfg = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "rope_parameters")}
+    return {**cfg, **fields}
+
+
+def test_a_rope_parameters_theta_other_than_the_targets_is_refused_by_check_and_import(targets, tmp_path):
+    good = _export(targets["plain"], tmp_path)
+    bad = _edited(
+        good, tmp_path, lambda c: {**c, "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"}}
+    )
+    found = _errors(bad, targets["plain"])
+    assert [f.code for f in found] == ["rope"] and "theta 5000000.0" in found[0].message
+    with pytest.raises(DrafterImportError, match="rope"):
+        read_drafter(bad, target=TargetConfig(model=str(targets["plain"])))
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", **LLAMA3}},
+        {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}},
+        {
+            "rope_theta": 500000,
+            "rope_scaling": {"type": "llama3", **LLAMA3, "factor": 8},
+        },  # transformers 4, ints
+    ],
+    ids=["rope_parameters", "rope_scaling", "legacy_type_key"],
+)
+def test_every_spelling_of_the_targets_llama3_rope_is_servable_and_imports(targets, tmp_path, spelling):
+    good = _export(targets["llama3"], tmp_path)
+    folder = _edited(good, tmp_path, lambda c: _respelled(c, **spelling))
+    assert _errors(folder, targets["llama3"]) == []
+    assert read_drafter(folder, target=TargetConfig(model=str(targets["llama3"]))).drafter.config.rope_scaling
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "default"}},
+        {"rope_theta": 10000.0, "rope_scaling": None},
+    ],
+    ids=["default_type", "none"],
+)
+def test_a_default_rope_in_any_spelling_is_no_scaling(targets, tmp_path, spelling):
+    good = _export(targets["plain"], tmp_path)
+    folder = _edited(good, tmp_path, lambda c: _respelled(c, **spelling))
+    assert _errors(folder, targets["plain"]) == []
+    read_drafter(folder, target=TargetConfig(model=str(targets["plain"])))
+    other = _edited(
+        good, tmp_path, lambda c: _respelled(c, rope_scaling={"rope_type": "llama3", **LLAMA3}), "scaled"
+    )
+    assert [f.code for f in _errors(other, targets["plain"])] == ["rope"]
