@@ -118,3 +118,48 @@ def test_a_default_rope_in_any_spelling_is_no_scaling(targets, tmp_path, spellin
         good, tmp_path, lambda c: _respelled(c, rope_scaling={"rope_type": "llama3", **LLAMA3}), "scaled"
     )
     assert [f.code for f in _errors(other, targets["plain"])] == ["rope"]
+
+
+def test_a_flag_nested_in_eagle_config_that_contradicts_the_top_level_is_refused_naming_both(
+    targets, tmp_path
+):
+    good = _export(targets["plain"], tmp_path)
+    bad = _edited(
+        good,
+        tmp_path,
+        lambda c: {
+            **c,
+            "norm_before_fc": False,
+            "eagle_config": {**c["eagle_config"], "norm_before_fc": True},
+        },
+    )
+    found = _errors(bad, targets["plain"])
+    assert [f.code for f in found] == ["config_invalid"]
+    assert "eagle_config.norm_before_fc is true and the top-level norm_before_fc is false" in found[0].message
+    with pytest.raises(DrafterImportError, match="eagle_config.norm_before_fc is true"):
+        read_drafter(bad, target=TargetConfig(model=str(targets["plain"])))
+    same = _edited(
+        good, tmp_path, lambda c: {**c, "eagle_config": {**c["eagle_config"], "norm_before_fc": False}}, "s"
+    )
+    assert _errors(same, targets["plain"]) == []  # written twice, one value: fine
+
+
+def test_an_export_writes_every_variant_flag_false_included(targets, tmp_path):
+    cfg = json.loads((_export(targets["plain"], tmp_path) / "config.json").read_text())
+    assert {
+        k: cfg[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    } == dict.fromkeys(("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), False)
+
+
+def test_keys_no_reader_uses_are_listed_on_import_without_naming_a_tool(targets, tmp_path):
+    good = _export(targets["plain"], tmp_path)
+    odd = _edited(good, tmp_path, lambda c: {**c, "my_trainer_step": 7, "draft_temperature": 0.5})
+    notes = read_drafter(odd, target=TargetConfig(model=str(targets["plain"]))).notes
+    listed = [n for n in notes if n.startswith("config.json keys no engine reads")]
+    assert listed == [
+        "config.json keys no engine reads for this drafter, left out: draft_temperature, my_trainer_step"
+    ]
+    assert not any(k in n for n in notes for k in ("my_trainer", "draft_temperature") if n not in listed)
+    assert not [
+        n for n in read_drafter(good, target=TargetConfig(model=str(targets["plain"]))).notes if "keys" in n
+    ]

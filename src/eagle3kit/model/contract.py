@@ -119,14 +119,16 @@ def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None
         raise ExportError("drafter export refused:\n  " + "\n  ".join(problems))
 
 
-def variant_fields(c: DrafterConfig) -> dict:
-    """The config fields of the variant flags that are on, under the names vLLM's
-    ``llama_eagle3.py`` reads (``norm_before_fc``, ``fc_norm``, ``norm_output``), and for parallel
-    drafting ``mask_token_id`` (vLLM's proposer reads it as the mask slots' token) and
-    ``parallel_drafting: true`` (not read by vLLM, which takes it from the speculative config: it
-    tells a reader, and eagle3kit's launch helpers, how to serve the folder). ``norm_before_residual``
-    is written by the callers, always, false included (vLLM's speculators path assumes true)."""
-    out: dict = {k: True for k in ("norm_before_fc", "fc_norm", "norm_output") if getattr(c, k)}
+def variant_fields(c: DrafterConfig, speculators_peagle: bool = False) -> dict:
+    """The config fields of the variant flags, every one written out, false included (engines'
+    defaults for a missing flag differ), under the names vLLM's ``llama_eagle3.py`` reads
+    (``norm_before_fc``, ``fc_norm``, ``norm_output``; a speculators ``peagle`` config only the flags its
+    reader copies, ``norm_before_fc``), and for parallel drafting ``mask_token_id`` (vLLM's proposer reads
+    it as the mask slots' token) and ``parallel_drafting: true`` (not read by vLLM, which takes it from the
+    speculative config: it tells a reader, and eagle3kit's launch helpers, how to serve the folder).
+    ``norm_before_residual`` is written by the callers, always (vLLM's speculators path assumes true)."""
+    names = ("norm_before_fc",) if speculators_peagle else ("norm_before_fc", "fc_norm", "norm_output")
+    out: dict = {k: bool(getattr(c, k)) for k in names}
     if c.parallel_drafting:
         out |= {"parallel_drafting": True, "mask_token_id": c.mask_token_id}
     return out
@@ -209,7 +211,11 @@ def speculators_config(
         )
     dual = engine_config(c, torch_dtype)
     kind = "peagle" if c.parallel_drafting else "eagle3"
-    flags = {k: v for k, v in variant_fields(c).items() if k != "parallel_drafting"}
+    flags = {
+        k: v
+        for k, v in variant_fields(c, speculators_peagle=c.parallel_drafting).items()
+        if k != "parallel_drafting"
+    }
     layer = {
         k: dual[k]
         for k in (
@@ -416,10 +422,15 @@ def engine_variant(cfg: dict, f: DrafterFields, tensors: set[str], where: str) -
         notes.append("no norm_before_residual in a speculators config: true, as vLLM reads it")
     pre = served_config(cfg, where)
     nested = pre.get("eagle_config") if isinstance(pre.get("eagle_config"), dict) else {}
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):  # one value, or refused
+        if key in nested and key in pre and _flag(nested, key, where) != _flag(pre, key, where):
+            raise DrafterImportError(
+                f"{where}: eagle_config.{key} is {str(nested[key]).lower()} and the top-level {key} is "
+                f"{str(pre[key]).lower()}: engines read one or the other (vLLM the nested one for norm_before_fc); "
+                "write one value in both places"
+            )
     top_nbf = _flag(pre, "norm_before_fc", where)
     nbf = _flag(nested, "norm_before_fc", where, top_nbf) if "norm_before_fc" in nested else top_nbf
-    if nbf != top_nbf:
-        notes.append(f"eagle_config.norm_before_fc {str(nbf).lower()} wins over the field (as vLLM reads it)")
     flags = {
         "norm_before_residual": _flag(pre, "norm_before_residual", where),
         "norm_before_fc": nbf,

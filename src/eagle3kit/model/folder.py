@@ -355,8 +355,9 @@ def _aux_ids(
         if layout == "specforge":
             N = num_layers if num_layers is not None else "N"
             raise DrafterImportError(
-                f"the source (SpecForge's export --to hf) states no aux layer ids, and the layers its run captured "
-                f"cannot be read from the folder: {SPECFORGE_DEFAULT}; for this target (N = {N}) give them, e.g. "
+                f"the source (a folder in SpecForge's layout; SpecForge's export --to hf writes none) states no aux "
+                f"layer ids, and the layers its run captured cannot be read from the folder: {SPECFORGE_DEFAULT}; "
+                f"for this target (N = {N}) give them, e.g. "
                 + (
                     f"--aux-layer-ids {','.join(map(str, default_aux_layer_ids(num_layers)))}"
                     if num_layers
@@ -509,6 +510,9 @@ def read_drafter(
     raw, source_file = read_weights(folder)
     layout, found = _pick_layout(folder, cfg, f, set(raw), layout, source_file)
     notes = [f"read {source_file} as layout {layout}" + ("" if layout == found else f" (detected: {found})")]
+    unread = unread_keys(cfg)
+    if unread:
+        notes.append(f"config.json keys no engine reads for this drafter, left out: {', '.join(unread)}")
     tensors = _rename(raw, notes)
     if "embed_tokens.weight" in tensors:
         tensors.pop("embed_tokens.weight")
@@ -531,6 +535,24 @@ def read_drafter(
     return Imported(d, layout, notes, _provenance(cfg, ids, layout, folder, notes))
 
 
+#: config.json keys of a drafter folder that are read (by eagle3kit or an engine) besides DrafterFields'
+_READ_KEYS = {
+    "architectures", "model_type", "num_hidden_layers", "torch_dtype", "dtype", "tie_word_embeddings",
+    "eagle3kit", "speculators_config", "transformer_layer_config", "text_config", "num_aux_hidden_states",
+    "use_aux_hidden_state", "embed_tokens", "layer_types", "sliding_window", "use_sliding_window",
+}  # fmt: skip
+
+
+def unread_keys(cfg: dict) -> list[str]:
+    """The keys of a drafter's ``config.json`` that neither eagle3kit nor the engines read (neither a
+    drafter field, nor a key every transformers Llama config carries), sorted: listed when a folder is
+    imported, whoever wrote it."""
+    from transformers import LlamaConfig
+
+    known = set(DrafterFields.model_fields) | _READ_KEYS | set(LlamaConfig().to_dict())
+    return sorted(k for k in cfg if k not in known)
+
+
 def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: str, notes: list[str]) -> dict:
     """The source's variant flags as the engine reads them (:func:`engine_variant`), SpecForge's
     ``norm_output`` translated (module docstring), ``mask_hidden`` shaped [1, 1, 3·Ht] (in place)."""
@@ -539,8 +561,8 @@ def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: s
     if layout == "specforge" and f.norm_output is not None and not isinstance(cfg.get("eagle3kit"), dict):
         if not f.norm_output:
             raise DrafterImportError(
-                f"{folder}: SpecForge's norm_output: false computes logits without the final norm; eagle3kit's "
-                "drafter (like vLLM's) applies it before lm_head"
+                f"{folder}: norm_output: false in a folder of SpecForge's layout means logits without the final norm "
+                "(SpecForge's reading); eagle3kit's drafter (like vLLM's) applies it before lm_head"
             )
         variant["norm_output"] = False
         notes.append(
