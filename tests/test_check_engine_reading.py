@@ -163,3 +163,61 @@ def test_keys_no_reader_uses_are_listed_on_import_without_naming_a_tool(targets,
     assert not [
         n for n in read_drafter(good, target=TargetConfig(model=str(targets["plain"]))).notes if "keys" in n
     ]
+
+
+@pytest.mark.parametrize(
+    "edit, code",
+    [
+        (lambda c: {**c, "num_aux_hidden_states": 4}, "num_aux_states"),
+        (lambda c: {**c, "num_hidden_layers": 2}, "num_hidden_layers"),
+        (
+            lambda c: {**c, "eagle_config": {**c["eagle_config"], "use_aux_hidden_state": False}},
+            "use_aux_hidden_state",
+        ),
+    ],
+    ids=["num_aux_hidden_states", "num_hidden_layers", "use_aux_hidden_state"],
+)
+def test_a_shape_field_vllm_builds_from_that_the_weights_contradict_is_refused(targets, tmp_path, edit, code):
+    bad = _edited(_export(targets["plain"], tmp_path), tmp_path, edit)
+    assert code in [f.code for f in _errors(bad, targets["plain"])]
+
+
+def test_a_consistent_drafter_of_four_aux_states_is_servable_imported_and_exported_for_vllm(
+    targets, tmp_path
+):
+    """vLLM reads any number of aux states (fc sized by num_aux_hidden_states or eagle_config's ids): a
+    drafter of four is checked as vLLM reads it, imported, and exported with the count written out."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(targets["plain"])
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [1, 3, 5, 6]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7, vocab_size=tc.vocab_size))
+    dual = export_drafter(d, tmp_path / "four")
+    assert json.loads((dual / "config.json").read_text())["num_aux_hidden_states"] == 4
+    assert _errors(dual, targets["plain"]) == []
+    back = read_drafter(dual, target=TargetConfig(model=str(targets["plain"]))).drafter
+    assert back.fc.weight.shape == (64, 4 * 64) and torch.equal(back.fc.weight, d.fc.weight)
+    spec = export_drafter(
+        d, tmp_path / "four-spec", fmt="speculators", verifier={"name_or_path": "x", "architectures": ["X"]}
+    )
+    assert (
+        json.loads((spec / "config.json").read_text())["transformer_layer_config"]["num_aux_hidden_states"]
+        == 4
+    )
+    assert _errors(spec, targets["plain"]) == []
+    three = _edited(
+        dual, tmp_path, lambda c: {k: v for k, v in c.items() if k != "num_aux_hidden_states"}, "x"
+    )
+    assert _errors(three, targets["plain"]) == []  # eagle_config's 4 ids size fc as vLLM reads them
+    no_count = _edited(
+        spec,
+        tmp_path,
+        lambda c: {
+            **c,
+            "transformer_layer_config": {**c["transformer_layer_config"], "num_aux_hidden_states": None},
+        },
+        "y",
+    )
+    assert "num_aux_states" in [
+        f.code for f in _errors(no_count, targets["plain"])
+    ]  # vLLM would size fc for 3

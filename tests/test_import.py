@@ -327,7 +327,7 @@ def test_a_folder_holding_another_tools_drafter_is_never_mixed_or_lost(source, t
                 "eagle_aux_hidden_state_layer_ids": [2, 4],
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]},
             },
-            "exactly 3 aux layers",
+            "name 2 aux layers, but fc.weight takes 192 inputs",
         ),
         (
             lambda c: {**c, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, None, 4]}},

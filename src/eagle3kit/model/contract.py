@@ -34,19 +34,20 @@ class ExportError(ValueError):
 
 def required_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the engines create for this config, with its shape (d2t/t2d excluded): the
-    EAGLE-3 drafter's, plus per variant ``input_norm.weight [3·Ht]`` (norm_before_fc),
-    ``fc_norm.{0,1,2}.weight [Ht]`` (fc_norm) and ``mask_hidden [1, 1, 3·Ht]`` (parallel drafting;
-    vLLM reads any shape of 3·Ht values, speculators this one)."""
+    EAGLE-3 drafter's (``fc.weight [H, n·Ht]`` for n = the config's aux ids, 3 when it has none), plus per
+    variant ``input_norm.weight [n·Ht]`` (norm_before_fc), ``fc_norm.{0…n−1}.weight [Ht]`` (fc_norm) and
+    ``mask_hidden [1, 1, n·Ht]`` (parallel drafting; vLLM reads any shape of n·Ht values, speculators this one)."""
     H, inter, d, Ht = c.hidden_size, c.intermediate_size, c.head_dim, c.target_hidden_size
+    n = len(c.aux_layer_ids) or 3  # aux states concatenated into fc: 3 for what eagle3kit trains
     variant: dict[str, tuple[int, ...]] = {}
     if c.norm_before_fc:
-        variant["input_norm.weight"] = (3 * Ht,)
+        variant["input_norm.weight"] = (n * Ht,)
     if c.fc_norm:
-        variant |= {f"fc_norm.{i}.weight": (Ht,) for i in range(3)}
+        variant |= {f"fc_norm.{i}.weight": (Ht,) for i in range(n)}
     if c.parallel_drafting:
-        variant["mask_hidden"] = (1, 1, 3 * Ht)
+        variant["mask_hidden"] = (1, 1, n * Ht)
     return variant | {
-        "fc.weight": (H, 3 * c.target_hidden_size),
+        "fc.weight": (H, n * c.target_hidden_size),
         "midlayer.input_layernorm.weight": (H,),
         "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
@@ -162,6 +163,7 @@ def engine_config(c: DrafterConfig, torch_dtype: str, provenance: dict | None = 
         **variant_fields(c),
         "torch_dtype": torch_dtype,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        **({"num_aux_hidden_states": len(c.aux_layer_ids)} if len(c.aux_layer_ids) != 3 else {}),
         "eagle_config": {
             "use_aux_hidden_state": True,
             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids],
@@ -240,7 +242,13 @@ def speculators_config(
     return {
         "architectures": ["PEagleSpeculator" if c.parallel_drafting else "Eagle3Speculator"],
         "speculators_model_type": kind,
-        "transformer_layer_config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **layer},
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            **layer,
+            # vLLM's speculators reader sizes fc for 3 aux states unless the layer config says otherwise
+            **({"num_aux_hidden_states": len(c.aux_layer_ids)} if len(c.aux_layer_ids) != 3 else {}),
+        },
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "norm_before_residual": c.norm_before_residual,

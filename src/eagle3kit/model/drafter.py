@@ -357,11 +357,14 @@ class Eagle3Drafter(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.norm_output = cfg.norm_output
         Ht, eps = cfg.target_hidden_size, cfg.rms_norm_eps
-        self.input_norm = RMSNorm(3 * Ht, eps) if cfg.norm_before_fc else None
-        self.fc_norm = nn.ModuleList([RMSNorm(Ht, eps) for _ in range(3)]) if cfg.fc_norm else None
-        self.fc = nn.Linear(3 * Ht, cfg.hidden_size, bias=False)
+        n = self.num_aux = (
+            len(cfg.aux_layer_ids) or 3
+        )  # eagle3kit trains 3; an imported drafter may have others
+        self.input_norm = RMSNorm(n * Ht, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(Ht, eps) for _ in range(n)]) if cfg.fc_norm else None
+        self.fc = nn.Linear(n * Ht, cfg.hidden_size, bias=False)
         # P-EAGLE's learned aux vector of the mask slots (speculators' shape; randn as speculators initialises it)
-        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * Ht)) if cfg.parallel_drafting else None
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, n * Ht)) if cfg.parallel_drafting else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -389,13 +392,14 @@ class Eagle3Drafter(nn.Module):
         self.t2d.copy_(vocab.t2d)
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """Aux states [..., 3·Ht] (ascending layer order) → the drafter's feature [..., H]:
+        """Aux states [..., n·Ht] (n aux layers, 3 for what eagle3kit trains; ascending layer order) →
+        the drafter's feature [..., H]:
         ``input_norm`` or the per-layer ``fc_norm`` when the variant has them, then ``fc`` (vLLM's
         ``combine_hidden_states``)."""
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:
-            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(self.num_aux, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:

@@ -372,16 +372,18 @@ def _aux_ids(
             )
         ids = list(default_aux_layer_ids(num_layers))
         notes.append(f"no aux ids in the source: EAGLE-3's default for {num_layers} layers, HF indices {ids}")
-    if len(ids) != 3:
+    if not ids:
         raise DrafterImportError(
-            f"aux ids {ids}: an EAGLE-3 drafter reads exactly 3 aux layers (fc takes 3 × hidden)"
+            "the source's aux layer ids are an empty list: an EAGLE-3 drafter reads aux layers"
         )
     if ids != sorted(ids):
         notes.append(f"aux ids {ids} sorted to {sorted(ids)} (engines concatenate aux states in layer order)")
         ids = sorted(ids)
     if num_layers is not None:
         try:
-            validate_aux_layer_ids(ids, num_layers)
+            validate_aux_layer_ids(
+                ids, num_layers, count=None
+            )  # the engines read any number (fc takes n × hidden)
         except ConfigError as e:
             raise DrafterImportError(str(e)) from None
     return ids
@@ -421,6 +423,12 @@ def _drafter_config(
     f: DrafterFields, tensors: dict, ids: list[int], target_tc, notes: list[str], variant: dict
 ) -> DrafterConfig:
     H, heads = f.hidden_size, f.num_attention_heads
+    fc, Ht = tensors.get("fc.weight"), f.target_hidden_size or f.hidden_size
+    if fc is not None and fc.shape[1] != len(ids) * Ht:
+        raise DrafterImportError(
+            f"aux ids {ids} name {len(ids)} aux layers, but fc.weight takes {fc.shape[1]} inputs "
+            f"({fc.shape[1] / Ht:g} × target hidden {Ht}): give the ids the drafter was trained on"
+        )
     Vd = f.draft_vocab_size
     if Vd is None:
         if "lm_head.weight" not in tensors:
@@ -572,9 +580,12 @@ def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: s
         )
     mh = tensors.get("mask_hidden")
     if mh is not None:
-        Ht3 = 3 * (f.target_hidden_size or f.hidden_size)
+        n = len(f.eagle_aux_hidden_state_layer_ids or []) or 3
+        Ht3 = n * (f.target_hidden_size or f.hidden_size)
         if mh.numel() != Ht3:
-            raise DrafterImportError(f"mask_hidden has {mh.numel()} values, not 3 × target hidden = {Ht3}")
+            raise DrafterImportError(
+                f"mask_hidden has {mh.numel()} values, not {n} aux × target hidden = {Ht3}"
+            )
         tensors["mask_hidden"] = mh.reshape(1, 1, Ht3)
     on = {k: v for k, v in variant.items() if v}
     if on:

@@ -50,17 +50,18 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+def validate_aux_layer_ids(ids: Sequence[int], num_layers: int, count: int | None = 3) -> tuple[int, ...]:
     """Check aux ids (HF indices) against a target with ``num_layers`` decoder layers.
 
-    They must be exactly three, distinct, ascending and inside [1, N−1].
+    They must be ``count`` of them (3, what eagle3kit trains; None: any number, as an imported
+    drafter may have), distinct, ascending and inside [1, N−1].
 
     Raises:
         ConfigError: naming the offending ids (for example a 4-layer target's default (2, 2, 1)).
     """
     ids = tuple(int(i) for i in ids)
-    if len(ids) != 3:
-        raise ConfigError(f"target.aux_layer_ids must hold 3 layer ids, got {list(ids)}")
+    if count is not None and len(ids) != count:
+        raise ConfigError(f"target.aux_layer_ids must hold {count} layer ids, got {list(ids)}")
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ConfigError(

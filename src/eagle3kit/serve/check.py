@@ -42,6 +42,7 @@ from eagle3kit.model.contract import (
     drafter_fields,
     engine_variant,
     required_shapes,
+    served_config,
 )
 from eagle3kit.model.draft_vocab import check_maps
 from eagle3kit.model.drafter import DrafterConfig
@@ -225,6 +226,7 @@ def check_drafter(
                 "export again with `eagle3kit export`",
             )
         ]
+    out += _check_engine_fields(folder, fields, int(tc.hidden_size), str(cfg_path))
     out += _check_tensors(folder, fields, tc, variant)
     out += _check_as_exported(folder, variant, engine)
     out += _check_variant(variant, engine, engine_version, d)
@@ -339,12 +341,12 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
                 "train the drafter for this target",
             )
         )
-    if fc is not None and fc[1] != 3 * H_t:
+    if fc is not None and fc[1] % H_t:
         made_for = f": a drafter for a target of hidden size {fc[1] // 3}" if fc[1] % 3 == 0 else ""
         out.append(
             Finding(
                 "fc_width",
-                f"fc.weight takes {fc[1]} inputs, not 3 aux layers × {H_t} = {3 * H_t} (this "
+                f"fc.weight takes {fc[1]} inputs, not a number of aux layers × {H_t} (this "
                 f"target's hidden size){made_for}",
                 "train the drafter for this target",
             )
@@ -358,6 +360,70 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
             )
         )
     return out, False
+
+
+def _aux_in_weights(shapes: dict, H_t: int) -> int:
+    """How many aux states the weights' ``fc`` takes (its input width over the target's hidden size; 3
+    without an fc or with a width that is no multiple, which is named on its own)."""
+    fc = shapes.get("fc.weight")
+    return fc[1] // H_t if fc is not None and fc[1] % H_t == 0 and fc[1] else 3
+
+
+def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[Finding]:
+    """The fields vLLM builds the drafter from before it reads a weight (its ``llama_eagle3.py``): the
+    decoder layers (``num_hidden_layers``), whether ``fc`` exists (``eagle_config.use_aux_hidden_state``),
+    and fc's width: ``num_aux_hidden_states``, else the count of ``eagle_config``'s ids, else 3, times
+    ``target_hidden_size``; and the aux ids the target captures. Each against the weights."""
+    pre, shapes, out = served_config(folder.config, where), folder.shapes, []
+    nested = pre.get("eagle_config") if isinstance(pre.get("eagle_config"), dict) else {}
+    layers = int(any(k.startswith("midlayer.") for k in shapes)) + len(
+        {k.split(".")[1] for k in shapes if k.startswith("layers.") and k.split(".")[1] != "0"}
+    )
+    said = pre.get("num_hidden_layers")
+    if isinstance(said, int) and said != layers:
+        out.append(
+            Finding(
+                "num_hidden_layers",
+                f"num_hidden_layers is {said} but the weights hold {layers} decoder layer(s): vLLM builds {said} "
+                f"and {'leaves the others without weights' if said > layers else 'drops the rest'}",
+                f"set num_hidden_layers to {layers}",
+            )
+        )
+    if nested.get("use_aux_hidden_state") is False:
+        out.append(
+            Finding(
+                "use_aux_hidden_state",
+                "eagle_config.use_aux_hidden_state is false: vLLM builds no fc and never reads the aux states",
+                "drop it (or set it true): an EAGLE-3 drafter reads the aux states",
+            )
+        )
+    if "fc.weight" not in shapes or shapes["fc.weight"][1] % H_t:
+        return out
+    n = _aux_in_weights(shapes, H_t)
+    ids = fields.eagle_aux_hidden_state_layer_ids or []
+    nested_ids = nested.get("eagle_aux_hidden_state_layer_ids")
+    engine_n, why = pre.get("num_aux_hidden_states"), "num_aux_hidden_states"
+    if not isinstance(engine_n, int):
+        engine_n, why = (len(nested_ids), "eagle_config's ids") if nested_ids else (3, "vLLM's default")
+    if engine_n != n:
+        out.append(
+            Finding(
+                "num_aux_states",
+                f"vLLM sizes fc for {engine_n} aux states ({why}) × {H_t}, but fc.weight takes {n} × {H_t}: it would "
+                "fail to load, or read other layers than trained",
+                f"set num_aux_hidden_states to {n} (or drop it and give {n} ids)",
+            )
+        )
+    if ids and len(ids) != n:
+        out.append(
+            Finding(
+                "aux_ids_count",
+                f"{len(ids)} aux ids {ids}, but fc.weight takes {n} aux layers × {H_t}: the target would capture "
+                f"{len(ids)} states for an fc of {n}",
+                f"give exactly the {n} ids the drafter was trained on",
+            )
+        )
+    return out
 
 
 def _check_tensors(folder: _Folder, fields, tc, variant: dict) -> list[Finding]:
@@ -377,23 +443,13 @@ def _check_tensors(folder: _Folder, fields, tc, variant: dict) -> list[Finding]:
             vocab_size=V,
             draft_vocab_size=fields.draft_vocab_size,
             target_hidden_size=H_t,
-            aux_layer_ids=list(fields.eagle_aux_hidden_state_layer_ids or []),
+            aux_layer_ids=list(
+                range(_aux_in_weights(shapes, H_t))
+            ),  # a count that differs is named on its own
             **variant,
         )
     )
     out: list[Finding] = []
-    fc = shapes.get("fc.weight")
-    ids = fields.eagle_aux_hidden_state_layer_ids or []
-    # (an fc of another width is named above)
-    if fc is not None and ids and fc[1] == 3 * H_t and len(ids) != 3:
-        out.append(
-            Finding(
-                "aux_ids_count",
-                f"{len(ids)} aux ids {ids}, but fc.weight takes 3 aux layers × {H_t} = "
-                f"{fc[1]} inputs: vLLM sizes fc as {len(ids)} × {H_t} = {len(ids) * H_t} and would fail to load it",
-                "give exactly the 3 ids the drafter was trained on",
-            )
-        )
     floats = {dtypes[k] for k in want if k in dtypes}
     if any(not t.startswith(("F", "BF")) for t in floats):
         out.append(
