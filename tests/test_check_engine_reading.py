@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3kit.core.config import TargetConfig
 from eagle3kit.model.draft_vocab import DraftVocab
@@ -221,3 +222,39 @@ def test_a_consistent_drafter_of_four_aux_states_is_servable_imported_and_export
     assert "num_aux_states" in [
         f.code for f in _errors(no_count, targets["plain"])
     ]  # vLLM would size fc for 3
+
+
+def test_check_says_both_attentions_and_refuses_what_no_eagle3_class_runs(targets, tmp_path, smollm2_tok_dir):
+    """Every check says the drafter's attention and the target's; MLA fields beside q/k/v weights are
+    ignored by the engine (a warning), MLA weights cannot be served (an error), and beside an MLA target
+    the engine setting of the drafter's own attention backend is named, for vLLM and for SGLang."""
+    from family_targets import build as build_family_target
+
+    good = _export(targets["plain"], tmp_path)
+    said = [
+        f.message
+        for f in check_drafter(good, TargetConfig(model=str(targets["plain"])))
+        if f.code == "attention"
+    ]
+    assert said == ["attention: the drafter's MHA, the target's MHA"]
+    fields = _edited(good, tmp_path, lambda c: {**c, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, "fields")
+    found = {f.code: f for f in check_drafter(fields, TargetConfig(model=str(targets["plain"])))}
+    assert (
+        found["drafter_attention"].severity == "warning"
+        and "kv_lora_rank, qk_rope_head_dim" in found["drafter_attention"].message
+    )
+    mla = tmp_path / "mla"
+    shutil.copytree(good, mla)
+    t = load_file(str(good / "model.safetensors"))
+    t["midlayer.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(8, 64)
+    save_file(t, str(mla / "model.safetensors"))
+    assert "drafter_attention" in [f.code for f in _errors(mla, targets["plain"])]
+    deepseek = build_family_target("deepseek_v3", tmp_path / "ds", smollm2_tok_dir)
+    d = _export(deepseek, tmp_path / "for-ds")
+    for engine, setting in (
+        ("vllm", '"attention_backend"'),
+        ("sglang", "--speculative-draft-attention-backend"),
+    ):
+        found = {f.code: f for f in check_drafter(d, TargetConfig(model=str(deepseek)), engine=engine)}
+        assert found["attention"].message == "attention: the drafter's MHA, the target's MLA"
+        assert setting in found["attention_types"].fix

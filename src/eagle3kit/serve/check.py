@@ -233,6 +233,7 @@ def check_drafter(
     out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
     out += _check_positions(folder.config, fields, tc, max_model_len)
     out += _check_aux(folder.config, int(tc.num_hidden_layers), tcfg, tc, engine)
+    out += _check_attention(folder, _raw_target_config(target), engine)
     out += _check_engine(folder, target, tcfg, tc, engine, engine_version)
     return out
 
@@ -421,6 +422,61 @@ def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[
                 f"{len(ids)} aux ids {ids}, but fc.weight takes {n} aux layers × {H_t}: the target would capture "
                 f"{len(ids)} states for an fc of {n}",
                 f"give exactly the {n} ids the drafter was trained on",
+            )
+        )
+    return out
+
+
+#: config fields and tensor names of multi-head latent attention (DeepSeek-V2/V3, Kimi)
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+MLA_TENSORS = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj", "kv_a_layernorm")
+#: the engine setting that picks the drafter's own attention backend beside a target of another kind
+DRAFT_ATTENTION_SETTING = {
+    "vllm": '"attention_backend": "FLASH_ATTN" in --speculative-config',
+    "sglang": "--speculative-draft-attention-backend fa3",
+}
+
+
+def _check_attention(folder: _Folder, target_raw: dict, engine: str) -> list[Finding]:
+    """The drafter's attention (MHA, or MLA by its weights or fields) and the target's, said every time.
+    Both engines' EAGLE-3 drafter classes build multi-head attention from q/k/v projections: MLA weights
+    cannot be served (error), MLA fields beside q/k/v weights are ignored by the engine (warning); an MHA
+    drafter beside an MLA target needs its own attention backend, named per engine (warning)."""
+    dc = folder.config
+    fields = [
+        k for k in MLA_FIELDS if dc.get(k) is not None or (dc.get("transformer_layer_config") or {}).get(k)
+    ]
+    mla_weights = sorted({t for k in folder.shapes for t in MLA_TENSORS if f".{t}." in f".{k}"})
+    target = "MLA" if target_raw and uses_mla(target_raw) else "MHA"
+    drafter = "MLA" if mla_weights else "MHA"
+    out = [Finding("attention", f"attention: the drafter's {drafter}, the target's {target}", "", "info")]
+    if mla_weights:
+        out.append(
+            Finding(
+                "drafter_attention",
+                f"the drafter holds MLA weights ({', '.join(mla_weights)}): neither vLLM's nor SGLang's EAGLE-3 "
+                "drafter runs MLA (both build q/k/v multi-head attention), so it cannot be served",
+                "train an EAGLE-3 drafter with multi-head attention (what eagle3kit trains, for MLA targets too)",
+            )
+        )
+    elif fields:
+        out.append(
+            Finding(
+                "drafter_attention",
+                f"the config declares MLA fields ({', '.join(fields)}) but the weights are q/k/v multi-head attention: "
+                "the engine ignores the fields and serves MHA",
+                "drop the MLA fields from config.json",
+                "warning",
+            )
+        )
+    if target == "MLA" and drafter == "MHA":
+        out.append(
+            Finding(
+                "attention_types",
+                f"an MHA drafter beside an MLA target: {engine} runs the two with different attention backends; if "
+                f"the one it picks for the drafter fails or is slow, set it with {DRAFT_ATTENTION_SETTING[engine]}",
+                f"on a GPU build: {DRAFT_ATTENTION_SETTING[engine]}",
+                "warning",
             )
         )
     return out
