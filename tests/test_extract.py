@@ -3,6 +3,7 @@ token of each; a kill mid-way resumes to the same shards; refusal when the disk 
 the folder was made from other inputs; and training from shards gives the online loss on the same
 batch (within the storage precision)."""
 
+import json
 import shutil
 
 import pytest
@@ -315,3 +316,41 @@ def test_a_target_with_only_pickled_weights_is_refused(tmp_path):
         match=r"only pickled weights \(\*.bin\); eagle3kit loads weights from safetensors or GGUF",
     ):
         locate_target(TargetConfig(model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_stored_states_no_target_computes_are_refused_naming_shard_sample_and_layer(
+    run, tiny_target, tiny_target_dir, tmp_path, dtype
+):
+    """A shard whose aux layer is all zero, or whose teacher state is one vector at every token, in one
+    sample: train's reader stops there, naming the shard, the sample and the layer, before any step."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagle3kit.core.rundir import DataError
+
+    cfg = cfg_for(run, tiny_target_dir, shard_tokens=60, dtype=dtype)
+    f = tmp_path / "f"
+    run_extract(cfg, run, tiny_target, out_dir=str(f))
+    _load(f, run, tiny_target)  # as extracted: read
+    p = f / "shard-00001.safetensors"
+    with safe_open(str(p), "pt") as h:
+        meta = h.metadata()
+    t = load_file(str(p))
+    a, b = int(t["offsets"][1]), int(t["offsets"][2])  # the shard's second sample
+    first = json.loads((f / "index.json").read_text())["shards"][1]["first_sample"]
+    zeroed = {**t, "aux": t["aux"].clone()}
+    zeroed["aux"][a:b, 1] = 0
+    save_file(zeroed, str(p), metadata=meta)
+    with pytest.raises(
+        DataError, match=rf"shard-00001.safetensors: sample {first + 1}: aux layer 4 is all zero"
+    ):
+        _load(f, run, tiny_target)
+    repeated = {**t, "last": t["last"].clone()}
+    repeated["last"][a:b] = t["last"][a]
+    if dtype == "fp8":
+        repeated["last_scale"] = t["last_scale"].clone()
+        repeated["last_scale"][a:b] = t["last_scale"][a]
+    save_file(repeated, str(p), metadata=meta)
+    with pytest.raises(DataError, match="the last layer \\(teacher\\) is one vector repeated"):
+        _load(f, run, tiny_target)

@@ -358,6 +358,13 @@ def test_a_producer_killed_mid_epoch_is_named_and_the_rerun_resumes(online):
     finally:
         k.join()
         srv.start(300)  # the module's server again, at the same address
+    import httpx  # its first answer after a start can outlast the run's 8 s timeout on a busy CPU: warm it
+
+    httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"model": "target", "prompt": [1, 2, 3], "max_tokens": 1},
+        timeout=120,
+    )
     _train(cfg)
     a, b = _log(whole), _log(run)
     assert [r["samples"] for r in a] == [r["samples"] for r in b]

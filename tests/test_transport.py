@@ -340,3 +340,40 @@ def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_f
         assert got == [] and isinstance(err[0], DataError) and "stopped" in str(err[0])
     finally:
         f.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "fp8"])
+@pytest.mark.parametrize(
+    "plant, said",
+    [
+        (lambda h: h.index_fill_(1, torch.tensor([2]), 0.0), "layer 5 is all zero at its 37 token(s)"),
+        (lambda h: h.zero_(), "layer 2 is all zero"),
+        (lambda h: (h[:, 0].copy_(h[0, 0].expand(T, H)), h)[1], "layer 2 is one vector repeated at all 37 tokens"),
+    ],
+    ids=["one_layer_zero", "all_zero", "one_layer_constant"],
+)
+def test_a_capture_file_of_states_no_target_computes_is_refused_naming_the_file_and_layer(
+    tmp_path, kind, plant, said
+):
+    h, ids = _states()
+    path = _write(kind, tmp_path, plant(h.clone()), ids)
+    with pytest.raises(DataError) as e:
+        read_captured(states_reader(tmp_path), path, ids, N_IDS, kind, layer_ids=[2, 4, 5, 8])
+    msg = str(e.value)
+    assert str(path) in msg and said in msg and "no target computes" in msg
+    good = _write(kind, tmp_path, h, ids)  # the same states unplanted read
+    assert read_captured(states_reader(tmp_path), good, ids, N_IDS, kind, layer_ids=[2, 4, 5, 8]).shape == (
+        T,
+        N_IDS,
+        H,
+    )
+
+
+def test_a_capture_file_with_every_token_id_but_fewer_state_rows_is_refused_naming_both_counts(tmp_path):
+    from safetensors.torch import save_file
+
+    h, ids = _states()
+    path = tmp_path / "short.safetensors"
+    save_file({"hidden_states": h[:4].contiguous(), "token_ids": ids}, str(path))
+    with pytest.raises(DataError, match="holds 4 rows of states for the sample's 37 tokens"):
+        read_captured(states_reader(tmp_path), path, ids, N_IDS)

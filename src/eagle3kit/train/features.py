@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import DataError, read_json, sha256_json
 from eagle3kit.model.target import teacher_argmax
+from eagle3kit.train.state_checks import FP8_REPEAT_TOLERANCE, state_problem
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
@@ -276,6 +277,16 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
                 raise DataError(
                     f"{path}: sample {s['first_sample'] + k} has {b - a} tokens, the token shard "
                     f"{smp.ids.numel()}; {fix}"
+                )
+            names = [f"aux layer {i}" for i in inputs.get("aux_layer_ids", [])] or ["aux 0", "aux 1", "aux 2"]
+            tol = FP8_REPEAT_TOLERANCE if fp8 else 1e-6
+            problem = state_problem(aux_all[a:b], names, tol) or (
+                None if topk else state_problem(last_all[a:b, None], ["the last layer (teacher)"], tol)
+            )
+            if problem:
+                raise DataError(
+                    f"{path}: sample {s['first_sample'] + k}: {problem}, which no target computes (a damaged or "
+                    f"foreign shard); {fix}"
                 )
             smp.aux = aux_all[a:b].to(dt).reshape(b - a, -1).to(device)
             if topk:

@@ -30,6 +30,7 @@ from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors import SafetensorError, safe_open
 
 from eagle3kit.core.rundir import DataError
+from eagle3kit.train.state_checks import FP8_REPEAT_TOLERANCE, state_problem
 
 TRANSPORTS = ("file", "fp8")
 
@@ -143,5 +144,23 @@ def read_captured(
     if h.shape[1] != n_ids:
         raise DataError(
             f"{path}: {h.shape[1]} states a token, expected {n_ids} (the server captures other layers)"
+        )
+    if h.shape[0] < n:
+        raise DataError(
+            f"{path}: holds {h.shape[0]} rows of states for the sample's {n} tokens (its token ids are all there): "
+            "the engine wrote part of the request's states; delete it and rerun, and if it recurs, the server's "
+            "connector is at fault"
+        )
+    names = [f"layer {i}" for i in layer_ids] if layer_ids else [f"state {j}" for j in range(n_ids)]
+    if (
+        fp8 is None
+    ):  # the file's transport, when the caller named none: fp8 copies of one vector differ a little
+        with safe_open(path, "pt") as f:
+            fp8 = SCALES_KEY in f.keys()
+    problem = state_problem(h[:n], names, FP8_REPEAT_TOLERANCE if fp8 else 1e-6)
+    if problem:
+        raise DataError(
+            f"{path}: {problem}, which no target computes: the engine wrote states it did not fill (a connector "
+            "or capture fault) or the file was overwritten; delete it and rerun, and if it recurs, check the server"
         )
     return h[:n]
