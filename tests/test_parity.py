@@ -152,3 +152,56 @@ def test_other_shard_layouts_compare_sample_by_sample_and_another_target_is_refu
         ],
     )
     assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("delta, dtype", [(0.02, "fp32"), (0.05, "bf16")])
+def test_a_target_perturbed_in_one_layer_is_flagged_by_its_own_log_probabilities_and_named_first(
+    run,
+    tiny_target,
+    tiny_target_dir,
+    tmp_path,
+    delta,
+    dtype,  # noqa: F811
+):
+    """One decoder layer's weights scaled by 1 + delta (after the aux layers 2, 4, 5: layer 6), features of
+    both targets stored alike: the teacher's top-1 stays high (0.985 at 2%) but the log-probabilities the
+    target gives its own next token move past the storage's noise, so parity disagrees and names the teacher
+    as the first layer that drifts; the aux layers, before it, pass."""
+    cfg = cfg_for(run, tiny_target_dir, dtype=dtype)
+    run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "ref"))
+    layer = tiny_target.parts.layers[6].mlp.down_proj.weight
+    keep = layer.detach().clone()
+    try:
+        with torch.no_grad():
+            layer.mul_(1 + delta)
+        run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "perturbed"))
+    finally:
+        with torch.no_grad():
+            layer.copy_(keep)
+    rep = compare_features(tiny_target, tmp_path / "ref", tmp_path / "perturbed")
+    teacher = rep["layers"]["teacher (post-norm last)"]
+    assert rep["verdict"] == "disagree" and rep["first_drift"] == "teacher (post-norm last)", rep
+    assert (
+        teacher["top1_agreement"] > 0.95
+        and teacher["mean_abs_dlogprob"] > rep["tolerances"]["mean_abs_dlogprob_max"]
+    )
+    assert all(v["pass"] for k, v in rep["layers"].items() if k.startswith("aux"))
+    assert rep["tolerances"]["precision"] == dtype
+
+
+def test_the_first_layer_that_drifts_is_the_first_aux_layer_after_the_change(
+    run, reference, tiny_target, tiny_target_dir, tmp_path
+):  # noqa: F811
+    layer = tiny_target.parts.layers[3].self_attn.o_proj.weight  # between aux layers 2 and 4
+    keep = layer.detach().clone()
+    try:
+        with torch.no_grad():
+            layer.mul_(1.2)
+        run_extract(cfg_for(run, tiny_target_dir), run, tiny_target, out_dir=str(tmp_path / "p"))
+    finally:
+        with torch.no_grad():
+            layer.copy_(keep)
+    rep = compare_features(tiny_target, reference, tmp_path / "p")
+    assert rep["first_drift"] == "aux[1] (layer 4)" and rep["layers"]["aux[0] (layer 2)"]["pass"], rep[
+        "layers"
+    ]

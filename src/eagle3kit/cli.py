@@ -48,7 +48,7 @@ from eagle3kit.serve.benchreport import compare as compare_records
 from eagle3kit.serve.check import check_drafter, findings_json, parse_version, verifier_of
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
-from eagle3kit.serve.parity import TOLERANCES, compare_features
+from eagle3kit.serve.parity import compare_features
 from eagle3kit.train.capture_command import capture_server_for
 from eagle3kit.train.extract import run_extract
 from eagle3kit.train.stage import run_train
@@ -279,17 +279,20 @@ def parity(
         (
             name,
             f"cos {v['cosine']:.6f} · rel.err {v['relative_error']:.1e} · top-1 {v['top1_agreement']:.4f} · "
-            f"{'pass' if v['pass'] else 'FAIL'}",
+            f"|Δlogp| {v['mean_abs_dlogprob']:.4f} · {'pass' if v['pass'] else 'FAIL'}",
         )
         for name, v in rep["layers"].items()
     ]
+    tol = rep["tolerances"]
     rows.append(
         (
-            "tolerances",
-            f"cos ≥ {TOLERANCES['cosine_min']}, rel.err ≤ {TOLERANCES['relative_error_max']}, "
-            f"top-1 ≥ {TOLERANCES['top1_agreement_min']}",
+            f"tolerances ({tol['precision']} states)",
+            f"cos ≥ {tol['cosine_min']}, rel.err ≤ {tol['relative_error_max']}, top-1 ≥ {tol['top1_agreement_min']}, "
+            f"mean |Δ log-prob| ≤ {tol['mean_abs_dlogprob_max']}",
         )
     )
+    if rep["first_drift"]:
+        rows.append(("first layer that drifts", rep["first_drift"]))
     rows += [("note", n) for n in rep["notes"]]
     rows.append(("verdict", rep["verdict"]))
     print_table(f"parity: {features[0]} (reference) vs {features[1]}", rows)

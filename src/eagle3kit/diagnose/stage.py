@@ -55,7 +55,7 @@ from eagle3kit.serve.bench import (
     served_model,
 )
 from eagle3kit.serve.check import check_drafter
-from eagle3kit.serve.parity import TOLERANCES, StateAgreement, verdict
+from eagle3kit.serve.parity import StateAgreement, first_drift, tolerances_for, verdict
 from eagle3kit.train.extract import engine_features, start_capture
 
 
@@ -363,7 +363,10 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e,
         states = capture.capture(seqs.ids)
     finally:
         capture.close()
-    agreement = StateAgreement(target, drafter.config.aux_layer_ids)
+    precision = (
+        "fp32" if target_cfg.dtype in ("float32", "float64") else "bf16"
+    )  # the states compared, in memory
+    agreement = StateAgreement(target, drafter.config.aux_layer_ids, precision)
     aux = []
     for i, st in enumerate(states):
         a, _ = engine_features(target, st)
@@ -377,7 +380,8 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e,
     return {
         "source": "vllm (in-process capture, extract_hidden_states)",
         "layers": layers,
-        "tolerances": TOLERANCES,
+        "tolerances": tolerances_for(precision),
+        "first_drift": first_drift(layers),
         "parity": verdict(layers),
         "simulated_on_engine_states": sim,
         "explains": explains(sim, report["reference"]),
