@@ -348,7 +348,10 @@ def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_f
     [
         (lambda h: h.index_fill_(1, torch.tensor([2]), 0.0), "layer 5 is all zero at its 37 token(s)"),
         (lambda h: h.zero_(), "layer 2 is all zero"),
-        (lambda h: (h[:, 0].copy_(h[0, 0].expand(T, H)), h)[1], "layer 2 is one vector repeated at all 37 tokens"),
+        (
+            lambda h: (h[:, 0].copy_(h[0, 0].expand(T, H)), h)[1],
+            "layer 2 is one vector repeated at all 37 tokens",
+        ),
     ],
     ids=["one_layer_zero", "all_zero", "one_layer_constant"],
 )

@@ -184,6 +184,25 @@ FORMATS = ("dual", "speculators")
 
 
 SPECULATORS_LAYER_PREFIX = "layers.0."  # speculators (and vLLM internally) name the decoder layer so
+#: the Llama layer's fields a speculators ``transformer_layer_config`` holds
+SPECULATORS_LAYER_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "vocab_size",
+    "num_hidden_layers",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "torch_dtype",
+)
 
 
 def speculators_config(
@@ -218,27 +237,7 @@ def speculators_config(
         for k, v in variant_fields(c, speculators_peagle=c.parallel_drafting).items()
         if k != "parallel_drafting"
     }
-    layer = {
-        k: dual[k]
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "hidden_act",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "max_position_embeddings",
-            "vocab_size",
-            "num_hidden_layers",
-            "tie_word_embeddings",
-            "attention_bias",
-            "mlp_bias",
-            "torch_dtype",
-        )
-    }
+    layer = {k: dual[k] for k in SPECULATORS_LAYER_KEYS}
     return {
         "architectures": ["PEagleSpeculator" if c.parallel_drafting else "Eagle3Speculator"],
         "speculators_model_type": kind,

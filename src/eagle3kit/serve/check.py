@@ -226,7 +226,10 @@ def check_drafter(
                 "export again with `eagle3kit export`",
             )
         ]
-    out += _check_engine_fields(folder, fields, int(tc.hidden_size), str(cfg_path))
+    # vLLM sizes fc by the drafter's own target_hidden_size; a drafter of another target is named above
+    out += _check_engine_fields(
+        folder, fields, fields.target_hidden_size or fields.hidden_size, str(cfg_path)
+    )
     out += _check_tensors(folder, fields, tc, variant)
     out += _check_as_exported(folder, variant, engine)
     out += _check_variant(variant, engine, engine_version, d)
@@ -342,13 +345,23 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
                 "train the drafter for this target",
             )
         )
-    if fc is not None and fc[1] % H_t:
-        made_for = f": a drafter for a target of hidden size {fc[1] // 3}" if fc[1] % 3 == 0 else ""
+    made_for = fields.target_hidden_size or H
+    n_made = fc[1] // made_for if fc is not None and made_for and fc[1] % made_for == 0 else None
+    if fc is not None and made_for != H_t and n_made:
+        out.append(
+            Finding(
+                "fc_width",
+                f"fc.weight takes {fc[1]} inputs, not {n_made} aux layers × {H_t} = {n_made * H_t} (this "
+                f"target's hidden size): a drafter for a target of hidden size {made_for}",
+                "train the drafter for this target",
+            )
+        )
+    elif fc is not None and fc[1] % H_t:
         out.append(
             Finding(
                 "fc_width",
                 f"fc.weight takes {fc[1]} inputs, not a number of aux layers × {H_t} (this "
-                f"target's hidden size){made_for}",
+                "target's hidden size)",
                 "train the drafter for this target",
             )
         )
@@ -374,7 +387,8 @@ def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[
     """The fields vLLM builds the drafter from before it reads a weight (its ``llama_eagle3.py``): the
     decoder layers (``num_hidden_layers``), whether ``fc`` exists (``eagle_config.use_aux_hidden_state``),
     and fc's width: ``num_aux_hidden_states``, else the count of ``eagle_config``'s ids, else 3, times
-    ``target_hidden_size``; and the aux ids the target captures. Each against the weights."""
+    ``target_hidden_size`` (``H_t``: the drafter's own, as vLLM reads it); and the aux ids the target captures.
+    Each against the weights."""
     pre, shapes, out = served_config(folder.config, where), folder.shapes, []
     nested = pre.get("eagle_config") if isinstance(pre.get("eagle_config"), dict) else {}
     layers = int(any(k.startswith("midlayer.") for k in shapes)) + len(

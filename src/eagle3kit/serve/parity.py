@@ -220,6 +220,32 @@ class _Rows:
         return torch.cat(auxs), (torch.cat(lasts) if have_last else None)
 
 
+def _comparable(target, a: Path, ia: dict, b: Path, ib: dict) -> list[str]:
+    """Refuse two feature folders made from other token samples or hidden sizes, or a reference folder
+    of another target than ``target``; return notes on what differs but can still be compared.
+
+    Args: ``ia``/``ib``: the folders' ``inputs`` records. Raises: ConfigError, naming both folders."""
+    for key in ("tokens", "hidden_size"):
+        if ia.get(key) != ib.get(key):
+            raise ConfigError(
+                f"{a} and {b} were made from different {key} ({ia.get(key)!r} vs "
+                f"{ib.get(key)!r}); extract both from the same run's token samples"
+            )
+    mine = target.source.get("weights_fingerprint") or target.source.get("model")
+    if ia.get("target") not in (None, mine):
+        raise ConfigError(
+            f"{a} was made from another target (weights {str(ia.get('target'))[:16]}…) than the "
+            f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
+            "target with --target, or its --run-dir"
+        )
+    notes = []
+    if ib.get("target") not in (None, mine):
+        notes.append(f"{b} was made from another target's weights than {a}; expect every layer to differ")
+    if ia.get("aux_layer_ids") != ib.get("aux_layer_ids"):
+        notes.append(f"the aux layer ids differ: {ia.get('aux_layer_ids')} vs {ib.get('aux_layer_ids')}")
+    return notes
+
+
 @torch.no_grad()
 def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | None = None) -> dict:
     """Compare feature folders ``a`` (the reference) and ``b`` sample by sample, whatever their
@@ -239,26 +265,7 @@ def compare_features(target, a: str | Path, b: str | Path, max_tokens: int | Non
     a, b = Path(a), Path(b)
     ia, sa = _shards(a)
     ib, sb = _shards(b)
-    for key in ("tokens", "hidden_size"):
-        if ia["inputs"].get(key) != ib["inputs"].get(key):
-            raise ConfigError(
-                f"{a} and {b} were made from different {key} ({ia['inputs'].get(key)!r} vs "
-                f"{ib['inputs'].get(key)!r}); extract both from the same run's token samples"
-            )
-    mine = target.source.get("weights_fingerprint") or target.source.get("model")
-    if ia["inputs"].get("target") not in (None, mine):
-        raise ConfigError(
-            f"{a} was made from another target (weights {str(ia['inputs'].get('target'))[:16]}…) than the "
-            f"one parity loaded ({str(mine)[:16]}…, {target.source.get('model')}); pass that run's "
-            "target with --target, or its --run-dir"
-        )
-    notes = []
-    if ib["inputs"].get("target") not in (None, mine):
-        notes.append(f"{b} was made from another target's weights than {a}; expect every layer to differ")
-    if ia["inputs"].get("aux_layer_ids") != ib["inputs"].get("aux_layer_ids"):
-        notes.append(
-            f"the aux layer ids differ: {ia['inputs'].get('aux_layer_ids')} vs {ib['inputs'].get('aux_layer_ids')}"
-        )
+    notes = _comparable(target, a, ia["inputs"], b, ib["inputs"])
     precision = storage_precision(ia["inputs"].get("dtype"), ib["inputs"].get("dtype"))
     agreement = StateAgreement(target, ia["inputs"].get("aux_layer_ids") or [0, 1, 2], precision)
     ra, rb = _Rows(a, sa), _Rows(b, sb)
