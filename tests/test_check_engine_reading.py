@@ -258,3 +258,120 @@ def test_check_says_both_attentions_and_refuses_what_no_eagle3_class_runs(target
         found = {f.code: f for f in check_drafter(d, TargetConfig(model=str(deepseek)), engine=engine)}
         assert found["attention"].message == "attention: the drafter's MHA, the target's MLA"
         assert setting in found["attention_types"].fix
+
+
+def test_the_rope_of_a_speculators_folder_is_read_from_its_layer_config(targets, tmp_path):
+    """vLLM builds a speculators drafter from ``transformer_layer_config``: our own llama3 export is
+    servable, and a θ edited there (the top level untouched) is refused."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(targets["llama3"])
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 4, 5]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7, vocab_size=tc.vocab_size))
+    spec = export_drafter(
+        d, tmp_path / "spec", fmt="speculators", verifier={"name_or_path": "x", "architectures": ["X"]}
+    )
+    assert _errors(spec, targets["llama3"]) == []
+    bad = _edited(
+        spec,
+        tmp_path,
+        lambda c: {
+            **c,
+            "transformer_layer_config": {
+                **_respelled(c["transformer_layer_config"]),
+                "rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            },
+        },
+    )
+    found = _errors(bad, targets["llama3"])
+    assert [f.code for f in found] == ["rope"] and "'linear'" in found[0].message
+
+
+@pytest.mark.parametrize(
+    "scaling, parameters",
+    [
+        ({"rope_type": "default"}, {"rope_theta": 500000.0, "rope_type": "llama3", **LLAMA3}),
+        ({"rope_type": "llama3", **LLAMA3}, {"rope_type": "default"}),
+    ],
+    ids=["llama3_hidden_in_parameters", "llama3_in_scaling_default_in_parameters"],
+)
+def test_a_rope_spelled_twice_differently_is_refused_by_check_and_import(
+    targets, tmp_path, scaling, parameters
+):
+    """transformers reads rope_scaling whole and drops rope_parameters; a folder that spells the two
+    differently is served by what one tool honours and trained by what another did: refused, never merged."""
+    good = _export(targets["llama3"], tmp_path)
+    twice = _edited(
+        good,
+        tmp_path,
+        lambda c: _respelled(c, rope_theta=500000.0, rope_scaling=scaling, rope_parameters=parameters),
+    )
+    found = _errors(twice, targets["llama3"])
+    assert [f.code for f in found] == ["rope_twice"] and "transformers (and vLLM) read rope_scaling" in found[
+        0
+    ].message
+    with pytest.raises(DrafterImportError, match="give different ropes"):
+        read_drafter(twice, target=TargetConfig(model=str(targets["llama3"])))
+
+
+def test_a_partial_rotary_factor_at_the_top_level_is_part_of_the_rope(targets, tmp_path):
+    good = _export(targets["plain"], tmp_path)
+    half = _edited(good, tmp_path, lambda c: {**c, "partial_rotary_factor": 0.5})
+    assert [f.code for f in _errors(half, targets["plain"])] == ["rope"]
+    whole = _edited(good, tmp_path, lambda c: {**c, "partial_rotary_factor": 1.0}, "whole")
+    assert _errors(whole, targets["plain"]) == []
+
+
+def test_a_consistent_drafter_of_two_aux_states_is_no_eagle1_head(targets, tmp_path):
+    """fc [H, 2H] is also EAGLE-1's width; a folder with a draft vocabulary and an lm_head is EAGLE-3."""
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(targets["plain"])
+    d = Eagle3Drafter(DrafterConfig.from_target(tc, 512, [2, 5]))
+    d.set_vocab(DraftVocab(ids=torch.arange(512) * 7, vocab_size=tc.vocab_size))
+    two = export_drafter(d, tmp_path / "two")
+    assert _errors(two, targets["plain"]) == []
+
+
+@pytest.mark.parametrize(
+    "edit, code, said",
+    [
+        (lambda c: {k: v for k, v in c.items() if k != "num_hidden_layers"}, "num_hidden_layers", "missing"),
+        (lambda c: {**c, "num_hidden_layers": "1"}, "num_hidden_layers", "'1'"),
+        (lambda c: {**c, "num_aux_hidden_states": True}, "num_aux_states", "True, not a whole number"),
+        (lambda c: {**c, "num_aux_hidden_states": 3.0}, "num_aux_states", "3.0, not a whole number"),
+        (
+            lambda c: {**c, "eagle_config": {**c["eagle_config"], "use_aux_hidden_state": 0}},
+            "use_aux_hidden_state",
+            "is 0",
+        ),
+    ],
+    ids=["layers_missing", "layers_string", "aux_bool", "aux_float", "use_aux_zero"],
+)
+def test_a_shape_field_missing_or_of_another_type_is_refused_saying_what_vllm_does(
+    targets, tmp_path, edit, code, said
+):
+    bad = _edited(_export(targets["plain"], tmp_path), tmp_path, edit)
+    found = {f.code: f.message for f in _errors(bad, targets["plain"])}
+    assert code in found and said in found[code], found
+
+
+def test_a_flag_written_only_inside_eagle_config_is_a_warning_and_an_import_note(targets, tmp_path):
+    """vLLM reads norm_before_residual, fc_norm and norm_output at the top level only: written only inside
+    eagle_config the drafter is served without them, which check and import say."""
+    good = _export(targets["plain"], tmp_path)
+    nested = _edited(
+        good,
+        tmp_path,
+        lambda c: {
+            **{k: v for k, v in c.items() if k != "norm_before_residual"},
+            "eagle_config": {**c["eagle_config"], "norm_before_residual": True, "my_nested": 1},
+        },
+    )
+    found = check_drafter(nested, TargetConfig(model=str(targets["plain"])))
+    warned = [f for f in found if f.code == "nested_flag"]
+    assert len(warned) == 1 and warned[0].severity == "warning" and "served without it" in warned[0].message
+    notes = read_drafter(nested, target=TargetConfig(model=str(targets["plain"]))).notes
+    assert any("eagle_config.norm_before_residual is true but no engine reads it" in n for n in notes)
+    assert any("eagle_config.my_nested" in n and "eagle_config.norm_before_residual" in n for n in notes)

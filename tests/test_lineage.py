@@ -581,3 +581,28 @@ def test_a_changed_chat_template_is_what_tokens_were_built_from_and_nothing_rewr
     assert res.exit_code == 0, res.output
     assert run.manifest["chat_template_sha256"] == now
     assert run.manifest["stages"]["tokenize"]["inputs"]["chat_template"] == now
+
+
+def test_a_tokenizer_that_keeps_its_vocabulary_but_merges_differently_hashes_differently(
+    smollm2_tok_dir, tmp_path
+):
+    """The tokenizer's hash covers what turns text into ids: dropping one BPE merge keeps every id and
+    special token but tokenizes text to other ids, so every stage keyed on the tokenizer reruns."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from eagle3kit.model.target import tokenizer_hash
+
+    edited = tmp_path / "tok"
+    shutil.copytree(smollm2_tok_dir, edited)
+    spec = json.loads((edited / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][1:]
+    (edited / "tokenizer.json").write_text(json.dumps(spec))
+    a, b = AutoTokenizer.from_pretrained(smollm2_tok_dir), AutoTokenizer.from_pretrained(edited)
+    assert a.get_vocab() == b.get_vocab()
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    assert a(text)["input_ids"] != b(text)["input_ids"]
+    assert tokenizer_hash(a) != tokenizer_hash(b)
+    a(text, truncation=True, max_length=4)  # a call's truncation state is not part of the tokenizer
+    assert tokenizer_hash(a) == tokenizer_hash(AutoTokenizer.from_pretrained(smollm2_tok_dir))

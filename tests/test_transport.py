@@ -380,3 +380,55 @@ def test_a_capture_file_with_every_token_id_but_fewer_state_rows_is_refused_nami
     save_file({"hidden_states": h[:4].contiguous(), "token_ids": ids}, str(path))
     with pytest.raises(DataError, match="holds 4 rows of states for the sample's 37 tokens"):
         read_captured(states_reader(tmp_path), path, ids, N_IDS)
+
+
+def _copies_from_token_2(h):
+    h[2:, 1] = h[1, 1]
+    return h
+
+
+def _nan_at_token_5(h):
+    h[5, 2, 3] = float("nan")
+    return h
+
+
+@pytest.mark.parametrize("kind", ["file", "fp8"])
+@pytest.mark.parametrize(
+    "plant, said",
+    [
+        (
+            lambda h: h.index_fill_(0, torch.arange(20, T), 0.0),
+            "layer 2 is all zero at 17 of its 37 tokens, the first at token 20",
+        ),
+        (
+            lambda h: h.index_fill_(0, torch.arange(1, T), 0.0),
+            "layer 2 is all zero at 36 of its 37 tokens, the first at token 1",
+        ),
+        (
+            _copies_from_token_2,
+            "layer 4 repeats token 1's vector at token 2 (35 such copies) though the tokens differ",
+        ),
+        (_nan_at_token_5, "holds NaN or inf at token 5 of 37"),  # fp8: the token's one scale spreads it
+    ],
+    ids=["zero_from_token_20", "only_first_row_filled", "constant_after_token_1", "nan"],
+)
+def test_a_capture_file_filled_in_part_is_refused_naming_the_layer_and_the_first_bad_token(
+    tmp_path, kind, plant, said
+):
+    """Every token is checked, not only against the first: a block the writer left unfilled from token
+    t on (zeros, or copies of one row), or a NaN, is refused naming where it starts."""
+    h, ids = _states()
+    path = _write(kind, tmp_path, plant(h.clone()), ids)
+    with pytest.raises(DataError) as e:
+        read_captured(states_reader(tmp_path), path, ids, N_IDS, kind, layer_ids=[2, 4, 5, 8])
+    assert said in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_a_sample_of_one_token_repeated_has_one_state_everywhere_and_is_read(tmp_path, n):
+    """A causal target computes one vector at every position of ``[7, 7, …]`` (identical prefixes): that is
+    a real computation, not an unfilled block."""
+    ids = torch.full((n,), 7)
+    h = torch.randn(1, N_IDS, H).expand(n, N_IDS, H).contiguous()
+    path = _write("file", tmp_path, h, ids)
+    assert torch.equal(read_captured(states_reader(tmp_path), path, ids, N_IDS, "file"), h)

@@ -436,6 +436,12 @@ def engine_variant(cfg: dict, f: DrafterFields, tensors: set[str], where: str) -
                 f"{str(pre[key]).lower()}: engines read one or the other (vLLM the nested one for norm_before_fc); "
                 "write one value in both places"
             )
+    for key in ("norm_before_residual", "fc_norm", "norm_output"):  # vLLM reads these at the top level only
+        if key in nested and key not in pre and _flag(nested, key, where):
+            notes.append(
+                f"eagle_config.{key} is true but no engine reads it there (vLLM reads the top-level {key}): "
+                f"the drafter is served without it; if it was trained with it, write {key}: true at the top level"
+            )
     top_nbf = _flag(pre, "norm_before_fc", where)
     nbf = _flag(nested, "norm_before_fc", where, top_nbf) if "norm_before_fc" in nested else top_nbf
     flags = {

@@ -75,6 +75,7 @@ from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.target import (
     default_aux_layer_ids,
     load_target_config,
+    rope_conflict,
     rope_settings,
     same_rope,
     validate_aux_layer_ids,
@@ -445,9 +446,17 @@ def _drafter_config(
         )
 
     # read as the target's rope is read
-    own = rope_settings(
-        {"rope_parameters": f.rope_parameters, "rope_theta": f.rope_theta, "rope_scaling": f.rope_scaling}
-    )
+    spelled = {
+        "rope_parameters": f.rope_parameters,
+        "rope_theta": f.rope_theta,
+        "rope_scaling": f.rope_scaling,
+    }
+    twice = rope_conflict(spelled)
+    if twice:
+        raise DrafterImportError(
+            f"the source's config: {twice}; keep the spelling the drafter was trained with"
+        )
+    own = rope_settings(spelled)
     rope_theta, rope_scaling = own["rope_theta"], own["rope_scaling"]
     mpe = f.max_position_embeddings or 2048
     if target_tc is not None:
@@ -558,7 +567,11 @@ def unread_keys(cfg: dict) -> list[str]:
     from transformers import LlamaConfig
 
     known = set(DrafterFields.model_fields) | _READ_KEYS | set(LlamaConfig().to_dict())
-    return sorted(k for k in cfg if k not in known)
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    read_nested = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"}
+    return sorted(
+        [k for k in cfg if k not in known] + [f"eagle_config.{k}" for k in nested if k not in read_nested]
+    )
 
 
 def _variant(folder: Path, cfg: dict, f: DrafterFields, tensors: dict, layout: str, notes: list[str]) -> dict:

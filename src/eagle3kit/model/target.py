@@ -113,28 +113,52 @@ def text_config(config) -> object:
 
 
 def rope_settings(src) -> dict:
-    """The effective rope of a config (a config object or a ``config.json`` dict), read as transformers
-    5 and vLLM read it: ``rope_parameters`` (transformers 5's spelling) over ``rope_scaling``
-    (transformers 4's) over a top-level ``rope_theta`` (10,000 when none says); the legacy ``type`` key
-    read as ``rope_type``; a ``default`` type with no other field is no scaling (None). Values are kept as
-    written (compare with :func:`same_rope`).
+    """The effective rope of a config (a config object or a ``config.json`` dict), read as transformers 5
+    (which vLLM builds its configs with) reads it: ``rope_scaling`` when it is a non-empty dict, else
+    ``rope_parameters``, taken whole (the two are never merged); ``rope_theta`` inside it over the
+    top-level one (10,000 when none says); a top-level ``partial_rotary_factor`` added when the dict has
+    none (1.0, the whole head, counts as none); the legacy ``type`` key read as ``rope_type``; a
+    ``default`` type with no other field is no scaling (None). Values are kept as written (compare with
+    :func:`same_rope`; a config that spells the rope twice, differently, is named by :func:`rope_conflict`).
 
     Returns:
         ``{"rope_theta": float, "rope_scaling": dict | None}``."""
     get = src.get if isinstance(src, dict) else (lambda key: getattr(src, key, None))
-    merged: dict = {}
-    for part in (get("rope_scaling"), get("rope_parameters")):
-        if isinstance(part, dict):
-            merged.update(part)
+    scaling, params = get("rope_scaling"), get("rope_parameters")
+    chosen = scaling if isinstance(scaling, dict) and scaling else params
+    merged: dict = dict(chosen) if isinstance(chosen, dict) else {}
     theta = merged.pop("rope_theta", None)
     if theta is None:
         theta = get("rope_theta")
+    partial = get("partial_rotary_factor")
+    if isinstance(partial, (int, float)) and not isinstance(partial, bool):
+        merged.setdefault("partial_rotary_factor", partial)
+    if merged.get("partial_rotary_factor") == 1.0:
+        merged.pop("partial_rotary_factor")
     if "type" in merged:
         legacy = merged.pop("type")
         merged.setdefault("rope_type", legacy)
     if merged.get("rope_type", "default") == "default" and set(merged) <= {"rope_type"}:
         merged = {}
     return {"rope_theta": float(theta if theta is not None else 10000.0), "rope_scaling": merged or None}
+
+
+def rope_conflict(config: dict) -> str | None:
+    """A message when ``config`` spells its rope in both ``rope_scaling`` and ``rope_parameters`` and the
+    two give different positions (transformers reads ``rope_scaling`` and drops the other, so what is
+    served depends on which spelling a tool honours); None otherwise."""
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    if not (isinstance(scaling, dict) and scaling and isinstance(params, dict) and params):
+        return None
+    rest = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_parameters")}
+    a = rope_settings({**rest, "rope_scaling": scaling})
+    b = rope_settings({**rest, "rope_parameters": params})
+    if same_rope(a, b):
+        return None
+    return (
+        f"rope_scaling {scaling} and rope_parameters {params} give different ropes; transformers (and vLLM) read "
+        "rope_scaling and drop rope_parameters"
+    )
 
 
 def same_rope(a: dict, b: dict) -> bool:
@@ -797,10 +821,19 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
 
 
 def tokenizer_hash(tok) -> str:
-    """Hash of the vocabulary and special tokens (not of the file layout)."""
+    """Hash of what turns text into ids: the vocabulary, the special tokens and, for a fast tokenizer,
+    its whole pipeline (normalizer, pre-tokenizer, BPE merges, post-processor, decoder) without the
+    truncation and padding state a call may set; not the file layout. A tokenizer that keeps its
+    vocabulary but merges differently tokenizes the same text to other ids, and hashes differently."""
     vocab = tok.get_vocab()
     payload = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
     payload += json.dumps(sorted(map(str, tok.all_special_tokens)))
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        pipeline = json.loads(backend.to_str())
+        for key in ("truncation", "padding"):
+            pipeline.pop(key, None)
+        payload += json.dumps(pipeline, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

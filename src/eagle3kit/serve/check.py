@@ -49,6 +49,7 @@ from eagle3kit.model.drafter import DrafterConfig
 from eagle3kit.model.target import (
     load_target_config,
     locate_target,
+    rope_conflict,
     rope_settings,
     same_rope,
     target_architectures,
@@ -208,7 +209,7 @@ def check_drafter(
         return [Finding("unreadable", f"{d}: {type(e).__name__}: {str(e)[:160]}", "re-export the drafter")]
     try:
         fields, _ = drafter_fields(folder.config, str(cfg_path))
-        variant, _ = engine_variant(folder.config, fields, set(folder.shapes), str(cfg_path))
+        variant, variant_notes = engine_variant(folder.config, fields, set(folder.shapes), str(cfg_path))
     except DrafterImportError as e:
         return [
             Finding("config_invalid", str(e), "fix these fields (or export again with `eagle3kit export`)")
@@ -234,10 +235,15 @@ def check_drafter(
     out += _check_as_exported(folder, variant, engine)
     out += _check_variant(variant, engine, engine_version, d)
     out += _check_vocab_maps(folder, fields, int(tc.vocab_size))
-    out += _check_positions(folder.config, fields, tc, max_model_len)
+    out += _check_positions(served_config(folder.config, str(cfg_path)), fields, tc, max_model_len)
     out += _check_aux(folder.config, int(tc.num_hidden_layers), tcfg, tc, engine)
     out += _check_attention(folder, _raw_target_config(target), engine)
     out += _check_engine(folder, target, tcfg, tc, engine, engine_version)
+    out += [
+        Finding("nested_flag", note, "write the flag at the top level", "warning")
+        for note in variant_notes
+        if note.startswith("eagle_config.")
+    ]
     return out
 
 
@@ -325,9 +331,9 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
         )
     fc = shapes.get("fc.weight")
     H = fields.hidden_size
-    if (fc is not None and fc[1] == 2 * fc[0]) or (
-        fields.draft_vocab_size is None and "lm_head.weight" not in shapes
-    ):
+    # EAGLE-1's head has no draft vocabulary and no lm_head of its own (its fc [H, 2H] alone would also
+    # fit an EAGLE-3 drafter of two aux states)
+    if fields.draft_vocab_size is None and "lm_head.weight" not in shapes:
         out.append(
             Finding(
                 "eagle1_head",
@@ -376,11 +382,50 @@ def _check_widths(folder: _Folder, fields, tc) -> tuple[list[Finding], bool]:
     return out, False
 
 
+def _is_int(v) -> bool:
+    """A JSON whole number (not a bool, a string or a float)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _aux_in_weights(shapes: dict, H_t: int) -> int:
     """How many aux states the weights' ``fc`` takes (its input width over the target's hidden size; 3
     without an fc or with a width that is no multiple, which is named on its own)."""
     fc = shapes.get("fc.weight")
     return fc[1] // H_t if fc is not None and fc[1] % H_t == 0 and fc[1] else 3
+
+
+def _check_layer_count(pre: dict, shapes: dict) -> list[Finding]:
+    """``num_hidden_layers`` (the decoder layers vLLM builds) against the layers in the weights: missing
+    (transformers' default), of another type, or another count."""
+    out: list[Finding] = []
+    layers = int(any(k.startswith("midlayer.") for k in shapes)) + len(
+        {k.split(".")[1] for k in shapes if k.startswith("layers.") and k.split(".")[1] != "0"}
+    )
+    said = pre.get("num_hidden_layers")
+    if not _is_int(said):
+        out.append(
+            Finding(
+                "num_hidden_layers",
+                f"num_hidden_layers is {'missing' if said is None else repr(said)}: vLLM "
+                + (
+                    "builds transformers' default (32 for a Llama config)"
+                    if said is None
+                    else "fails to load it"
+                )
+                + f", the weights hold {layers} decoder layer(s)",
+                f"set num_hidden_layers to {layers}",
+            )
+        )
+    elif said != layers:
+        out.append(
+            Finding(
+                "num_hidden_layers",
+                f"num_hidden_layers is {said} but the weights hold {layers} decoder layer(s): vLLM builds {said} "
+                f"and {'leaves the others without weights' if said > layers else 'drops the rest'}",
+                f"set num_hidden_layers to {layers}",
+            )
+        )
+    return out
 
 
 def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[Finding]:
@@ -391,24 +436,13 @@ def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[
     Each against the weights."""
     pre, shapes, out = served_config(folder.config, where), folder.shapes, []
     nested = pre.get("eagle_config") if isinstance(pre.get("eagle_config"), dict) else {}
-    layers = int(any(k.startswith("midlayer.") for k in shapes)) + len(
-        {k.split(".")[1] for k in shapes if k.startswith("layers.") and k.split(".")[1] != "0"}
-    )
-    said = pre.get("num_hidden_layers")
-    if isinstance(said, int) and said != layers:
-        out.append(
-            Finding(
-                "num_hidden_layers",
-                f"num_hidden_layers is {said} but the weights hold {layers} decoder layer(s): vLLM builds {said} "
-                f"and {'leaves the others without weights' if said > layers else 'drops the rest'}",
-                f"set num_hidden_layers to {layers}",
-            )
-        )
-    if nested.get("use_aux_hidden_state") is False:
+    out += _check_layer_count(pre, shapes)
+    if "use_aux_hidden_state" in nested and nested["use_aux_hidden_state"] is not True:
         out.append(
             Finding(
                 "use_aux_hidden_state",
-                "eagle_config.use_aux_hidden_state is false: vLLM builds no fc and never reads the aux states",
+                f"eagle_config.use_aux_hidden_state is {nested['use_aux_hidden_state']!r}: vLLM builds no fc and never "
+                "reads the aux states",
                 "drop it (or set it true): an EAGLE-3 drafter reads the aux states",
             )
         )
@@ -418,7 +452,16 @@ def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[
     ids = fields.eagle_aux_hidden_state_layer_ids or []
     nested_ids = nested.get("eagle_aux_hidden_state_layer_ids")
     engine_n, why = pre.get("num_aux_hidden_states"), "num_aux_hidden_states"
-    if not isinstance(engine_n, int):
+    if engine_n is not None and not _is_int(engine_n):
+        out.append(
+            Finding(
+                "num_aux_states",
+                f"num_aux_hidden_states is {engine_n!r}, not a whole number: vLLM fails to size fc from it",
+                f"set num_aux_hidden_states to {n}",
+            )
+        )
+        return out
+    if engine_n is None:
         engine_n, why = (len(nested_ids), "eagle_config's ids") if nested_ids else (3, "vLLM's default")
     if engine_n != n:
         out.append(
@@ -426,7 +469,8 @@ def _check_engine_fields(folder: _Folder, fields, H_t: int, where: str) -> list[
                 "num_aux_states",
                 f"vLLM sizes fc for {engine_n} aux states ({why}) × {H_t}, but fc.weight takes {n} × {H_t}: it would "
                 "fail to load, or read other layers than trained",
-                f"set num_aux_hidden_states to {n} (or drop it and give {n} ids)",
+                f"set num_aux_hidden_states to {n}"
+                + (" (or drop it and give eagle_config {n} ids)" if why == "num_aux_hidden_states" else ""),
             )
         )
     if ids and len(ids) != n:
@@ -678,6 +722,9 @@ def _check_vocab_maps(folder: _Folder, fields, V: int) -> list[Finding]:
     return out
 
 
+_ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor")
+
+
 def _check_positions(dc: dict, fields, tc, max_model_len: int | None) -> list[Finding]:
     """Tied embeddings, max positions against the serving length, rope against the target's."""
     out: list[Finding] = []
@@ -713,12 +760,17 @@ def _check_positions(dc: dict, fields, tc, max_model_len: int | None) -> list[Fi
             )
         )
     rope, own = rope_settings(tc), rope_settings(dc)  # every spelling read as the engine reads it
-    if not same_rope(own, rope):
+    twice = rope_conflict(dc)
+    if twice:
+        out.append(
+            Finding("rope_twice", f"the drafter's config: {twice}", "keep one spelling (export again)")
+        )
+    elif not same_rope(own, rope):
         out.append(
             Finding(
                 "rope",
                 f"the drafter's rope (theta {own['rope_theta']}, scaling {own['rope_scaling']}, as read from "
-                f"{', '.join(k for k in ('rope_parameters', 'rope_scaling', 'rope_theta') if k in dc) or 'no field'}) "
+                f"{', '.join(k for k in _ROPE_KEYS if k in dc) or 'no field'}) "
                 f"differs from the target's (theta {rope['rope_theta']}, scaling {rope['rope_scaling']})",
                 "export again (it copies the target's)",
             )

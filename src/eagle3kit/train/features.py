@@ -280,8 +280,10 @@ def load_features(folder: str | Path, samples: list, expect: dict, target, devic
                 )
             names = [f"aux layer {i}" for i in inputs.get("aux_layer_ids", [])] or ["aux 0", "aux 1", "aux 2"]
             tol = FP8_REPEAT_TOLERANCE if fp8 else 1e-6
-            problem = state_problem(aux_all[a:b], names, tol) or (
-                None if topk else state_problem(last_all[a:b, None], ["the last layer (teacher)"], tol)
+            problem = state_problem(aux_all[a:b], names, tol, smp.ids) or (
+                None
+                if topk
+                else state_problem(last_all[a:b, None], ["the last layer (teacher)"], tol, smp.ids)
             )
             if problem:
                 raise DataError(

@@ -157,7 +157,7 @@ def read_captured(
     ):  # the file's transport, when the caller named none: fp8 copies of one vector differ a little
         with safe_open(path, "pt") as f:
             fp8 = SCALES_KEY in f.keys()
-    problem = state_problem(h[:n], names, FP8_REPEAT_TOLERANCE if fp8 else 1e-6)
+    problem = state_problem(h[:n], names, FP8_REPEAT_TOLERANCE if fp8 else 1e-6, ids=ids.reshape(-1)[:n])
     if problem:
         raise DataError(
             f"{path}: {problem}, which no target computes: the engine wrote states it did not fill (a connector "
