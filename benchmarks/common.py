@@ -57,9 +57,16 @@ def train_variant(
     t = time.perf_counter()
     res = run_train(vcfg, RunDir(vdir), target=target)
     seconds = time.perf_counter() - t
-    export_drafter(
-        load_drafter_checkpoint(vdir / "checkpoints" / "best.safetensors"), vdir / "drafter", overwrite=True
-    )
+    best = vdir / "checkpoints" / "best.safetensors"
+    if vcfg.drafter.variant == "dflash":
+        import torch
+
+        from eagle3kit.model.dflash_folder import write_dflash
+        from eagle3kit.train.dflash_stage import load_dflash_checkpoint
+
+        write_dflash(load_dflash_checkpoint(best)[0], vdir / "drafter", "vllm", torch.float32)
+    else:
+        export_drafter(load_drafter_checkpoint(best), vdir / "drafter", overwrite=True)
     return res, seconds
 
 
@@ -132,14 +139,24 @@ def heldout_tau(
 
     sets = heldout_sets(run, target, shared, eval_tokens, eval_prompts)
     out = dict(done or {})
+    from eagle3kit.eval.dflash_eval import dflash_tau
+    from eagle3kit.model.dflash_folder import is_dflash_folder, read_dflash
+
     for name, folder in drafters.items():
         if name in out:
             continue
-        d = load_exported(folder, device=device).eval().to(target.dtype)
-        out[name] = {
-            s: {f"k{k}": round(simulate(d, target, p, c, k, device)[0].tau, 4) for k in ks}
-            for s, (_, p, c) in sets.items()
-        }
+        if is_dflash_folder(folder):  # block drafting: k tokens a forward, k ≤ block − 1
+            d = read_dflash(folder).to(device).eval().to(target.dtype)
+            out[name] = {
+                s: {f"k{k}": round(dflash_tau(d, target, p, c, k, device)[0].tau, 4) for k in ks}
+                for s, (_, p, c) in sets.items()
+            }
+        else:
+            d = load_exported(folder, device=device).eval().to(target.dtype)
+            out[name] = {
+                s: {f"k{k}": round(simulate(d, target, p, c, k, device)[0].tau, 4) for k in ks}
+                for s, (_, p, c) in sets.items()
+            }
         if on_result:
             on_result(name, out[name])
     return out, {s: len(p) for s, (_, p, _) in sets.items()}

@@ -84,10 +84,24 @@ ROWS = {  # name: (drafter section, train.loss[, train settings over EARLIER])
     "eagle3_mixed": ({}, "kl", {"shuffle": "samples"}),
     "eagle3_mixed_betas999": ({}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples"}),
     "eagle3.1_mixed_betas999": ({"variant": "eagle3.1"}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples"}),
+    # DFlash (its own network): 5 layers, blocks of 8 (16), the paper's cross-entropy; train's own
+    # optimizer settings (betas 0.9/0.999, new batches each epoch), as the default EAGLE-3.1 row below
+    "dflash": ({"variant": "dflash"}, "kl", {"betas": (0.9, 0.999), "shuffle": "samples", "lr": 6e-4}),
+    "dflash_b16": (
+        {"variant": "dflash", "block_size": 16},
+        "kl",
+        {"betas": (0.9, 0.999), "shuffle": "samples", "lr": 6e-4},
+    ),
+    "dflash_kl": (
+        {"variant": "dflash", "objective": "kl"},
+        "kl",
+        {"betas": (0.9, 0.999), "shuffle": "samples", "lr": 6e-4},
+    ),
 }
 DEFAULT_RUNS = ["eagle3:0", "eagle3:1"] + [f"{n}:0" for n in ROWS if n != "eagle3"] + ["specforge:0"]
 SPEED = {"attention": "reference", "precision": "fp32", "loss_chunk": 0}
 KS = (3, 5)
+EXTRA_KS = (7,)  # measured by rows trained since 2026-12-05 (DFlash beside EAGLE-3.1), reported when present
 SETS = {"mt_bench": "mt_bench", "gsm8k_heldout": "gsm8k"}
 SMOKE = {
     "limit": 12,
@@ -210,7 +224,9 @@ def train_one(args, key: str) -> None:
     res, seconds = train_variant(
         cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
     )
-    tau, counts = heldout_tau(base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS, **args.eval)
+    tau, counts = heldout_tau(
+        base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS + EXTRA_KS, **args.eval
+    )
     out = {
         "key": key,
         "tau": tau[key],
@@ -423,6 +439,10 @@ def collect_rows(root: Path) -> list[dict]:
                 row[f"{short}_tau_k{k}"] = round(sum(vals) / len(vals), 4)
                 if len(vals) > 1:
                     row.setdefault("seed_spread", {})[f"{short}_tau_k{k}"] = round(max(vals) - min(vals), 4)
+            for k in EXTRA_KS:
+                vals = [((x["tau"].get(s) or {}).get(f"k{k}")) for x in seeds]
+                if all(isinstance(v, (int, float)) for v in vals):
+                    row[f"{short}_tau_k{k}"] = round(sum(vals) / len(vals), 4)
         tps = [x["tokens_per_s"] for x in seeds if x.get("tokens_per_s")]
         row["tokens_per_s"] = round(sum(tps) / len(tps)) if tps else None
         row["seeds"] = seeds
@@ -474,13 +494,20 @@ def stage_report(args) -> dict:
     from rich.table import Table
 
     table = Table(title="variants: τ (simulate, greedy chain) on 80 MT-bench first turns / 80 held-out GSM8K")
-    for col in ("row", "seeds", "MT-bench K=3", "GSM8K K=3", "MT-bench K=5", "GSM8K K=5", "train tok/s"):
+    heads = [
+        f"{'MT-bench' if s == 'mt_bench' else 'GSM8K'} K={k}" for k in KS + EXTRA_KS for s in SETS.values()
+    ]
+    for col in ("row", "seeds", *heads, "train tok/s"):
         table.add_column(col, justify="left" if col in ("row", "seeds") else "right")
     for r in rows:
         table.add_row(
             r["name"],
             ",".join(str(x["seed"]) for x in r["seeds"]),
-            *(f"{r[k]:.4f}" for k in ("mt_bench_tau_k3", "gsm8k_tau_k3", "mt_bench_tau_k5", "gsm8k_tau_k5")),
+            *(
+                f"{r[c]:.4f}" if isinstance(r.get(c), (int, float)) else "-"
+                for k in KS + EXTRA_KS
+                for c in (f"{s}_tau_k{k}" for s in SETS.values())
+            ),
             str(r["tokens_per_s"]),
         )
     Console(width=140).print(table)

@@ -19,6 +19,8 @@
 #   or, issue 25's check (the example run timed on a fresh machine, then the same rows trained by the
 #   reference path and by train's auto path on one data run, compared by `--stages speed`):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh speed ROWS [PARALLEL]
+#   or DFlash beside EAGLE-3.1, the data made on the H200 (.vwdata needs only shared.tar.xz):
+#   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh dflash ROWS [PARALLEL]
 #   (.vwdata then needs only shared.tar.xz: the data run is made there, on the H200)
 #
 # `start` launches the benchmark in its own process session (it outlives the call) and then waits
@@ -106,6 +108,26 @@ EOS
   echo "started: specforge:0 alone, eagle3.1:0 (auto) alone, then $quality ($par at a time)"
   exec "$0" wait "${VW_WAIT:-480}"
   ;;
+dflash)
+  # DFlash beside EAGLE-3.1 (2026-12-05): the data run made here on the H200 (transformers), then
+  # ROWS (e.g. eagle3.1:0,dflash:0,dflash_b16:0) PARALLEL at once, τ at K = 3, 5 and 7
+  rows=${1:?rows}
+  par=${2:-3}
+  install_smollm2 || exit 1
+  mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
+  copy_repo
+  cat >$W/dflash.sh <<EOS
+cd $REPO
+export PYTHONPATH=/tmp/site:$REPO/src PYTHONUNBUFFERED=1
+V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
+\$V --stages data >$W/data.log 2>&1
+\$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >$W/main.log 2>&1
+echo "variants: τ done" >>$W/main.log
+EOS
+  setsid nohup bash $W/dflash.sh >$W/driver.log 2>&1 </dev/null &
+  echo "started: the data run, then $rows ($par at a time)"
+  exec "$0" wait "${VW_WAIT:-510}"
+  ;;
 start)
   rows=${1:?rows}
   par=${2:?parallel}
@@ -139,7 +161,7 @@ wait)
   (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
     */specforge.log */train_log.jsonl base/variants_data.json variants_*.json \
     example.* speed_tau.json speed-auto/train-*.log speed-auto/*/result.json speed-auto/*/report.json \
-    data.log reference.log auto.log driver.log retok.log speed-*.log base/report.json 2>/dev/null)
+    data.log reference.log auto.log driver.log dflash.sh retok.log speed-*.log base/report.json 2>/dev/null)
   tail -c 1500 $W/example.log 2>/dev/null
   tail -c 3000 $W/main.log
   ;;

@@ -8,6 +8,7 @@ with speculation equal its outputs without."""
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from conftest import GSM8K, SHARED, diagnose_cli
 from eagle3kit.core.config import PromptSource, load_config
 from eagle3kit.core.engines import (
     VLLMServer,
+    acceptance_from_counters,
+    counter_delta,
     eagle3_speculative_config,
     free_port,
     served_token_ids,
@@ -768,3 +771,97 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
     assert simulate(pe, target, prompts, outs["p-eagle"], 3, torch.device("cpu"))[0].tau == 2.0
     chain = planted(next(f for f in FAULTS if f.name == "parallel_drafting_off"), pe)[0]
     assert simulate(chain, target, prompts, outs["p-eagle"], 3, torch.device("cpu"))[0].tau == 4.0
+
+
+# DFlash on the same conversations: 2 layers (the CPU budget), blocks of 8, served drafting 3 tokens
+DFLASH_CONFIG = CONFIG.replace(
+    "train: {ttt_steps: 3, epochs: 6, tokens_per_step: 2048, precision: bf16, betas: [0.9, 0.95], shuffle: batches}",
+    "train: {epochs: 6, tokens_per_step: 2048, lr: 0.0006, betas: [0.9, 0.95]}\n"
+    "drafter: {variant: dflash, num_layers: 2, max_anchors: 64}",
+)
+
+
+@pytest.fixture(scope="module")
+def dflash_trained(trained, tmp_path_factory):
+    """A DFlash drafter trained by `eagle3kit run` on the EAGLE-3 run's own prompts, conversations and
+    tokens (copied with their records: those stages are up to date; train, export and evaluate run)."""
+    import shutil
+
+    from eagle3kit.pipeline import run_all
+
+    d = tmp_path_factory.mktemp("dflash")
+    keep = shutil.ignore_patterns("checkpoints", "drafter*", "evaluate", "tensorboard", "train_log.jsonl")
+    shutil.copytree(trained.path, d / "run", ignore=keep)
+    (d / "c.yaml").write_text(DFLASH_CONFIG.format(run=d / "run", gsm8k=GSM8K))
+    run_all(load_config(d / "c.yaml"))
+    return RunDir(d / "run")
+
+
+CONSTANT_PROMPTS = 4  # held-out questions sent to the constructed DFlash drafter
+
+
+@pytest.fixture(scope="module")
+def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
+    """vLLM's CPU build serving, with {"method": "dflash", "num_speculative_tokens": 3}: the DFlash export
+    on the same 20 held-out questions as the plain server, and a constructed copy of it whose final norm
+    is zero (every logit 0: it drafts token 0, ``<|endoftext|>``, which SmolLM2 never writes in a reply)
+    on the first CONSTANT_PROMPTS. Returns {name: (token ids per prompt, counters)}."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3kit.core.engines import start_servers
+
+    tmp = tmp_path_factory.mktemp("dflash-served")
+    constant = tmp / "constant"
+    shutil.copytree(dflash_trained / "drafter", constant)
+    tensors = load_file(str(constant / "model.safetensors"))
+    tensors["norm.weight"] = torch.zeros_like(tensors["norm.weight"])
+    save_file(tensors, str(constant / "model.safetensors"))
+
+    def server(name, folder):
+        spec = {"method": "dflash", "model": str(folder), "num_speculative_tokens": 3}
+        extra = ["--speculative-config", json.dumps(spec)]
+        return VLLMServer(plain_server.folder, free_port(), tmp / f"{name}.log", extra_args=extra)
+
+    servers = start_servers([server("dflash", dflash_trained / "drafter"), server("constant", constant)], 600)
+    out = {}
+    try:
+        for (name, rows), srv in zip(
+            (("dflash", served["rows"]), ("constant", served["rows"][:CONSTANT_PROMPTS])), servers
+        ):
+            before = spec_decode_counters(srv.url)
+            ids = served_token_ids(srv.url, rows, 64)
+            out[name] = (ids, counter_delta(before, spec_decode_counters(srv.url)))
+    finally:
+        for srv in servers:
+            srv.kill()
+    return out
+
+
+def test_vllm_serves_our_dflash_drafter_at_the_acceptance_eagle3kit_measured(
+    dflash_trained, dflash_served, served
+):
+    """A DFlash drafter trained here (2 layers, block 8) served by vLLM's CPU build drafting 3 tokens a
+    block: τ from vLLM's counters within 5% of `evaluate`'s on the same 20 held-out questions, outputs
+    identical to the target's alone."""
+    cfg = json.loads((dflash_trained / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    ours = dflash_trained.report["evaluate"]["sets"]["gsm8k_heldout"]
+    outs, counts = dflash_served["dflash"]
+    got = acceptance_from_counters(counts)
+    print(
+        f"DFlash τ vLLM {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs eagle3kit {ours['tau']:.4f}"
+    )
+    assert ours["num_prompts"] == 20 and ours["tau"] > 1.1, ours  # worth comparing
+    assert abs(got["tau"] / ours["tau"] - 1) <= 0.05
+    assert outs == served["plain"][0]  # speculation changed no output
+
+
+def test_a_constructed_dflash_drafter_gets_exactly_the_acceptance_computed_by_hand(dflash_served, served):
+    """The DFlash export with its final norm zeroed drafts token 0 at every slot; SmolLM2 never writes it,
+    so by hand: one verify step per token after the prefill's, 3 draft tokens each, none accepted — and
+    vLLM's counters say exactly that, with the target's own outputs."""
+    outs, counts = dflash_served["constant"]
+    assert outs == served["plain"][0][:CONSTANT_PROMPTS]
+    assert all(0 not in o for o in outs)
+    steps = sum(len(o) - 1 for o in outs)
+    assert (counts["drafts"], counts["draft_tokens"], counts["accepted"]) == (steps, 3 * steps, 0)

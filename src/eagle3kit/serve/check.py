@@ -44,6 +44,7 @@ from eagle3kit.model.contract import (
     required_shapes,
     served_config,
 )
+from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.draft_vocab import check_maps
 from eagle3kit.model.drafter import DrafterConfig
 from eagle3kit.model.target import (
@@ -54,6 +55,8 @@ from eagle3kit.model.target import (
     same_rope,
     target_architectures,
 )
+from eagle3kit.serve.dflash_check import check_dflash
+from eagle3kit.serve.findings import Finding
 
 # SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
 # "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
@@ -66,18 +69,6 @@ SGLANG_AUX_RULE = {
     "glm4_moe_lite": "if_first_is_1",
     "gpt_oss": "verbatim_if_max_is_n",
 }
-
-
-@dataclass
-class Finding:
-    """One fault: ``code`` (stable name), ``message`` (what is wrong, with both values), ``fix``,
-    ``severity`` (``error``: the server would fail or run a broken drafter; ``warning``: not
-    checked or not certain; ``info``: what was verified, for the record)."""
-
-    code: str
-    message: str
-    fix: str
-    severity: str = "error"
 
 
 def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> list[int]:
@@ -184,8 +175,11 @@ def check_drafter(
     engine: str = "vllm",
     engine_version: str | None = None,
     max_model_len: int | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> list[Finding]:
     """All findings for serving ``drafter_dir`` beside ``target`` on ``engine``; empty = servable.
+    A DFlash folder is checked by :func:`eagle3kit.serve.dflash_check.check_dflash` (its block against
+    ``num_speculative_tokens``).
 
     The checks run in this order, each a function below: the folder's files, the config's fields,
     the drafter generation and widths, the tensors against the contract, the vocab maps, positions
@@ -203,6 +197,8 @@ def check_drafter(
     ]
     if missing:
         return missing
+    if is_dflash_folder(d):
+        return check_dflash(d, load_target_config(target)[1], num_speculative_tokens, engine)
     try:
         folder = _read_folder(cfg_path, st_path)
     except Exception as e:

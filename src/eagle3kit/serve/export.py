@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from eagle3kit.core.config import Config
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import FORMATS, ExportError
+from eagle3kit.model.dflash_folder import write_dflash
 from eagle3kit.model.folder import export_drafter, read_drafter
 from eagle3kit.model.target import (
     load_target,
@@ -32,6 +35,7 @@ from eagle3kit.model.target import (
     target_architectures,
 )
 from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
+from eagle3kit.train.dflash_stage import is_dflash_checkpoint, load_dflash_checkpoint
 
 
 def run_export(
@@ -58,6 +62,10 @@ def run_export(
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
     consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
+    if src.is_file() and is_dflash_checkpoint(src):
+        return _export_dflash(
+            cfg, run, src, consumed, out_dir, overwrite, set_aside_existing, fmt, verifier, target
+        )
     if src.is_dir():  # a drafter folder (any layout eagle3kit imports): re-export it
         imp = read_drafter(src, target=cfg.target)
         drafter, prov = imp.drafter, dict(imp.provenance)
@@ -176,3 +184,40 @@ def _lineage(run: RunDir, out: Path, consumed: dict | None, model_sha: str) -> t
 
 def _stage(fmt: str) -> str:
     return "export" if fmt == "dual" else f"export-{fmt}"
+
+
+def _export_dflash(
+    cfg, run, src, consumed, out_dir, overwrite, set_aside_existing, fmt, verifier, target
+) -> dict:
+    """:func:`run_export` for a DFlash checkpoint: ``dual`` writes the layout vLLM's ``DFlashDraftModel``
+    loads (z-lab's), ``speculators`` speculators' DFlash layout naming its verifier
+    (:mod:`eagle3kit.model.dflash_folder`)."""
+    drafter, prov = load_dflash_checkpoint(src)
+    prov["checkpoint_sha256"] = sha256_tensors(src)
+    out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
+    if out.resolve() == src.resolve():
+        raise ExportError(f"--out {out} is the source checkpoint; give another folder")
+    verifier_cfg = speculators_verifier(cfg, verifier, target) if fmt == "speculators" else None
+    if not overwrite and _up_to_date(out, fmt, prov["checkpoint_sha256"], verifier_cfg if verifier else None):
+        res = {"path": str(out), "format": fmt, "up_to_date": True}
+    else:
+        if out.is_dir() and any(out.iterdir()):
+            if set_aside_existing:
+                console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
+            elif not overwrite:
+                raise FileExistsError(f"{out} holds another drafter; pass --overwrite or another --out")
+        write_dflash(
+            drafter,
+            out,
+            "vllm" if fmt == "dual" else "speculators",
+            torch.float32,
+            verifier=verifier_cfg,
+            provenance=prov,
+        )
+        res = {"path": str(out), "format": fmt, "drafter": "dflash", "block_size": drafter.cfg.block_size}
+    sha = sha256_tensors(out / "model.safetensors")
+    res["model_sha256"] = sha
+    run.record_stage(
+        _stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res, *_lineage(run, out, consumed, sha)
+    )
+    return res

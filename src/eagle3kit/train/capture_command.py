@@ -74,7 +74,7 @@ def capture_server_for(
         )
     _, text = load_target_config(cfg.target)
     n = int(text.num_hidden_layers)
-    ids = [*resolve_aux_layer_ids(cfg.target, n), n]
+    ids = [*resolve_aux_layer_ids(cfg.target, n, cfg.drafter), n]
     cpu = vllm_cpu_build()
     if cpu and vllm_connector:
         console.print(

@@ -252,7 +252,7 @@ def run_extract(
         target = load_target(cfg.target, device=pick_device(ec.device))
     if topk is not None:
         draft_ids, in_draft = vocab.ids.to(target.device), vocab.t2d.to(target.device)
-    aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
+    aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)
     inputs = _inputs(cfg, run, target, aux_ids, topk)
     _same_inputs(out, index, inputs)
     if ec.backend != "vllm" and (ec.engine_model or ec.engine_args):

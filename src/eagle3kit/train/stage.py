@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError, DrafterVariantConfig, variant_name
+from eagle3kit.core.config import Config, ConfigError, variant_name
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats, match_runs, walk_chain
 from eagle3kit.core.rundir import (
@@ -55,62 +55,27 @@ from eagle3kit.model.target import (
     load_target,
     pick_device,
     resolve_aux_layer_ids,
-    target_features,
     teacher_logits,
     teacher_top1_lse,
     tokenizer_hash,
     weights_fingerprint,
 )
 from eagle3kit.model.target_head import load_target_head
-from eagle3kit.train.batches import Sample, _pad, length_batches, make_batch, packed_batches
+from eagle3kit.train.batches import Sample, length_batches, make_batch, packed_batches
 from eagle3kit.train.checkpoints import (
     _set_aside,
     init_from_drafter,
     save_drafter_checkpoint,
 )
+from eagle3kit.train.dflash_stage import run_dflash_train
 from eagle3kit.train.distributed import full_state, init_world, load_full_state
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
+from eagle3kit.train.samples import _LATER, _LOGISTICS, compute_features, mask_token, trained_settings  # noqa: F401
 from eagle3kit.train.transport import bytes_per_token
 from eagle3kit.train.ttt import implied_tau, ttt_loss
-
-
-@torch.no_grad()
-def compute_features(
-    target: Target,
-    samples: list[Sample],
-    aux_ids,
-    tokens_per_batch: int,
-    device,
-    store_device,
-    label: str = "target features",
-    lse: bool = False,
-) -> None:
-    """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place); with
-    ``lse`` also the full-vocabulary log-normaliser at completion tokens (the LK losses')."""
-    batches = length_batches([s.ids.numel() for s in samples], tokens_per_batch, False, random.Random(0))
-    with progress() as bar:
-        task = bar.add_task(label, total=len(samples), tokens=0, note="")
-        done_tokens = 0
-        for b in batches:
-            ids = _pad([samples[i].ids for i in b]).to(device)
-            am = _pad([torch.ones_like(samples[i].ids) for i in b]).to(device)
-            aux, last = target_features(target, ids, am, aux_ids)
-            lengths = [samples[i].ids.numel() for i in b]
-            # the full-vocabulary top-1 of the batch's completion tokens (the only ones training reads) in
-            # one pass (right padding: row j's first n_j are real), not one small product per sample
-            completion = torch.cat([samples[i].mask.bool() for i in b])
-            top1, norm = teacher_top1_lse(target, last[am.bool()], where=completion)
-            top1, norm = top1.split(lengths), norm.split(lengths)
-            for j, (i, n) in enumerate(zip(b, lengths)):
-                s = samples[i]
-                s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
-                s.argmax = top1[j].to(store_device)
-                s.lse = norm[j].to(store_device) if lse else None
-                done_tokens += n
-            bar.update(task, advance=len(b), tokens=done_tokens)
 
 
 @torch.no_grad()
@@ -169,33 +134,6 @@ def simulate_sequence(
     runs = match_runs(draft, ids.cpu())
     first = int(mask.long().argmax())
     return walk_chain(runs, first - 1, ids.numel(), k, stats)
-
-
-def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
-    """The mask token of parallel drafting (P-EAGLE's slots; DFlash's block): a token the drafter must
-    never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids),
-    else the smallest id that never occurs there and is no special token of ``tokenizer``.
-
-    Raises:
-        ConfigError: ``configured`` occurs in the training data (how often, and what it is), or every
-            id occurs (none is left)."""
-    counts = torch.bincount(torch.cat([s.ids.reshape(-1) for s in samples]), minlength=vocab_size)
-    if configured is not None:
-        n = int(counts[configured]) if configured < counts.numel() else 0
-        if n:
-            raise ConfigError(
-                f"drafter.mask_token_id {configured} ({tokenizer.convert_ids_to_tokens(configured)!r}) occurs "
-                f"{n} times in the training data: the mask slots would read as that text; leave it unset (an "
-                "id the data never uses is picked) or name such an id"
-            )
-        return configured
-    special = set(getattr(tokenizer, "all_special_ids", []) or []) | {
-        int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    }
-    free = [i for i in (counts[:vocab_size] == 0).nonzero().flatten().tolist() if i not in special]
-    if not free:
-        raise ConfigError("every token id occurs in the training data: name drafter.mask_token_id")
-    return free[0]
 
 
 def build_drafter(
@@ -262,54 +200,6 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
     return loss, st
-
-
-# settings left out of the train-config hash: logistics that do not change what is trained, and
-# inputs hashed on their own (the features' and the init drafter's content, not their paths)
-_LOGISTICS = {
-    "checkpoint_every",
-    "tensorboard",
-    "wandb_project",
-    "features",
-    "init_from",
-    "parallel",
-    "compile",
-    "loss_chunk",
-    "attention",
-    "precision",
-    "device",
-    "serve_engine",
-    "online_from",  # hashed on its own: the producing engine's version and model
-    "online_buffer_bytes",
-    "online_inflight",
-    "online_timeout_s",
-}
-
-
-# train settings added after runs existed, with the default that leaves what is trained as it was
-_LATER = {
-    "loss": "kl",
-    "lk_kl_scale": 1.0,
-    "lk_kl_decay": 1.0,
-    "online_transport": "file",
-    "shuffle": "batches",
-}
-
-
-def trained_settings(cfg: Config) -> dict:
-    """The settings that change what is trained, as ``train`` hashes them into a resume's inputs:
-    the ``train`` section less :data:`_LOGISTICS`, and the ``drafter`` section. Settings added after
-    runs existed (the ``drafter`` section, :data:`_LATER`) count only when they train otherwise than
-    those runs did (for the drafter: any flag of plain EAGLE-3's set otherwise, whatever the preset's
-    name), so a run made before them resumes when its config says ``drafter: {variant: eagle3}``."""
-    out = {
-        k: v
-        for k, v in cfg.train.model_dump(mode="json", exclude=_LOGISTICS).items()
-        if k not in _LATER or v != _LATER[k]
-    }
-    if cfg.drafter.model_dump(exclude={"variant"}) != DrafterVariantConfig().model_dump(exclude={"variant"}):
-        out["drafter"] = cfg.drafter.model_dump(mode="json")
-    return out
 
 
 def feature_source_warning(source: str | None, serve_engine: str | None) -> str | None:
@@ -476,6 +366,13 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         supervised tokens. DataError: another ``eagle3kit train`` holds this run directory (rank 0
         holds ``.train.lock`` while it trains, so two trainings never write the same checkpoints).
     """
+    if cfg.drafter.variant == "dflash":  # its own network and objective (eagle3kit.train.dflash_stage)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "a DFlash drafter trains in one process for now: run `eagle3kit train` without torchrun"
+            )
+        with run.lock("train"):
+            return run_dflash_train(cfg, run, target)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the other ranks write nothing of their own
         return _run_train(cfg, run, target)
     with run.lock("train"):
@@ -554,7 +451,7 @@ class _Training:
                     f"{path} was rendered with another chat template than {cfg.target.model}'s (the template "
                     f"changed since `eagle3kit tokenize`); rerun `eagle3kit tokenize --run-dir {run.path}`, then vocab"
                 )
-        self.aux_ids = aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers)
+        self.aux_ids = aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)
         all_samples = [Sample(ids, mask) for ids, mask in load_shard(shard)]
         tokens_sha, vocab_sha = self.consumed["tokens.safetensors"], self.consumed["vocab.safetensors"]
         self.features = None

@@ -1,0 +1,200 @@
+"""``check`` for a DFlash drafter folder, read as vLLM 0.32 reads it (``qwen3_dflash.py``, its
+speculators reader and the DFlash proposer): the config of either layout, every tensor against the
+network the config describes, the target layers and widths against the target, the mask token, the
+block size against the draft length served, and the attention pattern (causal or not inside the block,
+sliding or full) against what was trained and what the CPU build runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.model.dflash import DFlashDrafter
+from eagle3kit.model.dflash_folder import read_dflash_config
+from eagle3kit.serve.findings import Finding
+
+#: head sizes the CPU build's attention runs (``vllm/v1/attention/backends/cpu_attn.py``)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _finding(code, message, fix, severity="error") -> Finding:
+    return Finding(code, message, fix, severity)
+
+
+def _attention(cfg: dict, layer: dict, speculators: bool) -> list:
+    """Causality inside the block and the layer types, as vLLM resolves them."""
+    out = []
+    types = layer.get("layer_types") or []
+    sliding = sum(t == "sliding_attention" for t in types)
+    if 0 < sliding < len(types):
+        out.append(
+            _finding(
+                "dflash_mixed_attention",
+                f"layer_types mixes {sliding} sliding and {len(types) - sliding} full-attention layers: vLLM's CPU "
+                "build refuses it (its V1 runner has no mixed sliding/full DFlash drafts)",
+                "serve it on a GPU build with the V2 runner, or train full-attention layers",
+                "warning",
+            )
+        )
+    if speculators:
+        if cfg.get("sliding_window_non_causal") is False:
+            out.append(
+                _finding(
+                    "dflash_causal",
+                    "sliding_window_non_causal is false: vLLM's speculators reader then serves every layer causal "
+                    "inside the block, and a DFlash drafter's full-attention layers were trained non-causal",
+                    "set sliding_window_non_causal: true (eagle3kit's export writes it)",
+                )
+            )
+        return out
+    causal = layer.get("is_causal")
+    if causal is None:
+        causal = (cfg.get("dflash_config") or {}).get("causal")
+    if causal:
+        out.append(
+            _finding(
+                "dflash_causal",
+                "the config makes vLLM attend causally inside the block (is_causal / dflash_config.causal true), "
+                "where a DFlash drafter's full-attention layers were trained non-causal",
+                "drop the field (vLLM's default for full-attention layers is non-causal)",
+            )
+        )
+    return out
+
+
+def _tensors(folder: Path, dcfg) -> list:
+    shapes: dict = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shapes[k.removeprefix("model.")] = tuple(st.get_slice(k).get_shape())
+    want = {
+        k: tuple(v.shape) for k, v in DFlashDrafter(dcfg).state_dict().items() if not k.startswith("rotary.")
+    }
+    out = []
+    missing = sorted(set(want) - set(shapes))
+    wrong = [f"{k} {shapes[k]} (want {want[k]})" for k in want if k in shapes and shapes[k] != want[k]]
+    extra = sorted(set(shapes) - set(want) - {"embed_tokens.weight", "lm_head.weight", "d2t", "t2d"})
+    if missing or wrong:
+        out.append(
+            _finding(
+                "dflash_tensors",
+                f"the weights do not match the config: missing {missing[:4]}, misshapen {wrong[:4]}",
+                "export again",
+            )
+        )
+    if extra:
+        out.append(_finding("dflash_tensors", f"tensors vLLM does not load: {extra[:4]}", "export again"))
+    own = [k for k in ("embed_tokens.weight", "lm_head.weight") if k in shapes]
+    if own:
+        out.append(
+            _finding(
+                "dflash_own_head",
+                f"the folder ships {', '.join(own)}: vLLM uses them instead of the target's unless they equal it",
+                "leave them out unless the drafter was trained with them",
+                "warning",
+            )
+        )
+    return out
+
+
+def _fits_target(dcfg, N: int, Ht: int, V: int) -> list:
+    """The drafter's width, vocabulary, target layers and mask token against a target of ``N`` layers,
+    hidden size ``Ht`` and vocabulary ``V``."""
+    out = []
+    if dcfg.hidden_size != Ht or dcfg.vocab_size != V:
+        out.append(
+            _finding(
+                "target_hidden_size",
+                f"the drafter is {dcfg.hidden_size} wide over a vocabulary of {dcfg.vocab_size}; the target "
+                f"{Ht} and {V}: it reads the target's embedding, so it was made for another target",
+                "train the drafter for this target",
+            )
+        )
+    if max(dcfg.aux_layer_ids) > N - 1:
+        out.append(
+            _finding(
+                "aux_ids_range",
+                f"target layers {dcfg.target_layer_ids} (aux ids {dcfg.aux_layer_ids}) go past the target's {N} layers",
+                "train the drafter for this target",
+            )
+        )
+    if dcfg.mask_token_id >= V:
+        out.append(
+            _finding(
+                "dflash_mask_token",
+                f"mask_token_id {dcfg.mask_token_id} is no id of the target's {V}",
+                "export again",
+            )
+        )
+    return out
+
+
+def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, engine: str = "vllm") -> list:
+    """Every finding for serving the DFlash ``folder`` beside a target of text config ``tc``; empty:
+    servable. ``num_speculative_tokens``: the draft length to be served (None: ``block_size − 1``)."""
+    raw = json.loads((folder / "config.json").read_text())
+    speculators = raw.get("speculators_model_type") == "dflash"
+    try:
+        dcfg = read_dflash_config(raw, str(folder / "config.json"))
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        return [
+            _finding(
+                "config_invalid", f"{folder / 'config.json'}: {e}", "export again with `eagle3kit export`"
+            )
+        ]
+    layer = raw.get("transformer_layer_config") if speculators else raw
+    N, Ht, V = int(tc.num_hidden_layers), int(tc.hidden_size), int(tc.vocab_size)
+    out = [
+        _finding(
+            "dflash",
+            f"DFlash drafter: {dcfg.num_hidden_layers} layers, block {dcfg.block_size}, target layers "
+            f"{dcfg.target_layer_ids} (aux ids {dcfg.aux_layer_ids}), mask token {dcfg.mask_token_id}; serve with "
+            f'--speculative-config \'{{"method": "dflash", "model": "{folder}", "num_speculative_tokens": '
+            f"{num_speculative_tokens or dcfg.block_size - 1}}}'",
+            "",
+            "info",
+        )
+    ]
+    if engine != "vllm":
+        out.append(
+            _finding(
+                "dflash_engine",
+                f"DFlash is checked for vLLM only, not {engine}",
+                "serve with vLLM",
+                "warning",
+            )
+        )
+    out += _fits_target(dcfg, N, Ht, V)
+    k = num_speculative_tokens
+    if k is not None and k > dcfg.block_size - 1:
+        out.append(
+            _finding(
+                "dflash_block",
+                f"num_speculative_tokens {k} > block_size − 1 = {dcfg.block_size - 1}: the slots past the block were "
+                "never trained (their drafts are guesses)",
+                f"serve with num_speculative_tokens ≤ {dcfg.block_size - 1}",
+            )
+        )
+    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
+        out.append(
+            _finding(
+                "rope",
+                "no rope_theta: vLLM's DFlash layer assumes 1,000,000",
+                "write the rope the drafter was trained with",
+            )
+        )
+    if dcfg.head_dim not in CPU_HEAD_SIZES:
+        out.append(
+            _finding(
+                "head_size",
+                f"head size {dcfg.head_dim} is not one vLLM's CPU attention runs "
+                f"({', '.join(map(str, CPU_HEAD_SIZES))})",
+                "a GPU build serves it; on a CPU train with a supported head size",
+                "warning",
+            )
+        )
+    return out + _attention(raw, layer, speculators) + _tensors(folder, dcfg)

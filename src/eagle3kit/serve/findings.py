@@ -1,0 +1,17 @@
+"""What ``check`` reports: one :class:`Finding` per fault (shared by the EAGLE-3 and DFlash checks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Finding:
+    """One fault: ``code`` (stable name), ``message`` (what is wrong, with both values), ``fix``,
+    ``severity`` (``error``: the server would fail or run a broken drafter; ``warning``: not
+    checked or not certain; ``info``: what was verified, for the record)."""
+
+    code: str
+    message: str
+    fix: str
+    severity: str = "error"
