@@ -31,7 +31,7 @@ def drop_eval_overlap(rows: list[dict], evals: list[dict], near: float = 0.9) ->
     ``prompts.normalize_text``) or shares ≥ ``near`` of its words with one (Jaccard, as
     ``evaluate.check_overlap`` counts near-duplicates)."""
     from eagle3kit.data.sources import normalize_text
-    from eagle3kit.eval.evaluate import _word_set
+    from eagle3kit.eval.sets import _word_set
 
     ev_norm = {normalize_text(user_text(r)) for r in evals}
     ev_words = [w for w in (_word_set(user_text(r)) for r in evals) if w]

@@ -774,10 +774,16 @@ def test_a_constructed_pair_gets_exactly_the_acceptance_computed_by_hand(constru
 
 
 # DFlash on the same conversations: 2 layers (the CPU budget), blocks of 8, served drafting 3 tokens
+_EAGLE_TRAIN = (
+    "train: {{ttt_steps: 3, epochs: 6, tokens_per_step: 2048, precision: bf16, "
+    "betas: [0.9, 0.95], shuffle: batches}}"
+)
+assert _EAGLE_TRAIN in CONFIG
+# a block of 4 (3 draft tokens), 32 blocks a sequence: about a minute an epoch on one CPU core
 DFLASH_CONFIG = CONFIG.replace(
-    "train: {ttt_steps: 3, epochs: 6, tokens_per_step: 2048, precision: bf16, betas: [0.9, 0.95], shuffle: batches}",
-    "train: {epochs: 6, tokens_per_step: 2048, lr: 0.0006, betas: [0.9, 0.95]}\n"
-    "drafter: {variant: dflash, num_layers: 2, max_anchors: 64}",
+    _EAGLE_TRAIN,
+    "train: {{epochs: 5, tokens_per_step: 1024, lr: 0.001, betas: [0.9, 0.95]}}\n"
+    "drafter: {{variant: dflash, num_layers: 2, block_size: 4, max_anchors: 32}}",
 )
 
 
@@ -840,18 +846,18 @@ def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
 def test_vllm_serves_our_dflash_drafter_at_the_acceptance_eagle3kit_measured(
     dflash_trained, dflash_served, served
 ):
-    """A DFlash drafter trained here (2 layers, block 8) served by vLLM's CPU build drafting 3 tokens a
+    """A DFlash drafter trained here (2 layers, block 4) served by vLLM's CPU build drafting 3 tokens a
     block: τ from vLLM's counters within 5% of `evaluate`'s on the same 20 held-out questions, outputs
     identical to the target's alone."""
     cfg = json.loads((dflash_trained / "drafter" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
     ours = dflash_trained.report["evaluate"]["sets"]["gsm8k_heldout"]
     outs, counts = dflash_served["dflash"]
     got = acceptance_from_counters(counts)
     print(
         f"DFlash τ vLLM {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs eagle3kit {ours['tau']:.4f}"
     )
-    assert ours["num_prompts"] == 20 and ours["tau"] > 1.1, ours  # worth comparing
+    assert ours["num_prompts"] == 20 and ours["tau"] > 1.05, ours  # drafts accepted: worth comparing
     assert abs(got["tau"] / ours["tau"] - 1) <= 0.05
     assert outs == served["plain"][0]  # speculation changed no output
 
