@@ -139,7 +139,7 @@ def heldout_tau(
 
     sets = heldout_sets(run, target, shared, eval_tokens, eval_prompts)
     out = dict(done or {})
-    from eagle3kit.eval.dflash_eval import dflash_tau
+    from eagle3kit.eval.dflash_eval import dflash_taus
     from eagle3kit.model.dflash_folder import is_dflash_folder, read_dflash
 
     for name, folder in drafters.items():
@@ -148,7 +148,10 @@ def heldout_tau(
         if is_dflash_folder(folder):  # block drafting: k tokens a forward, k ≤ block − 1
             d = read_dflash(folder).to(device).eval().to(target.dtype)
             out[name] = {
-                s: {f"k{k}": round(dflash_tau(d, target, p, c, k, device)[0].tau, 4) for k in ks}
+                s: {
+                    f"k{k}": round(st.tau, 4)
+                    for k, (st, _) in dflash_taus(d, target, p, c, ks, device).items()
+                }
                 for s, (_, p, c) in sets.items()
             }
         else:

@@ -32,21 +32,32 @@ from eagle3kit.train.dflash import simulate_block_tau
 from eagle3kit.train.samples import compute_features
 
 
-def dflash_tau(drafter, target, prompts: list[list[int]], continuations: list[list[int]], k: int, device):
-    """Pooled block-drafting stats and the per-prompt τ over (prompt, greedy continuation) pairs."""
-    pooled, per_prompt = AcceptanceStats(k), []
+def dflash_taus(
+    drafter, target, prompts: list[list[int]], continuations: list[list[int]], ks, device
+) -> dict:
+    """For each draft length in ``ks``: pooled block-drafting stats and the per-prompt τ over (prompt,
+    greedy continuation) pairs, from one batched target pass (the states do not depend on k)."""
+    samples = []
     for p, c in zip(prompts, continuations):
-        if not c:
-            continue
-        ids = torch.tensor(p + c, dtype=torch.long)
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(p) :] = True
-        s = Sample(ids, mask)
-        compute_features(target, [s], drafter.cfg.aux_layer_ids, 8192, device, device, label="target states")
-        st = simulate_block_tau(drafter, target, [s], k, device)
-        pooled.merge(st)
-        per_prompt.append(st.tau)
-    return pooled, per_prompt
+        if c:
+            ids = torch.tensor(p + c, dtype=torch.long)
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            mask[len(p) :] = True
+            samples.append(Sample(ids, mask))
+    compute_features(target, samples, drafter.cfg.aux_layer_ids, 8192, device, device, label="target states")
+    out = {k: (AcceptanceStats(k), []) for k in ks}
+    for s in samples:
+        for k, (pooled, per_prompt) in out.items():
+            st = simulate_block_tau(drafter, target, [s], k, device)
+            pooled.merge(st)
+            per_prompt.append(st.tau)
+        s.aux = s.last = s.argmax = None
+    return out
+
+
+def dflash_tau(drafter, target, prompts: list[list[int]], continuations: list[list[int]], k: int, device):
+    """:func:`dflash_taus` at one draft length ``k``: (pooled stats, per-prompt τ)."""
+    return dflash_taus(drafter, target, prompts, continuations, (k,), device)[k]
 
 
 def run_evaluate_dflash(

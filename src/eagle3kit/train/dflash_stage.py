@@ -39,7 +39,7 @@ from eagle3kit.train.batches import Sample, length_batches
 from eagle3kit.train.dflash import default_gamma, dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.extract import feature_inputs
 from eagle3kit.train.features import load_features
-from eagle3kit.train.samples import compute_features, mask_token, trained_settings
+from eagle3kit.train.samples import compute_features, mask_token, trained_settings, warmup_cosine
 
 #: the metadata key that marks a DFlash checkpoint (export and evaluate read it)
 KIND_KEY = "drafter"
@@ -165,16 +165,8 @@ class _Trainer:
             length_batches(lengths, tc.tokens_per_step, True, random.Random(tc.seed + e))
             for e in range(tc.epochs)
         ]
-        total = sum(len(b) for b in self.epoch_batches)
-        warmup = max(1, math.ceil(tc.warmup_ratio * total))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt,
-            lambda s: (
-                (s + 1) / warmup
-                if s < warmup
-                else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))
-            ),
-        )
+        lr_at = warmup_cosine(sum(len(b) for b in self.epoch_batches), tc.warmup_ratio)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_at)
         self.inputs = {
             "tokens": consumed["tokens.safetensors"],
             "aux_layer_ids": dcfg.aux_layer_ids,

@@ -4,6 +4,7 @@ resume hashes (:func:`trained_settings`)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -129,3 +130,16 @@ def trained_settings(cfg: Config) -> dict:
     ) != DrafterVariantConfig().model_dump(exclude={"variant"}):
         out["drafter"] = cfg.drafter.model_dump(mode="json")
     return out
+
+
+def warmup_cosine(total_steps: int, warmup_ratio: float):
+    """The learning-rate factor by optimizer step: linear warm-up over ``ceil(warmup_ratio · total)``
+    steps (at least 1), then a cosine from 1 to 0 over the rest (for ``LambdaLR``)."""
+    warmup = max(1, math.ceil(warmup_ratio * total_steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
+    return lr_at

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import random
 import time
@@ -73,7 +72,14 @@ from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
-from eagle3kit.train.samples import _LATER, _LOGISTICS, compute_features, mask_token, trained_settings  # noqa: F401
+from eagle3kit.train.samples import (  # noqa: F401
+    _LATER,
+    _LOGISTICS,
+    compute_features,
+    mask_token,
+    trained_settings,
+    warmup_cosine,
+)
 from eagle3kit.train.transport import bytes_per_token
 from eagle3kit.train.ttt import implied_tau, ttt_loss
 
@@ -645,14 +651,7 @@ class _Training:
         # epoch's batches are fixed by train.seed, so this is known before the first step, and with
         # train.shuffle: samples it can differ by a few between epochs
         self.epoch_steps = [world.min_int(len(_epoch_batches(self.train, tc, e))) for e in range(tc.epochs)]
-        total_steps = sum(self.epoch_steps)
-        warmup = max(1, math.ceil(tc.warmup_ratio * total_steps))
-
-        def lr_at(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-
+        lr_at = warmup_cosine(sum(self.epoch_steps), tc.warmup_ratio)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_at)
 
     def restore(self) -> None:
