@@ -103,7 +103,9 @@ def run_family(
     manifest = json.loads((work / "run" / "manifest.json").read_text())
     row = {
         "family": family,
-        "run": "passed",
+        "stages": {
+            n: bool(st.get("outputs")) for n, st in manifest["stages"].items()
+        },  # each with its outputs
         "generate_backend": manifest["stages"]["generate"]["inputs"]["backend"],
         "evaluate_tau": ev["tau"],
         "check": "servable" if not errors else "refused",
@@ -159,9 +161,38 @@ def finish_row(row: dict, wait_s: float = 400) -> dict:
             )
         else:
             row.update(measure_served(srv.url, *row["_serve"][2:4]))
+            row["diagnose"] = diagnose_served(srv.url, row)
     finally:
         srv.kill()
     return row
+
+
+def diagnose_served(url: str, row: dict) -> dict:
+    """`eagle3kit diagnose` (in process, no parity capture) against the row's server on the first
+    held-out GSM8K questions, given the drafter as trained: each prompt sent alone, the engine's
+    per-prompt τ against the drafter's simulated on the engine's own outputs, and against the drafter
+    reading every aux layer one later or earlier — a check at the resolution of one layer, where the
+    pooled τ of a tiny target moves by 0.1%. Returns the verdict, the reference and the shifts."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.diagnose.stage import run_diagnose
+
+    folder, drafter, conts, tokens, work = row["_serve"]
+    questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[-80:]][: len(conts)]
+    prompts = work / "diagnose_prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions)
+    )
+    rep = run_diagnose(
+        url, drafter, TargetConfig(model=str(folder)), prompts=str(prompts), num_prompts=len(questions),
+        max_tokens=tokens, parity="never", out=work / "diagnose", model="target",
+    )  # fmt: skip
+    keep = ("tau", "distance", "within", "explains", "skipped")
+    return {
+        "verdict": rep["verdict"],
+        "engine_tau": rep["engine"]["tau"],
+        "reference": {k: rep["reference"][k] for k in ("tau", "distance", "within")},
+        "hypotheses": {h["name"]: {k: h[k] for k in keep if k in h} for h in rep["hypotheses"]},
+    }
 
 
 def spawn_server(row: dict) -> None:

@@ -1,6 +1,7 @@
 """`eagle3kit bench` without a real engine: the acceptance arithmetic (C33, C34), the comparison
 of two records (C36), the SGLang paths against a replay of hand-written SGLang responses (marked:
-no SGLang server runs here), and bad input. The real vLLM runs are in tests/test_bench_vllm.py."""
+no SGLang server runs here), and bad input. The real vLLM runs are in tests/test_engine_acceptance.py
+(`bench` against vLLM's CPU build with and without the drafter)."""
 
 from __future__ import annotations
 
@@ -144,8 +145,11 @@ def test_bad_input_names_the_thing_and_the_fix(tmp_path):
     empty.write_text("")
     with pytest.raises(BenchError, match="no usable prompt"):
         run_bench("http://127.0.0.1:1", empty, [1], 8)
-    rec = copy.deepcopy(_record("0.32.0", 2.0, 10.0, 5.0))
-    assert compare(rec, rec)["regressions"] == []
+    # better numbers are no regression; a fall just past the tolerance is, and names its metric
+    rec = _record("0.32.0", 2.0, 10.0, 5.0)
+    assert compare(rec, _record("0.32.0", 2.4, 14.0, 3.0))["regressions"] == []
+    fell = compare(rec, _record("0.32.0", 2.0, 9.4, 5.0), tolerance=0.05)["regressions"]  # −6% tokens/s
+    assert [r["metric"] for r in fell] == ["output_tokens_per_s", "request_throughput"]
 
 
 def _prompts(tmp_path, rows: list[dict]):

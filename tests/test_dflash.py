@@ -229,3 +229,16 @@ def test_all_blocks_drafted_at_once_equal_each_block_drafted_alone():
     alone = [draft_block(d, target, ctx, ids[None], p, 3) for p in range(5, T - 1)]
     assert every.tolist() == alone
     assert len({tuple(a) for a in alone}) > 5  # the drafts differ from block to block
+
+
+def test_a_causal_block_mask_hides_the_later_slots_and_nothing_else():
+    """``causal`` (what diagnose simulates for an engine attending causally inside the block): the block
+    part is lower-triangular, the context part unchanged."""
+    anchors, valid = torch.tensor([[2, 5]]), torch.ones(1, 8, dtype=torch.bool)
+    full, causal = block_mask(anchors, valid, 3)[0, 0], block_mask(anchors, valid, 3, causal=True)[0, 0]
+    assert torch.equal(causal[:, :8], full[:, :8])
+    assert (
+        torch.equal(causal[:, 8:], full[:, 8:].tril())
+        and full[:, 8:].sum() == 18
+        and causal[:, 8:].sum() == 12
+    )

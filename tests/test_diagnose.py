@@ -387,3 +387,124 @@ def test_a_client_template_that_does_not_render_is_named(
         res = against(server, drafter_dir, tiny_target_dir, tmp_path, "--chat-template", str(bad))
     said = " ".join(res["output"].split())
     assert res["exit_code"] == 2 and "does not render the prompts (TemplateSyntaxError" in said, res["output"]
+
+
+# DFlash: the hypotheses of a block drafter, on a tiny drafter for the tiny Llama target
+@pytest.fixture(scope="module")
+def dflash_dir(tiny_target_dir, tmp_path_factory):
+    """A DFlash drafter (2 layers, block 4, mask token 5, target layers [1, 5]: aux ids 2 and 6) for the
+    tiny 8-layer Llama target, in vLLM's layout, float32, random."""
+    from transformers import AutoConfig
+
+    from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
+    from eagle3kit.model.dflash_folder import write_dflash
+
+    torch.manual_seed(0)
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=2, block_size=4, target_layer_ids=[1, 5]))
+    for p in d.parameters():  # norms away from 1, weights large enough that the context moves the drafts
+        p.data.normal_(1.0, 0.3) if p.dim() == 1 else p.data.normal_(0.0, 0.5)
+    return write_dflash(d, tmp_path_factory.mktemp("df") / "drafter", dtype=torch.float32)
+
+
+def test_the_dflash_hypotheses_are_the_layer_shifts_the_causal_block_and_other_mask_tokens(
+    dflash_dir, smollm2_tokenizer
+):
+    from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults
+    from eagle3kit.model.dflash_folder import read_dflash
+
+    d = read_dflash(dflash_dir)
+    cfg = {"mask_token_id": 7, "dflash_config": {"mask_token_id": 5}}  # a top-level id vLLM would not read
+    faults = {f.name: f for f in dflash_faults(d, smollm2_tokenizer, cfg)}
+    # SmolLM2's tokenizer: <|endoftext|> 0 is unk, <|im_start|> 1 bos, <|im_end|> 2 eos and pad
+    assert list(faults) == [
+        "target_layer_ids_plus_1",
+        "target_layer_ids_minus_1",
+        "block_causal",
+        "mask_token:7",
+        "mask_token:2",
+        "mask_token:1",
+        "mask_token:0",
+    ]
+    assert faults["mask_token:2"].mask_token == 2 and "'<|im_end|>'" in faults["mask_token:2"].what
+    assert dflash_applicable(faults["target_layer_ids_plus_1"], d, 8) is None  # aux 3 and 7 of 8 layers
+    assert "outside [1, 6]" in dflash_applicable(faults["target_layer_ids_plus_1"], d, 7)
+    assert "outside [1, 7]" in dflash_applicable(faults["target_layer_ids_minus_1"], _shifted(d, [0, 5]), 8)
+
+
+def _shifted(d, target_layer_ids):
+    import dataclasses
+
+    from eagle3kit.model.dflash import DFlashDrafter
+
+    return DFlashDrafter(dataclasses.replace(d.cfg, target_layer_ids=target_layer_ids))
+
+
+def test_each_dflash_fault_drafts_what_the_folder_with_it_planted_drafts(
+    dflash_dir, tiny_target_dir, tmp_path
+):
+    """On one sequence of the tiny target, what diagnose simulates for a fault equals what the drafter
+    read from a folder with that fault written in drafts (layers one later; mask token 0), and differs
+    from the drafter as trained; the causal block changes the drafts, and `check` names it planted."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.diagnose.dflash import plant_dflash_in_folder
+    from eagle3kit.diagnose.simulate import capture_sequences
+    from eagle3kit.model.dflash_folder import read_dflash
+    from eagle3kit.model.target import load_target
+    from eagle3kit.serve.check import check_drafter
+    from eagle3kit.train.dflash import block_drafts
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir), dtype="float32"), device="cpu")
+    d = read_dflash(dflash_dir).eval()
+    g = torch.Generator().manual_seed(3)
+    seqs = capture_sequences(
+        target, [torch.randint(10, 1000, (12,), generator=g).tolist()],
+        [torch.randint(10, 1000, (20,), generator=g).tolist()], {2, 3, 6, 7},
+    )  # fmt: skip
+
+    def drafts(drafter, layers, **kw):
+        return block_drafts(drafter, target, seqs.aux(0, layers), seqs.ids[0], 12, 3, **kw)
+
+    base = drafts(d, [2, 6])
+    assert base.shape == (19, 3) and torch.equal(drafts(d, [2, 6], mask_token_id=5), base)
+    for name, layers, kw in (
+        ("target_layer_ids_plus_1", [3, 7], {}),
+        ("mask_token:0", [2, 6], {"mask_token_id": 0}),
+    ):
+        p = read_dflash(plant_dflash_in_folder(dflash_dir, tmp_path / name.replace(":", "_"), name)).eval()
+        assert p.cfg.aux_layer_ids == layers and p.cfg.mask_token_id == kw.get("mask_token_id", 5)
+        want = drafts(p, layers)
+        assert torch.equal(drafts(d, layers, **kw), want) and not torch.equal(want, base), name
+    assert not torch.equal(drafts(d, [2, 6], causal=True), base)
+    causal = plant_dflash_in_folder(dflash_dir, tmp_path / "causal", "block_causal")
+    assert json.loads((causal / "config.json").read_text())["dflash_config"]["causal"] is True
+    assert "dflash_causal" in {
+        f.code for f in check_drafter(causal, TargetConfig(model=str(tiny_target_dir)))
+    }
+    with pytest.raises(ConfigError, match="cannot plant 'fc_missing' in a DFlash folder"):
+        plant_dflash_in_folder(dflash_dir, tmp_path / "x", "fc_missing")
+
+
+def test_diagnose_of_a_dflash_drafter_simulates_block_drafting_and_its_own_hypotheses(
+    dflash_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    """Against the stand-in (16 output ids a prompt, 3 draft tokens a step): diagnose reads the DFlash
+    folder, simulates block drafting at K 3 (the untrained drafter accepts nothing: τ 1.0), tries the
+    DFlash hypotheses only, and refuses --other-vocab (a DFlash drafter has no d2t)."""
+    with _Server(fake_vllm(smollm2_tokenizer)) as server:
+        res = against(server, dflash_dir, tiny_target_dir, tmp_path, "--parity", "never")
+        bad = diagnose_cli(
+            server.url, dflash_dir, prompts_file(tmp_path), tmp_path / "rep2", "--target", str(tiny_target_dir),
+            "--other-vocab", str(dflash_dir),
+        )  # fmt: skip
+    assert res["exit_code"] == 1, res["output"]
+    rep = json.loads((tmp_path / "rep" / "diagnose.json").read_text())
+    assert rep["k"] == 3 and rep["reference"]["tau"] == 1.0 and rep["reference"]["drafts"] == 3 * 15
+    names = [h["name"] for h in rep["hypotheses"]]
+    assert names[:3] == ["target_layer_ids_plus_1", "target_layer_ids_minus_1", "block_causal"]
+    assert {n for n in names[3:]} == {"mask_token:0", "mask_token:1", "mask_token:2"}
+    assert rep["advice"]["draft_vocab_coverage_of_served_tokens"] == 1.0
+    assert (
+        bad["exit_code"] == 2
+        and "a DFlash drafter drafts from the target's whole vocabulary" in bad["output"]
+    )

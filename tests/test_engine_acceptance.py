@@ -28,6 +28,7 @@ from eagle3kit.core.engines import (
 )
 from eagle3kit.core.rundir import RunDir
 from eagle3kit.data.sources import read_source
+from eagle3kit.diagnose.dflash import plant_dflash_in_folder
 from eagle3kit.diagnose.faults import plant_in_folder
 
 pytestmark = [
@@ -811,7 +812,9 @@ def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
     """vLLM's CPU build serving, with {"method": "dflash", "num_speculative_tokens": 3}: the DFlash export
     on the same 20 held-out questions as the plain server, and a constructed copy of it whose final norm
     is zero (every logit 0: it drafts token 0, ``<|endoftext|>``, which SmolLM2 never writes in a reply)
-    on the first CONSTANT_PROMPTS. Returns {name: (token ids per prompt, counters)}."""
+    on the first CONSTANT_PROMPTS. Returns {name: (token ids per prompt, counters)}; and under
+    ``"diagnose"``, `eagle3kit diagnose` against the export and two copies with a fault written in
+    (target layers one later; mask token 0), on the first DIAGNOSE_PROMPTS."""
     from safetensors.torch import load_file, save_file
 
     from eagle3kit.core.engines import start_servers
@@ -828,17 +831,24 @@ def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
         extra = ["--speculative-config", json.dumps(spec)]
         return VLLMServer(plain_server.folder, free_port(), tmp / f"{name}.log", extra_args=extra)
 
-    servers = start_servers([server("dflash", dflash_trained / "drafter"), server("constant", constant)], 600)
-    out = {}
+    planted = {  # what a broken converter or a hand-edited config writes (plant_dflash_in_folder)
+        n: plant_dflash_in_folder(dflash_trained / "drafter", tmp / n.replace(":", "_"), n)
+        for n in ("target_layer_ids_plus_1", "mask_token:0")
+    }
+    folders = {"dflash": dflash_trained / "drafter", "constant": constant, **planted}
+    servers = dict(zip(folders, start_servers([server(n, f) for n, f in folders.items()], 600)))
+    out: dict = {"diagnose": {}}
     try:
-        for (name, rows), srv in zip(
-            (("dflash", served["rows"]), ("constant", served["rows"][:CONSTANT_PROMPTS])), servers
-        ):
-            before = spec_decode_counters(srv.url)
-            ids = served_token_ids(srv.url, rows, 64)
-            out[name] = (ids, counter_delta(before, spec_decode_counters(srv.url)))
+        for name, rows in (("dflash", served["rows"]), ("constant", served["rows"][:CONSTANT_PROMPTS])):
+            before = spec_decode_counters(servers[name].url)
+            ids = served_token_ids(servers[name].url, rows, 64)
+            out[name] = (ids, counter_delta(before, spec_decode_counters(servers[name].url)))
+        for name in ("dflash", *planted):  # `eagle3kit diagnose`, given the drafter as trained
+            out["diagnose"][name] = run_diagnose_ci(
+                servers[name], dflash_trained / "drafter", served["rows"], tmp / name.replace(":", "_")
+            )
     finally:
-        for srv in servers:
+        for srv in servers.values():
             srv.kill()
     return out
 
@@ -871,3 +881,29 @@ def test_a_constructed_dflash_drafter_gets_exactly_the_acceptance_computed_by_ha
     assert all(0 not in o for o in outs)
     steps = sum(len(o) - 1 for o in outs)
     assert (counts["drafts"], counts["draft_tokens"], counts["accepted"]) == (steps, 3 * steps, 0)
+
+
+def test_diagnose_agrees_with_vllm_serving_the_dflash_drafter_as_trained(dflash_served):
+    """vLLM serves the DFlash export unmodified: diagnose simulates block drafting on vLLM's own outputs
+    at its K of 3, finds the same τ within the noise, names no DFlash fault, exit 0."""
+    d = diagnosed(dflash_served, "dflash")
+    rep = d["report"]
+    assert d["exit_code"] == 0 and rep["verdict"] == "agree" and rep["k"] == 3
+    assert abs(rep["reference"]["delta"]) <= 0.02 * rep["reference"]["tau"] and rep["engine"]["tau"] > 1.05
+    names = {h["name"] for h in rep["hypotheses"]}
+    assert {"target_layer_ids_plus_1", "target_layer_ids_minus_1", "block_causal", "mask_token:0"} <= names
+    assert not any(h.get("explains") for h in rep["hypotheses"])
+
+
+@pytest.mark.parametrize("fault", ["target_layer_ids_plus_1", "mask_token:0"])
+def test_diagnose_names_the_dflash_fault_planted_in_the_served_folder(dflash_served, fault):
+    """vLLM serves a copy of the DFlash export with a fault written into its config (every
+    dflash_config.target_layer_ids one later, as a converter writing speculators' aux ids there does; the
+    mask token set to 0) while diagnose is given the drafter as trained: the planted fault is the one
+    that reproduces vLLM's per-prompt numbers, named with its fix, exit 1."""
+    d = diagnosed(dflash_served, fault)
+    rep = d["report"]
+    assert d["exit_code"] == 1 and rep["verdict"] == "fault"
+    assert rep["finding"].startswith(fault + ":"), rep["finding"]
+    h = next(h for h in rep["hypotheses"] if h["name"] == fault)
+    assert h["explains"] and abs(h["delta"]) <= 0.02 * h["tau"]

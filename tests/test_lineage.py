@@ -432,7 +432,7 @@ def test_a_full_disk_in_tokenize_is_one_line_naming_the_file_and_keeps_the_old_s
     before = (run / "tokens.safetensors").read_bytes()
     io_error(monkeypatch, 28, "No space left on device")
     code, said, res = cli("tokenize", "--config", run.path.parent / "c.yaml")
-    assert code == 2 and res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
     assert (
         f"could not write {run / 'tokens.safetensors'}: No space left on device; free space on that disk"
         in said

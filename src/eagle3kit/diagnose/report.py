@@ -10,10 +10,13 @@ from pathlib import Path
 from eagle3kit.core.rundir import DataError
 from eagle3kit.core.ui import console
 from eagle3kit.diagnose.simulate import Sequences, Simulated
+from eagle3kit.model.dflash import DFlashDrafter
 from eagle3kit.model.drafter import Eagle3Drafter
 
 
-def advice(drafter: Eagle3Drafter, ref: Simulated, seqs: Sequences, categories: list[str]) -> dict:
+def advice(
+    drafter: Eagle3Drafter | DFlashDrafter, ref: Simulated, seqs: Sequences, categories: list[str]
+) -> dict:
     """Where the drafter loses on the served text and what would raise its τ.
 
     * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (DESIGN.md §6), and the
@@ -31,14 +34,14 @@ def advice(drafter: Eagle3Drafter, ref: Simulated, seqs: Sequences, categories: 
     for c, sts in by_cat.items():
         acc, drafts = sum(s.accepted for s in sts), sum(s.drafts for s in sts)
         cats[c] = {"prompts": len(sts), "tau": round(1 + acc / drafts, 4) if drafts else None}
-    t2d = drafter.t2d.cpu()
     outs = [seqs.ids[i][seqs.first[i] :] for i in range(len(seqs.ids))]
     total = sum(int(o.numel()) for o in outs)
-    inside = (
-        sum(int(t2d[o].sum()) for o in outs)
-        if drafter.config.draft_vocab_size < drafter.config.vocab_size
-        else total
-    )
+    dflash = isinstance(drafter, DFlashDrafter)  # drafts from the whole vocabulary
+    if not dflash and drafter.config.draft_vocab_size < drafter.config.vocab_size:
+        t2d = drafter.t2d.cpu()
+        inside = sum(int(t2d[o].sum()) for o in outs)
+    else:
+        inside = total
     coverage = inside / total if total else None
     hints = []
     hist = ref.stats.hist
@@ -46,10 +49,15 @@ def advice(drafter: Eagle3Drafter, ref: Simulated, seqs: Sequences, categories: 
         # a step that accepted exactly j drafts stopped at draft position j + 1 (all K accepted: none)
         stop = max(range(len(hist) - 1), key=lambda j: hist[j])
         share = hist[stop] / ref.stats.drafts
+        later = (
+            "a larger drafter.gamma weights the block's later slots more in training"
+            if dflash
+            else "more TTT steps (train.ttt_steps) train the later positions"
+        )
         why = (
             "the first draft is the weakest: more training data or epochs raise step-0 accuracy"
             if stop == 0
-            else "more TTT steps (train.ttt_steps) train the later positions"
+            else later
         )
         hints.append(f"{share:.0%} of verify steps stop at draft position {stop + 1}; {why}")
     if coverage is not None and coverage < 0.98:

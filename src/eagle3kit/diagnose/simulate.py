@@ -14,8 +14,10 @@ import torch
 
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.ui import progress
+from eagle3kit.model.dflash import DFlashDrafter
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.target import Target, capture_layer_inputs
+from eagle3kit.train.dflash import accept_blocks, block_drafts
 from eagle3kit.train.stage import simulate_sequence
 
 
@@ -35,7 +37,7 @@ class Sequences:
         return m
 
     def aux(self, i: int, layer_ids: list[int]) -> torch.Tensor:
-        """[T, 3·Ht]: the three layers' states of prompt i, concatenated in ascending order."""
+        """[T, n·Ht]: the layers' states of prompt i, concatenated in the order given."""
         return torch.cat([self.states[i][j] for j in layer_ids], dim=-1)
 
 
@@ -78,16 +80,41 @@ class Simulated:
         }
 
 
+def drafter_aux_ids(drafter: Eagle3Drafter | DFlashDrafter) -> list[int]:
+    """The target states ``drafter`` reads, as HF ``output_hidden_states`` indices (DESIGN.md §3)."""
+    return list(
+        drafter.cfg.aux_layer_ids if isinstance(drafter, DFlashDrafter) else drafter.config.aux_layer_ids
+    )
+
+
 def simulate_on(
-    drafter: Eagle3Drafter, target: Target, seqs: Sequences, k: int, layer_ids: list[int], aux=None
+    drafter: Eagle3Drafter | DFlashDrafter,
+    target: Target,
+    seqs: Sequences,
+    k: int,
+    layer_ids: list[int],
+    aux=None,
+    mask_token_id: int | None = None,
+    causal: bool = False,
 ) -> Simulated:
-    """Greedy-chain acceptance of ``drafter`` reading ``layer_ids`` on every sequence (or the aux
-    states ``aux[i]`` [T, 3·Ht] of another source, an engine's capture)."""
+    """Greedy acceptance of ``drafter`` reading ``layer_ids`` on every sequence (or the aux states
+    ``aux[i]`` [T, n·Ht] of another source, an engine's capture): chain drafting for the EAGLE-3
+    family, block drafting (``k`` slots after the bonus token, one forward) for DFlash, where
+    ``mask_token_id`` and ``causal`` simulate an engine that fills or attends the block otherwise
+    (:func:`eagle3kit.train.dflash.block_drafts`)."""
     pooled, per = AcceptanceStats(k), []
+    dflash = isinstance(drafter, DFlashDrafter)
     dev = drafter.fc.weight.device
     for i, ids in enumerate(seqs.ids):
         a = aux[i] if aux is not None else seqs.aux(i, layer_ids)
-        st = simulate_sequence(drafter, target, ids, seqs.mask(i), a, k, dev)
+        if not dflash:
+            st = simulate_sequence(drafter, target, ids, seqs.mask(i), a, k, dev)
+        elif seqs.first[i] >= ids.numel() - 1:
+            st = AcceptanceStats(k)
+        else:
+            ids_d, first = ids.to(dev), seqs.first[i]
+            drafts = block_drafts(drafter, target, a.to(dev), ids_d, first, k, mask_token_id, causal)
+            st = accept_blocks(drafts.tolist(), ids.tolist(), first, k)
         pooled.merge(st)
         per.append(st)
     return Simulated(pooled, per)

@@ -30,6 +30,7 @@ from eagle3kit.core.config import ConfigError, PromptSource, TargetConfig
 from eagle3kit.core.rundir import DataError
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
+from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_hypotheses
 from eagle3kit.diagnose.engine import EngineError, measure_engine
 from eagle3kit.diagnose.faults import FAULTS, Fault, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.report import advice, write_report
@@ -39,11 +40,15 @@ from eagle3kit.diagnose.simulate import (
     Sequences,
     capture_sequences,
     compare,
+    drafter_aux_ids,
     engine_per_prompt_tau,
     explains,
     simulate_on,
 )
+from eagle3kit.eval.dflash_eval import check_dflash_target
 from eagle3kit.eval.evaluate import check_drafter_target
+from eagle3kit.model.dflash import DFlashDrafter
+from eagle3kit.model.dflash_folder import is_dflash_folder, read_dflash
 from eagle3kit.model.folder import load_exported
 from eagle3kit.model.target import Target, load_target, pick_device
 from eagle3kit.serve.bench import (
@@ -109,7 +114,7 @@ def run_diagnose(
     name = _engine_name(found["name"], engine, base)
     model = model or served_model(base, headers)
     target, drafter = _loaded(target_cfg, target, folder, pick_device(device))
-    faults = list(FAULTS) + [other_vocab_fault(p, drafter) for p in other_vocab or []]
+    faults = _faults(drafter, target, folder, other_vocab)
     report = _header(base, name, found, model, folder, target_cfg, prompt_path, len(rows), max_tokens)
     if chat_template:
         report["template"], client_ids = _client_template(chat_template, target, rows)
@@ -219,14 +224,34 @@ def _checked_inputs(drafter_dir, prompts, n: int, out: Path, overwrite: bool, pa
 
 
 def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):
-    """``(target, drafter)``: the drafter loaded strictly, checked against the target, in its dtype.
+    """``(target, drafter)``: the drafter (EAGLE-3 family or DFlash) loaded strictly, checked against
+    the target, in its dtype.
 
     Raises:
         ConfigError, ExportError: a drafter for another target, or one that does not load."""
     target = target if target is not None else load_target(target_cfg, device=dev)
-    drafter = load_exported(folder, device=dev, target=target_cfg).eval()
-    check_drafter_target(folder, drafter, target, target_cfg.model)
+    if is_dflash_folder(folder):
+        drafter = read_dflash(folder).to(dev).eval()
+        check_dflash_target(folder, drafter, target, target_cfg.model)
+    else:
+        drafter = load_exported(folder, device=dev, target=target_cfg).eval()
+        check_drafter_target(folder, drafter, target, target_cfg.model)
     return target, drafter.to(target.dtype)
+
+
+def _faults(drafter, target, folder: Path, other_vocab: list[str] | None) -> list:
+    """The hypotheses for this drafter kind: :data:`FAULTS` (and ``--other-vocab`` builds) for the
+    EAGLE-3 family, :func:`eagle3kit.diagnose.dflash.dflash_faults` for DFlash.
+
+    Raises:
+        DiagnoseError: ``--other-vocab`` with a DFlash drafter (it drafts from the whole vocabulary)."""
+    if isinstance(drafter, DFlashDrafter):
+        if other_vocab:
+            raise DiagnoseError(
+                "--other-vocab: a DFlash drafter drafts from the target's whole vocabulary (no d2t); drop it"
+            )
+        return dflash_faults(drafter, target.tokenizer, json.loads((folder / "config.json").read_text()))
+    return list(FAULTS) + [other_vocab_fault(p, drafter) for p in other_vocab or []]
 
 
 def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) -> Sequences:
@@ -234,12 +259,19 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
     as trained and every fault simulated on them; fills the report's ``reference``, ``advice``,
     ``hypotheses``, ``noise`` and ``match_rule``. Returns the sequences with their states."""
     k, tau_e = report["k"], report["engine"]["tau"]
-    layers = set(drafter.config.aux_layer_ids)
+    dflash, aux_ids = isinstance(drafter, DFlashDrafter), drafter_aux_ids(drafter)
+    if dflash and k > drafter.cfg.block_size - 1:
+        raise DiagnoseError(
+            f"the engine drafts {k} tokens a step, and the drafter's block of {drafter.cfg.block_size} drafts at "
+            f"most {drafter.cfg.block_size - 1}: is the server serving this drafter?"
+        )
+    fits = dflash_applicable if dflash else applicable
+    layers = set(aux_ids)
     for f in faults:
-        if applicable(f, drafter, target.num_layers) is None:
-            layers |= {i + f.aux_shift for i in drafter.config.aux_layer_ids}
+        if fits(f, drafter, target.num_layers) is None:
+            layers |= {i + f.aux_shift for i in aux_ids}
     seqs = capture_sequences(target, run.prompt_ids, run.outputs, layers)
-    ref = simulate_on(drafter, target, seqs, k, drafter.config.aux_layer_ids)
+    ref = simulate_on(drafter, target, seqs, k, aux_ids)
     ref_cmp = compare(tau_e, per_e, ref, rel_tol)
     report["reference"] = {**ref.as_dict(), **ref_cmp}
     report["noise"] = (
@@ -247,7 +279,9 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
         "sequences, so only numerics that flip a near-tie separate them)"
     )
     report["advice"] = advice(drafter, ref, seqs, [r.get("category") or "-" for r in rows])
-    report["hypotheses"] = _hypotheses(faults, drafter, target, seqs, k, tau_e, per_e, rel_tol)
+    report["hypotheses"] = (dflash_hypotheses if dflash else _hypotheses)(
+        faults, drafter, target, seqs, k, tau_e, per_e, rel_tol
+    )
     for h in report["hypotheses"]:
         if "skipped" not in h:
             h["explains"] = explains(h, report["reference"])
@@ -356,9 +390,10 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e,
     vllm``'s capture), their agreement with the target's per layer, and the drafter simulated on
     them, compared with the engine like the drafter as trained (``report["reference"]``)."""
     k, tau_e = report["k"], report["engine"]["tau"]
+    aux_ids = drafter_aux_ids(drafter)
     store = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle3kit-diagnose-{os.getpid()}"
     longest = max(int(ids.numel()) for ids in seqs.ids)
-    capture = start_capture(target, drafter.config.aux_layer_ids, longest, store, target_cfg.dtype)
+    capture = start_capture(target, aux_ids, longest, store, target_cfg.dtype)
     try:
         states = capture.capture(seqs.ids)
     finally:
@@ -366,17 +401,15 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e,
     precision = (
         "fp32" if target_cfg.dtype in ("float32", "float64") else "bf16"
     )  # the states compared, in memory
-    agreement = StateAgreement(target, drafter.config.aux_layer_ids, precision)
-    aux = []
+    agreement = StateAgreement(target, aux_ids, precision)
+    aux, n = [], len(aux_ids)
     for i, st in enumerate(states):
         a, _ = engine_features(target, st)
         aux.append(a.cpu())
-        mine = seqs.aux(i, drafter.config.aux_layer_ids)
-        agreement.add(mine.view(mine.shape[0], 3, -1).float(), a.view(a.shape[0], 3, -1).float().cpu())
+        mine = seqs.aux(i, aux_ids)
+        agreement.add(mine.view(mine.shape[0], n, -1).float(), a.view(a.shape[0], n, -1).float().cpu())
     layers = agreement.layers()
-    sim = compare(
-        tau_e, per_e, simulate_on(drafter, target, seqs, k, drafter.config.aux_layer_ids, aux=aux), rel_tol
-    )
+    sim = compare(tau_e, per_e, simulate_on(drafter, target, seqs, k, aux_ids, aux=aux), rel_tol)
     return {
         "source": "vllm (in-process capture, extract_hidden_states)",
         "layers": layers,

@@ -60,6 +60,25 @@ def dflash_tau(drafter, target, prompts: list[list[int]], continuations: list[li
     return dflash_taus(drafter, target, prompts, continuations, (k,), device)[k]
 
 
+def check_dflash_target(folder: Path, drafter, target, model: str) -> None:
+    """Refuse a DFlash drafter made for another target than ``target`` (named ``model``): another hidden
+    size or vocabulary, or target layers past its depth.
+
+    Raises:
+        ConfigError: naming both and the drafter's target layers."""
+    d = drafter.cfg
+    if (
+        d.hidden_size != target.hidden_size
+        or d.vocab_size != target.vocab_size
+        or max(d.aux_layer_ids) >= target.num_layers
+    ):
+        raise ConfigError(
+            f"{folder} was made for another target (hidden {d.hidden_size}, vocabulary {d.vocab_size}, layers "
+            f"{d.target_layer_ids}) than {model} ({target.hidden_size}, {target.vocab_size}, "
+            f"{target.num_layers} layers)"
+        )
+
+
 def run_evaluate_dflash(
     cfg: Config, run: RunDir, target, folder: Path, given: bool, k: int, only_sets, section: str
 ) -> dict:
@@ -84,16 +103,7 @@ def run_evaluate_dflash(
             f"k {k} > {d.block_size - 1}: a block of {d.block_size} drafts at most block_size − 1 tokens"
         )
     target = target if target is not None else load_target(cfg.target, device=device)
-    if (
-        d.hidden_size != target.hidden_size
-        or d.vocab_size != target.vocab_size
-        or max(d.aux_layer_ids) >= target.num_layers
-    ):
-        raise ConfigError(
-            f"{folder} was made for another target (hidden {d.hidden_size}, vocabulary {d.vocab_size}, layers "
-            f"{d.target_layer_ids}) than {cfg.target.model} ({target.hidden_size}, {target.vocab_size}, "
-            f"{target.num_layers} layers)"
-        )
+    check_dflash_target(folder, drafter, target, cfg.target.model)
     drafter = drafter.to(target.dtype)
     backend = check_backend(pick_backend(cfg.generate.backend), cfg.generate.backend, target)
     train_rows = trained_prompt_rows(run)

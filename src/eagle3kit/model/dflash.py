@@ -237,9 +237,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_mask(
+    anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int, causal: bool = False
+) -> torch.Tensor:
     """Who sees what: block ``j`` (anchor ``anchors[b, j]``) sees the valid context positions before
     its anchor and its own ``block_size`` positions; a padding anchor (−1) sees only its own block.
+    ``causal``: a slot sees only its block's slots up to itself — not DFlash's pattern, but what an
+    engine that builds the draft's attention as for a chain drafter computes (``diagnose`` simulates it).
 
     Args: anchors int64 [B, A]; ctx_valid bool [B, T]. Returns: bool [B, 1, A·bs, T + A·bs]."""
     B, A = anchors.shape
@@ -248,7 +252,10 @@ def block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int) 
     pos = torch.arange(T, device=anchors.device)
     see_ctx = (pos[None, None, :] < q_anchor[:, :, None]) & ctx_valid[:, None, :]
     blk = torch.arange(A * block_size, device=anchors.device) // block_size
-    see_blk = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
+    see_blk = blk[:, None] == blk[None, :]
+    if causal:
+        see_blk = see_blk.tril()
+    see_blk = see_blk.expand(B, -1, -1)
     return torch.cat([see_ctx, see_blk], dim=2)[:, None]
 
 

@@ -117,7 +117,7 @@ class StateAgreement:
 
     Args:
         target: the loaded :class:`eagle3kit.model.target.Target` (final norm and lm_head).
-        aux_ids: the three aux layer ids (HF index), for the layer names.
+        aux_ids: the aux layer ids (HF index; three for the EAGLE-3 family), for the layer names.
     """
 
     def __init__(self, target, aux_ids, precision: str = "fp32"):
@@ -134,7 +134,7 @@ class StateAgreement:
         last_a: torch.Tensor | None = None,
         last_b: torch.Tensor | None = None,
     ) -> None:
-        """aux_a, aux_b float [n, 3, Ht] (a = the reference); last_a, last_b [n, Ht] post-norm
+        """aux_a, aux_b float [n, len(aux_ids), Ht] (a = the reference); last_a, last_b [n, Ht] post-norm
         teacher states, or None when a source has none (then the teacher is left out)."""
         t = self.target
         norm, head, dev = t.parts.final_norm, t.parts.lm_head, t.device

@@ -132,27 +132,53 @@ def draft_block(
 
 @torch.no_grad()
 def block_drafts(
-    drafter: DFlashDrafter, target: Target, aux: torch.Tensor, ids: torch.Tensor, first: int, k: int
+    drafter: DFlashDrafter,
+    target: Target,
+    aux: torch.Tensor,
+    ids: torch.Tensor,
+    first: int,
+    k: int,
+    mask_token_id: int | None = None,
+    causal: bool = False,
 ):
     """The ``k`` greedy drafts from every bonus position ``p`` in ``[first, T − 1)`` in one forward: each
     block ``[ids[p], MASK × k]`` (the block a server drafting ``k`` tokens builds, whatever the trained
     block size) reads the context before ``p`` only, so all of them can run at once.
 
-    Args: aux [T, n · Ht]; ids int64 [T]. Returns: int64 [T − 1 − first, k] (row p − first)."""
+    Args: aux [T, n · Ht]; ids int64 [T]; mask_token_id: the token filling the slots (None: the
+        drafter's own); causal: slots attend causally within the block (:func:`block_mask`); both
+        other than the drafter's only to simulate an engine that reads them otherwise.
+    Returns: int64 [T − 1 − first, k] (row p − first)."""
     if k > drafter.cfg.block_size - 1:
         raise ValueError(
             f"{k} draft tokens from a block of {drafter.cfg.block_size} (at most block_size − 1)"
         )
     T = ids.numel()
     anchors = torch.arange(first, T - 1, device=ids.device)[None]
-    tokens, pos = block_inputs(ids[None], anchors, k + 1, drafter.cfg.mask_token_id)
+    mask_id = drafter.cfg.mask_token_id if mask_token_id is None else mask_token_id
+    tokens, pos = block_inputs(ids[None], anchors, k + 1, mask_id)
     ctx = drafter.context(aux[None])
-    mask = block_mask(anchors, torch.ones(1, T, dtype=torch.bool, device=ids.device), k + 1)
+    mask = block_mask(anchors, torch.ones(1, T, dtype=torch.bool, device=ids.device), k + 1, causal)
     hidden = drafter(
         ctx, torch.arange(T, device=ids.device)[None], embed_tokens(target, tokens, ctx), pos, mask
     )
     hidden = hidden.view(anchors.shape[1], k + 1, -1)[:, 1:]
     return teacher_logits(target, hidden).argmax(-1)
+
+
+def accept_blocks(drafts: list[list[int]], seq: list[int], first: int, k: int) -> AcceptanceStats:
+    """Greedy verification of block drafts along ``seq``: from the bonus position ``first`` on, each
+    step accepts the longest run of ``drafts[p − first]`` equal to ``seq[p + 1 …]`` and moves past it
+    plus the bonus token; a step near the end compares only the tokens left."""
+    stats, n, p = AcceptanceStats(k), len(seq), first
+    while p < n - 1:
+        left = min(k, n - 1 - p)
+        acc = 0
+        while acc < left and drafts[p - first][acc] == seq[p + 1 + acc]:
+            acc += 1
+        stats.add(acc)
+        p += acc + 1
+    return stats
 
 
 @torch.no_grad()
@@ -172,15 +198,7 @@ def simulate_block_tau(
         if first >= n - 1:
             continue
         drafts = block_drafts(drafter, target, s.aux.to(device), ids, first, k).tolist()
-        seq = ids.tolist()
-        p = first  # the prefill's own token is the first bonus token
-        while p < n - 1:
-            left = min(k, n - 1 - p)
-            acc = 0
-            while acc < left and drafts[p - first][acc] == seq[p + 1 + acc]:
-                acc += 1
-            stats.add(acc)
-            p += acc + 1
+        stats.merge(accept_blocks(drafts, ids.tolist(), first, k))
     return stats
 
 

@@ -163,13 +163,13 @@ def _inputs(cfg: Config, run: RunDir, target: Target, aux_ids, topk: int | None)
 
 def engine_features(target: Target, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An engine's captured states of one sample → what :func:`~eagle3kit.model.target.target_features`
-    gives for it: ``states`` [T, 4, Ht] (the three aux states, then the pre-norm output of the last
-    layer, vLLM id N) → aux [T, 3·Ht] and last [T, Ht] = ``final_norm(h_N)``, on the norm's device
-    and in its dtype. The norm is applied once, here (DESIGN.md §3)."""
+    gives for it: ``states`` [T, n + 1, Ht] (the n aux states — three for the EAGLE-3 family — then the
+    pre-norm output of the last layer, vLLM id N) → aux [T, n·Ht] and last [T, Ht] = ``final_norm(h_N)``,
+    on the norm's device and in its dtype. The norm is applied once, here (DESIGN.md §3)."""
     p = next(target.parts.final_norm.parameters())
     h = states.to(p.device, p.dtype)
     with torch.no_grad():
-        return h[:, :3].reshape(h.shape[0], -1), target.parts.final_norm(h[:, 3])
+        return h[:, :-1].reshape(h.shape[0], -1), target.parts.final_norm(h[:, -1])
 
 
 def _write_shard(out: Path, name: str, shard: dict, metadata: dict) -> None:
