@@ -3,6 +3,7 @@ page left out of the navigation fails it — shown on a copy with a broken link)
 show are the ones the benchmarks wrote."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,3 +45,49 @@ def test_the_figures_are_the_ones_the_benchmarks_wrote():
         ("docs/assets/scaling.png", "benchmarks/results/scaling.png"),
     ):
         assert (REPO / shown).read_bytes() == (REPO / written).read_bytes(), f"copy {written} to {shown}"
+
+
+#: what a user never reads in the README or the docs: case ids (C35), issue numbers, commit hashes; and in
+#: the README no dates either (history lives in CHANGELOG.md and benchmarks/results/)
+FORBIDDEN = {
+    "case id": r"\bC\d{2}\b",
+    "issue number": r"\b[Ii]ssues? \d+",
+    "commit hash": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b",
+}
+
+
+def _pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def words_found(text: str, readme: bool) -> list[str]:
+    rules = {**FORBIDDEN, **({"date": r"\b20\d\d-\d\d-\d\d\b"} if readme else {})}
+    return [f"{what}: {m.group(0)}" for what, p in rules.items() for m in re.finditer(p, text)]
+
+
+def test_no_case_ids_issue_numbers_or_hashes_in_the_readme_or_docs_and_no_dates_in_the_readme():
+    found = {
+        str(p.relative_to(REPO)): words
+        for p in _pages()
+        if (words := words_found(p.read_text(), p.name == "README.md"))
+    }
+    assert found == {}
+
+
+def test_the_word_rules_see_what_they_forbid():
+    bad = "the template check (C35), issue 24's aim, measured at 2c1ed6a on 2026-12-04"
+    assert [w.split(":")[0] for w in words_found(bad, readme=True)] == [
+        "case id", "issue number", "commit hash", "date",
+    ]  # fmt: skip
+    assert words_found("a sha256 of 64 hex digits is no hash: " + "ab12" * 16, readme=True) == []
+
+
+def test_the_readme_is_a_landing_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert heads[:2] == ["## What it does that the peers do not", "## Try it on a CPU: the two commands"]
+    assert (
+        "./install.sh && .venv/bin/eagle3kit run" in text
+        and "./install.sh && .venv/bin/python -m pytest -q" in text
+    )

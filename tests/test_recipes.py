@@ -15,7 +15,13 @@ from eagle3kit.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-PAGES = [REPO / "docs" / "install.md", *sorted((REPO / "docs" / "recipes").glob("*.md"))]
+PAGES = [
+    REPO / "README.md",
+    *(REPO / "docs" / f for f in ("index.md", "getting-started.md", "install.md", "choosing.md")),
+    *sorted((REPO / "docs" / "recipes").glob("*.md")),
+]
+#: configs a page writes out in full in a yaml block, for the user to save (checked by the last test)
+WRITTEN_ON_THE_PAGE = {"my-model.yaml"}
 SHELL_ENDS = {">", ">>", "|", "&", "&&", ";", "2>&1"}
 
 
@@ -62,7 +68,18 @@ def test_every_eagle3kit_command_in_the_install_and_recipe_pages_parses():
             ctx = group.commands[name].make_context(name, list(args))  # unknown options and bad values raise
             for key in ("config", "config_opt"):
                 value = ctx.params.get(key)
-                if value is not None:
+                if value is not None and str(value) not in WRITTEN_ON_THE_PAGE:
                     assert (REPO / value).is_file(), f"{page.name}: `{line}`: {value} does not exist"
             seen += 1
     assert seen >= 20  # the pages hold commands, and this found them
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_your_own_model_config_validates_as_written(page, tmp_path):
+    """The landing page's config block is a whole config: written to a file and loaded, it validates."""
+    text = (REPO / page).read_text()
+    block = text.split("## Your own model", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my-model.yaml").write_text(block)
+    cfg = load_config(tmp_path / "my-model.yaml")
+    assert cfg.target.model == "/models/my-model" and cfg.prompts.sources[0].dataset == "sharegpt"
+    assert [s.name for s in cfg.evaluate.sets] == ["mt_bench"]

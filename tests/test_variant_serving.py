@@ -2,12 +2,12 @@
 is accepted as `evaluate` predicts: τ from vLLM's counters within 5% of τ simulated on the same
 greedy continuations (what ``evaluate`` computes); here the engine's counts equal the simulation's
 exactly (116 accepted of 260 drafts for EAGLE-3.1, 99 of 277 for P-EAGLE). And the engine runs the
-variant, not a neighbour of it: every plant of diagnose that reads one of the drafter's flags
-otherwise (norm_before_residual flipped, norm_output flipped, EAGLE-3.1's norms ignored, P-EAGLE
-drafted as a chain) and changes the simulated τ by more than 2% lies further from the engine than
-the drafter as trained (on this tiny target only "EAGLE-3.1's norms ignored" moves τ that much: 2.6%;
-parallel against chain drafting is told apart exactly by the constructed pair of
-tests/test_engine_acceptance.py).
+variant, not a neighbour of it, seen per prompt: `diagnose` against each server (each prompt alone, the
+drafter simulated on vLLM's own outputs) finds the drafter as trained reproducing vLLM's per-prompt τ,
+and no plant that reads one of the drafter's flags otherwise (norm_before_residual flipped, norm_output
+flipped, EAGLE-3.1's norms ignored, P-EAGLE drafted as a chain) explaining them; the plants that change
+drafts here lie at least twice as far (SEPARATED), the others change τ by under 1%. Parallel against
+chain drafting is also told apart exactly by the constructed pair of tests/test_engine_acceptance.py.
 
 One tiny Qwen3 target (tests/family_targets.py) and one data set: a whole ``eagle3kit run`` for the
 first variant (prompts, vLLM generation, tokens, vocabulary, evaluation), then the second trained
@@ -47,6 +47,13 @@ VARIANTS = {  # name: (drafter section, train.loss, the diagnose plants that rea
     ),
 }
 TOKENS, EPOCHS, FAMILY = 48, 12, "qwen3"
+#: the plants diagnose's per-prompt numbers tell apart from the variant on these 8 prompts (distance to vLLM
+#: ≥ twice the trained drafter's + 0.01): EAGLE-3.1's ignored norms 0.044 against 0.000; P-EAGLE drafted
+#: as a chain 0.029, its residual flipped 0.023. The others change at most a draft or two here
+SEPARATED = {
+    "eagle3.1": ["eagle31_norms_ignored"],
+    "p-eagle": ["parallel_drafting_off", "norm_before_residual"],
+}
 
 
 def variant_config(work, folder, drafter: dict, loss: str) -> dict:
@@ -150,11 +157,16 @@ def test_vllm_serves_each_variant_at_the_acceptance_evaluate_predicts(name, serv
     d = row["diagnose"]
     print(name, "diagnose:", d)
     assert d["verdict"] == "agree" and d["reference"]["within"], d
-    ref = d["reference"]["distance"]
+    ref, separated = d["reference"], []
     for plant in VARIANTS[name][2]:
         h = d["hypotheses"][plant]
         assert "skipped" not in h and not h["explains"], (plant, h)
-        assert h["distance"] >= 2 * ref + 0.01, (plant, h, d["reference"])
+        if h["distance"] >= 2 * ref["distance"] + 0.01:
+            separated.append(plant)
+        else:  # a plant that changes (almost) no draft on these prompts: serving it would cost nothing here
+            assert abs(h["tau"] - ref["tau"]) <= 0.01 * ref["tau"], (plant, h, ref)
+    print(name, "told apart per prompt:", separated)
+    assert set(SEPARATED[name]) <= set(separated), (separated, d)
     if name == "p-eagle":
         assert row["speculative_config"]["parallel_drafting"] is True and "mask_token_id" in row["variant"]
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from rich.console import Console
@@ -35,10 +36,65 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{rate:,.0f} tok/s", style="cyan")
 
 
+#: seconds between the progress lines written to a log (a console that is not a terminal)
+LOG_EVERY_S = float(os.environ.get("EAGLE3KIT_PROGRESS_EVERY", "30"))
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_line(task) -> str:
+    """One line for a log: ``description: done/total (pct), tokens/s, elapsed, ETA`` of a rich task
+    (``tokens`` task field: tokens so far; ETA from the rate of completed steps, ``?`` before one is)."""
+    elapsed = task.elapsed or 0.0
+    tokens = task.fields.get("tokens", 0)
+    total = f"/{task.total:,.0f}" if task.total else ""
+    pct = f" ({100 * task.completed / task.total:.0f}%)" if task.total else ""
+    rate = f", {tokens / elapsed:,.0f} tok/s" if tokens and elapsed > 0 else ""
+    note = f", {task.fields['note']}" if task.fields.get("note") else ""
+    return (
+        f"{task.description}: {task.completed:,.0f}{total}{pct}{rate}{note}, {_clock(elapsed)} elapsed, "
+        f"ETA {_clock(task.time_remaining)}"
+    )
+
+
+class _LoggedProgress(Progress):
+    """A rich progress display that, on a console which is not a terminal (a log file, a pipe), where
+    rich draws nothing until the end, prints :func:`progress_line` for every unfinished task every
+    :data:`LOG_EVERY_S` seconds from a background thread while it is open."""
+
+    def __enter__(self):
+        out = super().__enter__()
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.console.is_terminal and not self.disable and LOG_EVERY_S > 0:
+            self._thread = threading.Thread(target=self._log, daemon=True)
+            self._thread.start()
+        return out
+
+    def _log(self) -> None:
+        while not self._stop.wait(LOG_EVERY_S):
+            for task in list(self.tasks):
+                if not task.finished:
+                    self.console.print(progress_line(task), markup=False, highlight=False)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return super().__exit__(*exc)
+
+
 def progress(disable: bool = False) -> Progress:
     """A progress display: description, bar, done/total, tokens/s (task field ``tokens``), elapsed, ETA
-    (``disable``: show nothing, for the non-main processes of a distributed run)."""
-    return Progress(
+    (``disable``: show nothing, for the non-main processes of a distributed run). Written to a log
+    instead of a terminal, it also prints a line per unfinished task every 30 seconds
+    (``EAGLE3KIT_PROGRESS_EVERY``) with done/total, rate and ETA, so a long stage is never silent."""
+    return _LoggedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),

@@ -1,0 +1,45 @@
+"""Written to a log (a console that is not a terminal), a long stage is never silent: every unfinished
+progress task prints a line with done/total, tokens/s, elapsed and ETA every ``LOG_EVERY_S`` seconds,
+and a terminal gets rich's bar only."""
+
+import io
+import time
+
+from rich.console import Console
+
+from eagle3kit.core import ui
+
+
+def _run(monkeypatch, terminal: bool) -> str:
+    buf = io.StringIO()
+    monkeypatch.setattr(ui, "console", Console(file=buf, force_terminal=terminal, width=160))
+    monkeypatch.setattr(ui, "LOG_EVERY_S", 0.2)
+    with ui.progress() as bar:
+        t = bar.add_task("generate (vllm)", total=8, tokens=0, note="")
+        for i in range(8):
+            time.sleep(0.1)
+            bar.update(t, advance=1, tokens=50 * (i + 1))
+    return buf.getvalue()
+
+
+def test_a_log_gets_a_progress_line_every_interval(monkeypatch):
+    out = _run(monkeypatch, terminal=False)
+    lines = [ln for ln in out.splitlines() if ln.startswith("generate (vllm): ")]
+    assert len(lines) >= 2, out  # 0.8 s of work at one line per 0.2 s
+    done = [int(ln.split(": ")[1].split("/")[0]) for ln in lines]
+    assert done == sorted(done) and all(ln.split("/")[1].startswith("8 (") for ln in lines)
+    assert all("tok/s" in ln and "elapsed, ETA " in ln for ln in lines), lines
+
+
+def test_a_terminal_gets_no_log_lines(monkeypatch):
+    assert "generate (vllm): " not in _run(monkeypatch, terminal=True)
+
+
+def test_the_line_reads_like_a_person_would_write_it():
+    from rich.progress import Progress
+
+    p = Progress()
+    t = p.add_task("train epoch 3/20", total=40, tokens=0, note="loss 9.1")
+    p.update(t, completed=10, tokens=12000)
+    line = ui.progress_line(p.tasks[0])
+    assert line.startswith("train epoch 3/20: 10/40 (25%), ") and ", loss 9.1, " in line and "ETA " in line
