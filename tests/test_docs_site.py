@@ -91,3 +91,43 @@ def test_the_readme_is_a_landing_page():
         "./install.sh && .venv/bin/eagle3kit run" in text
         and "./install.sh && .venv/bin/python -m pytest -q" in text
     )
+
+
+def _gen():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gen_reference
+    finally:
+        sys.path.pop(0)
+    return gen_reference
+
+
+def test_the_generated_reference_pages_match_the_code():
+    """docs/reference/ is what tools/gen_reference.py writes from the typer app and the config schema: a
+    command, option or config field changed without rerunning it fails here."""
+    gen = _gen()
+    for name, text in (("cli.md", gen.cli_reference()), ("config-keys.md", gen.config_reference())):
+        assert (REPO / "docs" / "reference" / name).read_text() == text, (
+            f"docs/reference/{name} is stale: run .venv/bin/python tools/gen_reference.py"
+        )
+
+
+def documented_keys(page: str) -> set[str]:
+    """The config keys the first column of a page's tables names: ``a.b``, and ``a.b``, ``c`` (a key of the
+    same section) in a row that names several."""
+    keys = set()
+    for line in page.splitlines():
+        if not line.startswith("| `"):
+            continue
+        names = re.findall(r"`([\w.]+)`", line.split("|")[1])
+        section = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+        keys |= {n if "." in n or not section else section + n for n in names}
+    return keys
+
+
+def test_the_configuration_guide_explains_every_key_of_the_schema():
+    """docs/config.md (the hand-written guide with the meanings) names every key the schema has and none
+    it does not: a field added, renamed or removed without its line fails here."""
+    schema = {ln.split("`")[1] for ln in _gen().config_reference().splitlines() if ln.startswith("| `")}
+    documented = documented_keys((REPO / "docs" / "config.md").read_text())
+    assert sorted(schema - documented) == [] and sorted(documented - schema) == []

@@ -1,0 +1,114 @@
+"""Write the reference pages generated from the code: ``docs/reference/cli.md`` (every command's
+``--help``, as the installed typer app renders it) and ``docs/reference/config-keys.md`` (every config
+key of the pydantic schema: its type, the default a config file that omits it gets, the value the
+embedded default run sets, and the field's description). ``tests/test_docs_site.py`` fails when the
+committed pages differ from what this writes; rerun it after changing a command or a config field:
+
+    .venv/bin/python tools/gen_reference.py
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import typing
+from pathlib import Path
+
+import typer
+from pydantic import BaseModel
+from typer.testing import CliRunner
+
+from eagle3kit.cli import app
+from eagle3kit.core.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "reference"
+
+
+def cli_reference() -> str:
+    """Markdown: one section per command, its ``--help`` in a text block (80 columns)."""
+    group = typer.main.get_command(app)
+    parts = [
+        "# Command line\n",
+        "Generated from the code by `tools/gen_reference.py`: each command's `--help` as it prints. The guides "
+        "say when to use which; [configuration keys](config-keys.md) lists what a config file sets.\n",
+    ]
+    for name in group.commands:  # in the order the app declares them: the pipeline's
+        res = CliRunner().invoke(app, [name, "--help"], terminal_width=80, prog_name="eagle3kit")
+        if res.exit_code != 0:
+            raise RuntimeError(f"`eagle3kit {name} --help` failed: {res.output}")
+        parts.append(f"## `eagle3kit {name}`\n\n```text\n{res.output.rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def _type_name(annotation) -> str:
+    """A field's type as a user reads it: ``int``, ``list[int] or none``, ``one of a, b``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if annotation is type(None):
+        return "none"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section" if annotation.__name__.endswith("Config") else "mapping"
+    return getattr(annotation, "__name__", str(annotation)).replace("Strict", "").lower()
+
+
+def _shown(value) -> str:
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if value is None:
+        return "none"
+    text = (
+        str(value).lower()
+        if isinstance(value, bool)
+        else repr(value)
+        if isinstance(value, str)
+        else str(value)
+    )
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _rows(model: type[BaseModel], prefix: str, embedded: BaseModel, fresh: BaseModel) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        sub = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if sub is not None:
+            rows += _rows(sub, key + ".", getattr(embedded, name), getattr(fresh, name))
+            continue
+        default, runs = getattr(fresh, name), getattr(embedded, name)
+        run_value = _shown(runs) if runs != default else ""
+        about = " ".join((field.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{key}` | {_type_name(annotation)} | {_shown(default)} | {run_value} | {about} |")
+    return rows
+
+
+def config_reference() -> str:
+    """Markdown: every key of :class:`eagle3kit.core.config.Config`, one table row each."""
+    head = [
+        "# Configuration keys\n",
+        "Generated from the code by `tools/gen_reference.py`: every key of the config schema, its type, the "
+        "default a config file that leaves it out gets, the value `eagle3kit run` without a config sets where it "
+        "differs, and the field's description where the code has one. What each key is for, with examples: "
+        "[configuration](../config.md).\n",
+        "| key | type | default | default run | description |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join(head + _rows(Config, "", load_config(None), Config())) + "\n"
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, text in (("cli.md", cli_reference()), ("config-keys.md", config_reference())):
+        (OUT / name).write_text(text)
+        print(f"wrote {OUT / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
