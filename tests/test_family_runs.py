@@ -32,6 +32,12 @@ SMALL_RUN = {  # the suite's time: families whose drafter clears τ 1.2 by far r
 }
 
 
+# the tiny Kimi-K2.5 drafter drafts the same tokens with fc zeroed: it learned to ignore its aux states (its
+# τ comes from the token embedding), so no aux-layer mistake can show in its acceptance; vLLM's states at its
+# aux layers are compared with transformers' per layer by test_parity_names_the_engine_whose_states_differ
+AUX_BLIND = {"kimi_k25"}
+
+
 @pytest.fixture(scope="module")
 def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numerics_run):
     """Every family's whole run, one after another; each family's vLLM server with its drafter is
@@ -89,8 +95,12 @@ def test_family_end_to_end(family, family_rows, tmp_path):
     assert d["verdict"] == "agree" and d["reference"]["within"], d
     shifts = {n: h for n, h in d["hypotheses"].items() if n.startswith("aux_ids_") and "skipped" not in h}
     assert len(shifts) == 2, d["hypotheses"]
+    blind = d["hypotheses"]["fc_missing"]["distance"] < 0.01  # the drafts do not depend on the aux states
+    assert blind == (family in AUX_BLIND), d["hypotheses"]["fc_missing"]
     for name, h in shifts.items():
-        assert not h["explains"] and h["distance"] >= 2 * d["reference"]["distance"] + 0.01, (name, h, d)
+        assert not h["explains"], (name, h)
+        if not blind:
+            assert h["distance"] >= 2 * d["reference"]["distance"] + 0.01, (name, h, d)
     assert row["greedy_identical"] == f"{family_flow.EVAL_PROMPTS}/{family_flow.EVAL_PROMPTS}"
     if family in ("deepseek_v3", "kimi_k25"):
         # MLA + EAGLE-3 does not start on the CPU build: served with MLA disabled, and check (run without
