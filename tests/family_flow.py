@@ -184,7 +184,7 @@ def diagnose_served(url: str, row: dict) -> dict:
         url, drafter, TargetConfig(model=str(folder)), prompts=str(prompts), num_prompts=len(questions),
         max_tokens=tokens, parity="never", out=work / "diagnose", model="target",
     )  # fmt: skip
-    keep = ("tau", "distance", "within", "explains", "skipped")
+    keep = ("tau", "distance", "within", "explains", "skipped", "indistinguishable")
     return {
         "verdict": rep["verdict"],
         "engine_tau": rep["engine"]["tau"],

@@ -472,8 +472,9 @@ def test_each_dflash_fault_drafts_what_the_folder_with_it_planted_drafts(
         ("mask_token:0", [2, 6], {"mask_token_id": 0}),
     ):
         p = read_dflash(plant_dflash_in_folder(dflash_dir, tmp_path / name.replace(":", "_"), name)).eval()
+        # the planted folder is read as the engine reads it: its layers, its mask token
         assert p.cfg.aux_layer_ids == layers and p.cfg.mask_token_id == kw.get("mask_token_id", 5)
-        want = drafts(p, layers)
+        want = drafts(p, p.cfg.aux_layer_ids)  # the planted drafter on the layers its config names
         assert torch.equal(drafts(d, layers, **kw), want) and not torch.equal(want, base), name
     assert not torch.equal(drafts(d, [2, 6], causal=True), base)
     causal = plant_dflash_in_folder(dflash_dir, tmp_path / "causal", "block_causal")

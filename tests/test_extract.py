@@ -120,28 +120,35 @@ def test_refusals_other_inputs_and_too_little_disk(run, tiny_target, tiny_target
     assert not list((tmp_path / "g").glob("shard-*"))
 
 
+def _round(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``x`` [..., D] rounded as the storage format does, per row of D: bf16, or float8 e4m3 with one
+    scale per row (the format features.py documents), back in float32."""
+    if dtype == "fp8":
+        q, scale = quantize_fp8(x)
+        return dequantize_fp8(q, scale, torch.float32)
+    return x.to(torch.bfloat16).float()
+
+
 def _stored_form(samples: list, dtype: str, teacher: str, target, vocab) -> list:
-    """``samples``' features put through extract's own rounding (``_pack``: bf16, or fp8 with its
-    per-row scale; a top-K teacher's logits) and read back as ``load_features`` reads them: what the
-    shards must hold when extract computed what the online path computes."""
-    from eagle3kit.model.target import teacher_argmax
-    from eagle3kit.train.extract import _pack
+    """What the shards must hold when extract computed what the online path computes, built here from
+    the format's definition and not from extract's own packing: each aux block (one target layer, Ht
+    wide) and the post-norm teacher state rounded per token row; for ``topk:K``, the K largest
+    draft-vocabulary logits of the teacher in bf16 and their draft ids."""
+    from eagle3kit.model.target import teacher_argmax, teacher_logits
 
     K = int(teacher.split(":")[1]) if teacher != "last" else None
     out = []
     for s in samples:
-        p = _pack(s.aux, s.last, dtype, K, target, vocab.ids if K else None, vocab.t2d if K else None)
-        a = dequantize_fp8(p["aux"], p["aux_scale"], torch.float32) if "aux_scale" in p else p["aux"].float()
-        n = Sample(s.ids, s.mask, aux=a.reshape(a.shape[0], -1))
+        T = s.ids.numel()
+        n = Sample(s.ids, s.mask, aux=_round(s.aux.float().reshape(T, 3, -1), dtype).reshape(T, -1))
         if K:
-            n.topk_values, n.topk_ids = p["topk_values"].float(), p["topk_ids"].long()
-            n.top1_in_draft = p["top1_in_draft"]
+            vals, idx = teacher_logits(target, s.last, vocab.ids).float().topk(K, dim=-1)
+            n.topk_values, n.topk_ids = vals.to(torch.bfloat16).float(), idx
+            n.top1_in_draft = vocab.t2d[
+                teacher_argmax(target, s.last)
+            ]  # the target's top-1 in the draft vocab
         else:
-            n.last = (
-                dequantize_fp8(p["last"], p["last_scale"], torch.float32)
-                if "last_scale" in p
-                else p["last"].float()
-            )
+            n.last = _round(s.last.float(), dtype)
             n.argmax = teacher_argmax(target, n.last, where=s.mask.bool())
         out.append(n)
     return out
@@ -203,14 +210,18 @@ def shard_check(online: list, stored: list, dtype: str, teacher: str, target, vo
         if sum(ids):
             return [f"teacher: top-K ids differ at {sum(ids)} places"]
     noise, gap = _gap(reference, expected), _gap(expected, stored)
+    most = {"bf16": 0.004, "fp8": 0.04}[dtype]  # the format's own rounding: bf16 0.17%, fp8 2.5% measured
+    assert all(0 < v <= most for v in noise.values()), noise  # the expectation is the rounded online state
     bad = [f"{k}: {gap[k]:.4g} (noise {noise[k]:.4g})" for k in gap if gap[k] > 0.05 * noise[k]]
     l_on, l_exp, l_st = (_loss(x, target, vocab) for x in (online, expected, stored))
+    if teacher == "last":  # rounding moves the loss by well under 1% (a top-K teacher is another loss)
+        assert abs(l_exp - l_on) <= 0.005 * l_on, (l_exp, l_on)
     if abs(l_st - l_exp) > 0.05 * abs(l_exp - l_on):
         bad.append(f"loss {l_st:.6g} against {l_exp:.6g} (the rounding's own effect {abs(l_exp - l_on):.3g})")
     return bad
 
 
-@pytest.mark.parametrize("dtype,teacher", [("bf16", "last"), ("fp8", "last"), ("bf16", f"topk:{VD}")])
+@pytest.mark.parametrize("dtype,teacher", [("bf16", "last"), ("fp8", "last"), ("bf16", "topk:16")])
 def test_training_from_shards_reads_what_the_online_path_computes(
     run, tiny_target, tiny_target_dir, tmp_path, dtype, teacher
 ):

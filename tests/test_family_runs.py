@@ -95,7 +95,8 @@ def test_family_end_to_end(family, family_rows, tmp_path):
     assert d["verdict"] == "agree" and d["reference"]["within"], d
     shifts = {n: h for n, h in d["hypotheses"].items() if n.startswith("aux_ids_") and "skipped" not in h}
     assert len(shifts) == 2, d["hypotheses"]
-    blind = d["hypotheses"]["fc_missing"]["distance"] < 0.01  # the drafts do not depend on the aux states
+    # fc zeroed drafts exactly what the drafter drafts (same τ and per-prompt distance): it reads no aux state
+    blind = d["hypotheses"]["fc_missing"]["indistinguishable"]
     assert blind == (family in AUX_BLIND), d["hypotheses"]["fc_missing"]
     for name, h in shifts.items():
         assert not h["explains"], (name, h)
