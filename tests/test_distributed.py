@@ -135,6 +135,7 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
     assert a[-1]["loss"] < a[0]["loss"]
     report = json.loads((runs["whole"] / "report.json").read_text())["train"]
     assert report["processes"] == 2 and report["attention"] == "reference" and report["precision"] == "fp32"
+    assert report["parallel"] == parallel  # what the drafter was wrapped in, read from the module
     timing = ("tokens_per_s", "tokens_per_s_wall", "tokens_per_s_steady")  # clocks differ run to run
     assert report == json.loads((runs["killed"] / "report.json").read_text())["train"] | {
         k: report.get(k) for k in timing
@@ -144,13 +145,21 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
 
 
 def test_the_sharded_and_the_replicated_drafter_train_alike(whole_runs):
-    """FSDP2 and DDP on the same data and seed: the same loss curve (to 1e-4 relative), every step."""
-    curves = {}
+    """FSDP2 and DDP on the same data and seed: the same loss curve (to 1e-4 relative), every step, and
+    the same trained drafter — each run really in its mode (its report reads the mode off the module)."""
+    from safetensors.torch import load_file
+
+    curves, best = {}, {}
     for parallel, (d, done) in whole_runs.items():
         assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((d / "report.json").read_text())["train"]["parallel"] == parallel
         curves[parallel] = [r["loss"] for r in _log(d)]
+        best[parallel] = load_file(str(d / "checkpoints" / "best.safetensors"))
     assert len(curves["ddp"]) >= 2 * STEPS_BEFORE_KILL
     assert curves["fsdp"] == pytest.approx(curves["ddp"], rel=1e-4)
+    assert best["fsdp"].keys() == best["ddp"].keys()
+    for k, v in best["ddp"].items():
+        torch.testing.assert_close(best["fsdp"][k], v, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_files(

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import DataError
@@ -94,6 +94,16 @@ class World:
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def parallel_mode(module: torch.nn.Module) -> str:
+    """How ``module`` is spread over the processes, read from the module itself (not from the config):
+    ``fsdp`` (sharded by FSDP2), ``ddp`` (in DistributedDataParallel) or ``none``."""
+    if isinstance(module, FSDPModule):
+        return "fsdp"
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    return "none"
 
 
 def full_state(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:

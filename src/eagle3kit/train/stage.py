@@ -67,7 +67,7 @@ from eagle3kit.train.checkpoints import (
     save_drafter_checkpoint,
 )
 from eagle3kit.train.dflash_stage import run_dflash_train
-from eagle3kit.train.distributed import full_state, init_world, load_full_state
+from eagle3kit.train.distributed import full_state, init_world, load_full_state, parallel_mode
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
@@ -1065,6 +1065,7 @@ class _Training:
             "history": self.history,
             "last_step": self.last_stats,
             "processes": world.size,
+            "parallel": parallel_mode(self.model),
             "attention": self.speed["attention"],
             "precision": "bf16" if self.speed["bf16"] else ("tf32" if self.speed["tf32"] else "fp32"),
             "loss_chunk": self.speed["loss_chunk"],
