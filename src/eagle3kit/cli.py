@@ -331,7 +331,7 @@ def train(
         None, "--online-transport", help="what the capture servers write: file (default) or fp8"
     ),
 ):
-    """Train the EAGLE-3 drafter with training-time test (resumes from the last checkpoint)."""
+    """Train the drafter: the EAGLE-3 family with training-time test, or DFlash (resumes from the last checkpoint)."""
 
     cfg, run = _setup(
         config,
