@@ -452,7 +452,11 @@ def test_diagnose_names_the_fault_planted_in_the_served_folder(served, served_as
     trained: the fault that reproduces vLLM's per-prompt numbers is the planted one, named with its
     fix, exit 1. (SmolLM2's adjacent layers are alike, so the shifted aux ids cost almost no τ; they
     are found by the per-prompt numbers, which follow the shifted layers, not the trained ones.)"""
-    d = diagnosed(served, served_as)
+    assert_named(diagnosed(served, served_as), fault)
+
+
+def assert_named(d: dict, fault: str) -> None:
+    """diagnose exited 1 with verdict ``fault`` and named ``fault`` first, which explains the engine."""
     rep = d["report"]
     assert d["exit_code"] == 1 and rep["verdict"] == "fault"
     assert rep["finding"].startswith(fault + ":"), rep["finding"]
@@ -907,9 +911,4 @@ def test_diagnose_names_the_dflash_fault_planted_in_the_served_folder(dflash_ser
     dflash_config.target_layer_ids one later, as a converter writing speculators' aux ids there does; the
     mask token set to 0) while diagnose is given the drafter as trained: the planted fault is the one
     that reproduces vLLM's per-prompt numbers, named with its fix, exit 1."""
-    d = diagnosed(dflash_served, fault)
-    rep = d["report"]
-    assert d["exit_code"] == 1 and rep["verdict"] == "fault"
-    assert rep["finding"].startswith(fault + ":"), rep["finding"]
-    h = next(h for h in rep["hypotheses"] if h["name"] == fault)
-    assert h["explains"] and abs(h["delta"]) <= 0.02 * h["tau"]
+    assert_named(diagnosed(dflash_served, fault), fault)
