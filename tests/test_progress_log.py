@@ -31,6 +31,21 @@ def test_a_log_gets_a_progress_line_every_interval(monkeypatch):
     assert all("tok/s" in ln and "elapsed, ETA " in ln for ln in lines), lines
 
 
+def test_a_display_started_and_stopped_by_hand_logs_too(monkeypatch):
+    """A stage may call ``bar.start()`` and ``bar.stop()`` itself (Magpie does) instead of ``with``."""
+    buf = io.StringIO()
+    monkeypatch.setattr(ui, "console", Console(file=buf, force_terminal=False, width=160))
+    monkeypatch.setattr(ui, "LOG_EVERY_S", 0.1)
+    bar = ui.progress()
+    bar.start()
+    t = bar.add_task("synthesize prompts (Magpie)", total=4, tokens=0, note="")
+    for _ in range(4):
+        time.sleep(0.1)
+        bar.update(t, advance=1)
+    bar.stop()
+    assert buf.getvalue().count("synthesize prompts (Magpie): ") >= 2, buf.getvalue()
+
+
 def test_a_terminal_gets_no_log_lines(monkeypatch):
     assert "generate (vllm): " not in _run(monkeypatch, terminal=True)
 

@@ -67,14 +67,13 @@ class _LoggedProgress(Progress):
     rich draws nothing until the end, prints :func:`progress_line` for every unfinished task every
     :data:`LOG_EVERY_S` seconds from a background thread while it is open."""
 
-    def __enter__(self):
-        out = super().__enter__()
+    def start(self) -> None:  # also what ``with`` calls: a stage may start and stop the display itself
+        super().start()
         self._stop = threading.Event()
         self._thread = None
         if not self.console.is_terminal and not self.disable and LOG_EVERY_S > 0:
             self._thread = threading.Thread(target=self._log, daemon=True)
             self._thread.start()
-        return out
 
     def _log(self) -> None:
         while not self._stop.wait(LOG_EVERY_S):
@@ -82,11 +81,12 @@ class _LoggedProgress(Progress):
                 if not task.finished:
                     self.console.print(progress_line(task), markup=False, highlight=False)
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread is not None:
+    def stop(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
             self._thread.join()
-        return super().__exit__(*exc)
+            self._thread = None
+        super().stop()
 
 
 def progress(disable: bool = False) -> Progress:
