@@ -236,7 +236,7 @@ def test_check_says_both_attentions_and_refuses_what_no_eagle3_class_runs(target
         for f in check_drafter(good, TargetConfig(model=str(targets["plain"])))
         if f.code == "attention"
     ]
-    assert said == ["attention: the drafter's MHA, the target's MHA"]
+    assert said == ["the drafter's MHA, the target's MHA"]
     fields = _edited(good, tmp_path, lambda c: {**c, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, "fields")
     found = {f.code: f for f in check_drafter(fields, TargetConfig(model=str(targets["plain"])))}
     assert (
@@ -256,7 +256,7 @@ def test_check_says_both_attentions_and_refuses_what_no_eagle3_class_runs(target
         ("sglang", "--speculative-draft-attention-backend"),
     ):
         found = {f.code: f for f in check_drafter(d, TargetConfig(model=str(deepseek)), engine=engine)}
-        assert found["attention"].message == "attention: the drafter's MHA, the target's MLA"
+        assert found["attention"].message == "the drafter's MHA, the target's MLA"
         assert setting in found["attention_types"].fix
 
 

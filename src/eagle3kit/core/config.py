@@ -551,7 +551,7 @@ class TrainConfig(_Strict):
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = Field(
         default=(0.9, 0.999),
-        description="AdamW's betas; (0.9, 0.999), torch's and SpecForge's, beat DESIGN.md's pilot (0.9, 0.95) on the "
+        description="AdamW's betas; (0.9, 0.999), torch's and SpecForge's, beat the first pilot's (0.9, 0.95) on the "
         "SmolLM2 recipe (benchmarks/results/variants.json)",
     )
     weight_decay: float = 0.0

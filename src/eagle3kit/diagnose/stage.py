@@ -459,7 +459,7 @@ def _verdict(report: dict, agree: bool, matched: list[dict]) -> tuple[str, str]:
         )
     if agree:
         return "agree", (
-            f"engine and reference agree (τ {eng:.3f} served, {ref:.3f} simulated): the drafter is what it is"
+            f"engine and reference agree (τ {eng:.4f} served, {ref:.4f} simulated): the drafter is what it is"
         )
     scored = [h for h in report["hypotheses"] if "delta" in h]
     close = min(scored, key=lambda h: abs(h["delta"])) if scored else None

@@ -503,7 +503,7 @@ def _check_attention(folder: _Folder, target_raw: dict, engine: str) -> list[Fin
     mla_weights = sorted({t for k in folder.shapes for t in MLA_TENSORS if f".{t}." in f".{k}"})
     target = "MLA" if target_raw and uses_mla(target_raw) else "MHA"
     drafter = "MLA" if mla_weights else "MHA"
-    out = [Finding("attention", f"attention: the drafter's {drafter}, the target's {target}", "", "info")]
+    out = [Finding("attention", f"the drafter's {drafter}, the target's {target}", "", "info")]
     if mla_weights:
         out.append(
             Finding(
