@@ -65,6 +65,11 @@ def test_each_planted_fault_computes_what_it_names_on_a_copy(drafter):
     assert drafter.norm_before_residual is False and drafter.norm_output is False
     assert planted(FAULT["aux_ids_plus_1"], drafter)[1] == [3, 5, 6]
     assert planted(FAULT["aux_ids_minus_1"], drafter)[1] == [1, 3, 4]
+    assert planted(FAULT["aux_blocks_swapped"], drafter)[1] == [
+        4,
+        2,
+        5,
+    ]  # fc reads layer 4 where it learned 2
 
 
 def test_a_fault_that_cannot_apply_says_why(drafter):

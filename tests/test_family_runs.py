@@ -89,12 +89,14 @@ def test_family_end_to_end(family, family_rows, tmp_path):
     assert row["evaluate_tau"] >= 1.2
     assert abs(row["vllm_tau"] - row["evaluate_tau"]) <= 0.05 * row["evaluate_tau"]
     # the engine-side check that sees one layer: diagnose, each prompt alone, per-prompt τ on vLLM's own
-    # outputs — the drafter as trained reproduces them; the drafter reading every aux layer one off does
-    # not (its per-prompt distance to the engine at least twice the trained one's and 0.01 above it)
+    # outputs — the drafter as trained reproduces them; the drafter reading every aux layer one off, or two
+    # of them swapped, does not (its per-prompt distance to the engine at least twice the trained one's and
+    # 0.01 above it)
     d = row["diagnose"]
     assert d["verdict"] == "agree" and d["reference"]["within"], d
-    shifts = {n: h for n, h in d["hypotheses"].items() if n.startswith("aux_ids_") and "skipped" not in h}
-    assert len(shifts) == 2, d["hypotheses"]
+    # the aux layers one later or earlier, or the drafter reading its first two aux states swapped
+    shifts = {n: h for n, h in d["hypotheses"].items() if n.startswith("aux_") and "skipped" not in h}
+    assert sorted(shifts) == ["aux_blocks_swapped", "aux_ids_minus_1", "aux_ids_plus_1"], d["hypotheses"]
     # fc zeroed drafts exactly what the drafter drafts (same τ and per-prompt distance): it reads no aux state
     blind = d["hypotheses"]["fc_missing"]["indistinguishable"]
     assert blind == (family in AUX_BLIND), d["hypotheses"]["fc_missing"]

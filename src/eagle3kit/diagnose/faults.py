@@ -8,6 +8,9 @@ engines read differently (DESIGN.md §3, §5):
 ``aux_ids_plus_1/_minus_1``  the engine captures each aux layer one later / earlier: the HF-index
                              vs "output of layer j" convention (vLLM vs SGLang/SpecForge) applied
                              once too often or not at all
+``aux_blocks_swapped``       the drafter reads its first two aux states swapped: trained (or converted)
+                             on another order than the engine's (vLLM concatenates in ascending
+                             layer order whatever the config lists)
 ``d2t_missing``              no ``d2t`` reached the engine: vLLM zero-fills it, so draft id i is
                              read as target id i
 ``d2t_as_ids``               ``d2t`` read as target ids instead of offsets (target = d2t[i])
@@ -54,13 +57,17 @@ from eagle3kit.model.drafter import Eagle3Drafter
 class Fault:
     """One hypothesis: ``name`` (report key), ``what`` the engine does, the ``fix``, and how to
     plant it: ``plant(copy)`` edits a deep copy of the drafter in place (None: nothing to edit),
-    ``aux_shift`` moves every aux layer id by that many layers."""
+    ``aux_shift`` moves every aux layer id by that many layers, ``aux_order`` hands the drafter its
+    aux states in another order (positions into the trained order)."""
 
     name: str
     what: str
     fix: str
     plant: Callable[[Eagle3Drafter], None] | None = None
     aux_shift: int = 0
+    aux_order: tuple[int, ...] | None = (
+        None  # the engine concatenates the aux states in this order of the trained
+    )
     needs_d2t: bool = False
     applies: Callable[[Eagle3Drafter], str | None] | None = None  # why it cannot apply to a drafter, or None
 
@@ -129,6 +136,14 @@ AUX_FIX = (
 FAULTS: tuple[Fault, ...] = (
     Fault("aux_ids_plus_1", "the engine captures every aux layer one layer later", AUX_FIX, aux_shift=1),
     Fault("aux_ids_minus_1", "the engine captures every aux layer one layer earlier", AUX_FIX, aux_shift=-1),
+    Fault(
+        "aux_blocks_swapped",
+        "the drafter reads its first two aux states swapped: it was trained (or converted) with them in another "
+        "order than the engine concatenates them (vLLM: ascending layer order, whatever order the config lists)",
+        "train on the aux states in ascending layer order (eagle3kit does), or convert the drafter's fc columns "
+        "to that order",
+        aux_order=(1, 0, 2),
+    ),
     Fault(
         "d2t_missing",
         "no d2t reached the engine (it zero-fills it: draft id i is proposed as target id i)",
@@ -265,7 +280,8 @@ def planted(fault: Fault, drafter: Eagle3Drafter) -> tuple[Eagle3Drafter, list[i
     d = copy.deepcopy(drafter)
     if fault.plant is not None:
         fault.plant(d)
-    return d.eval(), [i + fault.aux_shift for i in drafter.config.aux_layer_ids]
+    ids = [i + fault.aux_shift for i in drafter.config.aux_layer_ids]
+    return d.eval(), [ids[j] for j in fault.aux_order] if fault.aux_order else ids
 
 
 #: the faults :func:`plant_in_folder` can write into a drafter folder, and the tensor each drops
