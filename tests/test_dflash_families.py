@@ -20,19 +20,10 @@ from eagle3kit.model.dflash_folder import read_dflash, write_dflash
 from eagle3kit.model.target import load_target, resolve_aux_layer_ids
 from eagle3kit.serve.check import check_drafter
 from eagle3kit.train.batches import Sample
-from eagle3kit.train.dflash import dflash_batch, dflash_loss, simulate_block_tau
+from eagle3kit.train.dflash import dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.samples import compute_features, mask_token
 
 BLOCK, STEPS, LENGTH = 4, 30, 80  # tokens of each conversation kept: the second half supervised
-
-
-def _anchors(batch: dict) -> torch.Tensor:
-    """Every position whose next token is supervised, as anchors (−1 padded): the whole completion."""
-    rows = [(m[2:].nonzero().flatten() + 1) for m in batch["mask"]]
-    out = torch.full((len(rows), max(r.numel() for r in rows)), -1, dtype=torch.long)
-    for b, r in enumerate(rows):
-        out[b, : r.numel()] = r
-    return out
 
 
 @pytest.mark.parametrize("family", family_targets.FAMILIES)
@@ -57,7 +48,8 @@ def test_a_dflash_drafter_trains_exports_and_checks_servable_on_each_family(
     torch.manual_seed(0)
     d = DFlashDrafter(dcfg)
     batch = dflash_batch(samples, [0, 1], "cpu")
-    anchors = _anchors(batch)
+    # every position whose next token is supervised, as anchors: the whole completion
+    anchors = pick_anchors(batch["mask"], [s.ids.numel() for s in samples], BLOCK, 10**6, torch.Generator())
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     before = simulate_block_tau(d.eval(), target, samples, BLOCK - 1, "cpu").tau
     for step in range(STEPS):

@@ -179,9 +179,7 @@ def _loss(samples, target, vocab) -> float:
 
 
 def _online(run, target, aux_ids=(2, 4, 5)) -> list:
-    from eagle3kit.data.tokenize import load_shard
-
-    samples = [Sample(i, m) for i, m in load_shard(run / "tokens.safetensors")]
+    samples = _online_ids_only(run)
     compute_features(target, samples, aux_ids, 4096, torch.device("cpu"), torch.device("cpu"))
     return samples
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.diagnose.simulate import Sequences, compare, simulate_on
 from eagle3kit.model.dflash import DFlashDrafter
 
 
@@ -108,28 +107,17 @@ def dflash_faults(drafter: DFlashDrafter, tokenizer, folder_config: dict | None 
 def dflash_applicable(fault: DFlashFault, drafter: DFlashDrafter, num_layers: int) -> str | None:
     """None when ``fault`` can be simulated on a target of ``num_layers`` layers, else why not (a
     shifted aux id outside [1, N − 1])."""
-    ids = [i + fault.aux_shift for i in drafter.cfg.aux_layer_ids]
+    ids, _ = dflash_planted(fault, drafter)
     if fault.aux_shift and (min(ids) < 1 or max(ids) > num_layers - 1):
         return f"layers {ids} are outside [1, {num_layers - 1}]"
     return None
 
 
-def dflash_hypotheses(
-    faults: list[DFlashFault], drafter: DFlashDrafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol
-) -> list[dict]:
-    """Each fault simulated on the engine's sequences and compared with the engine
-    (:func:`eagle3kit.diagnose.simulate.compare`), or ``skipped`` with the reason."""
-    out = []
-    for f in faults:
-        why = dflash_applicable(f, drafter, target.num_layers)
-        head = {"name": f.name, "what": f.what, "fix": f.fix}
-        if why:
-            out.append({**head, "skipped": why})
-            continue
-        ids = [i + f.aux_shift for i in drafter.cfg.aux_layer_ids]
-        sim = simulate_on(drafter, target, seqs, k, ids, mask_token_id=f.mask_token, causal=f.causal)
-        out.append({**head, **compare(tau_e, per_e, sim, rel_tol)})
-    return out
+def dflash_planted(fault: DFlashFault, drafter: DFlashDrafter) -> tuple[list[int], dict]:
+    """What the engine with ``fault`` reads: the aux layer ids, and the :func:`simulate_on` arguments
+    that fill and attend the block as it does."""
+    ids = [i + fault.aux_shift for i in drafter.cfg.aux_layer_ids]
+    return ids, {"mask_token_id": fault.mask_token, "causal": fault.causal}
 
 
 def plant_dflash_in_folder(src: str | Path, out: str | Path, name: str) -> Path:

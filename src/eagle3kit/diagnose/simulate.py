@@ -17,7 +17,7 @@ from eagle3kit.core.ui import progress
 from eagle3kit.model.dflash import DFlashDrafter
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.target import Target, capture_layer_inputs
-from eagle3kit.train.dflash import accept_blocks, block_drafts
+from eagle3kit.train.dflash import block_stats
 from eagle3kit.train.stage import simulate_sequence
 
 
@@ -101,20 +101,16 @@ def simulate_on(
     ``aux[i]`` [T, n·Ht] of another source, an engine's capture): chain drafting for the EAGLE-3
     family, block drafting (``k`` slots after the bonus token, one forward) for DFlash, where
     ``mask_token_id`` and ``causal`` simulate an engine that fills or attends the block otherwise
-    (:func:`eagle3kit.train.dflash.block_drafts`)."""
+    (:func:`eagle3kit.train.dflash.block_stats`)."""
     pooled, per = AcceptanceStats(k), []
     dflash = isinstance(drafter, DFlashDrafter)
     dev = drafter.fc.weight.device
     for i, ids in enumerate(seqs.ids):
         a = aux[i] if aux is not None else seqs.aux(i, layer_ids)
-        if not dflash:
-            st = simulate_sequence(drafter, target, ids, seqs.mask(i), a, k, dev)
-        elif seqs.first[i] >= ids.numel() - 1:
-            st = AcceptanceStats(k)
+        if dflash:
+            st = block_stats(drafter, target, a.to(dev), ids.to(dev), seqs.first[i], k, mask_token_id, causal)
         else:
-            ids_d, first = ids.to(dev), seqs.first[i]
-            drafts = block_drafts(drafter, target, a.to(dev), ids_d, first, k, mask_token_id, causal)
-            st = accept_blocks(drafts.tolist(), ids.tolist(), first, k)
+            st = simulate_sequence(drafter, target, ids, seqs.mask(i), a, k, dev)
         pooled.merge(st)
         per.append(st)
     return Simulated(pooled, per)

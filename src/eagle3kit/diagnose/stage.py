@@ -30,9 +30,9 @@ from eagle3kit.core.config import ConfigError, PromptSource, TargetConfig
 from eagle3kit.core.rundir import DataError
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
-from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_hypotheses
+from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_planted
 from eagle3kit.diagnose.engine import EngineError, measure_engine
-from eagle3kit.diagnose.faults import FAULTS, Fault, applicable, other_vocab_fault, planted
+from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.report import advice, write_report
 from eagle3kit.diagnose.simulate import (
     DISTANCE_FLOOR,
@@ -279,9 +279,7 @@ def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) 
         "sequences, so only numerics that flip a near-tie separate them)"
     )
     report["advice"] = advice(drafter, ref, seqs, [r.get("category") or "-" for r in rows])
-    report["hypotheses"] = (dflash_hypotheses if dflash else _hypotheses)(
-        faults, drafter, target, seqs, k, tau_e, per_e, rel_tol
-    )
+    report["hypotheses"] = _hypotheses(faults, drafter, target, seqs, k, tau_e, per_e, rel_tol)
     for h in report["hypotheses"]:
         if "skipped" not in h:
             h["explains"] = explains(h, report["reference"])
@@ -370,18 +368,25 @@ def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[li
     return {"mismatch": False, "method": "client rendering", "checked": len(rows)}, sent
 
 
-def _hypotheses(
-    faults: list[Fault], drafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol
-) -> list[dict]:
+def _hypotheses(faults: list, drafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol) -> list[dict]:
+    """Each fault simulated on the engine's sequences and compared with the engine, or ``skipped``
+    with the reason: a planted copy of an EAGLE-3 family drafter (:func:`planted`), or for DFlash the
+    drafter itself reading and filling its block as the faulty engine does (:func:`dflash_planted`)."""
+    dflash = isinstance(drafter, DFlashDrafter)
     out = []
     for f in faults:
-        why = applicable(f, drafter, target.num_layers)
+        head = {"name": f.name, "what": f.what, "fix": f.fix}
+        why = (dflash_applicable if dflash else applicable)(f, drafter, target.num_layers)
         if why:
-            out.append({"name": f.name, "what": f.what, "fix": f.fix, "skipped": why})
+            out.append({**head, "skipped": why})
             continue
-        d, ids = planted(f, drafter)
-        sim = simulate_on(d, target, seqs, k, ids)
-        out.append({"name": f.name, "what": f.what, "fix": f.fix, **compare(tau_e, per_e, sim, rel_tol)})
+        if dflash:
+            ids, engine = dflash_planted(f, drafter)
+            sim = simulate_on(drafter, target, seqs, k, ids, **engine)
+        else:
+            d, ids = planted(f, drafter)
+            sim = simulate_on(d, target, seqs, k, ids)
+        out.append({**head, **compare(tau_e, per_e, sim, rel_tol)})
     return out
 
 

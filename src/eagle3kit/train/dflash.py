@@ -182,6 +182,29 @@ def accept_blocks(drafts: list[list[int]], seq: list[int], first: int, k: int) -
 
 
 @torch.no_grad()
+def block_stats(
+    drafter: DFlashDrafter,
+    target: Target,
+    aux: torch.Tensor,
+    ids: torch.Tensor,
+    first: int,
+    k: int,
+    mask_token_id: int | None = None,
+    causal: bool = False,
+) -> AcceptanceStats:
+    """Greedy block-drafting acceptance along one sequence whose tokens from ``first`` on are the
+    target's greedy output: :func:`block_drafts` from every bonus position, verified by
+    :func:`accept_blocks` (no step when nothing follows ``first``).
+
+    Args: aux [T, n · Ht] and ids int64 [T] on the drafter's device; mask_token_id, causal: as in
+        :func:`block_drafts`."""
+    if first >= ids.numel() - 1:
+        return AcceptanceStats(k)
+    drafts = block_drafts(drafter, target, aux, ids, first, k, mask_token_id, causal).tolist()
+    return accept_blocks(drafts, ids.tolist(), first, k)
+
+
+@torch.no_grad()
 def simulate_block_tau(
     drafter: DFlashDrafter, target: Target, samples: list, k: int, device
 ) -> AcceptanceStats:
@@ -193,12 +216,8 @@ def simulate_block_tau(
     near the end drafts only the tokens left to compare."""
     stats = AcceptanceStats(k)
     for s in samples:
-        ids = s.ids.to(device)
-        first, n = int(s.mask.long().argmax()), ids.numel()
-        if first >= n - 1:
-            continue
-        drafts = block_drafts(drafter, target, s.aux.to(device), ids, first, k).tolist()
-        stats.merge(accept_blocks(drafts, ids.tolist(), first, k))
+        first = int(s.mask.long().argmax())
+        stats.merge(block_stats(drafter, target, s.aux.to(device), s.ids.to(device), first, k))
     return stats
 
 
