@@ -18,6 +18,10 @@ replies to the OpenAssistant, GSM8K-train and Spec-Bench prompts of ``--shared``
 ``specforge``            SpecForge 0.2.0's offline trainer on the same tokens, vocabulary and
                          target states (benchmarks/peers/specforge_adapter.py), its own defaults
                          but the settings that must match; imported with ``--aux-layer-ids``
+``dflash``               the DFlash block drafter (5 layers, blocks of 8; ``dflash_l2``: 2 layers,
+                         ``dflash_b16``: blocks of 16, ``dflash_kl``: distilled from the target)
+``speculators_dflash``   speculators 0.9's DFlash trainer on the same tokens, vocabulary and
+                         target states (benchmarks/peers/speculators_dflash_adapter.py)
 =======================  ===================================================================
 
 Every drafter is measured the same way: τ at K = 3 and 5 (simulate mode, greedy chain) on the 80
@@ -97,6 +101,16 @@ ROWS = {  # name: (drafter section, train.loss[, train settings over EARLIER])
         "kl",
         {"betas": (0.9, 0.999), "shuffle": "samples", "lr": 6e-4},
     ),
+    "dflash_l2": (
+        {"variant": "dflash", "num_layers": 2},
+        "kl",
+        {"betas": (0.9, 0.999), "shuffle": "samples", "lr": 6e-4},
+    ),
+}
+# peers' trainers on the same data: row name -> (module in benchmarks/peers, its train function)
+PEERS = {
+    "specforge": ("peers.specforge_run", "train_specforge"),
+    "speculators_dflash": ("peers.speculators_dflash_run", "train_speculators_dflash"),
 }
 DEFAULT_RUNS = ["eagle3:0", "eagle3:1"] + [f"{n}:0" for n in ROWS if n != "eagle3"] + ["specforge:0"]
 SPEED = {"attention": "reference", "precision": "fp32", "loss_chunk": 0}
@@ -210,10 +224,10 @@ def train_one(args, key: str) -> None:
 
     name, seed = key.split(":")
     vdir = run_dir(args, key)
-    if name == "specforge":
-        from peers.specforge_run import train_specforge
-
-        out = train_specforge(args, key, vdir, heldout_tau, open_run, KS)
+    if name in PEERS:
+        module, func = PEERS[name]
+        train_peer = getattr(importlib.import_module(module), func)
+        out = train_peer(args, key, vdir, heldout_tau, open_run, KS + EXTRA_KS)
         (vdir / "result.json").write_text(json.dumps(out, indent=2))
         return
     drafter, loss, *more = ROWS[name]
@@ -323,8 +337,8 @@ def compare_rows(rows: list[dict]) -> dict:
         raise ValueError("no eagle3 row: the baseline every row is compared with")
     if not finite(base) or min(base[c] for c in COLUMNS) <= 0:
         raise ValueError(f"the eagle3 row's τ is not a positive finite number in every column: {base}")
-    skipped = [r["name"] for r in rows if r["name"] not in ("eagle3", "specforge") and not finite(r)]
-    ours = [r for r in rows if r["name"] not in ("eagle3", "specforge") and finite(r)]
+    skipped = [r["name"] for r in rows if r["name"] not in ("eagle3", *PEERS) and not finite(r)]
+    ours = [r for r in rows if r["name"] not in ("eagle3", *PEERS) and finite(r)]
     if not ours:
         return {"skipped": skipped} if skipped else {}
 
@@ -375,6 +389,41 @@ def compare_rows(rows: list[dict]) -> dict:
     }
 
 
+def compare_blocks(rows: list[dict]) -> dict | None:
+    """Each block-drafter row (``dflash…``, ``speculators_dflash``) against ``eagle3.1`` (train's
+    default) per set and K of 3, 5 and 7: the ratio of mean τ, and whether it lies beyond the seed
+    spread (the larger of the two rows' max − min; None when either row has one seed). The issue's
+    aim is a ratio of at least 1.2 at K = 7 on both sets. None without an ``eagle3.1`` row."""
+    ref = next((r for r in rows if r["name"] == "eagle3.1"), None)
+    if ref is None:
+        return None
+    out = {}
+    for r in rows:
+        if not (r["name"].startswith("dflash") or r["name"] == "speculators_dflash"):
+            continue
+        cols = {}
+        for k in KS + EXTRA_KS:
+            for short in SETS.values():
+                c = f"{short}_tau_k{k}"
+                if not isinstance(r.get(c), (int, float)) or not isinstance(ref.get(c), (int, float)):
+                    continue
+                two = len(r["seeds"]) > 1 and len(ref["seeds"]) > 1
+                spread = max(
+                    (r.get("seed_spread") or {}).get(c, 0.0), (ref.get("seed_spread") or {}).get(c, 0.0)
+                )
+                cols[c] = {
+                    "ratio": round(r[c] / ref[c], 4),
+                    "beyond_seed_spread": abs(r[c] - ref[c]) > spread if two else None,
+                }
+        k7 = [cols.get(f"{s}_tau_k7", {}).get("ratio") for s in SETS.values()]
+        out[r["name"]] = {
+            "seeds": len(r["seeds"]),
+            "vs_eagle3.1": cols,
+            "aim_1.2x_at_k7_met": all(isinstance(v, float) and v >= 1.2 for v in k7) if all(k7) else None,
+        }
+    return out or None
+
+
 def _largest_gain(r: dict, cols_of: dict, base: dict, sf: dict | None) -> dict:
     """The row of the largest mean gain over ``eagle3`` whatever its seeds (the ``best`` of
     :func:`compare_rows` needs two): its gain per column, whether each gain exceeds the baseline's
@@ -422,7 +471,7 @@ def collect_rows(root: Path) -> list[dict]:
     """Every row measured under ``root`` (``NAME-sSEED/result.json``): per τ column the mean over
     its seeds and, with two or more, ``seed_spread`` (max − min); ``tokens_per_s`` the seeds' mean."""
     rows = []
-    for name in list(ROWS) + ["specforge"]:
+    for name in [*ROWS, *PEERS]:
         seeds = []
         for p in sorted(root.glob(f"{name}-s*/result.json")):
             tail = p.parent.name[len(name) + 2 :]
@@ -483,6 +532,9 @@ def stage_report(args) -> dict:
         "rows": rows,
     }
     out = with_run_info(args, out)
+    blocks = compare_blocks(rows)
+    if blocks:
+        out["block_drafters_vs_eagle3.1"] = blocks
     if base:
         out["vs_eagle3_mt_bench_k3"] = {
             r["name"]: round(r["mt_bench_tau_k3"] / base["mt_bench_tau_k3"] - 1, 4) for r in rows
@@ -625,12 +677,10 @@ def main() -> None:
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [
-        r
-        for r in args.rows
-        if r.split(":")[0] not in [*ROWS, "specforge"] or not r.partition(":")[2].isdigit()
+        r for r in args.rows if r.split(":")[0] not in [*ROWS, *PEERS] or not r.partition(":")[2].isdigit()
     ]
     if bad:
-        raise SystemExit(f"--rows {bad}: give row:seed with a row of {[*ROWS, 'specforge']}")
+        raise SystemExit(f"--rows {bad}: give row:seed with a row of {[*ROWS, *PEERS]}")
     args.eval = eval_settings(args)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     base_config(args)

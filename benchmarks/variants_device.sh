@@ -110,7 +110,8 @@ EOS
   ;;
 dflash)
   # DFlash beside EAGLE-3.1 (2026-12-05): the data run made here on the H200 (transformers), then
-  # ROWS (e.g. eagle3.1:0,dflash:0,dflash_b16:0) PARALLEL at once, τ at K = 3, 5 and 7
+  # ROWS (e.g. eagle3.1:0,dflash:0,dflash_b16:0,speculators_dflash:0) PARALLEL at once, τ at K = 3, 5
+  # and 7; then VW_AFTER (a command, run in the repo copy once the rows are measured), if set
   rows=${1:?rows}
   par=${2:-3}
   install_smollm2 || exit 1
@@ -118,11 +119,13 @@ dflash)
   copy_repo
   cat >$W/dflash.sh <<EOS
 cd $REPO
-export PYTHONPATH=/tmp/site:$REPO/src PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$REPO/src SPECULATORS_PATH=/tmp/site PYTHONUNBUFFERED=1
 V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
 \$V --stages data >$W/data.log 2>&1
 \$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >$W/main.log 2>&1
 echo "variants: τ done" >>$W/main.log
+if [ -n "\${VW_AFTER:-}" ]; then bash -c "\$VW_AFTER" >$W/after.log 2>&1; fi
+echo "after: done" >>$W/after.log
 EOS
   setsid nohup bash $W/dflash.sh >$W/driver.log 2>&1 </dev/null &
   echo "started: the data run, then $rows ($par at a time)"
@@ -159,7 +162,7 @@ wait)
   done
   ls $W/*/result.json 2>/dev/null | sed 's/^/done: /'
   (cd $W && tar -czf "$OUT/snapshot.tar.gz" --ignore-failed-read main.log train-*.log */result.json */report.json \
-    */specforge.log */train_log.jsonl base/variants_data.json variants_*.json \
+    */specforge.log */speculators.log */train_log.jsonl after.log ttm.json base/variants_data.json variants_*.json \
     example.* speed_tau.json speed-auto/train-*.log speed-auto/*/result.json speed-auto/*/report.json \
     data.log reference.log auto.log driver.log dflash.sh retok.log speed-*.log base/report.json 2>/dev/null)
   tail -c 1500 $W/example.log 2>/dev/null
