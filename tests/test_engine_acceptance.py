@@ -145,6 +145,7 @@ def served(trained, plain_server, tmp_path_factory):
             if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
                 out["bench"] = run_bench_ci(srv, servers["plain"], rows[:8], trained / "drafter", tmp)
                 out["bench_other_template"] = out["bench"].pop("bench_other_template")
+                out["doc_blocks"] = run_doc_blocks(srv, servers["plain"], trained / "drafter", tmp / "docs")
             if name != "plain":  # `eagle3kit diagnose` against each server, given the drafter as trained
                 out.setdefault("diagnose", {})[name] = run_diagnose_ci(
                     srv, trained / "drafter", rows, tmp / name
@@ -167,6 +168,31 @@ def run_diagnose_ci(srv, drafter, rows, tmp, template=None) -> dict:
     ``template``: a file whose chat template the client renders prompts with."""
     extra = ["--max-tokens", "64", *(["--chat-template", str(template)] if template else [])]
     return diagnose_cli(srv.url, drafter, rows[:DIAGNOSE_PROMPTS], tmp / "report", *extra)
+
+
+DOC_BLOCKS = {"bench": ("docs/bench.md", (2, 3)), "diagnose": ("docs/diagnose.md", (1,))}
+
+
+def run_doc_blocks(spec, plain, drafter, tmp) -> dict:
+    """The bench and diagnose pages' commands, each block's text as the page has it with only the
+    servers' URLs, the drafter, the shared folder and the virtual environment put where CI has them
+    (:func:`doc_blocks.engine_block`), run by bash in ``tmp``: {page: [(block, exit code, output)]}."""
+    import subprocess
+    import sys
+
+    from doc_blocks import engine_block
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for page, (path, numbers) in DOC_BLOCKS.items():
+        for n in numbers:
+            text = engine_block(path, n, spec.url, plain.url, drafter, SHARED, Path(sys.executable).parent)
+            res = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", text], cwd=tmp, capture_output=True, text=True
+            )
+            out.setdefault(page, []).append((n, res.returncode, res.stdout + res.stderr))
+    out["cwd"] = tmp
+    return out
 
 
 def metrics_totals(url: str) -> dict:
@@ -409,6 +435,37 @@ def test_control_check_refuses_a_broken_export_and_vllm_serves_it_anyway_at_a_lo
     assert abs(got["tau"] / zeroed["tau"] - 1) <= 0.02 and got["tau"] < good
     if name == "no_fc":
         assert got["tau"] - 1 < (2 / 3) * (good - 1)
+
+
+def test_the_bench_page_commands_run_as_written(served):
+    """docs/bench.md's two bench commands and its --compare, as the page writes them, against the
+    module's servers: each writes a record of 8 prompts at concurrency 1 and 4 with the engine's τ,
+    and the comparison of two runs of the same servers reads both."""
+    import re
+
+    d = served["doc_blocks"]
+    (n2, rc2, out2), (n3, rc3, out) = d["bench"]
+    assert (n2, rc2, n3) == (2, 0, 3), out2
+    # the comparison exits 1 when a metric moved past the tolerance, which two runs on a busy CPU may do
+    found = re.search(r"(\d+) regression\(s\) beyond ±5%", out)
+    assert found and rc3 == (1 if int(found.group(1)) else 0), out
+    for name in ("before", "after"):
+        rec = json.loads((d["cwd"] / "runs" / "bench" / name / "bench.json").read_text())
+        spec = rec["servers"]["speculative"]
+        assert rec["prompts"]["count"] == 8 and rec["max_tokens"] == 32
+        assert [lv["concurrency"] for lv in spec["results"]] == [1, 4]
+        assert all(lv["failures"] == 0 and lv["acceptance"]["tau"] > 1.0 for lv in spec["results"])
+    assert "before/bench.json" in out and "after/bench.json" in out and out.count("c=1 ") >= 3, out
+
+
+def test_the_diagnose_page_command_runs_as_written(served):
+    """docs/diagnose.md's command, as the page writes it, against the server of the drafter as trained:
+    six MT-bench prompts, engine and reference agree (exit 0), the report where the page says."""
+    d = served["doc_blocks"]
+    (n, rc, out) = d["diagnose"][0]
+    assert (n, rc) == (1, 0), out
+    rep = json.loads((d["cwd"] / "diagnose" / "diagnose.json").read_text())
+    assert rep["verdict"] == "agree" and rep["prompts"]["count"] == 6 and rep["k"] == 3, out
 
 
 def diagnosed(served, name: str) -> dict:
