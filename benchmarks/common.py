@@ -12,6 +12,16 @@ import time
 from pathlib import Path
 
 
+def expected_time(what: str, estimate: str) -> None:
+    """Print ``{what}: expected {estimate}; progress lines follow`` as one flushed stdout line, so
+    that whoever starts a long benchmark knows up front how long it will be quiet.
+
+    ``estimate`` names the time and the hardware it was measured on (``"about 8 minutes on one
+    H200"``), or starts with ``"not timed"`` (then printed without the word "expected")."""
+    lead = "" if estimate.startswith("not timed") else "expected "
+    print(f"{what}: {lead}{estimate}; progress lines follow", flush=True)
+
+
 def open_run(path: str):
     """(run, cfg, device, target) for a run directory whose conversations exist; tokenizes and
     builds the draft vocabulary first when they are missing."""

@@ -397,6 +397,25 @@ def main() -> None:
             "--tiny", action="store_true", help="CPU smoke run with tiny shapes (measures nothing)"
         )
     args = ap.parse_args()
+    from common import expected_time
+
+    if args.tiny:
+        expected_time(
+            "decoder_speed", "not timed yet (--tiny: a CPU smoke run with tiny shapes, measures nothing)"
+        )
+    elif args.which == "smollm2":
+        expected_time(
+            "decoder_speed smollm2",
+            "about 3.5 minutes of timed decoding on one H200 at --every 2 (results/decoder_smollm2.json: "
+            "203 s for the target-only passes and six settings), compilation not timed; --every 1 decodes "
+            "twice the prompts",
+        )
+    else:
+        expected_time(
+            "decoder_speed oracle",
+            "not timed as a whole (on one H200 its timed passes took under 2 s each, "
+            "results/decoder_oracle.json; building the 8B-shaped target and compiling not timed)",
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rec = oracle(args) if args.which == "oracle" else smollm2(args)
     out = Path(args.out)

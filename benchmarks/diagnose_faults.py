@@ -42,6 +42,15 @@ def main() -> None:
     ap.add_argument("--faults", default=FAULTS, help="comma-separated; empty: the drafter as trained only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diagnose_faults.json"))
     args = ap.parse_args()
+    from common import expected_time
+
+    n = 1 + len([x for x in args.faults.split(",") if x])
+    expected_time(
+        "diagnose_faults",
+        f"{n} diagnose runs of about 40 s each at --prompts 8 (39-44 s, results/diagnose_faults.json), "
+        "74.5 s for one at --prompts 20 (results/diagnose_wall_time.json), on vLLM's CPU build, after "
+        f"{n} servers start together (server start not recorded)",
+    )
     work = Path(tempfile.mkdtemp(prefix="e3k-diagnose-"))
     drafter = Path(args.drafter).resolve()
     target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))

@@ -47,6 +47,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "engine_acceptance",
+        "not timed yet (two vLLM CPU servers one after the other, then evaluate --mode simulate on a CPU)",
+    )
     work = Path(tempfile.mkdtemp(prefix="e3k-engine-"))
     rows, _ = read_source(PromptSource(path=str(GSM8K), start=-80, limit=args.prompts, name="gsm8k_heldout"))
     target = load_target(TargetConfig(), device="cpu")

@@ -37,6 +37,14 @@ def main() -> None:
         "--resume", action="store_true", help="keep --work: reuse its features and finished drafters"
     )
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "engine_features_train",
+        "about 26 minutes at --epochs 8 --prompts 10 on vLLM's CPU build for the two drafters, training "
+        "and serving (671 s + 875 s, results/engine_features_train.json; machine not recorded), after two "
+        "extractions (not timed)",
+    )
 
     from common import train_variant
 

@@ -49,6 +49,16 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="an 8-layer, hidden-256 model (a smoke run on CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract_throughput.json"))
     args = ap.parse_args()
+    from common import expected_time
+
+    if args.tiny:
+        expected_time("extract_throughput", "not timed yet (--tiny: a CPU smoke run, measures nothing)")
+    else:
+        expected_time(
+            "extract_throughput",
+            "not timed as a whole; at the defaults on one H200 its measured parts took about 35 s (two bare "
+            "runs of 7.5 s, extraction as long, buffers 4.6 s, disk 6.9 s; results/extract_throughput.json)",
+        )
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(
         hidden_size=4096,

@@ -40,6 +40,14 @@ def main() -> None:
         "row.json files test_family_end_to_end wrote there (same code, same seeds)",
     )
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "families",
+        "not timed as a whole; the family rows took 1,702 s as tests/test_family_runs.py under pytest -n 2 "
+        "(results/families.json; machine not recorded), here one family after another, then the "
+        "DeepSeek story unless --no-story (not timed)",
+    )
 
     import family_flow
 

@@ -62,6 +62,13 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "generate_throughput",
+        "about 8 minutes of requests at the defaults on a 2-core CPU with vLLM's CPU build (467 s, "
+        "results/generate_throughput.json), plus the server's start (not timed)",
+    )
     levels = [int(x) for x in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="e3k-genbench-"))
     target = load_target(TargetConfig())

@@ -430,6 +430,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(Path(args.worker), args.path, args.epochs, Path(args.worker_out))
+    from common import expected_time
+
+    expected_time(
+        f"peers --shape {args.shape}",
+        {
+            "8b": "not timed as a whole; on one H200 at --epochs 4 SpecForge's process took 134 s and each "
+            "eagle3kit path 62-77 s (results/peers.json, run E), after the features are computed (not timed)",
+            "smollm2": "not timed as a whole; on one H200 at --samples 256 --epochs 3 SpecForge's process took "
+            "62 s and eagle3kit:auto 47 s (results/peers.json, run F), after the features (not timed)",
+        }.get(args.shape, "not timed yet"),
+    )
     from eagle3kit.core.ui import print_table
 
     out = Path(args.out)

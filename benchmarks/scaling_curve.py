@@ -638,6 +638,19 @@ def main() -> None:
         "--worker", action="store_true", help=argparse.SUPPRESS
     )  # one GPU's share; writes no state.json
     args = ap.parse_args()
+    from common import expected_time
+
+    if args.smoke and not args.worker:
+        expected_time(
+            "scaling_curve --smoke", "a few minutes on idle CPU cores (docs/measuring.md); measures nothing"
+        )
+    elif not args.worker:
+        expected_time(
+            "scaling_curve",
+            "about 17 minutes on two H200s for every stage but decode (docs/measuring.md; "
+            "results/scaling.json stage_seconds); decode on a GPU not timed (on a 2-core CPU, --device cpu: "
+            "about a minute and a half a prompt)",
+        )
     if args.smoke:
         print(
             f"[scaling] --smoke sets {SMOKE} (over any of those flags) and writes its report into <work>/results "

@@ -50,6 +50,13 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_paths.json"))
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "train_paths",
+        "about 5 minutes of training at the defaults on one H200 (6 trainings of 36-69 s, "
+        "results/train_paths.json), the τ evaluation not timed",
+    )
     run, cfg, device, target = open_run(args.run)
     state_path = run / "train_paths_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"train": {}, "tau": {}}

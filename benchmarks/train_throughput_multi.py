@@ -100,6 +100,11 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/train_throughput_multi", help="folder for each run's JSON")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_throughput_multi.json"))
     args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "train_throughput_multi", "not timed yet (one train_throughput.py run per GPU count and mode)"
+    )
     have = torch.cuda.device_count()
     counts = sorted({int(g) for g in args.gpus.split(",") if 0 < int(g) <= have} | {1})
     if not have:
