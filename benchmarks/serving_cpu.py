@@ -1,0 +1,198 @@
+"""Serving speed on vLLM's CPU build: the target alone, with an EAGLE-3.1 drafter and with a DFlash drafter,
+both trained on the same conversations, served with K draft tokens.
+
+SmolLM2-135M-Instruct writes its replies to 240 GSM8K questions (64 tokens each); `eagle3kit run` trains
+EAGLE-3.1 (TTT K) on them, then DFlash (2 layers, blocks of K + 1) on the same tokens and vocabulary. Three
+vLLM servers (no speculation, ``{"method": "eagle3", …}``, ``{"method": "dflash", …}``, each
+``num_speculative_tokens`` K) run at once; `eagle3kit bench` measures each drafter's server against the
+plain one at concurrency 1 and 4 on the last 20 GSM8K train questions (never trained on), greedy.
+DFlash's case: one draft forward per block instead of one per token.
+
+    python benchmarks/serving_cpu.py --work /tmp/serving_cpu --shared ../shared [--k 7]
+
+About 15 minutes on the 2-core CPU machine (it says so up front): 2 to generate, 5 to train EAGLE-3.1 at
+TTT 7, 5 for DFlash, 1 to start the servers, 2 to bench. Resumable: a run that finished
+is not trained again, a bench record already written is kept. Writes ``benchmarks/results/serving_cpu.json``
+(one row per drafter: τ from vLLM's counters and from `evaluate`, output tokens/s with and without the
+drafter, speedup, per concurrency) and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "serving_cpu.json"
+
+CONFIG = """run_dir: {run}
+prompts:
+  sources: [{{path: {gsm8k}, name: gsm8k, stop: -80, limit: 240}}]
+  heldout_fraction: 0.0
+generate: {{max_new_tokens: 64}}
+vocab: {{draft_vocab_size: 2048}}
+{drafter}
+evaluate:
+  k: {k}
+  max_new_tokens: 64
+  num_prompts: 20
+  sets: [{{path: {gsm8k}, name: gsm8k_heldout, start: -80}}]
+"""
+DRAFTERS = {  # name: (drafter and train sections, vLLM's method)
+    "eagle3.1": (
+        "drafter: {{variant: eagle3.1}}\ntrain: {{ttt_steps: {k}, epochs: 6, tokens_per_step: 2048, precision: bf16}}",
+        "eagle3",
+    ),
+    "dflash": (
+        "drafter: {{variant: dflash, num_layers: 2, block_size: {block}, max_anchors: 32}}\n"
+        "train: {{epochs: 5, tokens_per_step: 1024, lr: 0.001, betas: [0.9, 0.95]}}",
+        "dflash",
+    ),
+}
+
+
+def train(args, name: str) -> Path:
+    """``<work>/<name>/run``: `eagle3kit run` of one drafter; DFlash's copies EAGLE-3.1's data stages
+    (prompts, replies, tokens, vocabulary: up to date there, so only train, export and evaluate run)."""
+    from eagle3kit.core.config import load_config
+    from eagle3kit.pipeline import run_all
+
+    d = Path(args.work) / name
+    run = d / "run"
+    if evaluate_tau(run) is not None:
+        return run
+    d.mkdir(parents=True, exist_ok=True)
+    if name != "eagle3.1":
+        keep = shutil.ignore_patterns("checkpoints", "drafter*", "evaluate", "tensorboard", "train_log.jsonl")
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(train(args, "eagle3.1"), run, ignore=keep)
+    section = DRAFTERS[name][0].format(k=args.k, block=args.k + 1)
+    gsm8k = Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
+    (d / "config.yaml").write_text(CONFIG.format(run=run, gsm8k=gsm8k, drafter=section, k=args.k))
+    run_all(load_config(d / "config.yaml"))
+    return run
+
+
+def evaluate_tau(run: Path) -> float | None:
+    """τ that `eagle3kit evaluate` wrote for the held-out set at the run's K (``report.json``'s
+    ``evaluate`` section)."""
+    rep = run / "report.json"
+    if not rep.exists():
+        return None
+    sets = (json.loads(rep.read_text()).get("evaluate") or {}).get("sets") or {}
+    got = (sets.get("gsm8k_heldout") or {}).get("tau")
+    return round(got, 4) if isinstance(got, (int, float)) else None
+
+
+def bench(args, name: str, spec, plain, prompts: Path, drafter: Path) -> dict:
+    """`eagle3kit bench` of one drafter's server against the plain one (concurrency 1 and 4)."""
+    out = Path(args.work) / f"bench-{name}"
+    if not (out / "bench.json").exists():
+        cmd = [sys.executable, "-m", "eagle3kit", "bench", "--base-url", spec.url, "--baseline-url",
+               plain.url + "/v1", "--prompts", str(prompts), "--concurrency", "1,4", "--max-tokens",
+               str(args.max_tokens), "--drafter", str(drafter), "--hardware", "2-core CPU",
+               "--out", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    return json.loads((out / "bench.json").read_text())
+
+
+def row(name: str, record: dict, tau_eval: float | None) -> dict:
+    """One drafter's row from its bench record: per concurrency, output tokens/s with and without it."""
+    spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
+    levels = {}
+    for s, b in zip(spec, base, strict=True):
+        levels[str(s["concurrency"])] = {
+            "output_tokens_per_s": s["output_tokens_per_s"],
+            "plain_output_tokens_per_s": b["output_tokens_per_s"],
+            "speedup": s.get("speedup"),
+            "tau_vllm": (s.get("acceptance") or {}).get("tau"),
+        }
+    return {"drafter": name, "tau_evaluate": tau_eval, "levels": levels}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", required=True, help="working folder (runs, bench records, server logs)")
+    ap.add_argument("--shared", required=True, help="the shared folder holding data/chats")
+    ap.add_argument("--k", type=int, default=7, help="draft tokens a verify step (DFlash blocks of K + 1)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--out", default=str(OUT), help="the results JSON")
+    args = ap.parse_args()
+    from common import expected_time
+
+    expected_time(
+        "serving_cpu",
+        "about 15 minutes on a 2-core CPU (generate 2, train 10, servers 1, bench 2); "
+        f"K = {args.k}, results to {args.out}",
+    )
+    from eagle3kit.core.config import PromptSource, TargetConfig
+    from eagle3kit.core.engines import VLLMServer, free_port, start_servers
+    from eagle3kit.data.sources import read_source
+    from eagle3kit.model.target import export_fp32_folder, load_target
+
+    t0 = time.time()
+    runs = {name: train(args, name) for name in DRAFTERS}
+    work = Path(args.work)
+    target = export_fp32_folder(load_target(TargetConfig(), device="cpu"), work / "target")
+    gsm8k = Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
+    rows, _ = read_source(PromptSource(path=str(gsm8k), start=-20))
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    servers = {"plain": VLLMServer(target, free_port(), work / "plain.log")}
+    for name, run in runs.items():
+        spec = {"method": DRAFTERS[name][1], "model": str(run / "drafter"), "num_speculative_tokens": args.k}
+        extra = ["--speculative-config", json.dumps(spec)]
+        servers[name] = VLLMServer(target, free_port(), work / f"{name}.log", extra_args=extra)
+    start_servers(list(servers.values()), 900)
+    try:
+        out_rows = [
+            row(
+                n,
+                bench(args, n, servers[n], servers["plain"], prompts, runs[n] / "drafter"),
+                evaluate_tau(runs[n]),
+            )
+            for n in runs
+        ]
+    finally:
+        for s in servers.values():
+            s.kill()
+    result = {
+        "benchmark": "benchmarks/serving_cpu.py",
+        "command": " ".join(["python", "benchmarks/serving_cpu.py", *sys.argv[1:]]),
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "prompts": len(rows),
+        "hardware": "2-core CPU, vLLM CPU build, float32",
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": round(time.time() - t0),
+        "rows": out_rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"serving on vLLM's CPU build, K = {args.k}: output tokens/s (plain) and speedup")
+    for col in ("drafter", "τ vLLM c=1", "τ evaluate", "c=1 tok/s (plain)", "speedup c=1", "c=4 tok/s (plain)",
+                "speedup c=4"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "drafter" else "right")
+    for r in out_rows:
+        c1, c4 = r["levels"].get("1", {}), r["levels"].get("4", {})
+        table.add_row(
+            r["drafter"],
+            f"{c1.get('tau_vllm') or 0:.3f}",
+            f"{r['tau_evaluate'] or 0:.3f}",
+            f"{c1.get('output_tokens_per_s', 0):.1f} ({c1.get('plain_output_tokens_per_s', 0):.1f})",
+            f"{c1.get('speedup') or 0:.2f}",
+            f"{c4.get('output_tokens_per_s', 0):.1f} ({c4.get('plain_output_tokens_per_s', 0):.1f})",
+            f"{c4.get('speedup') or 0:.2f}",
+        )
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
