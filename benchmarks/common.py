@@ -17,8 +17,12 @@ def expected_time(what: str, estimate: str) -> None:
     that whoever starts a long benchmark knows up front how long it will be quiet.
 
     ``estimate`` names the time and the hardware it was measured on (``"about 8 minutes on one
-    H200"``), or starts with ``"not timed"`` (then printed without the word "expected")."""
-    lead = "" if estimate.startswith("not timed") else "expected "
+    H200"``), or starts with ``"not timed"``, in any case (then printed without the word "expected")."""
+    if not isinstance(estimate, str) or not estimate.strip():
+        raise TypeError(
+            f"expected_time({what!r}, ...): the estimate must be a non-empty str, not {estimate!r}"
+        )
+    lead = "" if estimate.lower().startswith("not timed") else "expected "
     print(f"{what}: {lead}{estimate}; progress lines follow", flush=True)
 
 

@@ -115,6 +115,32 @@ def row(name: str, record: dict, tau_eval: float | None) -> dict:
     return {"drafter": name, "tau_evaluate": tau_eval, "levels": levels}
 
 
+def check_args(args) -> None:
+    """Refuse bad options before anything runs; ``<work>/settings.json`` keeps the first run's K and
+    max tokens, so a resumed run cannot mix runs and bench records made with other values."""
+    if args.k < 1:
+        raise SystemExit(f"--k {args.k}: give at least 1 draft token a verify step (the default is 7)")
+    if args.max_tokens < 1:
+        raise SystemExit(f"--max-tokens {args.max_tokens}: give at least 1 output token (the default is 64)")
+    gsm8k = Path(args.shared) / "data" / "chats" / "gsm8k_train.jsonl"
+    if not gsm8k.is_file():
+        raise SystemExit(f"--shared {args.shared}: {gsm8k} is missing; pass the shared folder holding it")
+    work = Path(args.work)
+    if work.exists() and not work.is_dir():
+        raise SystemExit(f"--work {work}: exists and is not a folder; pass a new folder or an earlier run's")
+    settings, path = {"k": args.k, "max_tokens": args.max_tokens}, work / "settings.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        if before != settings:
+            raise SystemExit(
+                f"--work {work} holds a run with k={before.get('k')}, max_tokens={before.get('max_tokens')}; "
+                f"this one asks k={args.k}, max_tokens={args.max_tokens}: use another --work (or the same values)"
+            )
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", required=True, help="working folder (runs, bench records, server logs)")
@@ -123,6 +149,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--out", default=str(OUT), help="the results JSON")
     args = ap.parse_args()
+    check_args(args)
     from common import expected_time
 
     expected_time(

@@ -58,6 +58,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -395,7 +396,11 @@ def compare_blocks(rows: list[dict]) -> dict | None:
     epoch, as the DFlash rows train) when measured, else ``eagle3.1``. Per column the ratio of mean τ,
     and whether it lies beyond the seed spread (the larger of the two rows' max − min; None when
     either row has one seed). The aim is a ratio of at least 1.2 at K = 7 on both sets. None without
-    an EAGLE-3.1 row."""
+    an EAGLE-3.1 row. A block row's column that is missing or not finite is left out.
+
+    Raises:
+        ValueError: a reference τ that is not a positive finite number (naming the row and column).
+    """
     named = {r["name"]: r for r in rows}
     ref = named.get("eagle3.1_mixed_betas999") or named.get("eagle3.1")
     if ref is None:
@@ -408,8 +413,15 @@ def compare_blocks(rows: list[dict]) -> dict | None:
         for k in KS + EXTRA_KS:
             for short in SETS.values():
                 c = f"{short}_tau_k{k}"
-                if not isinstance(r.get(c), (int, float)) or not isinstance(ref.get(c), (int, float)):
+                if isinstance(ref.get(c), (int, float)) and not (math.isfinite(ref[c]) and ref[c] > 0):
+                    raise ValueError(
+                        f"the {ref['name']} row's {c} is {ref[c]!r}, not a positive finite number: "
+                        "the reference the block rows are compared with"
+                    )
+                if not isinstance(ref.get(c), (int, float)):
                     continue
+                if not isinstance(r.get(c), (int, float)) or not math.isfinite(r[c]):
+                    continue  # a NaN or missing column of the block row is left out
                 two = len(r["seeds"]) > 1 and len(ref["seeds"]) > 1
                 spread = max(
                     (r.get("seed_spread") or {}).get(c, 0.0), (ref.get("seed_spread") or {}).get(c, 0.0)
@@ -422,7 +434,7 @@ def compare_blocks(rows: list[dict]) -> dict | None:
         out[r["name"]] = {
             "seeds": len(r["seeds"]),
             "vs_reference": cols,
-            "aim_1.2x_at_k7_met": all(isinstance(v, float) and v >= 1.2 for v in k7) if all(k7) else None,
+            "aim_1.2x_at_k7_met": all(v >= 1.2 for v in k7) if all(v is not None for v in k7) else None,
         }
     return out if len(out) > 1 else None
 
@@ -641,6 +653,29 @@ def stage_speed(args) -> dict:
     return out
 
 
+def parse_rows(text: str) -> list[str]:
+    """``--rows``: row:seed keys, comma-separated, each once, seed a non-negative integer in ASCII
+    digits with no leading zero (``eagle3:0``, ``eagle3:12``); SystemExit naming the fix otherwise."""
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    fix = f"give row:seed, seed a non-negative integer, with a row of {[*ROWS, *PEERS]}"
+    if not rows:
+        raise SystemExit(f"--rows {text!r} names no row: {fix}")
+    bad = [
+        r
+        for r in rows
+        if r.partition(":")[0] not in [*ROWS, *PEERS]
+        or not re.fullmatch(r"0|[1-9][0-9]*", r.partition(":")[2])
+    ]
+    if bad:
+        raise SystemExit(f"--rows {bad}: {fix}")
+    twice = sorted({r for r in rows if rows.count(r) > 1})
+    if twice:
+        raise SystemExit(
+            f"--rows {twice} given more than once: give each row:seed once, seed a non-negative integer"
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", required=True, help="working folder (the data run and one folder per row)")
@@ -678,12 +713,7 @@ def main() -> None:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    bad = [
-        r for r in args.rows if r.split(":")[0] not in [*ROWS, *PEERS] or not r.partition(":")[2].isdigit()
-    ]
-    if bad:
-        raise SystemExit(f"--rows {bad}: give row:seed with a row of {[*ROWS, *PEERS]}")
+    args.rows = parse_rows(args.rows)
     args.eval = eval_settings(args)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     base_config(args)

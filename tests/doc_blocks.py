@@ -1,6 +1,8 @@
 """The shell blocks of the README and the hand-written docs, with the label line above each.
 
-Every fenced block whose info string is bash, sh, shell or console carries one italic line directly
+Every fenced block whose info string (up to the first space, ``,`` or ``{``; ``{.bash}`` counts) is
+bash, sh, shell, zsh, console or shell-session, or that is untagged and whose first non-blank line
+starts with ``$ `` (a transcript), carries one italic line directly
 above it (then a blank line, then the fence) saying what it needs and whether CI runs it:
 
 * ``*Runs on a CPU; CI runs it (TEST).*`` — TEST executes exactly this block's text;
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHELL = {"bash", "sh", "shell", "console"}
-FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`{]*)")
+SHELL = {"bash", "sh", "shell", "zsh", "console", "shell-session"}
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+INFO = re.compile(r"^\{?\.?(?P<lang>[^\s,{}]*)")  # "bash,ignore" and "{.bash}" → "bash"
 LABEL = re.compile(
     r"^\*(?:Runs on a CPU; CI runs it \((?P<cpu_test>[^()\s]+)\)"
     r"|Needs (?P<what>\S.*?); (?:CI runs it against its own servers \((?P<server_test>[^()\s]+)\)"
@@ -55,44 +58,70 @@ class Block:
         return f"{self.file}:{self.line}"
 
 
-def parse(markdown: str, file: str = "<text>") -> list[Block]:
-    """The shell blocks of ``markdown``; a label is the line two above the fence when the line
+def scan(markdown: str, file: str = "<text>") -> tuple[list[Block], list[str]]:
+    """The shell blocks of ``markdown`` and its fence problems (a fence still open at the end of the
+    file, as "file:line: ..."). A fence closes only on a line of the same character, at least as long,
+    and nothing else but spaces (CommonMark). A label is the line two above the fence when the line
     between is blank and it starts with ``*`` (whether it is well formed is :func:`label_problem`'s)."""
     lines = markdown.splitlines()
-    out, i = [], 0
+    out, problems, i = [], [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
-        if not m:
+        if not m or (m.group("fence")[0] == "`" and "`" in m.group("info")):
             i += 1
             continue
-        indent, fence, info = m.group("indent"), m.group("fence"), m.group("info").lower()
+        indent, fence = m.group("indent"), m.group("fence")
+        info = INFO.match(m.group("info").strip()).group("lang").lower()
+        close = re.compile(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
         j = i + 1
-        while j < len(lines) and not lines[j].strip().startswith(fence):
+        while j < len(lines) and not close.match(lines[j]):
             j += 1
-        if info in SHELL:
+        if j == len(lines):
+            problems.append(f"{file}:{i + 1}: the fence {fence!r} opened here is never closed")
+        first = next((ln.strip() for ln in lines[i + 1 : j] if ln.strip()), "")
+        if info in SHELL or (not info and first.startswith("$ ")):
             above = lines[i - 2].strip() if i >= 2 else ""
             label = above if above.startswith("*") and i >= 2 and not lines[i - 1].strip() else None
             body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : j]]
             out.append(Block(file, len(out) + 1, i + 1, label, "".join(ln + "\n" for ln in body)))
         i = j + 1
-    return out
+    return out, problems
 
 
-def blocks(path: str | Path) -> list[Block]:
+def parse(markdown: str, file: str = "<text>") -> list[Block]:
+    """The shell blocks of ``markdown`` (:func:`scan`'s)."""
+    return scan(markdown, file)[0]
+
+
+def _scan_file(path: str | Path) -> tuple[list[Block], list[str]]:
     p = Path(path)
     p = p if p.is_absolute() else REPO / p
     name = str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
-    return parse(p.read_text(), name)
+    return scan(p.read_text(), name)
+
+
+def blocks(path: str | Path) -> list[Block]:
+    return _scan_file(path)[0]
 
 
 def pages() -> list[Path]:
-    """README.md, docs/*.md and docs/recipes/*.md (docs/reference/ is generated)."""
+    """README.md, CONTRIBUTING.md, docs/*.md and docs/recipes/*.md (docs/reference/ is generated)."""
     docs = REPO / "docs"
-    return [REPO / "README.md", *sorted(docs.glob("*.md")), *sorted((docs / "recipes").glob("*.md"))]
+    return [
+        REPO / "README.md",
+        REPO / "CONTRIBUTING.md",
+        *sorted(docs.glob("*.md")),
+        *sorted((docs / "recipes").glob("*.md")),
+    ]
 
 
 def all_blocks() -> list[Block]:
     return [b for p in pages() for b in blocks(p)]
+
+
+def fence_problems() -> list[str]:
+    """Every page's fences still open at the end of the file (file:line)."""
+    return [problem for p in pages() for problem in _scan_file(p)[1]]
 
 
 def label_problem(block: Block) -> str | None:
@@ -135,18 +164,20 @@ def engine_block(
     exception is ``url_plain``, which a block that needs only the drafter's server (diagnose) lacks."""
     text = block(file, n).text
     venv_bin = None if venv_bin is None else str(venv_bin).rstrip("/") + "/"
-    for placeholder, value, required in (
-        ("http://127.0.0.1:8000", url_spec, True),
-        ("http://127.0.0.1:8001", url_plain, False),
-        ("runs/default/drafter", drafter, True),
-        ("../shared", shared, True),
-        (".venv/bin/", venv_bin, True),
+    url_end, path_end = r"(?!\d)", r"(?![\w-])"  # whole URLs and paths: not :80001, not drafter-old
+    for placeholder, end, value, required in (
+        ("http://127.0.0.1:8000", url_end, url_spec, True),
+        ("http://127.0.0.1:8001", url_end, url_plain, False),
+        ("runs/default/drafter", path_end, drafter, True),
+        ("../shared", path_end, shared, True),
+        (".venv/bin/", "", venv_bin, True),  # ends in "/": what follows is the command
     ):
+        pattern = re.compile(re.escape(placeholder) + end)
         if value is None:
-            if placeholder in text:
+            if pattern.search(text):
                 raise ValueError(f"{file}#{n} holds {placeholder!r}, but no replacement was given")
-        elif placeholder in text:
-            text = text.replace(placeholder, str(value))
+        elif pattern.search(text):
+            text = pattern.sub(lambda _m, v=str(value): v, text)
         elif required:
             raise ValueError(f"{file}#{n} no longer holds {placeholder!r}")
     return text

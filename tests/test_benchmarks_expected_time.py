@@ -56,3 +56,53 @@ def test_expected_time_prints_one_flushed_line_with_both_parts(monkeypatch, caps
     assert out == "variants: expected about 8 minutes on one H200; progress lines follow\n"
     expected_time("peers", "not timed yet")
     assert capsys.readouterr().out == "peers: not timed yet; progress lines follow\n"
+
+
+def test_serving_cpu_refuses_bad_options_before_its_expected_time_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serving_cpu", None)
+    import serving_cpu
+
+    shared = tmp_path / "shared"
+    (shared / "data" / "chats").mkdir(parents=True)
+    (shared / "data" / "chats" / "gsm8k_train.jsonl").write_text("{}\n")
+    (tmp_path / "file").write_text("")
+    work = tmp_path / "work"
+
+    def refusal(*argv: str) -> str:
+        monkeypatch.setattr(
+            sys, "argv", ["serving_cpu.py", "--shared", str(shared), "--work", str(work), *argv]
+        )
+        with pytest.raises(SystemExit) as e:
+            serving_cpu.main()
+        assert capsys.readouterr().out == ""  # refused before the expected-time line
+        return str(e.value.code)
+
+    assert refusal("--k", "0").startswith("--k 0: give at least 1")
+    assert refusal("--max-tokens", "-1").startswith("--max-tokens -1: give at least 1")
+    assert "gsm8k_train.jsonl is missing" in refusal("--shared", str(tmp_path / "nowhere"))
+    assert "exists and is not a folder" in refusal("--work", str(tmp_path / "file"))
+    assert not work.exists()
+    serving_cpu.check_args(serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work))
+    assert (work / "settings.json").read_text() == '{"k": 7, "max_tokens": 64}\n'
+    serving_cpu.check_args(serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work))
+    message = refusal("--k", "3")
+    assert (
+        "k=7, max_tokens=64" in message
+        and "k=3, max_tokens=64" in message
+        and "use another --work" in message
+    )
+
+
+def test_expected_time_refuses_an_empty_or_non_str_estimate_and_reads_not_timed_in_any_case(
+    monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("common", None)
+    from common import expected_time
+
+    for bad in ("", "  ", None, 8):
+        with pytest.raises(TypeError, match="non-empty str"):
+            expected_time("x", bad)
+    expected_time("peers", "Not timed yet")
+    assert capsys.readouterr().out == "peers: Not timed yet; progress lines follow\n"

@@ -46,7 +46,8 @@ def run_block(text: str, tmp: Path, venv_on_path: bool = False) -> subprocess.Co
 def test_every_shell_block_has_a_well_formed_label():
     found = db.all_blocks()
     assert len(found) >= 35  # README.md, docs/*.md and docs/recipes/*.md hold shell blocks, and it saw them
-    problems = [p for b in found if (p := db.label_problem(b))]
+    assert any(b.file == "CONTRIBUTING.md" for b in found)
+    problems = db.fence_problems() + [p for b in found if (p := db.label_problem(b))]
     assert problems == [], "\n".join(problems)
 
 
@@ -119,17 +120,50 @@ def test_the_parser_sees_each_shell_block_and_flags_a_missing_or_malformed_label
     assert db.parse("*Needs a GPU; not run by CI.*\n\ntext\n\n```bash\nx\n```\n")[0].label is None
 
 
+def test_a_fence_closes_only_on_a_bare_fence_at_least_as_long():
+    page = "````md\n```bash\nnot a block\n```\n````\n\n```bash\nhidden\n```bash\n```\n\n```sh\nlast\n```\n"
+    assert [(b.line, b.text) for b in db.parse(page)] == [(7, "hidden\n```bash\n"), (12, "last\n")]
+    assert db.scan(page, "p.md")[1] == []
+    assert db.parse("~~~bash\na\n```\n~~~~ \n")[0].text == "a\n```\n"  # same character only
+    blocks, problems = db.scan("text\n\n```bash\nx\n``\n", "p.md")
+    assert problems == ["p.md:3: the fence '```' opened here is never closed"]
+
+
+def test_info_strings_with_attributes_other_shells_and_untagged_transcripts_are_shell_blocks():
+    infos = ["bash,ignore", "{.bash}", "sh {title=x}", "zsh", "shell-session", "Console"]
+    page = "".join(f"```{info}\nx\n```\n\n" for info in infos)
+    assert len(db.parse(page)) == len(infos)
+    page = "```\n\n$ eagle3kit check d\nok\n```\n\n```\nplain text\n```\n\n```python\n$ x\n```\n"
+    assert [b.text for b in db.parse(page)] == ["\n$ eagle3kit check d\nok\n"]
+
+
+def _check_node(node: str) -> None:
+    """The test ``node`` (FILE::TEST) names exists (this file owns some, test_engine_acceptance.py the rest)."""
+    assert node.count("::") == 1, f"{node!r}: write the node as FILE::TEST (two colons)"
+    path, name = node.split("::")
+    assert path in ("tests/test_doc_blocks.py", "tests/test_engine_acceptance.py"), node
+    assert path != "tests/test_doc_blocks.py" or name.startswith("test_") and name in globals(), node
+    assert re.search(rf"^def {re.escape(name)}\(", (REPO / path).read_text(), re.M), node
+
+
 def test_the_registry_is_the_blocks_labelled_ci_runs_it():
     labelled = {b.key: t for b in db.all_blocks() if (t := db.ci_test(b))}
     assert labelled == db.RUN_BY
-    here = {name for name in globals() if name.startswith("test_")}
-    for (
-        node
-    ) in db.RUN_BY.values():  # the tests this file owns exist (test_engine_acceptance.py owns the rest)
-        path, name = node.split("::")
-        assert path in ("tests/test_doc_blocks.py", "tests/test_engine_acceptance.py"), node
-        assert path != "tests/test_doc_blocks.py" or name in here, node
-        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), node
+    for node in db.RUN_BY.values():
+        _check_node(node)
+
+
+def test_the_registry_check_names_a_node_written_with_one_colon_and_escapes_the_name():
+    for node, message in (
+        ("tests/test_doc_blocks.py:test_x", "write the node as FILE::TEST"),
+        ("tests/test_engine_acceptance.py::test_.*", "test_.*"),  # not a pattern matching any test
+    ):
+        try:
+            _check_node(node)
+        except AssertionError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"{node!r} passed")
 
 
 # -- the blocks CI runs -------------------------------------------------------------------------------
@@ -211,3 +245,22 @@ def test_engine_block_puts_ci_servers_where_the_page_has_its_own():
         except ValueError:
             continue
         raise AssertionError(f"no ValueError for {bad[:2]}")
+
+
+def test_engine_block_replaces_whole_urls_and_paths_only(tmp_path):
+    page = tmp_path / "page.md"
+    label = "*Needs a server; not run by CI.*\n\n"
+    page.write_text(
+        f"{label}```bash\n.venv/bin/eagle3kit bench --base-url http://127.0.0.1:8000 "
+        "--baseline-url http://127.0.0.1:80001 --drafter runs/default/drafter-old --shared ../shared/x\n```\n"
+        f"\n{label}```bash\n.venv/bin/x http://127.0.0.1:8000/v1 runs/default/drafter ../shared\n```\n"
+    )
+    try:
+        db.engine_block(str(page), 1, "http://h:1", "http://h:2", "/d", "/s", "/v")
+    except ValueError as e:
+        assert "no longer holds 'runs/default/drafter'" in str(e), e
+    else:
+        raise AssertionError("runs/default/drafter-old taken for runs/default/drafter")
+    text = db.engine_block(str(page), 1, "http://h:1", "http://h:2", None, "/s", "/v")
+    assert "http://127.0.0.1:80001 --drafter runs/default/drafter-old --shared /s/x" in text
+    assert db.engine_block(str(page), 2, "http://h:1", None, "/d", "/s", "/v") == "/v/x http://h:1/v1 /d /s\n"

@@ -181,3 +181,35 @@ def test_cli_parses_the_command_and_its_model_trains_on_a_collated_batch(written
     _, loss, _ = model(**tensors, **kw)
     loss.backward()
     assert torch.isfinite(loss) and model.fc.weight.grad.abs().sum() > 0
+
+
+def _row(T=3, L=2, H=4, ids_dtype=torch.int64, mask=None):
+    ids = torch.arange(T).to(ids_dtype)
+    mask = torch.ones(T, dtype=torch.int64) if mask is None else mask
+    return ids, mask, torch.zeros(T, L * H), torch.zeros(T, H)
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([], "no rows"),
+        ([_row(), _row(T=0)], "row 1: no tokens"),
+        ([_row(L=0)], "holds no layer"),
+        ([_row(ids_dtype=torch.float32)], "ids must be integers"),
+        ([_row(ids_dtype=torch.bool, T=2)], "ids must be integers"),
+        ([_row(mask=torch.ones(3))], "loss mask must be integers or bools"),
+        ([_row(mask=torch.tensor([0, 1, 2]))], "values other than 0 and 1"),
+    ],
+)
+def test_offline_data_refuses_empty_or_malformed_rows(tmp_path, rows, match):
+    with pytest.raises(ValueError, match=match):
+        sda.write_offline_data(tmp_path / "data", iter(rows))
+
+
+def test_data_ratio_and_final_checkpoint_refuse_bad_counts(tmp_path):
+    for n_train, n in ((4.0, 10), (4, 10.5), (True, 10), (0, 10), (10, 10), (-1, 10)):
+        with pytest.raises(ValueError):
+            sda.data_ratio(n_train, n)
+    for epochs in (0, -1):
+        with pytest.raises(ValueError, match="epochs must be at least 1"):
+            sda.final_checkpoint(tmp_path, epochs)

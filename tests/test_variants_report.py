@@ -139,3 +139,53 @@ def test_the_speed_check_refuses_a_work_folder_with_no_row_under_both_paths(tmp_
     args = SimpleNamespace(work=str(tmp_path), precision="tf32", loss_chunk=0, smoke=False, speed_out="x")
     with pytest.raises(SystemExit, match="no row trained under both"):
         variants.stage_speed(args)
+
+
+def _block_row(name, seeds=1, **taus):
+    row = {"name": name, "seeds": [{}] * seeds}
+    for k in (3, 5, 7):
+        for short in ("mt_bench", "gsm8k"):
+            row[f"{short}_tau_k{k}"] = taus.get(f"{short}_tau_k{k}", 2.0)
+    return row
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_compare_blocks_refuses_a_reference_tau_that_is_not_positive_and_finite(bad):
+    with pytest.raises(ValueError, match=r"eagle3\.1 row's gsm8k_tau_k5 is .*not a positive finite number"):
+        variants.compare_blocks([_block_row("eagle3.1", gsm8k_tau_k5=bad), _block_row("dflash")])
+
+
+def test_compare_blocks_leaves_out_a_nan_column_and_reads_a_zero_ratio_as_measured():
+    out = variants.compare_blocks([_block_row("eagle3.1"), _block_row("dflash", mt_bench_tau_k3=math.nan)])
+    assert "mt_bench_tau_k3" not in out["dflash"]["vs_reference"] and len(out["dflash"]["vs_reference"]) == 5
+    assert out["dflash"]["aim_1.2x_at_k7_met"] is False  # ratios of 1.0 at K = 7
+    out = variants.compare_blocks([_block_row("eagle3.1"), _block_row("dflash", gsm8k_tau_k7=0.0)])
+    assert out["dflash"]["vs_reference"]["gsm8k_tau_k7"]["ratio"] == 0.0
+    assert out["dflash"]["aim_1.2x_at_k7_met"] is False  # a ratio of 0 is a miss, not "not measured"
+    out = variants.compare_blocks([_block_row("eagle3.1", gsm8k_tau_k7=None), _block_row("dflash")])
+    assert out["dflash"]["aim_1.2x_at_k7_met"] is None
+
+
+def test_rows_take_row_colon_seed_each_once_seed_a_non_negative_integer():
+    assert variants.parse_rows(" eagle3:0, eagle3:12 ,specforge:1") == [
+        "eagle3:0",
+        "eagle3:12",
+        "specforge:1",
+    ]
+    for text in (
+        "eagle3:01",
+        "eagle3:-1",
+        "eagle3:１",
+        "eagle3:²",
+        "eagle3:1:2",
+        "eagle3",
+        "nope:0",
+        "eagle3: 1x",
+    ):
+        with pytest.raises(SystemExit, match="row:seed, seed a non-negative integer"):
+            variants.parse_rows(text)
+    for text in ("", " , ,"):
+        with pytest.raises(SystemExit, match="names no row: give row:seed, seed a non-negative integer"):
+            variants.parse_rows(text)
+    with pytest.raises(SystemExit, match=r"\['eagle3:0'\] given more than once: give each row:seed once"):
+        variants.parse_rows("eagle3:0,eagle3:1,eagle3:0")

@@ -97,13 +97,17 @@ SPECULATORS_VERSION = "0.9.0"
 def data_ratio(n_train: int, n_total: int) -> float:
     """The ``--train-data-ratio`` r with ``int(n_total * r) == n_train`` (speculators' split rule).
 
-    Raises ValueError when no row is left to validate (speculators requires r < 1)."""
+    Raises ValueError when a count is not an int or no row is left to validate (speculators requires
+    r < 1)."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (n_train, n_total)):
+        raise ValueError(f"row counts must be ints, not {n_train!r} and {n_total!r}")
     if not 0 < n_train < n_total:
         raise ValueError(
             f"need 0 < training rows ({n_train}) < all rows ({n_total}): speculators validates on the rest"
         )
     r = (n_train + 0.5) / n_total
-    assert int(n_total * r) == n_train
+    if int(n_total * r) != n_train:
+        raise ValueError(f"no float ratio splits {n_total} rows at {n_train}")
     return r
 
 
@@ -118,7 +122,10 @@ def write_offline_data(
     ``rows`` yields, in dataset order, ``(ids int [T], mask [T], aux [T, L·H], last [T, H])`` with
     ``aux`` the L aux states concatenated in ascending layer order and ``last`` the target's final
     state before its final norm. Rows are written as they come (the states are never all in memory).
-    Returns a summary (rows, layers, hidden size, longest row)."""
+    Returns a summary (rows, layers, hidden size, longest row).
+
+    Raises ValueError on no rows, a row of no tokens, aux of no layers, ids of a non-integer dtype,
+    a mask of a non-integer, non-bool dtype or with values other than 0 and 1, or mismatched shapes."""
     from datasets import Dataset
 
     out = Path(out_dir)
@@ -127,14 +134,24 @@ def write_offline_data(
     ids_col, mask_col, len_col = [], [], []
     layers = hidden = None
     for i, (ids, mask, aux, last) in enumerate(rows):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"row {i}: ids must be integers, not {ids.dtype}")
+        if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            raise ValueError(f"row {i}: the loss mask must be integers or bools, not {mask.dtype}")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError(f"row {i}: the loss mask holds values other than 0 and 1")
         ids = ids.reshape(-1).to(torch.int64).cpu()
         T, H = last.shape
+        if T == 0:
+            raise ValueError(f"row {i}: no tokens")
         if aux.shape[0] != T or ids.numel() != T or mask.numel() != T or aux.shape[1] % H:
             raise ValueError(
                 f"row {i}: ids {tuple(ids.shape)}, mask {tuple(mask.shape)}, "
                 f"aux {tuple(aux.shape)}, last {tuple(last.shape)}"
             )
         L = aux.shape[1] // H
+        if L == 0:
+            raise ValueError(f"row {i}: aux {tuple(aux.shape)} holds no layer")
         if layers is None:
             layers, hidden = L, H
         elif (L, H) != (layers, hidden):
@@ -144,6 +161,8 @@ def write_offline_data(
         ids_col.append(ids.tolist())
         mask_col.append(mask.reshape(-1).to(torch.int64).cpu().tolist())
         len_col.append(T)
+    if not len_col:
+        raise ValueError(f"{out}: no rows to write")
     ds = Dataset.from_dict({"input_ids": ids_col, "loss_mask": mask_col, "seq_len": len_col})
     ds.set_format(type="torch")
     ds.save_to_disk(str(out))
@@ -254,7 +273,10 @@ def build_train_command(
 
 
 def final_checkpoint(save_path: str | Path, epochs: int) -> Path:
-    """``<save_path>/<epochs − 1>``: the last epoch's folder (speculators keeps no best unless asked)."""
+    """``<save_path>/<epochs − 1>``: the last epoch's folder (speculators keeps no best unless asked).
+    ValueError when ``epochs`` < 1 (no epoch, no folder)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, not {epochs}")
     folder = Path(save_path) / str(epochs - 1)
     if not (folder / "config.json").is_file() or not list(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"{folder}: no speculators checkpoint (config.json + *.safetensors)")
