@@ -104,7 +104,7 @@ def console_lines(report: dict) -> list[str]:
     """One line for the engine, one for the drafter as trained, one per hypothesis, the verdict."""
     eng, ref = report["engine"], report["reference"]
     lines = [
-        f"engine ({report['server']['engine']}): τ {eng['tau']:.4f} ({eng['accepted']} drafts accepted over "
+        f"engine ({report['server']['engine']}): τ {eng['tau']:.4f} ({eng['accepted']} draft tokens accepted over "
         f"{eng['drafts']} verify steps, K {report['k']}) over {report['prompts']['count']} prompts",
         f"drafter as trained (simulate on the engine's sequences): τ {ref['tau']:.4f}  Δ {ref['delta']:+.4f}  "
         f"tolerance {ref['tolerance']:.4f}  {'agree' if ref['within'] else 'DISAGREE'}",
