@@ -92,6 +92,26 @@ import torch
 from safetensors.torch import save_file
 
 SPECULATORS_VERSION = "0.9.0"
+#: what the GPU image lacks for this row (carried as wheels, see the device notes in
+#: benchmarks/variants_device.sh); imports checked there: speculators, speculators.train.trainer
+GPU_WHEELS = (
+    "speculators==0.9.0",
+    "hs-connectors==0.9.0",
+    "loguru==0.7.3",
+    "pydantic-settings==2.16.3",
+    "python-dotenv==1.2.4",
+    "openai==3.63.0",
+    "jiter==0.19.0",
+    "distro==1.9.0",
+    "sniffio==1.3.1",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "datasets==5.1.0",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+)
 
 
 def data_ratio(n_train: int, n_total: int) -> float:
