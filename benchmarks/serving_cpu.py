@@ -56,6 +56,12 @@ DRAFTERS = {  # name: (drafter and train sections, vLLM's method)
 }
 
 
+def gsm8k_file(args) -> Path:
+    """The GSM8K chats of ``--shared``: the training prompts, the held-out questions of `evaluate` and
+    the bench prompts (the last 20)."""
+    return Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
+
+
 def train(args, name: str) -> Path:
     """``<work>/<name>/run``: `eagle3kit run` of one drafter; DFlash's copies EAGLE-3.1's data stages
     (prompts, replies, tokens, vocabulary: up to date there, so only train, export and evaluate run)."""
@@ -72,8 +78,7 @@ def train(args, name: str) -> Path:
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(train(args, "eagle3.1"), run, ignore=keep)
     section = DRAFTERS[name][0].format(k=args.k, block=args.k + 1)
-    gsm8k = Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
-    (d / "config.yaml").write_text(CONFIG.format(run=run, gsm8k=gsm8k, drafter=section, k=args.k))
+    (d / "config.yaml").write_text(CONFIG.format(run=run, gsm8k=gsm8k_file(args), drafter=section, k=args.k))
     run_all(load_config(d / "config.yaml"))
     return run
 
@@ -122,7 +127,7 @@ def check_args(args) -> None:
         raise SystemExit(f"--k {args.k}: give at least 1 draft token a verify step (the default is 7)")
     if args.max_tokens < 1:
         raise SystemExit(f"--max-tokens {args.max_tokens}: give at least 1 output token (the default is 64)")
-    gsm8k = Path(args.shared) / "data" / "chats" / "gsm8k_train.jsonl"
+    gsm8k = gsm8k_file(args)
     if not gsm8k.is_file():
         raise SystemExit(f"--shared {args.shared}: {gsm8k} is missing; pass the shared folder holding it")
     work = Path(args.work)
@@ -165,9 +170,9 @@ def main() -> None:
     t0 = time.time()
     runs = {name: train(args, name) for name in DRAFTERS}
     work = Path(args.work)
-    target = export_fp32_folder(load_target(TargetConfig(), device="cpu"), work / "target")
-    gsm8k = Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
-    rows, _ = read_source(PromptSource(path=str(gsm8k), start=-20))
+    # the float32 folder the runs' export made (cached; vLLM cannot load the GGUF)
+    target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))
+    rows, _ = read_source(PromptSource(path=str(gsm8k_file(args)), start=-20))
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
     servers = {"plain": VLLMServer(target, free_port(), work / "plain.log")}

@@ -403,40 +403,36 @@ def compare_blocks(rows: list[dict]) -> dict | None:
     """
     named = {r["name"]: r for r in rows}
     ref = named.get("eagle3.1_mixed_betas999") or named.get("eagle3.1")
-    if ref is None:
+    blocks = [r for r in rows if r["name"].startswith("dflash") or r["name"] == "speculators_dflash"]
+    if ref is None or not blocks:
         return None
+    columns = [f"{short}_tau_k{k}" for k in KS + EXTRA_KS for short in SETS.values()]
+    columns = [c for c in columns if isinstance(ref.get(c), (int, float))]
+    for c in columns:
+        if not (math.isfinite(ref[c]) and ref[c] > 0):
+            raise ValueError(
+                f"the {ref['name']} row's {c} is {ref[c]!r}, not a positive finite number: "
+                "the reference the block rows are compared with"
+            )
     out = {"reference": ref["name"]}
-    for r in rows:
-        if not (r["name"].startswith("dflash") or r["name"] == "speculators_dflash"):
-            continue
+    for r in blocks:
+        two = len(r["seeds"]) > 1 and len(ref["seeds"]) > 1
         cols = {}
-        for k in KS + EXTRA_KS:
-            for short in SETS.values():
-                c = f"{short}_tau_k{k}"
-                if isinstance(ref.get(c), (int, float)) and not (math.isfinite(ref[c]) and ref[c] > 0):
-                    raise ValueError(
-                        f"the {ref['name']} row's {c} is {ref[c]!r}, not a positive finite number: "
-                        "the reference the block rows are compared with"
-                    )
-                if not isinstance(ref.get(c), (int, float)):
-                    continue
-                if not isinstance(r.get(c), (int, float)) or not math.isfinite(r[c]):
-                    continue  # a NaN or missing column of the block row is left out
-                two = len(r["seeds"]) > 1 and len(ref["seeds"]) > 1
-                spread = max(
-                    (r.get("seed_spread") or {}).get(c, 0.0), (ref.get("seed_spread") or {}).get(c, 0.0)
-                )
-                cols[c] = {
-                    "ratio": round(r[c] / ref[c], 4),
-                    "beyond_seed_spread": abs(r[c] - ref[c]) > spread if two else None,
-                }
+        for c in columns:
+            if not isinstance(r.get(c), (int, float)) or not math.isfinite(r[c]):
+                continue  # a NaN or missing column of the block row is left out
+            spread = max((r.get("seed_spread") or {}).get(c, 0.0), (ref.get("seed_spread") or {}).get(c, 0.0))
+            cols[c] = {
+                "ratio": round(r[c] / ref[c], 4),
+                "beyond_seed_spread": abs(r[c] - ref[c]) > spread if two else None,
+            }
         k7 = [cols.get(f"{s}_tau_k7", {}).get("ratio") for s in SETS.values()]
         out[r["name"]] = {
             "seeds": len(r["seeds"]),
             "vs_reference": cols,
             "aim_1.2x_at_k7_met": all(v >= 1.2 for v in k7) if all(v is not None for v in k7) else None,
         }
-    return out if len(out) > 1 else None
+    return out
 
 
 def _largest_gain(r: dict, cols_of: dict, base: dict, sf: dict | None) -> dict:

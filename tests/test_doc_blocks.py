@@ -12,11 +12,11 @@ from unittest import mock
 
 import doc_blocks as db
 import typer
+from conftest import SHARED
 
 from eagle3kit.cli import app
 
 REPO = db.REPO
-SHARED = Path(os.environ.get("EAGLE3KIT_SHARED") or REPO.parent / "shared").resolve()
 
 
 def run_block(text: str, tmp: Path, venv_on_path: bool = False) -> subprocess.CompletedProcess:
@@ -26,7 +26,7 @@ def run_block(text: str, tmp: Path, venv_on_path: bool = False) -> subprocess.Co
     work.mkdir(parents=True)
     (work / ".venv").symlink_to(REPO / ".venv")
     (work / "examples").symlink_to(REPO / "examples")
-    (tmp / "shared").symlink_to(SHARED)
+    (tmp / "shared").symlink_to(SHARED.resolve())
     env = dict(os.environ)
     if venv_on_path:
         env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"

@@ -42,14 +42,7 @@ def written(tiny_target, tmp_path_factory):
     samples = _samples()
     rows = list(sdr.target_state_rows(tiny_target, samples, AUX, 100, torch.device("cpu")))
     summary = sda.write_offline_data(root / "data", iter(rows), dtype=torch.float32)
-    p = tiny_target.parts
-    sda.write_verifier_dir(
-        tiny_target.config,
-        p.embed.weight,
-        p.final_norm.weight,
-        getattr(p.lm_head, "weight", None),
-        root / "verifier",
-    )
+    sdr.write_verifier(tiny_target, root / "verifier")
     return root, samples, rows, summary
 
 
@@ -92,21 +85,6 @@ def test_data_ratio_is_speculators_split():
         assert int(n * sda.data_ratio(n_train, n)) == n_train
     with pytest.raises(ValueError):
         sda.data_ratio(5, 5)
-
-
-def test_vocab_maps_round_trip_through_speculators_loader(tmp_path):
-    from speculators.train.cli import _load_mappings
-
-    ids = torch.tensor([0, 3, 4, 10, 31])
-    t2d = torch.zeros(40, dtype=torch.bool)
-    t2d[ids] = True
-    d2t = ids - torch.arange(ids.numel())  # offsets: target id = draft id + d2t[draft id]
-    paths = sda.write_vocab_mapping(d2t, t2d, tmp_path)
-    d2t2, t2d2, size = _load_mappings(*paths, None)
-    assert size == 5 and torch.equal(d2t2, d2t) and torch.equal(t2d2, t2d)
-    assert torch.equal(torch.arange(size) + d2t2, t2d2.nonzero().flatten())
-    with pytest.raises(ValueError):
-        sda.write_vocab_mapping(ids, t2d, tmp_path)  # ids, not offsets
 
 
 def test_cli_parses_the_command_and_its_model_trains_on_a_collated_batch(written):

@@ -3,9 +3,9 @@
 speculators trains offline from a folder its own ``speculators prepare-data`` (a ``datasets`` folder)
 and ``speculators generate-offline-data`` (vLLM's hidden-state files) write. This module writes that
 folder from eagle3kit's samples and target states (:func:`write_offline_data`), a small verifier folder
-(:func:`write_verifier_dir`), optionally the draft-vocabulary files (:func:`write_vocab_mapping`), and
-builds the command that trains (:func:`build_train_command`). No speculators code is copied here; the
-formats were read from speculators 0.9.0 (the wheel installed in ``.venv``), file by file:
+(:func:`write_verifier_dir`), and builds the command that trains (:func:`build_train_command`). No
+speculators code is copied here; the formats were read from speculators 0.9.0 (the wheel installed in
+``.venv``), file by file:
 
 Dataset folder (:func:`write_offline_data`)
     * ``train/data.py`` ``ArrowDataset``: ``datasets.load_from_disk(data_path)`` (so a
@@ -47,14 +47,14 @@ Loss mask (``models/dflash/utils.py`` ``select_anchors``, ``core.py`` ``_backbon
     give both, so the mask is written as speculators' own data preparation writes it: eagle3kit's
     completion mask unchanged (1 on reply tokens).
 
-Vocabulary (:func:`write_vocab_mapping`)
+Vocabulary
     ``train/cli.py`` ``_load_mappings``: ``--d2t-path``/``--t2d-path`` are ``numpy.load`` files;
     ``train/vocab_mapping.py`` ``build_vocab_mappings_from_distribution``: d2t int64 [Vd] of offsets
     (target id = draft id + d2t[draft id]), t2d bool [V] — eagle3kit's convention. Without them and
     without ``--draft-vocab-size`` (``parse_vocab_mappings``) speculators uses the full verifier
     vocabulary. eagle3kit's DFlash drafter has no draft vocabulary (``model/dflash.py``: the target's
     lm_head, full vocabulary), and its DFlash reader drops a reduced ``lm_head`` (``read_dflash``),
-    so the benchmark row trains with the full vocabulary; the files are written only on request.
+    so the benchmark row trains with the full vocabulary and passes neither file.
 
 Verifier folder (:func:`write_verifier_dir`)
     ``AutoConfig.from_pretrained`` / ``PretrainedConfig.get_config_dict`` (``config.json``: layer count,
@@ -87,7 +87,6 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -198,22 +197,6 @@ def write_offline_data(
     return summary
 
 
-def write_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, out_dir: str | Path) -> tuple[Path, Path]:
-    """``d2t.npy`` (int64 offsets, target id = draft id + d2t[draft id]) and ``t2d.npy`` (bool [V]),
-    as ``--d2t-path``/``--t2d-path`` read them; checks the two maps agree. Returns both paths."""
-    d2t = d2t.to(torch.int64).cpu()
-    t2d = t2d.to(torch.bool).cpu()
-    targets = torch.arange(d2t.numel()) + d2t
-    if int(t2d.sum()) != d2t.numel() or not bool(t2d[targets].all()) or not bool((targets.diff() > 0).all()):
-        raise ValueError("d2t and t2d disagree: d2t must be offsets onto t2d's ids in ascending order")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "d2t.npy", out / "t2d.npy"
-    np.save(paths[0], d2t.numpy())
-    np.save(paths[1], t2d.numpy())
-    return paths
-
-
 def write_verifier_dir(
     target_config, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor | None, out_dir
 ) -> Path:
@@ -248,12 +231,9 @@ def build_train_command(
     block_size: int = 8,
     num_layers: int = 5,
     full_attention: bool = True,
-    vocab_paths: tuple[str | Path, str | Path] | None = None,
     attn_impl: str | None = None,
     loss_implementation: str | None = None,
     num_workers: int | None = None,
-    checkpoint_freq: int | None = None,
-    max_steps: int | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """argv of ``python -m speculators.train`` for DFlash on the folders this module writes.
@@ -265,7 +245,8 @@ def build_train_command(
     block; it writes ``sliding_window_non_causal: true``, without which vLLM 0.32 and eagle3kit's
     ``check`` read the drafter as causal in the block). ``attn_impl``/
     ``loss_implementation``: left to speculators' defaults (flex attention, fused loss) unless given
-    (``sdpa``/``eager`` on a CPU). ``checkpoint_freq``: default ``epochs`` (epoch 0 and the last)."""
+    (``sdpa``/``eager`` on a CPU). A checkpoint after epoch 0 and the last (``--checkpoint-freq``
+    ``epochs``)."""
     argv = [python, "-m", "speculators.train", "--speculator-type", "dflash"]
     argv += ["--verifier-name-or-path", str(verifier), "--data-path", str(data_path)]
     argv += ["--hidden-states-backend", "file", "--on-missing", "raise"]
@@ -278,17 +259,13 @@ def build_train_command(
         argv += ["--full-attention-indices", *map(str, range(num_layers)), "--sliding-window-non-causal"]
     argv += ["--train-data-ratio", repr(train_ratio), "--total-seq-len", str(total_seq_len)]
     argv += ["--epochs", str(epochs), "--lr", repr(lr), "--seed", str(seed)]
-    argv += ["--checkpoint-freq", str(checkpoint_freq or epochs)]
-    if vocab_paths is not None:
-        argv += ["--d2t-path", str(vocab_paths[0]), "--t2d-path", str(vocab_paths[1])]
+    argv += ["--checkpoint-freq", str(epochs)]
     if attn_impl:
         argv += ["--draft-attn-impl", attn_impl]
     if loss_implementation:
         argv += ["--loss-implementation", loss_implementation]
     if num_workers is not None:
         argv += ["--num-workers", str(num_workers)]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
     return argv
 
 

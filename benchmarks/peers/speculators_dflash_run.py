@@ -51,6 +51,15 @@ def dflash_defaults():
     return DrafterVariantConfig(variant="dflash")
 
 
+def write_verifier(target, out: Path) -> Path:
+    """speculators' verifier folder for ``target``: its config, embedding, final norm and lm_head
+    (:func:`speculators_dflash_adapter.write_verifier_dir`)."""
+    p = target.parts
+    return sda.write_verifier_dir(
+        target.config, p.embed.weight, p.final_norm.weight, getattr(p.lm_head, "weight", None), out
+    )
+
+
 def target_state_rows(target, samples, aux_ids, tokens_per_batch: int, device):
     """Yield ``(ids, mask, aux, last_prenorm)`` per sample, in order: one target pass over consecutive
     samples of at most ``tokens_per_batch`` padded tokens (right padding), the aux states at HF indices
@@ -107,14 +116,7 @@ def train_speculators_dflash(args, key: str, vdir: Path, heldout_tau, open_run, 
     work = vdir / "speculators"
     if work.exists():
         shutil.rmtree(work)
-    parts = target.parts
-    sda.write_verifier_dir(
-        target.config,
-        parts.embed.weight,
-        parts.final_norm.weight,
-        getattr(parts.lm_head, "weight", None),
-        work / "verifier",
-    )
+    write_verifier(target, work / "verifier")
     t = time.perf_counter()
     data = sda.write_offline_data(
         work / "data",

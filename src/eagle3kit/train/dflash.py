@@ -109,6 +109,14 @@ def dflash_loss(
     }
 
 
+def _check_draft_length(drafter: DFlashDrafter, k: int) -> None:
+    """ValueError when ``k`` drafts do not fit a block (at most ``block_size − 1``)."""
+    if k > drafter.cfg.block_size - 1:
+        raise ValueError(
+            f"{k} draft tokens from a block of {drafter.cfg.block_size} (at most block_size − 1)"
+        )
+
+
 @torch.no_grad()
 def draft_block(
     drafter: DFlashDrafter, target: Target, ctx: torch.Tensor, ids: torch.Tensor, p: int, k: int
@@ -117,10 +125,7 @@ def draft_block(
     ``[ids[p], MASK × k]`` reading the context of positions ``< p``.
 
     Args: ctx [1, ≥p, H] from :meth:`DFlashDrafter.context`; ids int64 [1, ≥p+1]. Returns: k target ids."""
-    if k > drafter.cfg.block_size - 1:
-        raise ValueError(
-            f"{k} draft tokens from a block of {drafter.cfg.block_size} (at most block_size − 1)"
-        )
+    _check_draft_length(drafter, k)
     c = ctx[:, :p]
     tokens = torch.full((1, k + 1), drafter.cfg.mask_token_id, dtype=torch.long, device=ids.device)
     tokens[0, 0] = ids[0, p]
@@ -149,10 +154,7 @@ def block_drafts(
         drafter's own); causal: slots attend causally within the block (:func:`block_mask`); both
         other than the drafter's only to simulate an engine that reads them otherwise.
     Returns: int64 [T − 1 − first, k] (row p − first)."""
-    if k > drafter.cfg.block_size - 1:
-        raise ValueError(
-            f"{k} draft tokens from a block of {drafter.cfg.block_size} (at most block_size − 1)"
-        )
+    _check_draft_length(drafter, k)
     T = ids.numel()
     anchors = torch.arange(first, T - 1, device=ids.device)[None]
     mask_id = drafter.cfg.mask_token_id if mask_token_id is None else mask_token_id
