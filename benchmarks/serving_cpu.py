@@ -8,13 +8,16 @@ vLLM servers (no speculation, ``{"method": "eagle3", …}``, ``{"method": "dflas
 plain one at concurrency 1 and 4 on the last 20 GSM8K train questions (never trained on), greedy.
 DFlash's case: one draft forward per block instead of one per token.
 
-    python benchmarks/serving_cpu.py --work /tmp/serving_cpu --shared ../shared [--k 7]
+    python benchmarks/serving_cpu.py --work /tmp/serving_cpu --shared ../shared [--k 7] [--seeds 0,1,2]
 
 About 15 minutes on the 2-core CPU machine (it says so up front): 2 to generate, 5 to train EAGLE-3.1 at
 TTT 7, 5 for DFlash, 1 to start the servers, 2 to bench. Resumable: a run that finished
-is not trained again, a bench record already written is kept. Writes ``benchmarks/results/serving_cpu.json``
-(one row per drafter: τ from vLLM's counters and from `evaluate`, output tokens/s with and without the
-drafter, speedup, per concurrency) and prints one table.
+is not trained again, a bench record already written is kept. ``--seeds`` trains each drafter once per
+training seed on the same data (about 10 more minutes of training and 4 of serving per extra seed) and gives
+the spread of τ and of speedup across seeds. Writes ``benchmarks/results/serving_cpu.json`` (one row per
+drafter and seed: τ from vLLM's counters and from `evaluate`, output tokens/s with and without the drafter,
+speedup, per concurrency; ``spread``: per drafter, the lowest and highest of each across seeds) and prints
+one table.
 """
 
 from __future__ import annotations
@@ -62,22 +65,30 @@ def gsm8k_file(args) -> Path:
     return Path(args.shared).resolve() / "data" / "chats" / "gsm8k_train.jsonl"
 
 
-def train(args, name: str) -> Path:
-    """``<work>/<name>/run``: `eagle3kit run` of one drafter; DFlash's copies EAGLE-3.1's data stages
-    (prompts, replies, tokens, vocabulary: up to date there, so only train, export and evaluate run)."""
+def run_name(name: str, seed: int) -> str:
+    """The folder of one drafter's run for one training seed: ``eagle3.1``, ``dflash`` for seed 0 (the
+    names the first runs had), ``eagle3.1-seed1`` and so on for the others."""
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def train(args, name: str, seed: int = 0) -> Path:
+    """``<work>/<name>[-seed<s>]/run``: `eagle3kit run` of one drafter with ``train.seed`` = ``seed``;
+    every run but seed 0's EAGLE-3.1 copies that run's data stages (prompts, replies, tokens, vocabulary:
+    up to date there, so only train, export and evaluate run), so all train on the same tokens."""
     from eagle3kit.core.config import load_config
     from eagle3kit.pipeline import run_all
 
-    d = Path(args.work) / name
+    d = Path(args.work) / run_name(name, seed)
     run = d / "run"
     if evaluate_tau(run) is not None:
         return run
     d.mkdir(parents=True, exist_ok=True)
-    if name != "eagle3.1":
+    if (name, seed) != ("eagle3.1", 0):
         keep = shutil.ignore_patterns("checkpoints", "drafter*", "evaluate", "tensorboard", "train_log.jsonl")
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(train(args, "eagle3.1"), run, ignore=keep)
     section = DRAFTERS[name][0].format(k=args.k, block=args.k + 1)
+    section = section.replace("train: {", f"train: {{seed: {seed}, ", 1)
     (d / "config.yaml").write_text(CONFIG.format(run=run, gsm8k=gsm8k_file(args), drafter=section, k=args.k))
     run_all(load_config(d / "config.yaml"))
     return run
@@ -95,7 +106,8 @@ def evaluate_tau(run: Path) -> float | None:
 
 
 def bench(args, name: str, spec, plain, prompts: Path, drafter: Path) -> dict:
-    """`eagle3kit bench` of one drafter's server against the plain one (concurrency 1 and 4)."""
+    """`eagle3kit bench` of one drafter's server against the plain one (concurrency 1 and 4); ``name`` is
+    the run's folder name (``bench-<name>`` holds the record)."""
     out = Path(args.work) / f"bench-{name}"
     if not (out / "bench.json").exists():
         cmd = [sys.executable, "-m", "eagle3kit", "bench", "--base-url", spec.url, "--baseline-url",
@@ -106,7 +118,7 @@ def bench(args, name: str, spec, plain, prompts: Path, drafter: Path) -> dict:
     return json.loads((out / "bench.json").read_text())
 
 
-def row(name: str, record: dict, tau_eval: float | None) -> dict:
+def row(name: str, seed: int, record: dict, tau_eval: float | None) -> dict:
     """One drafter's row from its bench record: per concurrency, output tokens/s with and without it."""
     spec, base = record["servers"]["speculative"]["results"], record["servers"]["baseline"]["results"]
     levels = {}
@@ -117,16 +129,83 @@ def row(name: str, record: dict, tau_eval: float | None) -> dict:
             "speedup": s.get("speedup"),
             "tau_vllm": (s.get("acceptance") or {}).get("tau"),
         }
-    return {"drafter": name, "tau_evaluate": tau_eval, "levels": levels}
+    return {"drafter": name, "seed": seed, "tau_evaluate": tau_eval, "levels": levels}
+
+
+def serve_seed(args, target: Path, prompts: Path, seed: int) -> list[dict]:
+    """One seed's rows: a plain server and one server per drafter trained with ``seed``, run at once and
+    benched; a seed whose bench records are all written starts no server."""
+    from eagle3kit.core.engines import VLLMServer, free_port, start_servers
+
+    work = Path(args.work)
+    runs = {name: train(args, name, seed) for name in DRAFTERS}
+    names = {name: run_name(name, seed) for name in DRAFTERS}
+    if all((work / f"bench-{n}" / "bench.json").exists() for n in names.values()):
+        return [row(name, seed, bench(args, names[name], None, None, prompts, runs[name] / "drafter"),
+                    evaluate_tau(runs[name])) for name in runs]  # fmt: skip
+    servers = {"plain": VLLMServer(target, free_port(), work / f"plain-seed{seed}.log")}
+    for name, run in runs.items():
+        spec = {"method": DRAFTERS[name][1], "model": str(run / "drafter"), "num_speculative_tokens": args.k}
+        extra = ["--speculative-config", json.dumps(spec)]
+        servers[name] = VLLMServer(target, free_port(), work / f"{names[name]}.log", extra_args=extra)
+    start_servers(list(servers.values()), 900)
+    try:
+        return [
+            row(name, seed, bench(args, names[name], servers[name], servers["plain"], prompts, run / "drafter"),
+                evaluate_tau(run))
+            for name, run in runs.items()
+        ]  # fmt: skip
+    finally:
+        for s in servers.values():
+            s.kill()
+
+
+def spread(rows: list[dict]) -> dict:
+    """Per drafter, across its seeds: ``[lowest, highest]`` of τ from `evaluate`, of τ from vLLM's
+    counters and of speedup at each concurrency, and the number of seeds."""
+    out: dict = {}
+    for name in dict.fromkeys(r["drafter"] for r in rows):
+        mine = [r for r in rows if r["drafter"] == name]
+
+        def span(values):
+            vals = [v for v in values if isinstance(v, (int, float))]
+            return [round(min(vals), 4), round(max(vals), 4)] if vals else None
+
+        entry = {"seeds": [r["seed"] for r in mine], "tau_evaluate": span(r["tau_evaluate"] for r in mine)}
+        for c in ("1", "4"):
+            entry[f"tau_vllm_c{c}"] = span(r["levels"].get(c, {}).get("tau_vllm") for r in mine)
+            entry[f"speedup_c{c}"] = span(r["levels"].get(c, {}).get("speedup") for r in mine)
+        out[name] = entry
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: comma-separated training seeds, each a non-negative integer, none twice.
+
+    Raises:
+        SystemExit: naming the bad entry and the form wanted."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()) or (len(part) > 1 and part.startswith("0")):
+            raise SystemExit(
+                f"--seeds {text}: {part!r} is not a seed; give non-negative integers, e.g. 0,1,2"
+            )
+        if int(part) in seeds:
+            raise SystemExit(f"--seeds {text}: seed {part} is given twice")
+        seeds.append(int(part))
+    return seeds
 
 
 def check_args(args) -> None:
     """Refuse bad options before anything runs; ``<work>/settings.json`` keeps the first run's K and
-    max tokens, so a resumed run cannot mix runs and bench records made with other values."""
+    max tokens, so a resumed run cannot mix runs and bench records made with other values (seeds may be
+    added to a resumed run)."""
     if args.k < 1:
         raise SystemExit(f"--k {args.k}: give at least 1 draft token a verify step (the default is 7)")
     if args.max_tokens < 1:
         raise SystemExit(f"--max-tokens {args.max_tokens}: give at least 1 output token (the default is 64)")
+    args.seed_list = parse_seeds(args.seeds)
     gsm8k = gsm8k_file(args)
     if not gsm8k.is_file():
         raise SystemExit(f"--shared {args.shared}: {gsm8k} is missing; pass the shared folder holding it")
@@ -146,53 +225,62 @@ def check_args(args) -> None:
         path.write_text(json.dumps(settings) + "\n")
 
 
+def print_table(k: int, rows: list[dict]) -> None:
+    """The one table: a line per drafter and seed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"serving on vLLM's CPU build, K = {k}: output tokens/s (plain) and speedup")
+    for col in ("drafter", "seed", "τ vLLM c=1", "τ evaluate", "c=1 tok/s (plain)", "speedup c=1",
+                "c=4 tok/s (plain)", "speedup c=4"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "drafter" else "right")
+    for r in rows:
+        c1, c4 = r["levels"].get("1", {}), r["levels"].get("4", {})
+        table.add_row(
+            r["drafter"],
+            str(r["seed"]),
+            f"{c1.get('tau_vllm') or 0:.3f}",
+            f"{r['tau_evaluate'] or 0:.3f}",
+            f"{c1.get('output_tokens_per_s', 0):.1f} ({c1.get('plain_output_tokens_per_s', 0):.1f})",
+            f"{c1.get('speedup') or 0:.2f}",
+            f"{c4.get('output_tokens_per_s', 0):.1f} ({c4.get('plain_output_tokens_per_s', 0):.1f})",
+            f"{c4.get('speedup') or 0:.2f}",
+        )
+    Console(width=150).print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", required=True, help="working folder (runs, bench records, server logs)")
     ap.add_argument("--shared", required=True, help="the shared folder holding data/chats")
     ap.add_argument("--k", type=int, default=7, help="draft tokens a verify step (DFlash blocks of K + 1)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument(
+        "--seeds", default="0", help="training seeds, comma-separated (each drafter once per seed)"
+    )
     ap.add_argument("--out", default=str(OUT), help="the results JSON")
     args = ap.parse_args()
     check_args(args)
     from common import expected_time
 
+    n = len(args.seed_list)
     expected_time(
         "serving_cpu",
-        "about 15 minutes on a 2-core CPU (generate 2, train 10, servers 1, bench 2); "
-        f"K = {args.k}, results to {args.out}",
+        f"about {15 * n} minutes on a 2-core CPU ({n} seed(s); each: train 10, servers 1, bench 2; "
+        f"generate 2 once); K = {args.k}, results to {args.out}",
     )
     from eagle3kit.core.config import PromptSource, TargetConfig
-    from eagle3kit.core.engines import VLLMServer, free_port, start_servers
     from eagle3kit.data.sources import read_source
     from eagle3kit.model.target import export_fp32_folder, load_target
 
     t0 = time.time()
-    runs = {name: train(args, name) for name in DRAFTERS}
-    work = Path(args.work)
+    train(args, "eagle3.1")  # the data stages every run copies
     # the float32 folder the runs' export made (cached; vLLM cannot load the GGUF)
     target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))
     rows, _ = read_source(PromptSource(path=str(gsm8k_file(args)), start=-20))
-    prompts = work / "prompts.jsonl"
+    prompts = Path(args.work) / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
-    servers = {"plain": VLLMServer(target, free_port(), work / "plain.log")}
-    for name, run in runs.items():
-        spec = {"method": DRAFTERS[name][1], "model": str(run / "drafter"), "num_speculative_tokens": args.k}
-        extra = ["--speculative-config", json.dumps(spec)]
-        servers[name] = VLLMServer(target, free_port(), work / f"{name}.log", extra_args=extra)
-    start_servers(list(servers.values()), 900)
-    try:
-        out_rows = [
-            row(
-                n,
-                bench(args, n, servers[n], servers["plain"], prompts, runs[n] / "drafter"),
-                evaluate_tau(runs[n]),
-            )
-            for n in runs
-        ]
-    finally:
-        for s in servers.values():
-            s.kill()
+    out_rows = [r for seed in args.seed_list for r in serve_seed(args, target, prompts, seed)]
     result = {
         "benchmark": "benchmarks/serving_cpu.py",
         "command": " ".join(["python", "benchmarks/serving_cpu.py", *sys.argv[1:]]),
@@ -203,27 +291,10 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "seconds": round(time.time() - t0),
         "rows": out_rows,
+        "spread": spread(out_rows),
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"serving on vLLM's CPU build, K = {args.k}: output tokens/s (plain) and speedup")
-    for col in ("drafter", "τ vLLM c=1", "τ evaluate", "c=1 tok/s (plain)", "speedup c=1", "c=4 tok/s (plain)",
-                "speedup c=4"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "drafter" else "right")
-    for r in out_rows:
-        c1, c4 = r["levels"].get("1", {}), r["levels"].get("4", {})
-        table.add_row(
-            r["drafter"],
-            f"{c1.get('tau_vllm') or 0:.3f}",
-            f"{r['tau_evaluate'] or 0:.3f}",
-            f"{c1.get('output_tokens_per_s', 0):.1f} ({c1.get('plain_output_tokens_per_s', 0):.1f})",
-            f"{c1.get('speedup') or 0:.2f}",
-            f"{c4.get('output_tokens_per_s', 0):.1f} ({c4.get('plain_output_tokens_per_s', 0):.1f})",
-            f"{c4.get('speedup') or 0:.2f}",
-        )
-    Console(width=140).print(table)
+    print_table(args.k, out_rows)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,17 @@ def test_serving_cpu_refuses_bad_options_before_its_expected_time_line(monkeypat
     assert "gsm8k_train.jsonl is missing" in refusal("--shared", str(tmp_path / "nowhere"))
     assert "exists and is not a folder" in refusal("--work", str(tmp_path / "file"))
     assert not work.exists()
-    serving_cpu.check_args(serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work))
+    assert "'x' is not a seed" in refusal("--seeds", "0,x")
+    assert "'01' is not a seed" in refusal("--seeds", "01")
+    assert "'-1' is not a seed" in refusal("--seeds", "-1")
+    assert "seed 1 is given twice" in refusal("--seeds", "1,2,1")
+    assert not work.exists()
+    ns = serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work, seeds="0,2,1")
+    serving_cpu.check_args(ns)
+    assert ns.seed_list == [0, 2, 1]
     assert (work / "settings.json").read_text() == '{"k": 7, "max_tokens": 64}\n'
-    serving_cpu.check_args(serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work))
+    ns.seeds = "0,1,2,3"  # seeds may be added to a resumed run: its K and max tokens are what must match
+    serving_cpu.check_args(ns)
     message = refusal("--k", "3")
     assert (
         "k=7, max_tokens=64" in message
@@ -106,3 +114,45 @@ def test_expected_time_refuses_an_empty_or_non_str_estimate_and_reads_not_timed_
             expected_time("x", bad)
     expected_time("peers", "Not timed yet")
     assert capsys.readouterr().out == "peers: Not timed yet; progress lines follow\n"
+
+
+def test_serving_cpu_spread_spans_each_drafters_seeds_apart(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serving_cpu", None)
+    import serving_cpu
+
+    def r(drafter, seed, tau_eval, *levels):
+        keys = ("1", "4")[: len(levels)]
+        return {
+            "drafter": drafter,
+            "seed": seed,
+            "tau_evaluate": tau_eval,
+            "levels": {
+                c: {"tau_vllm": t, "speedup": x, "output_tokens_per_s": 1.0}
+                for c, (t, x) in zip(keys, levels)
+            },
+        }
+
+    rows = [
+        r("eagle3.1", 0, 1.74, (1.73, 1.04), (1.73, 0.67)),
+        r("dflash", 0, 1.35, (1.35, 0.89), (1.35, 0.56)),
+        r("eagle3.1", 1, 1.70, (1.71, 1.08), (1.71, 0.64)),
+        r("dflash", 1, None, (1.40, 0.91)),
+    ]
+    got = serving_cpu.spread(rows)
+    assert list(got) == ["eagle3.1", "dflash"]
+    assert got["eagle3.1"] == {
+        "seeds": [0, 1],
+        "tau_evaluate": [1.70, 1.74],
+        "tau_vllm_c1": [1.71, 1.73],
+        "speedup_c1": [1.04, 1.08],
+        "tau_vllm_c4": [1.71, 1.73],
+        "speedup_c4": [0.64, 0.67],
+    }
+    # a value a seed lacks is left out of the span, not read as zero
+    assert got["dflash"]["tau_evaluate"] == [1.35, 1.35]
+    assert got["dflash"]["speedup_c4"] == [0.56, 0.56]
+    assert got["dflash"]["speedup_c1"] == [0.89, 0.91]
+    assert (
+        serving_cpu.run_name("dflash", 0) == "dflash" and serving_cpu.run_name("dflash", 2) == "dflash-seed2"
+    )
