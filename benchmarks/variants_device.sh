@@ -57,7 +57,10 @@ pack)
 stage1)
   mkdir -p /tmp/stage /tmp/site && cp .device/p1/part.aa /tmp/stage/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.train.stage, eagle3kit.cli, hs_connectors, pydantic, rich, specforge; print('imports ok')"
+  peers="" # the peers whose wheels .whl carries (SpecForge for the recipe, speculators for dflash)
+  ls .whl/specforge-*.whl >/dev/null 2>&1 && peers="$peers, specforge"
+  ls .whl/speculators-*.whl >/dev/null 2>&1 && peers="$peers, speculators.train.trainer, speculators.models.dflash"
+  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.train.stage, eagle3kit.cli, hs_connectors, pydantic, rich$peers; print('imports ok:$peers')"
   ;;
 speed)
   rows=${1:?rows}
