@@ -112,19 +112,25 @@ EOS
   exec "$0" wait "${VW_WAIT:-480}"
   ;;
 dflash)
-  # DFlash beside EAGLE-3.1 (2026-12-05): the data run made here on the H200 (transformers), then
+  # DFlash beside EAGLE-3.1 (2026-12-05): the data run made here on the H200 (transformers), or carried
+  # from the CPU when .vwdata holds base.tar.xz (pack; its tokens and vocabulary made again here), then
   # ROWS (e.g. eagle3.1:0,dflash:0,dflash_b16:0,speculators_dflash:0) PARALLEL at once, τ at K = 3, 5
   # and 7; then VW_AFTER (a command, run in the repo copy once the rows are measured), if set
   rows=${1:?rows}
   par=${2:-3}
   install_smollm2 || exit 1
   mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
+  data='$V --stages data'
+  if [ -f .vwdata/base.tar.xz ]; then # a data run made on the CPU (pack): only its tokens and vocabulary again
+    tar -C $W -xJf .vwdata/base.tar.xz && rm -f $W/base/tokens.safetensors $W/base/vocab.safetensors
+    data="(cd benchmarks && python3 -c \"from common import open_run; open_run('$W/base')\")"
+  fi
   copy_repo
   cat >$W/dflash.sh <<EOS
 cd $REPO
 export PYTHONPATH=/tmp/site:$REPO/src SPECULATORS_PATH=/tmp/site PYTHONUNBUFFERED=1
 V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
-\$V --stages data >$W/data.log 2>&1
+$data >$W/data.log 2>&1
 \$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >$W/main.log 2>&1
 echo "variants: τ done" >>$W/main.log
 if [ -n "\${VW_AFTER:-}" ]; then bash -c "\$VW_AFTER" >$W/after.log 2>&1; fi
