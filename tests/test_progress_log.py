@@ -58,3 +58,25 @@ def test_the_line_reads_like_a_person_would_write_it():
     p.update(t, completed=10, tokens=12000)
     line = ui.progress_line(p.tasks[0])
     assert line.startswith("train epoch 3/20: 10/40 (25%), ") and ", loss 9.1, " in line and "ETA " in line
+
+
+def test_a_stage_that_advances_in_large_batches_still_gets_an_eta():
+    """rich estimates speed from the last 30 s of steps; generation advances 128 rows at a time, a
+    minute apart, and its log lines read "ETA ?" between batches. The line falls back to the rate since
+    the start: 1,280 of 1,500 rows in 480 s leave 220 rows, 82.5 s."""
+    from rich.progress import Progress
+
+    clock = [0.0]
+    p = Progress(get_time=lambda: clock[0])
+    t = p.add_task("generate (vllm)", total=1500, tokens=0, note="")
+    p.start_task(t)
+    clock[0] = 450.0
+    p.update(t, completed=1280, tokens=250_000)
+    clock[0] = 480.0 + p.speed_estimate_period  # no step within rich's window
+    task = p.tasks[0]
+    assert task.time_remaining is None
+    secs = ui.eta_seconds(task)
+    assert abs(secs - 220 * task.elapsed / 1280) < 1e-9
+    assert ui.progress_line(task).endswith(f"ETA {ui._clock(secs)}") and "ETA ?" not in ui.progress_line(task)
+    fresh = p.add_task("tokenize", total=10)
+    assert ui.eta_seconds(p.tasks[fresh]) is None  # before its first step: no rate to go by

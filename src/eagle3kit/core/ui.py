@@ -47,9 +47,21 @@ def _clock(seconds: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def eta_seconds(task) -> float | None:
+    """Seconds left of a rich task: rich's estimate from its recent steps, else (no step in rich's window,
+    as when a stage advances in large batches) the rate since the start, ``(total − done) · elapsed /
+    done``; None before the first step or without a total."""
+    if task.time_remaining is not None:
+        return task.time_remaining
+    elapsed = task.elapsed or 0.0
+    if not task.total or task.completed <= 0 or elapsed <= 0:
+        return None
+    return max(task.total - task.completed, 0) * elapsed / task.completed
+
+
 def progress_line(task) -> str:
     """One line for a log: ``description: done/total (pct), tokens/s, elapsed, ETA`` of a rich task
-    (``tokens`` task field: tokens so far; ETA from the rate of completed steps, ``?`` before one is)."""
+    (``tokens`` task field: tokens so far; ETA from :func:`eta_seconds`, ``?`` before a step is done)."""
     elapsed = task.elapsed or 0.0
     tokens = task.fields.get("tokens", 0)
     total = f"/{task.total:,.0f}" if task.total else ""
@@ -58,7 +70,7 @@ def progress_line(task) -> str:
     note = f", {task.fields['note']}" if task.fields.get("note") else ""
     return (
         f"{task.description}: {task.completed:,.0f}{total}{pct}{rate}{note}, {_clock(elapsed)} elapsed, "
-        f"ETA {_clock(task.time_remaining)}"
+        f"ETA {_clock(eta_seconds(task))}"
     )
 
 
