@@ -92,14 +92,15 @@ from safetensors.torch import save_file
 
 SPECULATORS_VERSION = "0.9.0"
 #: what the GPU image lacks for this row (carried as wheels, see the device notes in
-#: benchmarks/variants_device.sh); imports checked there: speculators, speculators.train.trainer
+#: benchmarks/variants_device.sh); imports checked there: speculators, speculators.train.trainer.
+#: openai 2.x: openai 3.x imports ``httpx2``, which the image lacks (seen on the device 2026-12-05).
 GPU_WHEELS = (
     "speculators==0.9.0",
     "hs-connectors==0.9.0",
     "loguru==0.7.3",
     "pydantic-settings==2.16.3",
     "python-dotenv==1.2.4",
-    "openai==3.63.0",
+    "openai==2.54.0",
     "jiter==0.19.0",
     "distro==1.9.0",
     "sniffio==1.3.1",

@@ -21,7 +21,8 @@ about ``train.tokens_per_step`` tokens a step (one packed row of ``--total-seq-l
 accumulation). Its defaults kept: loss ``ce`` = cross-entropy on the target's argmax (distils the
 target's top-1 at each slot, where eagle3kit's ``dflash`` row trains on the data's tokens), D-PACE
 position weights (γ 4 otherwise), Muon + AdamW, linear schedule, 512 anchors per packed row, bf16
-autocast, flex attention, gradient clip 1. Its final epoch is measured (no best checkpoint).
+autocast, flex attention, gradient clip 1. Its loss runs unfused (``--loss-implementation eager``): its
+fused Triton kernel stops under the GPU image's torch 2.11 compile. Its final epoch is measured (no best checkpoint).
 
 eagle3kit's ``run_import`` reads EAGLE-3 layouts only; a DFlash folder of speculators' layout is read
 by ``eagle3kit.model.dflash_folder.read_dflash`` (which ``heldout_tau`` uses) and checked with
@@ -137,7 +138,10 @@ def train_speculators_dflash(args, key: str, vdir: Path, heldout_tau, open_run, 
         "full_attention": True,
         # speculators' defaults on a GPU (flex attention, fused loss); a CPU has neither
         "attn_impl": None if on_gpu else "sdpa",
-        "loss_implementation": None if on_gpu else "eager",
+        # eager on the GPU too: speculators' fused Triton loss stops under the device image's torch 2.11
+        # compile (2026-12-05, H100: dynamo "ListVariable ... is already tracked for mutation" at
+        # losses/fused.py loss_backward_kernel.configs, 4 minutes into epoch 1); the same CE, unfused
+        "loss_implementation": "eager",
         "num_workers": None if on_gpu else 0,
     }
     argv = sda.build_train_command(
