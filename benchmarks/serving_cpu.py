@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -74,13 +75,14 @@ def run_name(name: str, seed: int) -> str:
 def train(args, name: str, seed: int = 0) -> Path:
     """``<work>/<name>[-seed<s>]/run``: `eagle3kit run` of one drafter with ``train.seed`` = ``seed``;
     every run but seed 0's EAGLE-3.1 copies that run's data stages (prompts, replies, tokens, vocabulary:
-    up to date there, so only train, export and evaluate run), so all train on the same tokens."""
+    up to date there, so only train, export and evaluate run), so all train on the same tokens. A run is
+    done when ``<name>[-seed<s>]/trained.json`` and its drafter folder exist."""
     from eagle3kit.core.config import load_config
     from eagle3kit.pipeline import run_all
 
     d = Path(args.work) / run_name(name, seed)
-    run = d / "run"
-    if evaluate_tau(run) is not None:
+    run, done = d / "run", d / "trained.json"
+    if done.exists() and (run / "drafter").is_dir():
         return run
     d.mkdir(parents=True, exist_ok=True)
     if (name, seed) != ("eagle3.1", 0):
@@ -91,6 +93,9 @@ def train(args, name: str, seed: int = 0) -> Path:
     section = section.replace("train: {", f"train: {{seed: {seed}, ", 1)
     (d / "config.yaml").write_text(CONFIG.format(run=run, gsm8k=gsm8k_file(args), drafter=section, k=args.k))
     run_all(load_config(d / "config.yaml"))
+    # written last: a run stopped before this point is trained again (the copied report.json still holds
+    # seed 0's EAGLE-3.1 τ until this run's evaluate replaces it, so that τ cannot say "done")
+    done.write_text(json.dumps({"drafter": name, "seed": seed, "tau_evaluate": evaluate_tau(run)}) + "\n")
     return run
 
 
@@ -138,11 +143,12 @@ def serve_seed(args, target: Path, prompts: Path, seed: int) -> list[dict]:
     from eagle3kit.core.engines import VLLMServer, free_port, start_servers
 
     work = Path(args.work)
-    runs = {name: train(args, name, seed) for name in DRAFTERS}
     names = {name: run_name(name, seed) for name in DRAFTERS}
-    if all((work / f"bench-{n}" / "bench.json").exists() for n in names.values()):
+    if all((work / f"bench-{n}" / "bench.json").exists() for n in names.values()):  # benched: train nothing
+        runs = {name: work / names[name] / "run" for name in DRAFTERS}
         return [row(name, seed, bench(args, names[name], None, None, prompts, runs[name] / "drafter"),
                     evaluate_tau(runs[name])) for name in runs]  # fmt: skip
+    runs = {name: train(args, name, seed) for name in DRAFTERS}
     servers = {"plain": VLLMServer(target, free_port(), work / f"plain-seed{seed}.log")}
     for name, run in runs.items():
         spec = {"method": DRAFTERS[name][1], "model": str(run / "drafter"), "num_speculative_tokens": args.k}
@@ -162,37 +168,55 @@ def serve_seed(args, target: Path, prompts: Path, seed: int) -> list[dict]:
 
 def spread(rows: list[dict]) -> dict:
     """Per drafter, across its seeds: ``[lowest, highest]`` of τ from `evaluate`, of τ from vLLM's
-    counters and of speedup at each concurrency, and the number of seeds."""
+    counters and of speedup at each concurrency, and the seeds. A value some seed lacks (missing, None,
+    not a finite number) makes that span None: a span over fewer seeds than listed is no seed spread."""
     out: dict = {}
     for name in dict.fromkeys(r["drafter"] for r in rows):
         mine = [r for r in rows if r["drafter"] == name]
 
         def span(values):
-            vals = [v for v in values if isinstance(v, (int, float))]
-            return [round(min(vals), 4), round(max(vals), 4)] if vals else None
+            vals = list(values)
+            if not vals or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                   for v in vals):  # fmt: skip
+                return None
+            return [round(min(vals), 4), round(max(vals), 4)]
 
-        entry = {"seeds": [r["seed"] for r in mine], "tau_evaluate": span(r["tau_evaluate"] for r in mine)}
+        def level(r, c):
+            return (r.get("levels") or {}).get(c) or {}
+
+        entry = {
+            "seeds": [r["seed"] for r in mine],
+            "tau_evaluate": span(r.get("tau_evaluate") for r in mine),
+        }
         for c in ("1", "4"):
-            entry[f"tau_vllm_c{c}"] = span(r["levels"].get(c, {}).get("tau_vllm") for r in mine)
-            entry[f"speedup_c{c}"] = span(r["levels"].get(c, {}).get("speedup") for r in mine)
+            entry[f"tau_vllm_c{c}"] = span(level(r, c).get("tau_vllm") for r in mine)
+            entry[f"speedup_c{c}"] = span(level(r, c).get("speedup") for r in mine)
         out[name] = entry
     return out
 
 
+MAX_SEED = (
+    2**32 - 1
+)  # torch.manual_seed takes 64 bits; DFlash's anchor generator seeds with seed · 1000 + epoch
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``--seeds``: comma-separated training seeds, each a non-negative integer, none twice.
+    """``--seeds``: comma-separated training seeds, each an integer from 0 to :data:`MAX_SEED`, none twice.
 
     Raises:
         SystemExit: naming the bad entry and the form wanted."""
+    if not text.strip():
+        raise SystemExit("--seeds '': no seed given; give non-negative integers, e.g. 0,1,2")
     seeds = []
     for part in text.split(","):
         part = part.strip()
-        if not (part.isascii() and part.isdigit()) or (len(part) > 1 and part.startswith("0")):
+        bad = not (part.isascii() and part.isdigit()) or (len(part) > 1 and part.startswith("0"))
+        if bad or len(part) > len(str(MAX_SEED)) or int(part) > MAX_SEED:
             raise SystemExit(
-                f"--seeds {text}: {part!r} is not a seed; give non-negative integers, e.g. 0,1,2"
+                f"--seeds {text!r}: {part!r} is not a seed; give integers from 0 to {MAX_SEED}, e.g. 0,1,2"
             )
         if int(part) in seeds:
-            raise SystemExit(f"--seeds {text}: seed {part} is given twice")
+            raise SystemExit(f"--seeds {text!r}: seed {part} is given twice")
         seeds.append(int(part))
     return seeds
 
@@ -214,7 +238,16 @@ def check_args(args) -> None:
         raise SystemExit(f"--work {work}: exists and is not a folder; pass a new folder or an earlier run's")
     settings, path = {"k": args.k, "max_tokens": args.max_tokens}, work / "settings.json"
     if path.exists():
-        before = json.loads(path.read_text())
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(
+                f"--work {work}: {path.name} is unreadable ({e}); delete it or use another --work"
+            ) from None
+        if not isinstance(before, dict):
+            raise SystemExit(
+                f"--work {work}: {path.name} holds no settings object; delete it or use another --work"
+            )
         if before != settings:
             raise SystemExit(
                 f"--work {work} holds a run with k={before.get('k')}, max_tokens={before.get('max_tokens')}; "

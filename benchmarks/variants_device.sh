@@ -19,9 +19,10 @@
 #   or, issue 25's check (the example run timed on a fresh machine, then the same rows trained by the
 #   reference path and by train's auto path on one data run, compared by `--stages speed`):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh speed ROWS [PARALLEL]
-#   or DFlash beside EAGLE-3.1, the data made on the H200 (.vwdata needs only shared.tar.xz):
+#   or DFlash beside EAGLE-3.1 (the data run made on the device, or carried from the CPU):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh dflash ROWS [PARALLEL]
-#   (.vwdata then needs only shared.tar.xz: the data run is made there, on the H200)
+#   (the data run is made on the device when .vwdata holds only shared.tar.xz; a base.tar.xz that pack
+#   left there is used instead, its tokens and vocabulary made again: remove it to generate on the device)
 #
 # `start` launches the benchmark in its own process session (it outlives the call) and then waits
 # like `wait`; every `wait` ends by copying the results so far (result.json, report.json, the
@@ -120,24 +121,28 @@ dflash)
   par=${2:-3}
   install_smollm2 || exit 1
   mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
-  data='$V --stages data'
+  data='$V --stages data' from="made here"
   if [ -f .vwdata/base.tar.xz ]; then # a data run made on the CPU (pack): only its tokens and vocabulary again
-    tar -C $W -xJf .vwdata/base.tar.xz && rm -f $W/base/tokens.safetensors $W/base/vocab.safetensors
-    data="(cd benchmarks && python3 -c \"from common import open_run; open_run('$W/base')\")"
+    if ! tar -C $W -xJf .vwdata/base.tar.xz || [ ! -f $W/base/config.yaml ]; then
+      echo ".vwdata/base.tar.xz: unreadable or without base/config.yaml; run 'pack WORK' again or remove it" >&2
+      exit 1
+    fi
+    rm -f $W/base/tokens.safetensors $W/base/vocab.safetensors
+    data="(cd benchmarks && python3 -c \"from common import open_run; open_run('$W/base')\")" from="carried (base.tar.xz)"
   fi
   copy_repo
   cat >$W/dflash.sh <<EOS
 cd $REPO
 export PYTHONPATH=/tmp/site:$REPO/src SPECULATORS_PATH=/tmp/site PYTHONUNBUFFERED=1
 V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
-$data >$W/data.log 2>&1
-\$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >$W/main.log 2>&1
-echo "variants: τ done" >>$W/main.log
+$data >$W/data.log 2>&1 || { echo "variants: τ not measured: the data run failed (exit \$?), see data.log" >>$W/main.log; exit 1; }
+\$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >>$W/main.log 2>&1
+echo "variants: τ done (exit \$?)" >>$W/main.log
 if [ -n "\${VW_AFTER:-}" ]; then bash -c "\$VW_AFTER" >$W/after.log 2>&1; fi
 echo "after: done" >>$W/after.log
 EOS
   setsid nohup bash $W/dflash.sh >$W/driver.log 2>&1 </dev/null &
-  echo "started: the data run, then $rows ($par at a time)"
+  echo "started: the data run ($from), then $rows ($par at a time)"
   exec "$0" wait "${VW_WAIT:-510}"
   ;;
 start)

@@ -4,6 +4,7 @@ nobody waits minutes on a script that prints nothing."""
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from pathlib import Path
 
@@ -87,6 +88,9 @@ def test_serving_cpu_refuses_bad_options_before_its_expected_time_line(monkeypat
     assert "'01' is not a seed" in refusal("--seeds", "01")
     assert "'-1' is not a seed" in refusal("--seeds", "-1")
     assert "seed 1 is given twice" in refusal("--seeds", "1,2,1")
+    assert "no seed given" in refusal("--seeds", " ")
+    assert "integers from 0 to 4294967295" in refusal("--seeds", str(2**32))
+    assert "is not a seed" in refusal("--seeds", "1" * 5000)  # no int() of 5,000 digits
     assert not work.exists()
     ns = serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=shared, work=work, seeds="0,2,1")
     serving_cpu.check_args(ns)
@@ -94,6 +98,11 @@ def test_serving_cpu_refuses_bad_options_before_its_expected_time_line(monkeypat
     assert (work / "settings.json").read_text() == '{"k": 7, "max_tokens": 64}\n'
     ns.seeds = "0,1,2,3"  # seeds may be added to a resumed run: its K and max tokens are what must match
     serving_cpu.check_args(ns)
+    for bad in ("", '{"k": 7', "[7, 64]"):  # damaged settings: a message, not a traceback
+        (work / "settings.json").write_text(bad)
+        with pytest.raises(SystemExit, match="settings.json .*delete it or use another --work"):
+            serving_cpu.check_args(ns)
+    (work / "settings.json").write_text('{"k": 7, "max_tokens": 64}\n')
     message = refusal("--k", "3")
     assert (
         "k=7, max_tokens=64" in message
@@ -149,10 +158,68 @@ def test_serving_cpu_spread_spans_each_drafters_seeds_apart(monkeypatch):
         "tau_vllm_c4": [1.71, 1.73],
         "speedup_c4": [0.64, 0.67],
     }
-    # a value a seed lacks is left out of the span, not read as zero
-    assert got["dflash"]["tau_evaluate"] == [1.35, 1.35]
-    assert got["dflash"]["speedup_c4"] == [0.56, 0.56]
+    # a value some seed lacks makes the span None: one seed's value is no spread
+    assert got["dflash"]["tau_evaluate"] is None and got["dflash"]["speedup_c4"] is None
     assert got["dflash"]["speedup_c1"] == [0.89, 0.91]
+    odd = serving_cpu.spread([r("x", 0, float("nan"), (True, 1.0)), r("x", 1, 1.2, (1.0, float("inf")))])
+    assert (
+        odd["x"]["tau_evaluate"] is None
+        and odd["x"]["tau_vllm_c1"] is None
+        and odd["x"]["speedup_c1"] is None
+    )
     assert (
         serving_cpu.run_name("dflash", 0) == "dflash" and serving_cpu.run_name("dflash", 2) == "dflash-seed2"
     )
+
+
+def test_serving_cpu_resumes_only_finished_runs_and_a_benched_seed_trains_nothing(monkeypatch, tmp_path):
+    """A run copied from EAGLE-3.1's carries its report.json (τ included) until its own evaluate
+    replaces it: a run stopped during training must train again, not pass for done with that τ. A seed
+    whose bench records exist is read back without training or serving."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("serving_cpu", None)
+    import serving_cpu
+
+    import eagle3kit.pipeline
+
+    work = tmp_path / "work"
+    args = serving_cpu.argparse.Namespace(k=7, max_tokens=64, shared=tmp_path, work=work)
+    base = work / "eagle3.1" / "run"
+    (base / "drafter").mkdir(parents=True)
+    (base / "report.json").write_text('{"evaluate": {"sets": {"gsm8k_heldout": {"tau": 1.7331}}}}')
+    (work / "eagle3.1" / "trained.json").write_text("{}")
+    calls = []
+
+    def stopped(cfg):
+        calls.append(cfg.run_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3kit.pipeline, "run_all", stopped)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            serving_cpu.train(args, "dflash", 1)
+    assert len(calls) == 2  # the second call trained again: the copied τ did not pass for done
+    assert not (work / "dflash-seed1" / "trained.json").exists()
+
+    def finished(cfg):
+        calls.append(cfg.run_dir)
+        run = Path(cfg.run_dir)
+        (run / "drafter").mkdir()
+        (run / "report.json").write_text('{"evaluate": {"sets": {"gsm8k_heldout": {"tau": 1.4607}}}}')
+
+    monkeypatch.setattr(eagle3kit.pipeline, "run_all", finished)
+    run = serving_cpu.train(args, "dflash", 1)
+    assert serving_cpu.evaluate_tau(run) == 1.4607 and len(calls) == 3
+    assert serving_cpu.train(args, "dflash", 1) == run and len(calls) == 3  # done: not trained again
+
+    record = {"servers": {n: {"results": [{"concurrency": 1, "output_tokens_per_s": 9.0}]}
+                          for n in ("speculative", "baseline")}}  # fmt: skip
+    for n in ("eagle3.1-seed2", "dflash-seed2"):
+        (work / f"bench-{n}").mkdir()
+        (work / f"bench-{n}" / "bench.json").write_text(json.dumps(record))
+    rows = serving_cpu.serve_seed(args, tmp_path / "target", tmp_path / "prompts.jsonl", 2)
+    assert [(r["drafter"], r["seed"], r["tau_evaluate"]) for r in rows] == [
+        ("eagle3.1", 2, None),
+        ("dflash", 2, None),
+    ]
+    assert len(calls) == 3  # seed 2 was benched: nothing trained, no server started

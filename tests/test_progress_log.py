@@ -80,3 +80,21 @@ def test_a_stage_that_advances_in_large_batches_still_gets_an_eta():
     assert ui.progress_line(task).endswith(f"ETA {ui._clock(secs)}") and "ETA ?" not in ui.progress_line(task)
     fresh = p.add_task("tokenize", total=10)
     assert ui.eta_seconds(p.tasks[fresh]) is None  # before its first step: no rate to go by
+
+
+def test_the_eta_is_never_negative_and_unknown_reads_as_a_question_mark():
+    from rich.progress import Progress
+
+    clock = [0.0]
+    p = Progress(get_time=lambda: clock[0])
+    over = p.add_task("over", total=100)
+    p.start_task(over)
+    clock[0] = 10.0
+    p.update(over, completed=150)  # more done than the total: rich's own estimate is negative
+    back = p.add_task("back", total=float("nan"))
+    p.start_task(back)
+    p.update(back, completed=3)
+    clock[0] = 20.0
+    assert ui.eta_seconds(p.tasks[over]) == 0.0
+    assert ui.eta_seconds(p.tasks[back]) is None and "nan" not in ui.progress_line(p.tasks[back])
+    assert [ui._clock(v) for v in (-5.0, float("inf"), 100 * 3600.0, 59.0)] == ["?", "?", "?", "0:00:59"]

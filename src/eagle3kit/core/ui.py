@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -41,7 +42,8 @@ LOG_EVERY_S = float(os.environ.get("EAGLE3KIT_PROGRESS_EVERY", "30"))
 
 
 def _clock(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds == float("inf"):
+    """``h:mm:ss``; ``?`` for an unknown, negative, non-finite or over-99-hour value."""
+    if seconds is None or not math.isfinite(seconds) or not 0 <= seconds < 100 * 3600:
         return "?"
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -50,11 +52,14 @@ def _clock(seconds: float | None) -> str:
 def eta_seconds(task) -> float | None:
     """Seconds left of a rich task: rich's estimate from its recent steps, else (no step in rich's window,
     as when a stage advances in large batches) the rate since the start, ``(total − done) · elapsed /
-    done``; None before the first step or without a total."""
-    if task.time_remaining is not None:
-        return task.time_remaining
+    done``; None before the first step or without a finite total, never negative."""
+    if not task.total or not math.isfinite(task.total):
+        return None
+    rich_eta = task.time_remaining
+    if rich_eta is not None and math.isfinite(rich_eta) and rich_eta >= 0:
+        return rich_eta
     elapsed = task.elapsed or 0.0
-    if not task.total or task.completed <= 0 or elapsed <= 0:
+    if task.completed <= 0 or elapsed <= 0:
         return None
     return max(task.total - task.completed, 0) * elapsed / task.completed
 
@@ -64,8 +69,9 @@ def progress_line(task) -> str:
     (``tokens`` task field: tokens so far; ETA from :func:`eta_seconds`, ``?`` before a step is done)."""
     elapsed = task.elapsed or 0.0
     tokens = task.fields.get("tokens", 0)
-    total = f"/{task.total:,.0f}" if task.total else ""
-    pct = f" ({100 * task.completed / task.total:.0f}%)" if task.total else ""
+    finite = bool(task.total) and math.isfinite(task.total)
+    total = f"/{task.total:,.0f}" if finite else ""
+    pct = f" ({100 * task.completed / task.total:.0f}%)" if finite else ""
     rate = f", {tokens / elapsed:,.0f} tok/s" if tokens and elapsed > 0 else ""
     note = f", {task.fields['note']}" if task.fields.get("note") else ""
     return (
