@@ -606,3 +606,28 @@ def test_a_tokenizer_that_keeps_its_vocabulary_but_merges_differently_hashes_dif
     assert tokenizer_hash(a) != tokenizer_hash(b)
     a(text, truncation=True, max_length=4)  # a call's truncation state is not part of the tokenizer
     assert tokenizer_hash(a) == tokenizer_hash(AutoTokenizer.from_pretrained(smollm2_tok_dir))
+
+
+def test_the_vocab_stage_tells_a_dflash_run_its_draft_vocabulary_is_unused(copy, monkeypatch):
+    """A draft vocabulary larger than the data's distinct tokens warns "a smaller draft_vocab_size would
+    do" — advice that means nothing to a DFlash drafter, which predicts over the whole vocabulary."""
+    import io
+
+    from rich.console import Console
+
+    from eagle3kit.data import vocab as vocab_stage
+
+    buf = io.StringIO()
+    monkeypatch.setattr(vocab_stage, "console", Console(file=buf, width=200))
+    cfg, run = copy
+    big = cfg.model_copy(update={"vocab": cfg.vocab.model_copy(update={"draft_vocab_size": 200})})
+    vocab_stage.run_vocab(big, run)
+    assert "a smaller vocab.draft_vocab_size would do" in buf.getvalue()
+    buf.truncate(0)
+    buf.seek(0)
+    dflash = big.model_copy(update={"drafter": big.drafter.model_copy(update={"variant": "dflash"})})
+    vocab_stage.run_vocab(dflash, run)
+    assert (
+        "would do" not in buf.getvalue()
+        and "a DFlash drafter predicts over the target's whole vocabulary" in buf.getvalue()
+    )

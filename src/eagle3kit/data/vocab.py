@@ -122,7 +122,11 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     with warnings.catch_warnings(record=True) as said:  # a console line for the user, not a Python warning
         warnings.simplefilter("always")
         vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
-    if said:
+    if cfg.drafter.variant == "dflash":  # its drafter predicts over the target's whole vocabulary
+        console.print(
+            "vocab: a DFlash drafter predicts over the target's whole vocabulary and does not use this one"
+        )
+    else:
         for w in said:
             console.print(f"[yellow]vocab: {w.message}")
     meta = {
