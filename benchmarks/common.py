@@ -26,6 +26,21 @@ def expected_time(what: str, estimate: str) -> None:
     print(f"{what}: {lead}{estimate}; progress lines follow", flush=True)
 
 
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+        SystemExit: the file is unreadable, not JSON or not an object; the message names ``path``, what
+            is wrong and ``fix`` (what to do)."""
+    try:
+        got = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not readable JSON ({e}); {fix}") from None
+    if not isinstance(got, dict):
+        raise SystemExit(f"{path}: holds a {type(got).__name__}, not a JSON object; {fix}")
+    return got
+
+
 def open_run(path: str):
     """(run, cfg, device, target) for a run directory whose conversations exist; tokenizes and
     builds the draft vocabulary first when they are missing."""

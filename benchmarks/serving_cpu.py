@@ -238,16 +238,9 @@ def check_args(args) -> None:
         raise SystemExit(f"--work {work}: exists and is not a folder; pass a new folder or an earlier run's")
     settings, path = {"k": args.k, "max_tokens": args.max_tokens}, work / "settings.json"
     if path.exists():
-        try:
-            before = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(
-                f"--work {work}: {path.name} is unreadable ({e}); delete it or use another --work"
-            ) from None
-        if not isinstance(before, dict):
-            raise SystemExit(
-                f"--work {work}: {path.name} holds no settings object; delete it or use another --work"
-            )
+        from common import read_json_object
+
+        before = read_json_object(path, "delete it or use another --work")
         if before != settings:
             raise SystemExit(
                 f"--work {work} holds a run with k={before.get('k')}, max_tokens={before.get('max_tokens')}; "

@@ -452,15 +452,9 @@ def _largest_gain(r: dict, cols_of: dict, base: dict, sf: dict | None) -> dict:
 
 def _read_json(path: Path, what: str) -> dict:
     """A JSON object from ``path``; a clear error naming the file otherwise."""
-    try:
-        got = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(
-            f"{path}: not readable JSON ({e}); rerun that row's {what} or delete the file"
-        ) from None
-    if not isinstance(got, dict):
-        raise SystemExit(f"{path}: holds a {type(got).__name__}, not the JSON object {what} writes")
-    return got
+    from common import read_json_object
+
+    return read_json_object(path, f"rerun that row's {what} or delete the file")
 
 
 def _seed_result(p: Path, name: str) -> dict:

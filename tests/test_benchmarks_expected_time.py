@@ -100,7 +100,10 @@ def test_serving_cpu_refuses_bad_options_before_its_expected_time_line(monkeypat
     serving_cpu.check_args(ns)
     for bad in ("", '{"k": 7', "[7, 64]"):  # damaged settings: a message, not a traceback
         (work / "settings.json").write_text(bad)
-        with pytest.raises(SystemExit, match="settings.json .*delete it or use another --work"):
+        with pytest.raises(
+            SystemExit,
+            match="settings.json: (not readable JSON|holds a list, not a JSON object).*delete it or use another --work",
+        ):
             serving_cpu.check_args(ns)
     (work / "settings.json").write_text('{"k": 7, "max_tokens": 64}\n')
     message = refusal("--k", "3")
