@@ -144,21 +144,27 @@ def serve_seed(args, target: Path, prompts: Path, seed: int) -> list[dict]:
 
     work = Path(args.work)
     names = {name: run_name(name, seed) for name in DRAFTERS}
-    if all((work / f"bench-{n}" / "bench.json").exists() for n in names.values()):  # benched: train nothing
+    benched = all((work / f"bench-{n}" / "bench.json").exists() for n in names.values())
+    if benched:  # train nothing, serve nothing: the records are read back
         runs = {name: work / names[name] / "run" for name in DRAFTERS}
-        return [row(name, seed, bench(args, names[name], None, None, prompts, runs[name] / "drafter"),
-                    evaluate_tau(runs[name])) for name in runs]  # fmt: skip
-    runs = {name: train(args, name, seed) for name in DRAFTERS}
-    servers = {"plain": VLLMServer(target, free_port(), work / f"plain-seed{seed}.log")}
-    for name, run in runs.items():
-        spec = {"method": DRAFTERS[name][1], "model": str(run / "drafter"), "num_speculative_tokens": args.k}
-        extra = ["--speculative-config", json.dumps(spec)]
-        servers[name] = VLLMServer(target, free_port(), work / f"{names[name]}.log", extra_args=extra)
-    start_servers(list(servers.values()), 900)
+    else:
+        runs = {name: train(args, name, seed) for name in DRAFTERS}
+    servers = {}
+    if not benched:
+        servers["plain"] = VLLMServer(target, free_port(), work / f"plain-seed{seed}.log")
+        for name, run in runs.items():
+            spec = {
+                "method": DRAFTERS[name][1],
+                "model": str(run / "drafter"),
+                "num_speculative_tokens": args.k,
+            }
+            extra = ["--speculative-config", json.dumps(spec)]
+            servers[name] = VLLMServer(target, free_port(), work / f"{names[name]}.log", extra_args=extra)
+        start_servers(list(servers.values()), 900)
     try:
         return [
-            row(name, seed, bench(args, names[name], servers[name], servers["plain"], prompts, run / "drafter"),
-                evaluate_tau(run))
+            row(name, seed, bench(args, names[name], servers.get(name), servers.get("plain"), prompts,
+                                  run / "drafter"), evaluate_tau(run))
             for name, run in runs.items()
         ]  # fmt: skip
     finally:
