@@ -83,3 +83,13 @@ def test_the_your_own_model_config_validates_as_written(page, tmp_path):
     cfg = load_config(tmp_path / "my-model.yaml")
     assert cfg.target.model == "/models/my-model" and cfg.prompts.sources[0].dataset == "sharegpt"
     assert [s.name for s in cfg.evaluate.sets] == ["mt_bench"]
+
+
+def test_the_large_target_examples_expect_reasoning_only_from_a_target_that_thinks():
+    """Kimi-K2.5 thinks before it answers; DeepSeek-V3 does not, and `expect_reasoning: true` would stop its
+    generation after the first replies: each has its own example, the same target-side settings otherwise."""
+    kimi, deepseek = (load_config(REPO / "examples" / f) for f in ("kimi-k2.5.yaml", "deepseek-v3.yaml"))
+    assert kimi.generate.expect_reasoning and kimi.target.trust_remote_code
+    assert not deepseek.generate.expect_reasoning and not deepseek.target.trust_remote_code
+    assert deepseek.target.model == "deepseek-ai/DeepSeek-V3"
+    assert deepseek.train.online_from == kimi.train.online_from and deepseek.train.parallel == "fsdp"
