@@ -566,7 +566,20 @@ class TrainConfig(_Strict):
         "within one window keeps the grouped batches); not read with pack_length",
     )
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    feature_cache: bool = True
+    feature_cache: Literal["auto", "device", "host", "off"] = Field(
+        default="auto",
+        description="where the target states of every sample are kept for all epochs: device (the training "
+        "GPU), host (pinned CPU memory, copied to the GPU per step), off (the target runs again in every step); "
+        "auto: the device when the plan leaves 10% of it free, else the host, else off (printed before "
+        "training). The validation split's states follow the same rule. true reads as auto, false as off",
+    )
+    memory_limit_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="the memory train may use on its device, GiB (default: what the device has free; on the "
+        "CPU what the host has available): a plan that needs more is refused before training, naming the "
+        "key to change",
+    )
     serve_engine: Literal["vllm", "sglang"] | None = Field(
         default=None,
         description="the engine the drafter will be served with: train warns when its features come "
@@ -658,6 +671,12 @@ class TrainConfig(_Strict):
     wandb_project: str | None = Field(
         default=None, description="also log to this Weights & Biases project (pip install wandb)"
     )
+
+    @field_validator("feature_cache", mode="before")
+    @classmethod
+    def _feature_cache_bool(cls, v):
+        """true and false, the key's values before it took places: auto and off."""
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("betas", mode="before")
     @classmethod

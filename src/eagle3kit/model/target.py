@@ -525,8 +525,13 @@ def load_target_config(cfg: TargetConfig):
         if isinstance(e, KeyError):
             raise ConfigError(
                 f"cannot read the target's config in {loc['path']}: model type {e} is unknown to "
-                f"transformers {transformers.__version__} (no remote code is run); use a transformers "
-                "that has the family, or the checkpoint's own config.json"
+                f"transformers {transformers.__version__}"
+                + (
+                    ""
+                    if cfg.trust_remote_code
+                    else " (no remote code is run: target.trust_remote_code is off)"
+                )
+                + "; use a transformers that has the family, or the checkpoint's own config.json"
             ) from None
         raise ConfigError(
             f"cannot read the target's config in {loc['path']}: {str(e).splitlines()[0][:200]}; "
@@ -740,7 +745,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
 
     A wrapper (Kimi-K2.5 in its hub or transformers layout, any class whose text model sits in a
     ``text_config``) loads as its language model alone, through :func:`language_model_plan`:
-    the vision tower's weights never enter memory. No remote code runs. A GGUF target loaded in
+    the vision tower's weights never enter memory. No remote code runs unless
+    ``target.trust_remote_code``. A GGUF target loaded in
     float32 reads its float32 export (:func:`export_fp32_folder`) when one of the same GGUF file
     exists: the same tensors bit for bit, without de-quantizing again (SmolLM2: 50 s → 2 s).
 

@@ -39,6 +39,7 @@ from eagle3kit.train.batches import Sample, length_batches
 from eagle3kit.train.dflash import default_gamma, dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.extract import feature_inputs
 from eagle3kit.train.features import load_features
+from eagle3kit.train.memory import print_plan, training_plan
 from eagle3kit.train.samples import compute_features, mask_token, trained_settings, warmup_cosine
 
 #: the metadata key that marks a DFlash checkpoint (export and evaluate read it)
@@ -108,6 +109,29 @@ def run_dflash_train(cfg: Config, run: RunDir, target=None) -> dict:
     samples = [s for s in (Sample(i, m) for i, m in load_shard(shard)) if s.mask[1:].any()]
     if not samples:
         raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
+    mask_id = mask_token(samples, target.tokenizer, target.vocab_size, dc.mask_token_id)
+    dcfg = DFlashConfig.from_target(
+        target.config, mask_id, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
+    )
+    with torch.device("meta"):
+        shaped = DFlashDrafter(dcfg)
+    speed = {"loss_chunk": 0, "bf16": device.type == "cuda", "compile": False, "attention": "flex"}
+    params = sum(p.numel() for p in shaped.parameters())
+    plan = training_plan(
+        tc,
+        speed,
+        target,
+        params,
+        len(aux_ids),
+        None,
+        samples,
+        [],
+        device,
+        1,
+        "stored" if tc.features else None,
+    )
+    print_plan(plan)
+    store = device if plan.cache == "device" else ("host" if device.type == "cuda" else device)
     if tc.features:
         load_features(
             tc.features,
@@ -116,7 +140,7 @@ def run_dflash_train(cfg: Config, run: RunDir, target=None) -> dict:
                 consumed["tokens.safetensors"], aux_ids, target, consumed.get("vocab.safetensors")
             ),
             target,
-            device,
+            device if store == device else torch.device("cpu"),
         )
     else:
         compute_features(
@@ -125,7 +149,7 @@ def run_dflash_train(cfg: Config, run: RunDir, target=None) -> dict:
             aux_ids,
             max(tc.tokens_per_step, 4096),
             device,
-            device,
+            store,
             label="target states (DFlash layers)",
         )
     if dc.objective == "kl" and any(s.last is None for s in samples):
@@ -133,10 +157,6 @@ def run_dflash_train(cfg: Config, run: RunDir, target=None) -> dict:
             f"drafter.objective kl distils the target's whole distribution, and the features in {tc.features} keep "
             "only its top-K: extract them with extract.teacher: last, or use drafter.objective: ce"
         )
-    mask_id = mask_token(samples, target.tokenizer, target.vocab_size, dc.mask_token_id)
-    dcfg = DFlashConfig.from_target(
-        target.config, mask_id, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
-    )
     return _Trainer(cfg, run, target, dcfg, samples, consumed, device).fit()
 
 

@@ -19,6 +19,39 @@ from eagle3kit.model.target import (
 from eagle3kit.train.batches import Sample, _pad, length_batches
 
 
+class HostStates:
+    """Pinned host memory for the target states of ``samples``, one block per field, each sample's
+    states a view into it (``train.feature_cache: host``): one allocation instead of one per sample
+    (the pinned allocator rounds each to a power of two), copied to the device asynchronously by
+    :func:`~eagle3kit.train.batches.make_batch`. Pageable memory where pinning is not possible (no
+    CUDA, or the pin fails).
+
+    ``widths``: per field (``aux``, ``last``, ``argmax``, ``lse``) its (width per token or 0 for a
+    scalar, dtype)."""
+
+    def __init__(self, samples: list[Sample], widths: dict):
+        self.start, n = {}, 0
+        for s in samples:
+            self.start[id(s)] = n
+            n += s.ids.numel()
+        pin = torch.cuda.is_available()
+        self.blocks = {}
+        for name, (width, dtype) in widths.items():
+            shape = (n, width) if width else (n,)
+            try:
+                self.blocks[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            except RuntimeError:  # pinning refused (a container's locked-memory limit): pageable
+                self.blocks[name] = torch.empty(shape, dtype=dtype)
+        self.pinned = pin and all(b.is_pinned() for b in self.blocks.values())
+
+    def put(self, sample: Sample, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Copy ``value`` [T, ...] into ``sample``'s rows of the ``name`` block; returns the view."""
+        a = self.start[id(sample)]
+        view = self.blocks[name][a : a + value.shape[0]]
+        view.copy_(value)
+        return view
+
+
 @torch.no_grad()
 def compute_features(
     target: Target,
@@ -31,7 +64,19 @@ def compute_features(
     lse: bool = False,
 ) -> None:
     """Fill ``aux``, ``last`` and ``argmax`` of every sample with one target pass (in place); with
-    ``lse`` also the full-vocabulary log-normaliser at completion tokens (the LK losses')."""
+    ``lse`` also the full-vocabulary log-normaliser at completion tokens (the LK losses').
+
+    ``store_device``: where the states are kept — a device, or ``"host"`` for one pinned host block
+    per field (:class:`HostStates`)."""
+    store = None
+    if store_device == "host":
+        dt, ht, n = target.dtype, target.hidden_size, len(aux_ids)
+        widths = {"aux": (n * ht, dt), "last": (ht, dt), "argmax": (0, torch.long)}
+        store = HostStates(samples, widths | ({"lse": (0, torch.float32)} if lse else {}))
+
+    def keep(s: Sample, name: str, value: torch.Tensor) -> torch.Tensor:
+        return store.put(s, name, value) if store is not None else value.to(store_device)
+
     batches = length_batches([s.ids.numel() for s in samples], tokens_per_batch, False, random.Random(0))
     with progress() as bar:
         task = bar.add_task(label, total=len(samples), tokens=0, note="")
@@ -48,9 +93,9 @@ def compute_features(
             top1, norm = top1.split(lengths), norm.split(lengths)
             for j, (i, n) in enumerate(zip(b, lengths)):
                 s = samples[i]
-                s.aux, s.last = aux[j, :n].to(store_device), last[j, :n].to(store_device)
-                s.argmax = top1[j].to(store_device)
-                s.lse = norm[j].to(store_device) if lse else None
+                s.aux, s.last = keep(s, "aux", aux[j, :n]), keep(s, "last", last[j, :n])
+                s.argmax = keep(s, "argmax", top1[j])
+                s.lse = keep(s, "lse", norm[j]) if lse else None
                 done_tokens += n
             bar.update(task, advance=len(b), tokens=done_tokens)
 
@@ -101,6 +146,7 @@ _LOGISTICS = {
     "online_buffer_bytes",
     "online_inflight",
     "online_timeout_s",
+    "memory_limit_gib",
 }
 
 
@@ -125,6 +171,8 @@ def trained_settings(cfg: Config) -> dict:
         for k, v in cfg.train.model_dump(mode="json", exclude=_LOGISTICS).items()
         if k not in _LATER or v != _LATER[k]
     }
+    # hashed as the true/false it was before it named places: whether the states are cached at all
+    out["feature_cache"] = cfg.train.feature_cache != "off"
     if cfg.drafter.variant == "dflash" or cfg.drafter.model_dump(
         exclude={"variant"}
     ) != DrafterVariantConfig().model_dump(exclude={"variant"}):

@@ -1,10 +1,11 @@
 """Stage ``train``: EAGLE-3 with training-time test (DESIGN.md §4).
 
-Data: ``tokens.safetensors`` + ``vocab.safetensors`` + the target (online features). With
-``train.feature_cache`` (default) the target runs once over every sample and its aux states,
-post-norm last hidden state and full-vocabulary argmax are kept in memory for all epochs
-(not full-vocabulary logits: 197 KB a token for a 49K vocabulary); without it the target runs
-inside every step.
+Data: ``tokens.safetensors`` + ``vocab.safetensors`` + the target (its states computed here), stored
+features (``train.features``) or capture servers (``train.online_from``, online training). Where
+``train.feature_cache`` and the memory plan put them (:mod:`eagle3kit.train.memory`: the device, pinned
+host memory), the target runs once over every sample and its aux states, post-norm last hidden state
+and full-vocabulary argmax are kept for all epochs (not full-vocabulary logits: 197 KB a token for a 49K
+vocabulary); where they fit nowhere, the target runs inside every step.
 
 Per TTT step k (0-based), position t is supervised when its input token x_{t+k+1} is a
 completion token and the target's argmax at t+k+1 lies in the draft vocabulary; the label is the
@@ -71,6 +72,7 @@ from eagle3kit.train.distributed import full_state, init_world, load_full_state,
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
+from eagle3kit.train.memory import DrafterShape, MemoryPlan, print_plan, training_plan
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
 from eagle3kit.train.samples import (  # noqa: F401
     _LATER,
@@ -460,40 +462,77 @@ class _Training:
         self.aux_ids = aux_ids = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)
         all_samples = [Sample(ids, mask) for ids, mask in load_shard(shard)]
         tokens_sha, vocab_sha = self.consumed["tokens.safetensors"], self.consumed["vocab.safetensors"]
-        self.features = None
-        if tc.features:  # extracted features: fill every sample now (the shards index all of them)
-            self.features = load_features(
-                tc.features,
-                all_samples,
-                feature_inputs(tokens_sha, aux_ids, target, vocab_sha),
-                target,
-                device,
-            )
-            if world.main:
-                console.print(
-                    f"train: features from {tc.features} ({self.features.get('dtype')}, teacher "
-                    f"{self.features.get('teacher')}); the target runs only for validation"
-                )
+        self._split(all_samples, shard)
+        source = "stored" if tc.features else ("servers" if tc.online_from else None)
+        self.memory = self._plan_memory(source)  # where the states go, or a plan that does not fit refused
+        self.features = self._stored(all_samples, tokens_sha, vocab_sha) if tc.features else None
         if tc.loss != "kl" and (self.features or {}).get("teacher", "last") != "last":
             raise ConfigError(
                 f"train.loss {tc.loss} needs the target's full-vocabulary probabilities, and the features in "
                 f"{tc.features} keep only the teacher's {self.features.get('teacher')}: extract them with "
-                "extract.teacher: last, train online (no train.features), or use train.loss: kl"
+                "extract.teacher: last, train without train.features (the target in the step, or online), or use "
+                "train.loss: kl"
             )
         self.feeder = self._online(tc, target, aux_ids) if tc.online_from else None
         self.engine_agree = [0, 0]  # samples whose engine token equals this target's argmax, of those checked
         warning = feature_source_warning(self._features_source(), tc.serve_engine)
         if warning and world.main:
             console.print(f"[yellow]{warning}[/]")
-        self.samples = [s for s in all_samples if s.mask[1:].any()]
-        if not self.samples:
-            raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
-        self._split()
         self._record_inputs(tokens_sha, vocab_sha, tok_hash)
         self.ckpt = run / "checkpoints"
         self.ckpt.mkdir(exist_ok=True)
         self.state_path = self.ckpt / "train_state.pt"
         self.log_path = run / "train_log.jsonl"
+
+    def _stored(self, all_samples: list[Sample], tokens_sha: str, vocab_sha: str) -> dict:
+        """Fill every sample from ``train.features`` (the shards index all of them), in one place with the
+        validation states: the device only when the plan puts both there; returns the index's inputs."""
+        tc, target = self.tc, self.target
+        both = (self.memory.cache, self.memory.val) == ("device", "device")
+        features = load_features(
+            tc.features,
+            all_samples,
+            feature_inputs(tokens_sha, self.aux_ids, target, vocab_sha),
+            target,
+            self.device if both else torch.device("cpu"),
+        )
+        if self.world.main:
+            console.print(
+                f"train: features from {tc.features} ({features.get('dtype')}, teacher "
+                f"{features.get('teacher')}); the target runs only for validation"
+            )
+        return features
+
+    def _plan_memory(self, source: str | None) -> MemoryPlan:
+        """What this process will hold on its device (:func:`~eagle3kit.train.memory.training_plan`,
+        the drafter's shapes from a copy on the ``meta`` device), printed by rank 0; the feature
+        cache and validation states placed. Raises ConfigError for a plan that does not fit."""
+        tc = self.tc
+        flags = self.cfg.drafter.flags(self.target.tokenizer, self.target.vocab_size, 0)
+        dcfg = DrafterConfig.from_target(
+            self.target.config, self.vocab.size, self.aux_ids, vocab_size=self.target.vocab_size, **flags
+        )
+        with torch.device("meta"):
+            shaped = Eagle3Drafter(dcfg)
+        params = sum(p.numel() for p in shaped.parameters())
+        plan = training_plan(
+            tc,
+            self.speed,
+            self.target,
+            params,
+            len(self.aux_ids),
+            DrafterShape.of(shaped),
+            self.train,
+            self.val,
+            self.device,
+            self.world.size,
+            source,
+        )
+        if self.world.main:
+            print_plan(plan)
+        if self.device.type == "cuda":  # the measured peak of this stage, for the report
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return plan
 
     def _record_inputs(self, tokens_sha: str, vocab_sha: str, tok_hash: str) -> None:
         """``inputs`` (what a resume must share: data, vocab, aux ids, train settings, target, world
@@ -562,12 +601,19 @@ class _Training:
             [*aux_ids, target.num_layers],
         )
 
-    def _fetch(self, samples: list[Sample]) -> list[str]:
-        """Fill ``samples`` from the online servers (their states arrive in the scheduled order);
-        returns their keys (:func:`~eagle3kit.train.online.sample_key`)."""
+    def _store(self, place: str):
+        """Where states placed at ``place`` (device or host) are kept: the device, or ``"host"``
+        (pinned host memory, :class:`~eagle3kit.train.samples.HostStates`)."""
+        return self.device if place == "device" or self.device.type != "cuda" else "host"
+
+    def _fetch(self, samples: list[Sample], store=None) -> list[str]:
+        """Fill ``samples`` from the online servers (their states arrive in the scheduled order),
+        kept on ``store`` (default: the device); returns their keys
+        (:func:`~eagle3kit.train.online.sample_key`)."""
         keys = [sample_key(s.ids) for s in samples]
         states = [self.feeder.get(k, s.ids) for k, s in zip(keys, samples)]
-        fill_engine_features(self.target, samples, states, self.device, lse=self.tc.loss != "kl")
+        where = torch.device("cpu") if store == "host" else (store or self.device)
+        fill_engine_features(self.target, samples, states, where, lse=self.tc.loss != "kl")
         self._check_engine_tokens(keys, samples)
         return keys
 
@@ -596,8 +642,12 @@ class _Training:
                     "the command `eagle3kit capture-server -c CONFIG` prints for this run's config"
                 )
 
-    def _split(self) -> None:
-        """Seeded validation split (``train.val_fraction``), then this process's share of the rest."""
+    def _split(self, all_samples: list[Sample], shard) -> None:
+        """The samples with a supervised token (ConfigError when none), a seeded validation split
+        (``train.val_fraction``), then this process's share of the rest."""
+        self.samples = [s for s in all_samples if s.mask[1:].any()]
+        if not self.samples:
+            raise ConfigError(f"{shard} holds no supervised tokens; check the tokenize stage's report")
         tc, world, samples = self.tc, self.world, self.samples
         order = list(range(len(samples)))
         random.Random(tc.seed).shuffle(order)
@@ -838,8 +888,9 @@ class _Training:
             # steps a run killed before its first checkpoint logged: they are redone
             _truncate_log(self.log_path, 0)
         self.timer = Timer()
+        self.seconds = {"features": 0.0, "validation": 0.0}  # where the stage's clock went, besides the steps
         self.steady = [0, 0.0]  # tokens and seconds of this run's optimizer steps after its first WARM_STEPS
-        self.cached = (tc.feature_cache or self.features is not None) and self.feeder is None
+        self.cached = self.memory.cache != "off" and self.feeder is None
         if self.feeder is not None:
             self.consumed_path = self.run.path / "online-consumed" / f"rank-{world.rank}.jsonl"
             self.consumed_path.parent.mkdir(exist_ok=True)
@@ -848,17 +899,25 @@ class _Training:
             if self.start_epoch < tc.epochs and self.val:
                 # not pruned: the files a killed run fetched for this epoch's rest stay for its schedule below
                 self.feeder.schedule([(sample_key(s.ids), s.ids) for s in self.val], prune=False)
-                self._fetch(self.val)  # kept for every epoch's validation (val_fraction of the samples)
-        elif self.start_epoch < tc.epochs and tc.feature_cache and self.features is None:
-            compute_features(
-                self.target,
-                self.train + self.val,
-                self.aux_ids,
-                tc.tokens_per_step,
-                self.device,
-                self.device,
-                lse=tc.loss != "kl",
-            )
+                self._fetch(self.val, self._store(self.memory.val))  # kept for every epoch's validation
+        elif self.start_epoch < tc.epochs and self.features is None:
+            t_features = time.perf_counter()
+            for group, place, label in (
+                (self.train, self.memory.cache, "target features"),
+                (self.val, self.memory.val, "validation states"),
+            ):
+                if group and place != "off":
+                    compute_features(
+                        self.target,
+                        group,
+                        self.aux_ids,
+                        tc.tokens_per_step,
+                        self.device,
+                        self._store(place),
+                        label=label,
+                        lse=tc.loss != "kl",
+                    )
+            self.seconds["features"] += time.perf_counter() - t_features
         self.logger = TrainLog(
             self.run, tc, world.main, dict(self.speed, world_size=world.size), purge_step=self.step
         )
@@ -1012,11 +1071,9 @@ class _Training:
                 "built from another target's outputs; rerun `eagle3kit generate`, `tokenize` and `vocab` for "
                 "this target (a new run_dir)"
             )
-        val_stats = (
-            simulate_samples(self.drafter, self.target, self.val, cfg.evaluate.k, self.device)
-            if self.val
-            else None
-        )
+        t_val = time.perf_counter()
+        val_stats = self._simulate_val() if self.val else None
+        self.seconds["validation"] += time.perf_counter() - t_val
         epoch_rec = {
             "epoch": epoch + 1,
             "train_loss": round(ep_loss / max(ep_n, 1), 5),
@@ -1045,6 +1102,34 @@ class _Training:
                 )
         self.save(epoch + 1, 0, None)
 
+    def _simulate_val(self) -> AcceptanceStats:
+        """Simulated τ on the validation split; when its states are kept nowhere
+        (``memory.val == "off"``), the target computes them again, a few steps' tokens at a time."""
+        k = self.cfg.evaluate.k
+        if self.memory.val != "off":
+            return simulate_samples(self.drafter, self.target, self.val, k, self.device)
+        stats, group, size = AcceptanceStats(k), [], 0
+        self.drafter.eval()
+        for i, s in enumerate(self.val):
+            group.append(s)
+            size += s.ids.numel()
+            if size < 4 * self.tc.tokens_per_step and i + 1 < len(self.val):
+                continue
+            compute_features(
+                self.target,
+                group,
+                self.aux_ids,
+                self.tc.tokens_per_step,
+                self.device,
+                self.device,
+                label="validation states",
+            )
+            for g in group:
+                simulate_sequence(self.drafter, self.target, g.ids, g.mask, g.aux, k, self.device, stats)
+                g.aux = g.last = g.argmax = g.lse = None
+            group, size = [], 0
+        return stats
+
     def write(self) -> dict:
         """The report section (``report.json`` ``train``), the lineage of best.safetensors and the
         manifest's aux layer ids (rank 0); returns the section."""
@@ -1070,7 +1155,12 @@ class _Training:
             "precision": "bf16" if self.speed["bf16"] else ("tf32" if self.speed["tf32"] else "fp32"),
             "loss_chunk": self.speed["loss_chunk"],
             "compile": self.speed["compile"],
+            "memory": self.memory.as_dict(),
+            "seconds": {k: round(v, 1) for k, v in self.seconds.items()}
+            | {"stage": round(self.timer.seconds, 1)},
         }
+        if self.device.type == "cuda":  # what torch's allocator held at most (the plan's peak estimates it)
+            result["memory"]["measured_peak"] = torch.cuda.max_memory_allocated(self.device)
         if self.init:
             result.update({k: self.init[k] for k in ("init_from", "lm_head_rows_copied")})
         if self.feeder is not None:

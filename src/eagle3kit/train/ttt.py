@@ -337,7 +337,7 @@ def ttt_loss(
     if topk and loss != "kl":
         raise ValueError(
             f"loss {loss} needs the target's full-vocabulary probabilities; features stored with a top-K "
-            "teacher lack them: extract with teacher: last, or train online"
+            "teacher lack them: extract with teacher: last, or train with the target in the step or online"
         )
     sups = [_supervised(batch, k, in_draft) for k in range(steps)]
     table = None if topk else _table(batch, sups, target, draft_ids, lk=loss != "kl")
