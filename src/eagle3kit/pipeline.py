@@ -8,7 +8,12 @@ Under ``torchrun`` every process trains and rank 0 alone runs the other stages (
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import time
 from pathlib import Path
+
+import torch
 
 from eagle3kit import __version__
 from eagle3kit.core.config import Config, dump_config
@@ -170,6 +175,34 @@ def export_for_vllm_alone(cfg: Config, run: RunDir, target) -> None:
         )
 
 
+class StageClock:
+    """Per stage of ``run``: wall seconds, the peak memory torch allocated on each GPU in use during it,
+    and the host's peak resident memory so far (``report.json`` ``run.stages``; bytes)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else range(0)
+        for i in gpus:
+            torch.cuda.reset_peak_memory_stats(i)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            rec = {
+                "seconds": round(time.perf_counter() - t, 1),
+                "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+            if torch.cuda.is_initialized():
+                peaks = {
+                    f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())
+                }
+                rec["gpu_peak_bytes"] = {d: b for d, b in peaks.items() if b}
+            self.stages[name] = rec
+
+
 def run_all(cfg: Config) -> dict:
     """Run every stage; returns ``report.json``'s content and prints the summary table.
 
@@ -178,51 +211,57 @@ def run_all(cfg: Config) -> dict:
     others return an empty dict)."""
 
     run = RunDir(cfg.run_dir)
-    timer = Timer()
+    timer, clock = Timer(), StageClock()
     launch = Launch.from_env()
     # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
     _resolve_speed(cfg.train, pick_device(cfg.train.device))
     target = None
     if launch.rank == 0:
         try:
-            target = prepare_data(cfg, run)
+            target = prepare_data(cfg, run, clock)
         except BaseException as e:
             launch.announce("data", f"{type(e).__name__}: {e}")
             raise
-        if (
-            launch.size > 1
-        ):  # vLLM's in-process engine holds a process group of its own: gone before training's
+        # vLLM's in-process engine holds a process group of its own, and on a GPU most of its memory:
+        # gone before training's (evaluate starts another when it needs one)
+        if launch.size > 1 or torch.cuda.is_available():
             release_vllm_engine()
         launch.announce("data")
     else:
         if launch.local_rank == 0:
             console.print(f"node {launch.node}: waiting for rank 0's prompts → generate → tokenize → vocab")
         launch.wait_for_rank0("data")
-    run_train(cfg, run, target)
+    with clock("train"):
+        run_train(cfg, run, target)
     if launch.size > 1:
         end_world()
         if launch.rank != 0:
             return {}
-    run_export(cfg, run, set_aside_existing=True)
-    export_for_vllm_alone(cfg, run, target)
+    with clock("export"):
+        run_export(cfg, run, set_aside_existing=True)
+        export_for_vllm_alone(cfg, run, target)
     if target.source.get("loaded") == "head":
         console.print(
             "[yellow]evaluate: skipped: the trainer was fed by the capture servers and holds only the target's "
             "embedding, norm and lm_head; measure the drafter where it is served (`eagle3kit bench`, `diagnose`)"
         )
     else:
-        run_evaluate(cfg, run, target)
-    run.update_report("run", {"seconds": round(timer.seconds, 1), "processes": launch.size})
+        with clock("evaluate"):
+            run_evaluate(cfg, run, target)
+    run.update_report(
+        "run", {"seconds": round(timer.seconds, 1), "processes": launch.size, "stages": clock.stages}
+    )
     report = run.report
     print_table(f"eagle3kit run: {Path(cfg.run_dir)} ({timer.seconds / 60:.1f} min)", summary_rows(report))
     return report
 
 
-def prepare_data(cfg: Config, run: RunDir):
+def prepare_data(cfg: Config, run: RunDir, clock: StageClock | None = None):
     """The stages before training (prompts, generate, tokenize, vocab), each skipped when its inputs
     are unchanged (generate resumes by itself); returns the loaded target, shared by the stages (only
     its embedding, final norm and lm_head when capture servers feed the trainer, ``train.online_from``,
-    and a server generates, ``generate.backend: openai``)."""
+    and a server generates, ``generate.backend: openai``). ``clock`` times each stage."""
+    clock = clock or StageClock()
     console.rule(f"eagle3kit run → {run.path}")
     for (
         src
@@ -234,7 +273,8 @@ def prepare_data(cfg: Config, run: RunDir):
     head_only = (
         bool(cfg.train.online_from) and cfg.generate.backend == "openai"
     )  # no stage runs the target here
-    target = (load_target_head if head_only else load_target)(cfg.target)
+    with clock("load target"):
+        target = (load_target_head if head_only else load_target)(cfg.target)
     write_run_header(cfg, run, target)
 
     sources = [source_fingerprint(s) for s in cfg.prompts.sources]  # a source that changed runs prompts again
@@ -246,9 +286,11 @@ def prepare_data(cfg: Config, run: RunDir):
     if _fresh(run, "prompts", key, "prompts.jsonl"):
         console.print("prompts: up to date")
     else:
-        run_prompts(cfg, run, target)
+        with clock("prompts"):
+            run_prompts(cfg, run, target)
         _mark(run, "prompts", key)
-    run_generate(cfg, run, target)
+    with clock("generate"):
+        run_generate(cfg, run, target)
     # the rendering too: another tokenizer or chat template makes other tokens from the same rows
     key = stage_key(
         cfg.tokenize, sha256_file(run / "conversations.jsonl"), tokenizer_hash(tok), chat_template_hash(tok)
@@ -256,12 +298,14 @@ def prepare_data(cfg: Config, run: RunDir):
     if _fresh(run, "tokenize", key, "tokens.safetensors"):
         console.print("tokenize: up to date")
     else:
-        run_tokenize(cfg, run, target.tokenizer, target.end_of_turn_ids())
+        with clock("tokenize"):
+            run_tokenize(cfg, run, target.tokenizer, target.end_of_turn_ids())
         _mark(run, "tokenize", key)
     key = stage_key(cfg.vocab, sha256_tensors(run / "tokens.safetensors"), tokenizer_hash(tok))
     if _fresh(run, "vocab", key, "vocab.safetensors"):
         console.print("vocab: up to date")
     else:
-        run_vocab(cfg, run, target.tokenizer)
+        with clock("vocab"):
+            run_vocab(cfg, run, target.tokenizer)
         _mark(run, "vocab", key)
     return target
