@@ -112,9 +112,10 @@ def smollm2_target():
     return target
 
 
-def diagnose_cli(url: str, drafter, prompts, out: Path, *extra: str) -> dict:
+def diagnose_cli(url: str | None, drafter, prompts, out: Path, *extra: str) -> dict:
     """`eagle3kit diagnose --base-url URL --drafter DRAFTER --prompts … --out OUT EXTRA…` through
-    the CLI. ``prompts``: a prompt file, or rows with ``messages`` (written to ``OUT.prompts.jsonl``).
+    the CLI (no --base-url when ``url`` is None, no --prompts when ``prompts`` is None). ``prompts``: a
+    prompt file, or rows with ``messages`` (written to ``OUT.prompts.jsonl``).
     Returns {exit_code, output, report (diagnose.json, None when none was written), md}."""
     import json
 
@@ -123,22 +124,13 @@ def diagnose_cli(url: str, drafter, prompts, out: Path, *extra: str) -> dict:
     from eagle3kit.cli import app
 
     out = Path(out)
-    if not isinstance(prompts, (str, Path)):
+    if prompts is not None and not isinstance(prompts, (str, Path)):
         path = out.with_name(out.name + ".prompts.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in prompts))
         prompts = path
-    args = [
-        "diagnose",
-        "--base-url",
-        url,
-        "--drafter",
-        str(drafter),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-    ]
+    args = ["diagnose", *(["--base-url", url] if url else []), "--drafter", str(drafter)]
+    args += [*(["--prompts", str(prompts)] if prompts is not None else []), "--out", str(out)]
     res = CliRunner().invoke(app, [*args, *extra])
     rep, md = out / "diagnose.json", out / "diagnose.md"
     return {

