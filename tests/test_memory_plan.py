@@ -128,6 +128,10 @@ def test_a_plan_that_cannot_fit_the_stated_device_is_refused_naming_the_key():
         plan(79.2, 400.0, 120, can_recompute=False, source="stored")
     forced = plan(79.2, 40.0, 120, want="host")
     assert (forced.cache, forced.val) == ("host", "host")
+    with pytest.raises(ConfigError, match=r"host memory, which has 8\.0 GiB"):  # 80% of 10 GiB
+        plan(79.2, 40.0, 10, want="host")
+    with pytest.raises(ConfigError, match=r"feature_cache: off asks .* stored features"):
+        plan(79.2, 3.0, 120, want="off", can_recompute=False, source="stored")
 
 
 def test_feature_cache_reads_the_old_true_and_false():

@@ -291,11 +291,9 @@ def plan_memory(
     plan = MemoryPlan(device=device, capacity=capacity, host=host, fixed=fixed)
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
 
-    def refuse(what: str, fix: str) -> None:
-        raise ConfigError(
-            f"train: {what}, and {device} has {gib(capacity or 0)} for this process (the plan below "
-            f"keeps {gib(margin)} free): {fix}\n" + "\n".join(plan.lines())
-        )
+    def refuse(what: str, fix: str, room: bool = True) -> None:
+        has = f", and {device} has {gib(capacity or 0)} for this process (the plan below keeps {gib(margin)} free)"
+        raise ConfigError(f"train: {what}{has if room else ''}: {fix}\n" + "\n".join(plan.lines()))
 
     if source == "servers":  # streamed: no cache; the validation states are fetched once and kept
         plan.cache = "servers"
@@ -303,6 +301,25 @@ def plan_memory(
     left = roomy if roomy is not None else (usable - fixed if usable is not None else 1 << 62)
     _placements(plan, want, cache_bytes, val_bytes, left, host_left, can_recompute)
     _rows(plan, target_bytes, drafter_state, step, target_step, cache_bytes, val_bytes, source, setup)
+    if not can_recompute and want == "off":
+        refuse(
+            "train.feature_cache: off asks for the states to be computed again in every step, which "
+            + (
+                "states from stored features or capture servers cannot be"
+                if source
+                else "this drafter kind's trainer does not do"
+            ),
+            "set train.feature_cache: auto, device or host",
+            room=False,
+        )
+    on_host = (cache_bytes if plan.cache == "host" else 0) + (val_bytes if plan.val == "host" else 0)
+    if host_left is not None and on_host > host_left:
+        refuse(
+            f"train.feature_cache: {want} puts {gib(on_host)} of target states in host memory, which has "
+            f"{gib(host_left)} for them",
+            "set train.feature_cache: auto (it places them where they fit) or off",
+            room=False,
+        )
     if not can_recompute and "off" in (plan.cache, plan.val):
         what = (
             "the validation states"
