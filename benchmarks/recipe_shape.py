@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import expected_time  # noqa: E402
 
+PACK_MARK = "recipe_shape_pack.txt"
 TASKS = (
     "llama8b_target",
     "llama8b_cache",
@@ -84,7 +85,16 @@ def pack(args) -> None:
     import family_tokenizers as ftok
 
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
+    if args.diagnose and not (Path(args.diagnose) / "record" / "engine.json").is_file():
+        raise SystemExit(
+            f"--diagnose {args.diagnose}: no record/engine.json there (a diagnose --out folder as record/)"
+        )
+    if out.exists():  # only a folder an earlier pack wrote is replaced
+        if not (out / PACK_MARK).is_file():
+            raise SystemExit(f"--out {out} exists and is not a folder pack wrote: give a new folder")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / PACK_MARK).write_text("written by benchmarks/recipe_shape.py pack\n")
     for name, tok in (("llama8b", ftok.llama31()), ("deepseek_v3", ftok.deepseek_v31())):
         for scale in ("full", "tiny"):
             d = out / "shapes" / f"{name}-{scale}"
@@ -471,11 +481,16 @@ def reference_record(run: Path, out: Path, n: int, max_tokens: int) -> None:
 
 
 def device(args) -> None:
+    tasks = args.tasks.split(",")
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:  # before anything runs
+        raise SystemExit(f"--tasks: {', '.join(bad)} not among {', '.join(TASKS)}")
+    if not (Path(args.data) / PACK_MARK).is_file():
+        raise SystemExit(f"--data {args.data}: not a folder recipe_shape.py pack wrote")
     d = Device(args)
     d.save("machine", machine())
-    for task in args.tasks.split(","):
-        if task not in TASKS:
-            raise SystemExit(f"--tasks: {task!r} is not one of {', '.join(TASKS)}")
+    failed = []
+    for task in tasks:
         print(f"== {task} ({time.strftime('%H:%M:%S')})", flush=True)
         t0 = time.time()
         try:
@@ -483,8 +498,12 @@ def device(args) -> None:
             d.save(f"{task}_done", round(time.time() - t0, 1))
         except Exception as e:  # the next task still runs; the failure is recorded
             d.save(f"{task}_error", f"{type(e).__name__}: {e}"[:2000])
+            failed.append(task)
+            print(f"== {task} FAILED: {type(e).__name__}: {e}"[:400], flush=True)
         print(f"== {task} ended after {time.time() - t0:.0f} s", flush=True)
-    print("== all done", flush=True)
+    print("== all done" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    if failed:
+        raise SystemExit(1)
 
 
 def memory_checks(res: dict) -> list[dict]:
@@ -549,7 +568,17 @@ def report(folder: Path) -> None:
     """benchmarks/results/recipe_8b_shape.json from what the GPU machine sent back (``folder``: the
     results.json of the run that finished, and the logs of runs whose report never came back), and its
     table."""
+    import yaml
+
+    if not (folder / "h100-run2-results.json").is_file():
+        raise SystemExit(f"--from {folder}: no h100-run2-results.json there (what the GPU machine sent back)")
     res = json.loads((folder / "h100-run2-results.json").read_text())
+    cfg = yaml.safe_load((folder / "h100-run2-llama8b-cache.yaml").read_text())
+    sizes = {
+        "prompts": sum(s.get("limit", 0) for s in cfg["prompts"]["sources"]),
+        "max_new_tokens": cfg["generate"]["max_new_tokens"],
+        "evaluate_prompts": cfg["evaluate"].get("num_prompts"),
+    }
     gib = 1 << 30
     first, step = (
         log_facts(folder / "h100-run1-llama8b_cache.log"),
@@ -576,12 +605,7 @@ def report(folder: Path) -> None:
         "generate.batch_size = the prompt count (one batch, transformers: no vLLM on the machine)",
         "memory_checks": memory_checks(res),
         "runs": {
-            "llama8b_cache": {
-                **res["llama8b_cache"],
-                "prompts": 64,
-                "max_new_tokens": 256,
-                "evaluate_prompts": 16,
-            },
+            "llama8b_cache": {**res["llama8b_cache"], **sizes},
             "llama8b_cache_recipe_length": first,
             "llama8b_step": step,
             "llama8b_target": {k: v for k, v in res["llama8b_target"].items() if k != "config"},

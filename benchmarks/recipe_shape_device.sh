@@ -42,9 +42,9 @@ case "$cmd" in
 pack)
   [ -d .gpudata/data ] || { echo "run benchmarks/recipe_shape.py pack --out .gpudata/data first"; exit 1; }
   rm -rf .gpudata/a .gpudata/b && mkdir -p .gpudata/a .gpudata/b
-  (cd .gpudata/data && tar -cJf ../a/data.tar.xz --exclude='*-tiny' shapes prompts)
+  (cd .gpudata/data && tar -cJf ../a/data.tar.xz --exclude='*-tiny' recipe_shape_pack.txt shapes prompts) || exit 1
   parts=$(cd .gpudata/data && ls -d diagnose 2>/dev/null)
-  [ -n "$parts" ] && (cd .gpudata/data && tar -cJf ../b/data.tar.xz $parts)
+  if [ -n "$parts" ]; then (cd .gpudata/data && tar -cJf ../b/data.tar.xz $parts) || exit 1; fi
   grep -qx '/.gpudata/' .git/info/exclude 2>/dev/null || echo '/.gpudata/' >>.git/info/exclude
   du -sh .gpudata/a .gpudata/b
   ;;
@@ -88,5 +88,9 @@ more)
   ;;
 wait)
   wait_for "${1:-480}"
+  ;;
+*)
+  echo "recipe_shape_device.sh: unknown command $cmd (pack, stage1, start, more or wait)" >&2
+  exit 2
   ;;
 esac

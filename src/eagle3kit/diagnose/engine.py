@@ -141,7 +141,7 @@ def measure_engine(
                 if given is None:
                     given = render_prompt_ids(tokenizer, r["messages"])
                 ids, out, delta = _sglang_one(base, given, max_tokens, headers, timeout)
-            _check_one(base, i, ids, out, delta, vocab_size)
+            check_answer(base, i, ids, out, delta, vocab_size)
             run.prompt_ids.append(ids)
             run.outputs.append(out)
             run.per_prompt.append(delta)
@@ -156,7 +156,7 @@ def measure_engine(
     return run
 
 
-def _check_one(
+def check_answer(
     base: str, i: int, ids: list[int], out: list[int], delta: dict, vocab_size: int | None
 ) -> None:
     """Refuse what would give a wrong diagnosis: no output, ids outside the target's vocabulary,

@@ -140,7 +140,12 @@ def markdown(report: dict) -> str:
         "",
         f"Server {report['server']['url']} ({report['server']['engine']} {report['server']['version']}), "
         f"drafter `{report['drafter']}`, target `{report['target']}`, {report['prompts']['count']} prompts × "
-        f"{report['max_tokens']} tokens, K = {report['k']}.",
+        f"{report['max_tokens']} tokens, K = {report['k']}."
+        + (
+            f" Replayed here from the answers recorded in `{report['replayed_from']}` (no server asked)."
+            if report.get("replayed_from")
+            else ""
+        ),
         "",
         f"**Verdict: {report['verdict']}.** {report['finding']}",
         "",

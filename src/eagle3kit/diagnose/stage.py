@@ -30,7 +30,7 @@ import httpx
 from eagle3kit.core.config import Config, ConfigError, TargetConfig
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_planted
-from eagle3kit.diagnose.engine import EngineError, EngineRun, measure_engine
+from eagle3kit.diagnose.engine import EngineError, EngineRun, check_answer, measure_engine
 from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.report import advice, write_report
 from eagle3kit.diagnose.simulate import (
@@ -193,6 +193,7 @@ def _engine_run(side: dict, report: dict, target, chat_template, timeout) -> Eng
     """The engine's answers (its :class:`EngineRun`) and the report's ``template``: the replayed record's,
     or bench's template check (or the client's, ``chat_template``) and then one request per prompt."""
     if side["record"] is not None:
+        check_record_answers(side["record"], target.vocab_size)
         report["template"], report["replayed_from"] = side["record"]["template"], side["replay"]
         return EngineRun(**side["record"]["run"])
     base, model, rows = side["base"], side["model"], side["rows"]
@@ -303,24 +304,81 @@ def write_engine_record(out: Path, report: dict, rows: list[dict], run: EngineRu
 
 
 def read_engine_record(path: str | Path) -> dict:
-    """The record :func:`write_engine_record` wrote (``path``: the folder or the file).
+    """The record :func:`write_engine_record` wrote (``path``: the folder or the file), checked as a live
+    run's answers are: one prompt, output and counter entry each, whole numbers, counters that add up
+    (accepted ≤ draft tokens, accepted at a position ≤ drafts), something drafted, an engine diagnose
+    knows (:func:`check_record_answers` adds the output checks that need the target's vocabulary).
 
     Raises:
-        DiagnoseError: no record there, or one that is not a diagnose engine record."""
+        DiagnoseError: no folder or record there, or one that is malformed or could not come from a server."""
     p = Path(path)
+    if not p.exists():
+        raise DiagnoseError(
+            f"--replay {path} does not exist; give the --out folder of a diagnose run against the server"
+        )
     p = p / ENGINE_RECORD if p.is_dir() else p
+    if not p.is_file():
+        raise DiagnoseError(
+            f"--replay {path}: no diagnose engine record there (no {ENGINE_RECORD}); give the --out folder of a "
+            "diagnose run against the server"
+        )
     try:
         rec = json.loads(p.read_text())
-        EngineRun(**rec["run"])
-        rec["server"]["url"], rec["server"]["engine"], rec["rows"], rec["max_tokens"], rec["template"]
-        for d in rec["run"]["per_prompt"]:  # JSON keys are text: the positions back to numbers, in order
-            d["per_position"] = {int(k): v for k, v in (d.get("per_position") or {}).items()}
+        run, srv = rec["run"], rec["server"]
+        srv["url"], srv["model"], srv["engine"], rec["rows"], rec["max_tokens"], rec["template"]["mismatch"]
+        EngineRun(**run)
+        for d in run["per_prompt"]:  # JSON keys are text: the positions back to numbers, in order
+            d["per_position"] = {int(k): int(v) for k, v in (d.get("per_position") or {}).items()}
+            for k in ("drafts", "draft_tokens", "accepted"):
+                d[k] = int(d[k])
+        run["prompt_ids"] = [[int(t) for t in ids] for ids in run["prompt_ids"]]
+        run["outputs"] = [[int(t) for t in out] for out in run["outputs"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DiagnoseError(
-            f"--replay {path}: no diagnose engine record there ({type(e).__name__}); give the --out folder of a "
-            "diagnose run against the server (it holds engine.json)"
+            f"--replay {path}: the record is not one diagnose wrote ({type(e).__name__}: {e}); give the --out "
+            "folder of a diagnose run against the server"
         ) from None
+    problem = _record_problem(rec)
+    if problem:
+        raise DiagnoseError(f"--replay {path}: the record cannot be diagnosed: {problem}")
     return rec
+
+
+def _record_problem(rec: dict) -> str | None:
+    """What makes a record impossible for a server to have answered, or None."""
+    run, n = rec["run"], len(rec["rows"])
+    if rec["server"]["engine"] not in ("vllm", "sglang"):
+        return f"its engine is {rec['server']['engine']!r}; diagnose reads vLLM's and SGLang's counters only"
+    if not (len(run["prompt_ids"]) == len(run["outputs"]) == len(run["per_prompt"]) == n > 0):
+        return (
+            f"it holds {n} prompts, {len(run['prompt_ids'])} prompt ids, {len(run['outputs'])} outputs and "
+            f"{len(run['per_prompt'])} counter entries: one each per prompt, at least one"
+        )
+    for i, d in enumerate(run["per_prompt"]):
+        over = max(d["per_position"].values(), default=0) > d["drafts"]
+        if (
+            d["accepted"] > d["draft_tokens"]
+            or over
+            or min(d["drafts"], d["draft_tokens"], d["accepted"]) < 0
+        ):
+            return f"prompt {i + 1}'s counters do not add up ({d}): more accepted than drafted, or below zero"
+    if not sum(d["drafts"] for d in run["per_prompt"]):
+        return "the engine drafted nothing in the recorded run (it served without speculative decoding)"
+    return None
+
+
+def check_record_answers(rec: dict, vocab_size: int) -> None:
+    """The live run's output checks on a record (:func:`~eagle3kit.diagnose.engine.check_answer`): no empty
+    output, ids inside the target's vocabulary.
+
+    Raises:
+        DiagnoseError: naming the prompt and what is wrong."""
+    run = rec["run"]
+    for i, (ids, out, d) in enumerate(zip(run["prompt_ids"], run["outputs"], run["per_prompt"])):
+        try:
+            check_answer(rec["server"]["url"], i, ids, out, d, vocab_size)
+        except EngineError as e:
+            raise DiagnoseError(f"the recorded answers cannot be diagnosed with this target: {e}") from None
 
 
 def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):

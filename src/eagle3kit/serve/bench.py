@@ -584,13 +584,15 @@ def run_bench(
     api_key_env: str = "OPENAI_API_KEY",
     warmup: int = 1,
     timeout: float = 600.0,
+    prompts_label: str | None = None,
 ) -> dict:
     """Run the benchmark; returns the JSON record (see :mod:`eagle3kit.serve.bench`).
 
     Args:
         base_url / baseline_url: server roots (``http://host:port``; a trailing ``/v1`` is dropped).
         prompts: a prompt file in any format ``prompts`` reads, a ``datasets`` dataset, or rows already
-            read; first user turns are sent. target: the served target (its tokenizer renders the
+            read (``prompts_label`` says where from); first user turns are sent. target: the served
+            target (its tokenizer renders the
             template check; a :class:`TargetConfig` carries ``trust_remote_code``).
         levels: concurrency levels; each sends ``max(requests or #prompts, level)`` requests,
             cycling through the prompts.
@@ -602,13 +604,7 @@ def run_bench(
     if api_key_env != "OPENAI_API_KEY" and api_key_env not in os.environ:
         raise BenchError(f"--api-key-env {api_key_env}: that environment variable is not set")
     headers = auth_headers(api_key := os.environ.get(api_key_env, "EMPTY"))
-    servers = {"speculative": base_url.rstrip("/").removesuffix("/v1")}
-    if baseline_url:
-        servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
-        if servers["baseline"] == servers["speculative"]:
-            raise BenchError(
-                "--baseline-url is the same server as --base-url; give the target served without speculation"
-            )
+    servers = _server_roots(base_url, baseline_url)
     engines = {
         role: detect_engine(base, headers, "--base-url" if role == "speculative" else "--baseline-url")
         for role, base in servers.items()
@@ -616,6 +612,7 @@ def run_bench(
     tcfg = target if isinstance(target, TargetConfig) else TargetConfig(model=target)
     tokenizer = load_tokenizer(tcfg)  # trust_remote_code as the run's config says
     record = _record_header(prompts, rows, max_tokens, levels, tcfg.model, drafter, engine_flags, hardware)
+    record["prompts"]["file"] = prompts_label or record["prompts"]["file"]
     for role, base in servers.items():
         engine = engines[role]
         name = model or served_model(base, headers)
@@ -647,6 +644,21 @@ def run_bench(
     for w in record["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
     return record
+
+
+def _server_roots(base_url: str, baseline_url: str | None) -> dict[str, str]:
+    """``{"speculative": root, "baseline": root}`` (a trailing ``/v1`` dropped; no baseline when None).
+
+    Raises:
+        BenchError: the baseline is the same server."""
+    servers = {"speculative": base_url.rstrip("/").removesuffix("/v1")}
+    if baseline_url:
+        servers["baseline"] = baseline_url.rstrip("/").removesuffix("/v1")
+        if servers["baseline"] == servers["speculative"]:
+            raise BenchError(
+                "--baseline-url is the same server as --base-url; give the target served without speculation"
+            )
+    return servers
 
 
 def _speedups(record: dict) -> None:

@@ -74,11 +74,25 @@ def measured_target(
 
 def prompt_source(value: str, limit: int | None) -> PromptSource:
     """``--prompts``: a file when it ends like one (:data:`FILE_SUFFIXES`) or exists, else a ``datasets``
-    dataset (a name eagle3kit knows, a hub id, a local folder); ``NAME:SPLIT`` picks a split."""
+    dataset (a local folder first, even one named like a known dataset; else a name eagle3kit knows or a
+    hub id); ``NAME:SPLIT`` picks a split.
+
+    Raises:
+        ConfigError: an empty value, or nothing before the ':'."""
+    if not value.strip():
+        raise ConfigError("--prompts is empty: give a prompt file, or a datasets name or hub id (NAME:SPLIT)")
     if value.endswith(FILE_SUFFIXES) or Path(value).is_file():
         return PromptSource(path=value, limit=limit)
-    name, _, split = value.partition(":") if not Path(value).exists() else (value, "", "")
-    return PromptSource(dataset=name, split=split or None, limit=limit)
+    # a local folder (./gsm8k too, not the hub's gsm8k) is read as itself
+    name, split = (value, "") if Path(value).is_dir() else value.partition(":")[::2]
+    if not name:
+        raise ConfigError(
+            f"--prompts {value!r} names no file or dataset before the ':'; give NAME or NAME:SPLIT"
+        )
+    folder = Path(name)
+    return PromptSource(
+        dataset=str(folder.resolve()) if folder.is_dir() else name, split=split or None, limit=limit
+    )
 
 
 def measuring_prompts(
@@ -91,7 +105,7 @@ def measuring_prompts(
     Raises:
         ConfigError: no prompts named and none of the defaults exists (the message names the options).
         DataError: a file or dataset that cannot be read, or holds no prompt."""
-    if prompts:
+    if prompts is not None:
         src = prompt_source(prompts, limit)
         if src.path is not None and not Path(src.path).is_file():
             raise ConfigError(

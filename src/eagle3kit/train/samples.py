@@ -171,8 +171,9 @@ def trained_settings(cfg: Config) -> dict:
         for k, v in cfg.train.model_dump(mode="json", exclude=_LOGISTICS).items()
         if k not in _LATER or v != _LATER[k]
     }
-    # hashed as the true/false it was before it named places: whether the states are cached at all
-    out["feature_cache"] = cfg.train.feature_cache != "off"
+    # where the states live does not change what is trained (the memory plan may move them between runs):
+    # hashed as the true every run before it named places had, so those runs resume
+    out["feature_cache"] = True
     if cfg.drafter.variant == "dflash" or cfg.drafter.model_dump(
         exclude={"variant"}
     ) != DrafterVariantConfig().model_dump(exclude={"variant"}):
