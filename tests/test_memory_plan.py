@@ -217,3 +217,26 @@ def test_train_refuses_before_its_first_step_when_the_plan_exceeds_the_limit(dat
     assert "train.tokens_per_step" in str(e.value) and "cpu" in str(e.value)
     assert not (tmp_path / "tiny" / "checkpoints" / "last.safetensors").exists()
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_host_states_are_views_into_one_block_per_field_and_equal_the_device_copy(tiny_target_dir):
+    """train.feature_cache: host keeps the states in one (pinned, where CUDA is) block per field; each
+    sample's states are a view into it, equal to what the device copy holds."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
+    from eagle3kit.train.batches import Sample
+    from eagle3kit.train.samples import compute_features
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)), device="cpu")
+    g = torch.Generator().manual_seed(0)
+    mk = lambda n: Sample(torch.randint(0, 500, (n,), generator=g), torch.arange(n) > 2)  # noqa: E731
+    a = [mk(n) for n in (9, 5, 12)]
+    b = [Sample(s.ids.clone(), s.mask.clone()) for s in a]
+    compute_features(target, a, (2, 4, 5), 64, torch.device("cpu"), "host", lse=True)
+    compute_features(target, b, (2, 4, 5), 64, torch.device("cpu"), torch.device("cpu"), lse=True)
+    base = a[0].aux.untyped_storage().data_ptr()
+    for x, y in zip(a, b):
+        assert x.aux.untyped_storage().data_ptr() == base  # one block for every sample's aux states
+        for f in ("aux", "last", "argmax", "lse"):
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+    assert a[1].aux.shape == (5, 3 * target.hidden_size)
