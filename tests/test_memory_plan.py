@@ -159,9 +159,9 @@ def test_feature_cache_reads_the_old_true_and_false_and_never_restarts_a_run():
 CONFIG = """run_dir: {run}
 target: {{model: {target}, dtype: float32}}
 prompts:
-  sources: [{{path: {gsm8k}, stop: 24}}]
+  sources: [{{path: {gsm8k}, stop: 12}}]
   heldout_fraction: 0.0
-generate: {{backend: transformers, max_new_tokens: 24, batch_size: 24}}
+generate: {{backend: transformers, max_new_tokens: 16, batch_size: 12}}
 vocab: {{draft_vocab_size: 64}}
 train: {{epochs: 2, ttt_steps: 2, tokens_per_step: 256, val_fraction: 0.25{extra}}}
 """
@@ -213,7 +213,7 @@ def test_a_cache_that_does_not_fit_is_left_off_and_trains_as_the_cached_run(data
 
 def test_train_refuses_before_its_first_step_when_the_plan_exceeds_the_limit(data_run, tmp_path):
     with pytest.raises(ConfigError) as e:
-        train_copy(data_run, tmp_path, "tiny", ", memory_limit_gib: 0.0001")
+        train_copy(data_run, tmp_path, "tiny", ", memory_limit_gib: 0.001")
     assert "train.tokens_per_step" in str(e.value) and "cpu" in str(e.value)
     assert not (tmp_path / "tiny" / "checkpoints" / "last.safetensors").exists()
     assert torch.get_default_dtype() == torch.float32
