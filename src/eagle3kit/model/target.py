@@ -933,13 +933,13 @@ def teacher_logits(target: Target, last: torch.Tensor, vocab_ids: torch.Tensor |
     which under a ``device_map`` may be another GPU).
     """
     w = target.parts.lm_head.weight
+    bias = getattr(target.parts.lm_head, "bias", None)
     if vocab_ids is not None:
         vocab_ids = vocab_ids.to(w.device)
-        w = w[vocab_ids]
-    out = last.to(w.device, w.dtype) @ w.T
-    bias = getattr(target.parts.lm_head, "bias", None)
-    if bias is not None:
-        out = out + (bias if vocab_ids is None else bias[vocab_ids])
+        w, bias = w[vocab_ids], (None if bias is None else bias[vocab_ids])
+    x = last.to(w.device, w.dtype)
+    # one 2-D product: ``x @ w.T`` on a strided [..., Ht] view (a block's slots) broadcasts w per row
+    out = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
     return out.float().to(last.device)
 
 
