@@ -26,7 +26,6 @@ import copy
 import json
 import os
 import platform
-import re
 import resource
 import shutil
 import subprocess
@@ -210,8 +209,16 @@ class Device:
         return path
 
     def run_row(self, config: Path, key: str) -> None:
-        """``eagle3kit run CONFIG`` and what its report says of time and memory."""
+        """``eagle3kit run CONFIG`` and what its report says of time and memory. Where the machine has no
+        tensorboard package, the config's ``train.tensorboard`` is turned off (logging only)."""
+        import importlib.util
+
         import yaml
+
+        if importlib.util.find_spec("tensorboard") is None:
+            cfg = yaml.safe_load(config.read_text())
+            cfg["train"]["tensorboard"] = False
+            config.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
         got = self.sh(["run", str(config)], f"{key}.log")
         run = Path(yaml.safe_load(config.read_text())["run_dir"])
@@ -434,6 +441,9 @@ class Device:
         path = self.work / "deepseek_v3.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.run_row(path, "deepseek_train")
+        # its 16 GB target and checkpoints would leave the 8B runs too little disk (64 GB in all)
+        shutil.rmtree(self.work / "targets" / "deepseek_v3", ignore_errors=True)
+        shutil.rmtree(Path(cfg["run_dir"]) / "checkpoints", ignore_errors=True)
 
 
 def reference_record(run: Path, out: Path, n: int, max_tokens: int) -> None:
@@ -522,140 +532,6 @@ def device(args) -> None:
         raise SystemExit(1)
 
 
-def memory_checks(res: dict) -> list[dict]:
-    """Each train run's plan (the estimate printed before training) against the peak torch measured."""
-    out = []
-    for key, name in (
-        ("smollm2_recipe", "smollm2 recipe"),
-        ("llama8b_cache", "8b shape, cache on the device"),
-        ("llama8b_step", "8b shape, target in the step"),
-        ("deepseek_train", "deepseek-v3 width"),
-    ):
-        mem = (res.get(key) or {}).get("memory") or {}
-        if mem.get("measured_peak"):
-            out.append(
-                {
-                    "run": name,
-                    "estimated_peak": mem["peak"],
-                    "measured_peak": mem["measured_peak"],
-                    "ratio": round(mem["peak"] / mem["measured_peak"], 3),
-                    "cache": mem["cache"],
-                    "val": mem["val"],
-                    "capacity": mem["capacity"],
-                    "parts": {r["part"]: r["bytes"] for r in mem["rows"]},
-                }
-            )
-    return out
-
-
-PLAN_ROW = re.compile(r"^  (\S.*?)\s{2,}(\d+\.\d+) GiB  (\S.*?)\s{2,}(\S.*)$")
-PLAN_PEAK = re.compile(r"estimated peak on (\S+)\s+(\d+\.\d+) GiB\s+of (\d+\.\d+) GiB")
-GENERATE = re.compile(r"generate \((\w+)\) ━+ (\d+)/\d+ ([\d,]+) tok/s\s+(\d+):(\d+):(\d+)")
-EPOCH = re.compile(r"train epoch (\d+)/\d+ ━+ \d+/\d+ ([\d,]+) tok/s")
-
-
-def log_facts(path: Path) -> dict:
-    """What a run's log says when its report never came back: the memory plan it printed (GiB), the
-    generation's rate and time, and each epoch's training rate from its progress line (tokens/s)."""
-    text = path.read_text().replace("\r", "\n")
-    rows = [m.groups() for m in map(PLAN_ROW.match, text.splitlines()) if m]
-    peak = PLAN_PEAK.search(text)
-    gen = GENERATE.search(text)
-    rates = [int(m.group(2).replace(",", "")) for m in EPOCH.finditer(text)]
-    return {
-        "log": path.name,
-        "plan_gib": {part: {"gib": float(g), "where": w} for part, g, w, _ in rows},
-        "plan_peak_gib": float(peak.group(2)) if peak else None,
-        "plan_capacity_gib": float(peak.group(3)) if peak else None,
-        "generate": {
-            "backend": gen.group(1),
-            "rows": int(gen.group(2)),
-            "tokens_per_s": int(gen.group(3).replace(",", "")),
-            "seconds": int(gen.group(4)) * 3600 + int(gen.group(5)) * 60 + int(gen.group(6)),
-        }
-        if gen
-        else None,
-        "epoch_tokens_per_s": rates,
-        "epochs_logged": len(rates),
-    }
-
-
-def report(folder: Path) -> None:
-    """benchmarks/results/recipe_8b_shape.json from what the GPU machine sent back (``folder``: the
-    results.json of the run that finished, and the logs of runs whose report never came back), and its
-    table."""
-    import yaml
-
-    if not (folder / "h100-run2-results.json").is_file():
-        raise SystemExit(f"--from {folder}: no h100-run2-results.json there (what the GPU machine sent back)")
-    res = json.loads((folder / "h100-run2-results.json").read_text())
-    cfg = yaml.safe_load((folder / "h100-run2-llama8b-cache.yaml").read_text())
-    sizes = {
-        "prompts": sum(s.get("limit", 0) for s in cfg["prompts"]["sources"]),
-        "max_new_tokens": cfg["generate"]["max_new_tokens"],
-        "evaluate_prompts": cfg["evaluate"].get("num_prompts"),
-    }
-    gib = 1 << 30
-    first, step = (
-        log_facts(folder / "h100-run1-llama8b_cache.log"),
-        log_facts(folder / "h100-run3-llama8b_step.log"),
-    )
-    first["note"] = (
-        "the recipe's reply length (128 prompts x 1,024 tokens): trained all 10 epochs, then the machine stopped "
-        "answering during export or evaluate and its report was lost. Its plan was printed before a fix: the "
-        "training device was named 'cuda' and the target's 14.96 GiB was listed as 'on cuda:0' outside the peak; "
-        "with it, the plan's peak is 60.46 GiB"
-    )
-    step["note"] = (
-        "train.feature_cache: off (the target in the step), 64 prompts x 256 tokens: trained all 10 epochs; the "
-        "call ended before export and evaluate, so no report and no measured peak came back"
-    )
-    out = {
-        "what": "examples/llama3.1-8b.yaml's `eagle3kit run` at the Llama-3.1-8B shape on one GPU: the hub config key "
-        "for key, the real Llama 3 tokenizer and chat template, RANDOM bf16 weights (no model hub reachable "
-        "from the GPU machine): the times, tokens/s and memory are the shape's, the tau are not a drafter's "
-        "(benchmarks/recipe_shape.py)",
-        "machine": res.get("machine"),
-        "data": "the training settings of examples/llama3.1-8b.yaml (TTT 7, 10 epochs, 16,384 tokens a step, draft "
-        "vocabulary 32,000); prompts from shared GSM8K/OpenAssistant files instead of the hub datasets; "
-        "generate.batch_size = the prompt count (one batch, transformers: no vLLM on the machine)",
-        "memory_checks": memory_checks(res),
-        "runs": {
-            "llama8b_cache": {**res["llama8b_cache"], **sizes},
-            "llama8b_cache_recipe_length": first,
-            "llama8b_step": step,
-            "llama8b_target": {k: v for k, v in res["llama8b_target"].items() if k != "config"},
-        },
-        "not_measured": {
-            "deepseek_v3_width": "the lease's time ran out (the first machine stopped answering mid-call); the "
-            "DeepSeek-V3 numbers in docs/recipes/deepseek-kimi.md are the plan's estimate",
-            "smollm2_recipe_on_the_gpu": "not run for the same reason; the SmolLM2 shape's check is peers.json's",
-            "diagnose_on_the_gpu": "not run for the same reason; --replay ran on the CPU (tests/test_diagnose.py)",
-            "target_in_the_step_measured_peak": "the run trained but its report did not come back",
-        },
-    }
-    dest = ROOT / "benchmarks" / "results" / "recipe_8b_shape.json"
-    dest.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{'run':<32} {'estimated GiB':>14} {'measured GiB':>13} {'ratio':>6}  cache / validation")
-    for m in out["memory_checks"]:
-        print(
-            f"{m['run']:<32} {m['estimated_peak'] / gib:>14.2f} {m['measured_peak'] / gib:>13.2f} "
-            f"{m['ratio']:>6.3f}  {m['cache']} / {m['val']}"
-        )
-    for stage, v in (res["llama8b_cache"].get("stages") or {}).items():
-        peak = max((v.get("gpu_peak_bytes") or {"-": 0}).values()) / gib
-        print(
-            f"llama8b_cache   {stage:<12} {v['seconds']:>8.1f} s  GPU peak {peak:6.2f} GiB  "
-            f"host RSS {v['host_peak_rss_bytes'] / gib:6.2f} GiB"
-        )
-    for name, f in (("recipe length", first), ("target in the step", step)):
-        print(
-            f"{name:<20} plan peak {f['plan_peak_gib']} GiB, epochs {f['epochs_logged']}, epoch rates "
-            f"{f['epoch_tokens_per_s'][1:]}"
-        )
-    print(f"wrote {dest}")
-
-
 def machine() -> dict:
     import torch
     import transformers
@@ -709,6 +585,8 @@ def main() -> None:
     elif args.cmd == "reference":
         reference_record(Path(args.run), Path(args.out), args.n, args.max_tokens)
     else:
+        from recipe_shape_report import report
+
         report(Path(args.folder))
 
 

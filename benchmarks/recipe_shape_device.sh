@@ -20,17 +20,16 @@
 #
 # `start` launches recipe_shape.py device in its own process session (it outlives the call); `more`
 # unpacks the second part (the diagnose record and its drafter, which the smollm2_diagnose task waits
-# for); every call ends by copying results.json, the logs and the reports to $OUT.
+# for); every call ends by packing results.json, the logs and the reports into $OUT/rs.tgz.
 set -uo pipefail
 W=/tmp/rs
 D=/tmp/rs-data
 REPO=/tmp/rs-repo
 cmd=${1:?pack|stage1|start|more|smollm2|wait}
 shift
-snapshot() {
-  mkdir -p "$OUT/rs"
-  cp $W/*.json $W/*.log $W/*.yaml "$OUT/rs/" 2>/dev/null
-  for d in $W/llama8b-diagnose $W/smollm2-diagnose; do [ -d $d ] && cp -r $d "$OUT/rs/"; done
+snapshot() { # one archive: a call brings back only a few files
+  (cd $W && tar -czf "$OUT/rs.tgz" --ignore-failed-read $(ls *.json *.log *.yaml 2>/dev/null) \
+    $(ls -d llama8b-diagnose smollm2-diagnose 2>/dev/null))
   grep -h "^==" $W/driver.log 2>/dev/null | tail -12
   tail -c 1500 $W/driver.log 2>/dev/null | tr '\r' '\n' | tail -4
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
@@ -63,7 +62,7 @@ stage1)
   done
   echo "installing:$want"
   [ -n "$want" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $want
-  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.cli, eagle3kit.pipeline, torch.utils.tensorboard, accelerate; print('imports ok')"
+  PYTHONPATH=/tmp/site:$PWD/src python3 -c "import eagle3kit.cli, eagle3kit.pipeline, accelerate, importlib.util as u; print('imports ok; tensorboard:', u.find_spec('tensorboard') is not None)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   df -h /tmp | tail -1
   ;;

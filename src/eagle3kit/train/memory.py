@@ -18,12 +18,15 @@ layer's TTT unroll (:meth:`eagle3kit.model.drafter.Eagle3Drafter.ttt_forward`) a
 (:mod:`eagle3kit.train.ttt`): per token and TTT step 30·H + 6·Q + 4·KV + 6·I bytes in bf16 autocast
 (H the drafter's width, Q and KV the query and key/value widths, I the MLP's; the fp32 norm inputs
 and residuals at 4 bytes, the matrix-product inputs at 2), step k's concatenated keys and values
-(k + 1)·KV·4, and per batch the teacher table (4 bytes × draft vocabulary per position), the fused
+(k + 1)·KV·4, under compilation in bf16 each TTT step's own bf16 copy of the q/k/v and MLP weights
+(2 bytes a parameter a step: a compiled call saves the cast it multiplied by, where eager autocast
+caches one), and per batch the teacher table (4 bytes × draft vocabulary per position), the fused
 loss's fp32 ∂W per step (4·Vd·H) and one chunk's logits and gradient (6 bytes × chunk × Vd), or the
 unchunked loss's 8 bytes × Vd per position and step. Checked against the peaks ``torch`` measured at
-the 8B shape on an H200 (benchmarks/results/peers.json: estimate within 10% of 45.6, 46.2 and 71.5 GB
-for fused chunks of 4096, 8192 and the unchunked loss) and at SmolLM2's (within 10% of 2.8 GB); the
-recipes' own runs are in benchmarks/results/recipe_8b_shape.json.
+the 8B shape on an H200 (benchmarks/results/peers.json: 45.6, 46.2 and 71.5 GB for fused chunks of 4096,
+8192 and the unchunked loss) and at SmolLM2's (2.8 GB), and against the recipes' own runs on an H100
+(benchmarks/results/recipe_8b_shape.json: the whole plan within 1.5% of the peaks of the SmolLM2
+recipe, the 8B shape and DeepSeek-V3's width).
 """
 
 from __future__ import annotations
@@ -40,12 +43,21 @@ GiB = 1 << 30
 #: a cache or the validation states go on the device only when the plan then leaves this share free
 SPARE = 0.10
 #: what the device must keep free beyond the estimate: on CUDA the context, compile workspaces and the
-#: estimate's own error (4.5% under the peak measured at the 8B shape on an H100), this share of the
-#: device and at least MARGIN_MIN bytes; on the CPU, MARGIN_SHARE_CPU of what the host offers
+#: estimate's own error (within 1.5% of the peaks of the recipes' runs on an H100, either side), this
+#: share of the device and at least MARGIN_MIN bytes; on the CPU, MARGIN_SHARE_CPU of what the host offers
 MARGIN_SHARE, MARGIN_MIN, MARGIN_SHARE_CPU = 0.08, 1 * GiB, 0.05
 #: host memory the caches may take: this share of what the host has available
 HOST_SHARE = 0.8
 PLACES = ("device", "host", "off")
+#: the drafter layer's projections inside its compiled pieces (qkv and finish; o_proj runs eager)
+COMPILED_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,8 @@ class DrafterShape:
     """The widths the activation estimate reads, from a drafter (on any device, ``meta`` included).
 
     hidden H, target_hidden Ht, n_aux aux layers, q_dim / kv_dim (heads × head dim), intermediate I,
-    draft_vocab Vd, params (trainable parameters)."""
+    draft_vocab Vd, params (trainable parameters), compiled_weights (parameters of the q/k/v and MLP
+    projections, which the compiled layer pieces read: :meth:`Eagle3Drafter.compile_layer`)."""
 
     hidden: int
     target_hidden: int
@@ -63,11 +76,18 @@ class DrafterShape:
     intermediate: int
     draft_vocab: int
     params: int
+    compiled_weights: int = 0
 
     @classmethod
     def of(cls, drafter) -> "DrafterShape":
         """From an :class:`~eagle3kit.model.drafter.Eagle3Drafter` (its config and parameters)."""
         c = drafter.config
+        layer = getattr(drafter, "midlayer", None)
+        compiled = sum(
+            p.numel()
+            for n, p in (layer.named_parameters() if layer is not None else ())
+            if n.rsplit(".", 1)[0] in COMPILED_PROJECTIONS
+        )
         return cls(
             hidden=c.hidden_size,
             target_hidden=c.target_hidden_size,
@@ -77,6 +97,7 @@ class DrafterShape:
             intermediate=c.intermediate_size,
             draft_vocab=c.draft_vocab_size,
             params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+            compiled_weights=compiled,
         )
 
 
@@ -115,6 +136,8 @@ def step_activation_bytes(d: DrafterShape, s: StepSetup, state_bytes: int) -> di
     layer = T * (S * per_step + 2 * a * KV * S * (S + 1) // 2)
     if not s.compile:  # eager keeps the norms' and rotary's intermediates too (+18% measured at 8B)
         layer = layer * 118 // 100
+    elif s.bf16:  # each compiled call keeps its own bf16 copy of the weights it multiplies (eager's
+        layer += S * 2 * d.compiled_weights  # autocast caches one): 9.8 GiB at DeepSeek-V3's width
     if s.attention == "reference":  # dense scores and probabilities per step, fp32, [B, heads, T, T]
         heads = max(1, Q // 64)
         layer += S * T * s.longest * heads * 8
