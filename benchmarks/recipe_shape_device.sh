@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # benchmarks/recipe_shape.py on the device tool's GPU machine (no network, 10 minutes a call, /tmp kept
-# only while the machine stays warm, every call carrying at most 64 MiB). The wheels the GPU image lacks
-# go in .whl (pydantic and its needs, typer, rich, gguf, prometheus-client, pyyaml, hs-connectors,
-# accelerate, psutil, tensorboard and its needs: `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 --platform manylinux_2_17_x86_64 -d .whl …`); only those whose module the image
-# lacks are installed.
+# only while the machine stays warm, every call carrying at most 64 MiB). The wheels the GPU image may lack
+# go in .whl (`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+# --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl typer shellingham click rich
+# markdown-it-py mdurl pygments gguf prometheus-client hs-connectors==0.9.0 pydantic pydantic-core
+# annotated-types annotated-doc typing-inspection pyyaml psutil`, 5.8 MB); only those whose module the
+# image lacks are installed (on the H100 image: annotated_types, gguf, hs_connectors, pydantic,
+# pydantic_core, typing_inspection; it has tensorboard).
 #
 #   here:           ../shared/tools/stage-smollm2-for-device.sh
 #                   python benchmarks/recipe_shape.py pack --out .gpudata/data [--diagnose DIR]
