@@ -215,13 +215,13 @@ class Device:
 
         import yaml
 
+        cfg = yaml.safe_load(config.read_text())
         if importlib.util.find_spec("tensorboard") is None:
-            cfg = yaml.safe_load(config.read_text())
             cfg["train"]["tensorboard"] = False
             config.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
         got = self.sh(["run", str(config)], f"{key}.log")
-        run = Path(yaml.safe_load(config.read_text())["run_dir"])
+        run = Path(cfg["run_dir"])
         report = json.loads((run / "report.json").read_text()) if (run / "report.json").exists() else {}
         if report:
             shutil.copy(run / "report.json", self.work / f"{key}.report.json")
@@ -327,12 +327,20 @@ class Device:
             },
         )
 
+    @staticmethod
+    def _await(ready, seconds: int) -> bool:
+        """Poll ``ready()`` every 10 s for up to ``seconds``: a later device call brings what it checks."""
+        end = time.time() + seconds
+        while not ready():
+            if time.time() >= end:
+                return False
+            time.sleep(10)
+        return True
+
     def await_data(self, name: str, seconds: int = 900) -> Path:
         """``data/name``, waiting for it: the second part of the data arrives in a later device call."""
-        path, end = self.data / name, time.time() + seconds
-        while not path.exists() and time.time() < end:
-            time.sleep(10)
-        if not path.exists():
+        path = self.data / name
+        if not self._await(path.exists, seconds):
             raise FileNotFoundError(f"{path} never arrived (recipe_shape_device.sh more)")
         return path
 
@@ -341,13 +349,12 @@ class Device:
         device call, installed into a folder already on the path)."""
         import importlib.util
 
-        end = time.time() + seconds
-        while time.time() < end:
+        def importable() -> bool:
             importlib.invalidate_caches()
-            if importlib.util.find_spec(name) is not None:
-                return
-            time.sleep(10)
-        raise ModuleNotFoundError(f"{name} never became importable (recipe_shape_device.sh smollm2)")
+            return importlib.util.find_spec(name) is not None
+
+        if not self._await(importable, seconds):
+            raise ModuleNotFoundError(f"{name} never became importable (recipe_shape_device.sh smollm2)")
 
     def smollm2_recipe(self):
         """examples/smollm2.yaml run end to end (its training settings: 12 epochs, TTT 7, 8,192 tokens a step,

