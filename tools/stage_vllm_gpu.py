@@ -5,7 +5,7 @@ carried one per call and put together there by ``tools/stage_vllm_gpu.sh``).
 Run here, on a machine with PyPI::
 
     python3 tools/stage_vllm_gpu.py --out .stage            # about 4 minutes, 2 CPU cores
-    python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what would be staged, downloads nothing
+    python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what it would stage (downloads, no archive)
 
 What it writes under ``--out``: ``p1/`` … ``pN/``, each holding one part of a single ``stage.tar.xz``
 (at most ``--part-mb`` MB each) and, in every part folder, ``manifest.json`` (the parts' count and
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -140,7 +141,10 @@ def closure(roots: list[str], have: set[str], dest: Path) -> tuple[dict[str, Pat
         name = canonicalize_name(req.name)
         if name in SKIP or name in have:
             left.setdefault(
-                name, "skipped: not imported for a dense target" if name in SKIP else "on the GPU image"
+                name,
+                "skipped (the machine's torch kept; GPU kernels a dense target never imports)"
+                if name in SKIP
+                else "on the GPU machine",
             )
             continue
         new = set(req.extras) - extras.get(name, set())
@@ -169,13 +173,31 @@ def trim_vllm(wheel: Path, out: Path) -> dict:
     return {"published_bytes": wheel.stat().st_size, "removed_uncompressed_bytes": removed}
 
 
+HAVE_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*\S+|@\s*\S+)?$")
+
+
 def read_have(path: Path) -> set[str]:
-    """Distribution names from a ``pip list --format=freeze`` file (or one name a line)."""
+    """Distribution names from a ``pip list --format=freeze`` file (``name==version``, ``name @ url``, or a
+    bare name a line; ``#`` comments). Raises SystemExit naming the first other line, or a file with none."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--have {path}: not a readable text file ({e})") from None
     names = set()
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.add(canonicalize_name(line.split("==")[0].split(" @ ")[0]))
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = HAVE_LINE.match(line)
+        if not m:
+            raise SystemExit(
+                f"--have {path}, line {i}: {raw.strip()!r} is not 'name==version' (pip list --format=freeze)"
+            )
+        names.add(canonicalize_name(m.group(1)))
+    if not names:
+        raise SystemExit(
+            f"--have {path}: names no package; write it with `python3 -m pip list --format=freeze` there"
+        )
     return names
 
 
@@ -188,22 +210,39 @@ def main() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace the parts already in --out")
     args = ap.parse_args()
     if not args.have.is_file():
-        raise SystemExit(
-            f"--have {args.have}: no such file (write one with `pip list --format=freeze` there)"
-        )
+        raise SystemExit(f"--have {args.have}: not a file (write one with `pip list --format=freeze` there)")
+    have = read_have(args.have)
     if not 5 <= args.part_mb <= 64:
         raise SystemExit(
             f"--part-mb {args.part_mb}: give 5 to 64 (a call carries 64 MiB with the repository)"
         )
-    if any(args.out.glob("p*/manifest.json")) and not (args.overwrite or args.check):
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out}: exists and is not a folder; give a new folder")
+    old = [p for p in args.out.glob("*")] if args.out.is_dir() else []
+    ours = [
+        p for p in old if p.is_dir() and re.fullmatch(r"p\d+", p.name) and (p / "manifest.json").is_file()
+    ]
+    if len(ours) != len(old):
+        raise SystemExit(
+            f"--out {args.out}: holds other files than an earlier staging's parts; give an empty folder"
+        )
+    if ours and not (args.overwrite or args.check):
         raise SystemExit(f"--out {args.out}: holds parts of an earlier staging; --overwrite replaces them")
-    t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="stage-vllm-"))
+    try:
+        stage(args, have, ours, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def stage(args, have: set[str], old: list[Path], work: Path) -> None:
+    """Download, trim, pack and split into ``args.out`` (see the module); ``old``: earlier parts replaced."""
+    t0 = time.time()
     wheels_dir = work / "wheels"
     wheels_dir.mkdir()
     vllm = download(VLLM, work)
     roots = [str(r) for r in requires(vllm, set())] + list(OURS)
-    wheels, left = closure(roots, read_have(args.have), wheels_dir)
+    wheels, left = closure(roots, have, wheels_dir)
     size = sum(p.stat().st_size for p in wheels.values())
     print(f"{len(wheels)} dependency wheels, {size / 1e6:.1f} MB; left out: {len(left)}", flush=True)
     for name, why in sorted(left.items()):
@@ -220,15 +259,14 @@ def main() -> None:
     archive = work / "stage.tar.xz"
     subprocess.run(["tar", "-C", str(wheels_dir), "-cf", str(archive.with_suffix("")), "."], check=True)
     subprocess.run(["xz", "-T0", "-6", str(archive.with_suffix(""))], check=True)
-    if args.out.exists():
-        for old in args.out.glob("p*"):
-            shutil.rmtree(old)
+    for p in old:
+        shutil.rmtree(p)
     parts = split(archive, args.out, int(args.part_mb * 1e6))
     manifest = {
         "vllm": VLLM,
         "target_package": SMOLLM2,
         "archive_sha256": sha256(archive),
-        "parts": [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)} for p in parts],
+        "parts": [{"name": p.parent.name, "bytes": p.stat().st_size, "sha256": sha256(p)} for p in parts],
         "wheels": sorted(p.name for p in wheels_dir.iterdir()),
         "vllm_trim": {**trim, "members": list(TRIM)},
         "left_out": left,
@@ -236,7 +274,6 @@ def main() -> None:
     }
     for p in parts:
         (p.parent / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    shutil.rmtree(work)
     n = len(parts)
     print(f"{n} parts in {args.out} ({archive_mb(parts):.1f} MB) in {manifest['prepare_seconds']:.0f} s")
     for i in range(1, n + 1):

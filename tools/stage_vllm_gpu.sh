@@ -25,34 +25,14 @@ case "$cmd" in
 env) env_lines ;;
 receive)
   dir=${2:?receive needs the folder of a part, e.g. .stage/p1}
-  [ -f "$dir/stage.part" ] && [ -f "$dir/manifest.json" ] || { echo "$dir: no stage.part and manifest.json there (was it in carry?)" >&2; exit 2; }
-  mkdir -p $S/parts
-  [ -f $S/t_first ] || now >$S/t_first
-  cp "$dir/stage.part" "$S/parts/$(basename "$dir").part" && cp "$dir/manifest.json" $S/manifest.json || exit 1
-  python3 - "$S" <<'EOF' || exit 1
-import hashlib, json, subprocess, sys, time
-from pathlib import Path
-s = Path(sys.argv[1]); m = json.loads((s / "manifest.json").read_text())
-have = {p.stem: p for p in (s / "parts").glob("p*.part")}
-want = [f"p{i + 1}" for i in range(len(m["parts"]))]
-missing = [w for w in want if w not in have]
-print(f"part(s) here: {', '.join(sorted(have))}; still to come: {', '.join(missing) or 'none'}")
-if missing:
-    sys.exit(0)
-for w, part in zip(want, m["parts"]):
-    if hashlib.sha256(have[w].read_bytes()).hexdigest() != part["sha256"]:
-        sys.exit(f"{w}: SHA-256 differs from the manifest's (a part from another staging?); carry it again")
-t0 = time.time()
-(s / "wheels").mkdir(exist_ok=True)
-cat = subprocess.Popen(["cat", *[str(have[w]) for w in want]], stdout=subprocess.PIPE)
-subprocess.run(["tar", "-C", str(s / "wheels"), "-xJf", "-"], stdin=cat.stdout, check=True)
-print(f"unpacked {len(m['wheels'])} wheels in {time.time() - t0:.0f} s")
-EOF
-  [ -d $S/wheels ] || exit 0
+  state=$(python3 "$(dirname "$0")/stage_vllm_receive.py" "$dir" $S) || exit $?
+  echo "$state" | sed '$d'
+  [ "$(echo "$state" | tail -1)" = complete ] || exit 0
   t=$(now)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $S/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $S/wheels/*.whl ||
+    { echo "pip could not install the staged wheels into $SITE (above)" >&2; exit 1; }
   python3 -c "import sys; sys.path.insert(0, '$SITE'); import vllm; print('vllm', vllm.__version__)" || exit 1
-  python3 -c "import time; print(round(time.time() - $(cat $S/t_first), 1))" >$S/staged_seconds
+  python3 -c "import time; print(round(time.time() - float(open('$S/t_first').read()), 1))" >$S/staged_seconds
   python3 -c "print(round($(now) - $t, 1))" >$S/install_seconds
   echo "staged: $(cat $S/staged_seconds) s since the first part arrived (install $(cat $S/install_seconds) s)"
   ;;
@@ -60,6 +40,7 @@ check)
   [ -f $S/staged_seconds ] || { echo "nothing staged on this machine: receive every part first" >&2; exit 2; }
   eval "$(env_lines)"
   wait_s=${2:-420}
+  [[ "$wait_s" =~ ^[0-9]+$ ]] || { echo "check $wait_s: give the seconds to wait for the server, e.g. 420" >&2; exit 2; }
   t0=$(now)
   folder=$(python3 -c "
 from eagle3kit.core.config import TargetConfig

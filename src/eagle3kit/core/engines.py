@@ -325,13 +325,7 @@ class VLLMServer:
             str(self.folder),
             "--served-model-name",
             self.served_name,
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--kv-cache-memory-bytes",
-            str(self.kv_cache_bytes),
+            *self.engine_args(),
             "--host",
             "127.0.0.1",
             "--port",
@@ -344,6 +338,19 @@ class VLLMServer:
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log.close()  # the child holds its own descriptor
+
+    def engine_args(self) -> list[str]:
+        """The engine's precision and memory flags for vLLM's CPU build: float32, eager, the KV cache's
+        bytes fixed. A GPU launch overrides this (benchmarks/serving_gpu.py)."""
+        return [
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+        ]
 
     def poll_ready(self) -> bool:
         """True once the server answers ``/version``. Raises RuntimeError when its process has exited."""

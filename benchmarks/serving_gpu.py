@@ -1,0 +1,427 @@
+"""Serving on a GPU: SmolLM2-135M-Instruct served by vLLM in bf16, alone and with each drafter kind eagle3kit
+trains (train's default EAGLE-3.1, EAGLE-3, DFlash), all trained on the example recipe's data
+(examples/smollm2-shared-data.yaml, its prompt files read from ``--shared``), at 3, 5 and 7 draft tokens.
+
+Stages (each resumable: a finished run, diagnosis or bench record is read back, not made again):
+
+1. ``eagle3kit run`` of the recipe (EAGLE-3.1: prompts, SmolLM2's replies, tokens, vocabulary, training,
+   export, evaluate); then EAGLE-3 and DFlash trained on a copy of its data stages (the same tokens).
+2. The plain server (no speculation), started first and kept; then, one at a time (two vLLM servers
+   started together on one GPU each count the other's memory as their own), a server per drafter and K.
+3. Against each drafter's server: ``eagle3kit diagnose`` on the bench prompts, each sent alone — τ from
+   vLLM's counters beside τ simulated by eagle3kit on the same prompts and vLLM's own outputs, and the
+   verdict; then ``eagle3kit bench`` against the plain server at every ``--concurrency``: output
+   tokens/s, speedup, TTFT, TPOT and vLLM's τ.
+4. The cost model, from concurrency 1: the plain server's time per output token T (one target
+   step), the drafter's server's time per verify step S = TPOT × τ, and the overhead of drafting and
+   verifying O = S − T; speedup = τ / (1 + O / T), so a target whose step takes T' instead gets about
+   τ / (1 + O / T') with the same drafter and τ (O grows with the drafter's size, not the target's,
+   while a verify step of K + 1 tokens costs about one decode step: memory-bound at batch 1).
+
+Prompts: the first ``--prompts`` of MT-bench and of the held-out GSM8K questions (the recipe's evaluate
+sets), ``--max-tokens`` each, greedy.
+
+    python benchmarks/serving_gpu.py --work /tmp/sg --shared ../shared [--drafters eagle3.1,eagle3,dflash]
+        [--ks 3,5,7] [--concurrency 1,4,16,64] [--prompts 40] [--max-tokens 256] [--smoke]
+
+``--smoke`` rehearses every stage on vLLM's CPU build (float32, a few prompts and tokens, one epoch):
+it checks the plumbing, not the numbers. Writes ``benchmarks/results/serving_gpu.json`` (``--out``) and a
+plot beside it, and prints one table. On a GPU machine without network: vLLM from tools/stage_vllm_gpu.py
+(CONTRIBUTING.md), and of ``--shared`` only data/prompts/{mt_bench,spec_bench}.jsonl and
+data/chats/{oasst_en_100_tree,gsm8k_train}.jsonl are read (5.7 MB: carry them in a folder of that layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "serving_gpu.json"
+EXAMPLE = ROOT / "examples" / "smollm2-shared-data.yaml"
+DRAFTERS = {  # name: (drafter section, train settings over the recipe's, vLLM's method)
+    "eagle3.1": ({"variant": "eagle3.1"}, {}, "eagle3"),
+    "eagle3": ({"variant": "eagle3"}, {}, "eagle3"),
+    "dflash": ({"variant": "dflash"}, {"lr": 6e-4}, "dflash"),  # 5 layers, blocks of 8: K up to 7
+}
+SMOKE = {"limit": 12, "max_new_tokens": 16, "epochs": 1, "tokens_per_step": 256}
+SETS = ("mt_bench", "gsm8k_heldout")
+
+
+def parse_list(text: str, name: str, allowed=None, low: int = 1) -> list:
+    """``--NAME a,b,c``: the entries, each one of ``allowed`` (names) or an integer ≥ ``low``, none twice.
+
+    Raises:
+        SystemExit: naming the option, the bad entry and what is wanted."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or "" in parts:
+        raise SystemExit(f"--{name} {text!r}: an empty entry; give a comma-separated list")
+    out = []
+    for p in parts:
+        if allowed is not None:
+            if p not in allowed:
+                raise SystemExit(f"--{name} {text!r}: {p!r} is not one of {', '.join(allowed)}")
+            v = p
+        else:
+            if not (p.isascii() and p.isdigit()) or int(p) < low:
+                raise SystemExit(f"--{name} {text!r}: {p!r} is not an integer of at least {low}")
+            v = int(p)
+        if v in out:
+            raise SystemExit(f"--{name} {text!r}: {p} is given twice")
+        out.append(v)
+    return out
+
+
+def check_args(args) -> None:
+    """Refuse bad options before anything runs; ``<work>/settings.json`` keeps the first run's sizes so
+    that a resumed run cannot mix records made with other ones."""
+    args.drafter_list = parse_list(args.drafters, "drafters", list(DRAFTERS))
+    args.k_list = parse_list(args.ks, "ks", low=1)
+    if max(args.k_list) > 7:
+        raise SystemExit(f"--ks {args.ks}: the drafters train 7 TTT steps (DFlash blocks of 8): K up to 7")
+    args.levels = parse_list(args.concurrency, "concurrency", low=1)
+    if args.prompts < 1 or args.max_tokens < 1:
+        raise SystemExit(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: give at least 1 of each")
+    shared = Path(args.shared)
+    for rel in ("data/prompts/mt_bench.jsonl", "data/chats/gsm8k_train.jsonl"):
+        if not (shared / rel).is_file():
+            raise SystemExit(f"--shared {shared}: {rel} is missing; pass the shared folder holding data/")
+    work = Path(args.work)
+    if work.exists() and not work.is_dir():
+        raise SystemExit(f"--work {work}: exists and is not a folder; pass a new folder or an earlier run's")
+    keys = ("drafters", "ks", "concurrency", "prompts", "max_tokens", "smoke")
+    settings, path = {k: getattr(args, k) for k in keys}, work / "settings.json"
+    if path.exists():
+        from common import read_json_object
+
+        before = read_json_object(path, "delete it or use another --work")
+        if before != settings:
+            raise SystemExit(
+                f"--work {work} holds a run made with {before}; this one asks {settings}: use another --work"
+            )
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings) + "\n")
+
+
+def run_config(args, name: str) -> Path:
+    """``<work>/<name>/config.yaml``: the recipe with its prompt files read from ``--shared``, this drafter's
+    section and train settings (``--smoke``: a few prompts and tokens, one epoch)."""
+    import yaml
+
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["run_dir"] = str((Path(args.work) / name / "run").resolve())
+    for src in cfg["prompts"]["sources"] + cfg["evaluate"]["sets"]:
+        src["path"] = str((Path(args.shared) / src["path"].split("shared/", 1)[1]).resolve())
+        if args.smoke:
+            src["limit"] = SMOKE["limit"]
+    section, train, _ = DRAFTERS[name]
+    cfg["drafter"] = dict(section)
+    cfg["train"].update(train)
+    if args.smoke:
+        cfg["generate"]["max_new_tokens"] = cfg["evaluate"]["max_new_tokens"] = SMOKE["max_new_tokens"]
+        cfg["train"].update(epochs=SMOKE["epochs"], tokens_per_step=SMOKE["tokens_per_step"])
+    out = Path(args.work) / name / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+def train(args, name: str) -> Path:
+    """The drafter's run folder, trained once (``trained.json`` written last marks it done); every drafter
+    but the first copies the first run's data stages, so all train on the same tokens."""
+    from eagle3kit.core.config import load_config
+    from eagle3kit.pipeline import run_all
+
+    d = Path(args.work) / name
+    run, done = d / "run", d / "trained.json"
+    if done.exists() and (run / "drafter").is_dir():
+        return run
+    first = args.drafter_list[0]
+    if name != first:
+        keep = shutil.ignore_patterns("checkpoints", "drafter*", "evaluate", "tensorboard", "train_log.jsonl")
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(train(args, first), run, ignore=keep)
+    t0 = time.time()
+    report = run_all(load_config(run_config(args, name)))
+    sets = (report.get("evaluate") or {}).get("sets") or {}
+    done.write_text(
+        json.dumps(
+            {"seconds": round(time.time() - t0, 1), "evaluate": {s: sets.get(s, {}).get("tau") for s in SETS}}
+        )
+        + "\n"
+    )
+    return run
+
+
+def bench_prompts(args) -> Path:
+    """``<work>/prompts.jsonl``: the first ``--prompts`` of each evaluate set (MT-bench, held-out GSM8K)."""
+    from eagle3kit.core.config import PromptSource
+    from eagle3kit.data.sources import read_source
+
+    shared = Path(args.shared)
+    rows = read_source(PromptSource(path=str(shared / "data/prompts/mt_bench.jsonl"), limit=args.prompts))[0]
+    rows += read_source(
+        PromptSource(path=str(shared / "data/chats/gsm8k_train.jsonl"), start=-80, limit=args.prompts)
+    )[0]
+    out = Path(args.work) / "prompts.jsonl"
+    out.write_text("".join(json.dumps({"messages": r["messages"][:1]}) + "\n" for r in rows))
+    return out
+
+
+def server(args, target: Path, log: Path, spec: dict | None):
+    """A vLLM server for ``target``: the CPU build's flags with ``--smoke``, else bf16 on the GPU with
+    vLLM's defaults (CUDA graphs) in ``--gpu-share`` of its memory."""
+    from eagle3kit.core.engines import VLLMServer, free_port
+
+    class GPUServer(VLLMServer):
+        def engine_args(self) -> list[str]:
+            return [
+                "--dtype",
+                "bfloat16",
+                "--max-model-len",
+                "2048",
+                "--gpu-memory-utilization",
+                str(args.gpu_share),
+            ]
+
+    cls = VLLMServer if args.smoke else GPUServer
+    return cls(target, free_port(), log, speculative=spec)
+
+
+def cli(args_list: list[str], log: Path) -> int:
+    """``python -m eagle3kit ARGS`` with its output in ``log``; returns the exit code."""
+    with log.open("w") as fh:
+        return subprocess.run(
+            [sys.executable, "-m", "eagle3kit", *args_list], stdout=fh, stderr=subprocess.STDOUT
+        ).returncode
+
+
+def measure(args, key: str, drafter: Path, spec, plain, prompts: Path) -> dict:
+    """diagnose (each prompt alone) and bench (every level) against one drafter's server; each record
+    kept in ``<work>/<key>/`` and read back on a rerun."""
+    d = Path(args.work) / key
+    d.mkdir(parents=True, exist_ok=True)
+    n = 2 * args.prompts
+    if not (d / "diagnose" / "diagnose.json").exists():
+        cli(
+            [
+                "diagnose",
+                "--base-url",
+                spec.url,
+                "--drafter",
+                str(drafter),
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                str(n),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--out",
+                str(d / "diagnose"),
+                "--overwrite",
+                *([] if args.smoke else ["--dtype", "bfloat16"]),  # the served numerics
+            ],
+            d / "diagnose.log",
+        )  # fmt: skip  (exit 1 when a fault is named: kept)
+    if not (d / "bench" / "bench.json").exists():
+        code = cli(["bench", "--base-url", spec.url, "--baseline-url", plain.url + "/v1", "--prompts", str(prompts),
+                    "--concurrency", ",".join(map(str, args.levels)), "--max-tokens", str(args.max_tokens),
+                    "--drafter", str(drafter), "--hardware", args.hardware, "--out", str(d / "bench"),
+                    "--overwrite"], d / "bench.log")  # fmt: skip
+        if code:
+            raise SystemExit(f"bench against {key} exited {code}: see {d / 'bench.log'}")
+    diag = (
+        json.loads((d / "diagnose" / "diagnose.json").read_text())
+        if (d / "diagnose" / "diagnose.json").exists()
+        else {}
+    )
+    return {"diagnose": diag, "bench": json.loads((d / "bench" / "bench.json").read_text())}
+
+
+def row(name: str, k: int, got: dict, evaluate: dict) -> dict:
+    """One drafter and K: τ served and simulated on the same outputs, the verdict, and per level the
+    speed with and without the drafter; ``cost``: the model of the module's docstring at concurrency 1."""
+    diag, rec = got["diagnose"], got["bench"]
+    spec, base = rec["servers"]["speculative"]["results"], rec["servers"]["baseline"]["results"]
+    levels = {}
+    for s, b in zip(spec, base, strict=True):
+        levels[str(s["concurrency"])] = {
+            "output_tokens_per_s": s["output_tokens_per_s"],
+            "plain_output_tokens_per_s": b["output_tokens_per_s"],
+            "speedup": s.get("speedup"),
+            "tau_vllm": (s.get("acceptance") or {}).get("tau"),
+            "ttft_ms_p50": s["ttft_ms"]["p50"],
+            "tpot_ms_p50": s["tpot_ms"]["p50"],
+            "plain_tpot_ms_p50": b["tpot_ms"]["p50"],
+        }
+    out = {
+        "drafter": name,
+        "k": k,
+        "tau_served": (diag.get("engine") or {}).get("tau"),
+        "tau_simulated": (diag.get("reference") or {}).get("tau"),
+        "verdict": diag.get("verdict"),
+        "tau_evaluate_recipe_sets": evaluate,
+        "levels": levels,
+    }
+    c1 = levels.get("1")
+    if c1 and c1["tau_vllm"]:
+        t, s = c1["plain_tpot_ms_p50"], c1["tpot_ms_p50"] * c1["tau_vllm"]
+        out["cost"] = {
+            "target_step_ms": t,
+            "verify_step_ms": round(s, 3),
+            "overhead_ms": round(s - t, 3),
+            "formula": "speedup = tau / (1 + overhead / target_step): carry tau and overhead to another target",
+        }
+    return out
+
+
+def serve_all(args, runs: dict, prompts: Path) -> list[dict]:
+    """The plain server kept up; each drafter's server at each K started alone, measured, killed."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import export_fp32_folder, load_target
+
+    work = Path(args.work)
+    target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))  # the folder vLLM reads
+    plain = server(args, target, work / "plain.log", None)
+    plain.start(900)
+    rows = []
+    try:
+        for name in args.drafter_list:
+            evaluate = json.loads((work / name / "trained.json").read_text())["evaluate"]
+            for k in args.k_list:
+                key = f"{name}-k{k}"
+                spec_cfg = {
+                    "method": DRAFTERS[name][2],
+                    "model": str(runs[name] / "drafter"),
+                    "num_speculative_tokens": k,
+                }
+                done = all((work / key / p).exists() for p in ("diagnose/diagnose.json", "bench/bench.json"))
+                spec = None if done else server(args, target, work / f"{key}.log", spec_cfg)
+                try:
+                    if spec is not None:
+                        spec.start(900)
+                    rows.append(
+                        row(
+                            name,
+                            k,
+                            measure(args, key, runs[name] / "drafter", spec, plain, prompts),
+                            evaluate,
+                        )
+                    )
+                    r = rows[-1]
+                    print(
+                        f"{key}: τ served {r['tau_served']}, simulated {r['tau_simulated']}, {r['verdict']}",
+                        flush=True,
+                    )
+                finally:
+                    if spec is not None:
+                        spec.kill()
+    finally:
+        plain.kill()
+    return rows
+
+
+def print_table(rows: list[dict], levels: list[int], title: str) -> None:
+    """The one table: a line per drafter and K."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = ["drafter", "K", "τ served", "τ simulated", "verdict"]
+    cols += [f"speedup c={c}" for c in levels] + ["overhead ms (target step)"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("drafter", "verdict") else "right")
+    for r in rows:
+        cost = r.get("cost") or {}
+        table.add_row(
+            r["drafter"], str(r["k"]), f"{r['tau_served'] or 0:.3f}", f"{r['tau_simulated'] or 0:.3f}",
+            str(r["verdict"]), *[f"{(r['levels'].get(str(c)) or {}).get('speedup') or 0:.2f}" for c in levels],
+            f"{cost.get('overhead_ms', 0):.2f} ({cost.get('target_step_ms', 0):.2f})",
+        )  # fmt: skip
+    Console(width=160).print(table)
+
+
+def plot(rows: list[dict], levels: list[int], path: Path) -> None:
+    """Speedup against concurrency, a line per drafter and K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ys = [(r["levels"].get(str(c)) or {}).get("speedup") for c in levels]
+        ax.plot(levels, ys, marker="o", label=f"{r['drafter']} K={r['k']} (τ {r['tau_served'] or 0:.2f})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s over plain decoding")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine(args) -> dict:
+    """The card and the versions the numbers come from."""
+    import torch
+    import vllm
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"gpu": gpu, "hardware": args.hardware, "vllm": vllm.__version__, "torch": torch.__version__,
+            "smoke": args.smoke}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", required=True, help="working folder (runs, servers' logs, records)")
+    ap.add_argument("--shared", required=True, help="the shared folder holding data/prompts and data/chats")
+    ap.add_argument(
+        "--drafters", default=",".join(DRAFTERS), help="comma-separated, the first trains the data"
+    )
+    ap.add_argument("--ks", default="3,5,7", help="draft tokens a verify step, comma-separated")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="bench levels, comma-separated")
+    ap.add_argument("--prompts", type=int, default=40, help="first N of MT-bench and of held-out GSM8K each")
+    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per request, greedy")
+    ap.add_argument("--gpu-share", type=float, default=0.3, help="vLLM's --gpu-memory-utilization per server")
+    ap.add_argument(
+        "--hardware", default="1x GPU", help="the card, as the records name it, e.g. '1x H100 80GB'"
+    )
+    ap.add_argument("--smoke", action="store_true", help="rehearse on vLLM's CPU build: tiny sizes, float32")
+    ap.add_argument("--out", default=str(OUT), help="the results JSON (the plot beside it)")
+    args = ap.parse_args()
+    if not 0.05 <= args.gpu_share <= 0.45:
+        raise SystemExit(f"--gpu-share {args.gpu_share}: give 0.05 to 0.45 (two servers share the GPU)")
+    check_args(args)
+    from common import expected_time
+
+    expected_time("serving_gpu", "not timed yet (the plan: about 20 minutes on one H100)")
+    t0 = time.time()
+    runs = {name: train(args, name) for name in args.drafter_list}
+    rows = serve_all(args, runs, bench_prompts(args))
+    title = f"served by vLLM ({'CPU build, smoke' if args.smoke else args.hardware}): τ and speedup over plain decoding"
+    result = {
+        "benchmark": "benchmarks/serving_gpu.py",
+        "command": " ".join(["python", "benchmarks/serving_gpu.py", *sys.argv[1:]]),
+        "machine": machine(args),
+        "prompts": f"first {args.prompts} of MT-bench and of held-out GSM8K each, {args.max_tokens} tokens, greedy",
+        "seconds": round(time.time() - t0),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, args.levels, out.with_suffix(".png"))
+    print_table(rows, args.levels, title)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The GPU-machine tools' own checks, which run without a GPU: tools/stage_vllm_gpu.py (what it stages for
+vLLM on a machine without network) and benchmarks/serving_gpu.py (its options and its rows)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def stage(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    sys.modules.pop("stage_vllm_gpu", None)
+    import stage_vllm_gpu
+
+    return stage_vllm_gpu
+
+
+def fake_wheel(
+    folder: Path, name: str, version: str, requires: list[str], members: dict | None = None
+) -> Path:
+    """A wheel file holding a METADATA with ``requires`` as Requires-Dist lines (and ``members``)."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        for member, data in (members or {}).items():
+            z.writestr(member, data)
+    return path
+
+
+def test_the_closure_follows_extras_and_markers_and_skips_what_the_machine_has(stage, tmp_path, monkeypatch):
+    """Requires-Dist walked breadth first for Python 3.12 on Linux x86-64: an extra asked for later adds its
+    requirements, a marker for another platform or Python drops one, the machine's packages, the skipped
+    GPU kernels and torch are left out with the reason, and a pinned version wins over the requirement's."""
+    index = tmp_path / "index"
+    index.mkdir()
+    wheels = {
+        "app": fake_wheel(index, "app", "1.0", ["web>=1", "torch==2.11.0", "winonly; sys_platform == 'win32'",
+                                                "old; python_version < '3.10'", "numpy", "tilelang"]),
+        "web": fake_wheel(index, "web", "1.5", ["h11", "uvicorn; extra == 'standard'"]),
+        "lib": fake_wheel(index, "lib", "2.0", ["web[standard]"]),
+        "uvicorn": fake_wheel(index, "uvicorn", "0.55", []),
+        "h11": fake_wheel(index, "h11", "0.16", []),
+        "xgrammar": fake_wheel(index, "xgrammar", "0.2.9", []),
+    }  # fmt: skip
+    asked = []
+
+    def download(spec, dest):
+        asked.append(spec)
+        name = stage.Requirement(spec).name
+        return wheels[name]
+
+    monkeypatch.setattr(stage, "download", download)
+    got, left = stage.closure(["app", "lib", "xgrammar>=0.1"], {"numpy", "h11"}, tmp_path / "d")
+    assert sorted(got) == ["app", "lib", "uvicorn", "web", "xgrammar"]
+    assert "xgrammar==0.2.9" in asked and "web>=1" in asked  # the pin; the first requirement's version
+    assert left["numpy"] == left["h11"] == "on the GPU machine"
+    assert "torch kept" in left["torch"] and "torch kept" in left["tilelang"]
+    assert "winonly" not in left and "old" not in left and "winonly" not in got
+
+
+def test_the_vllm_wheel_loses_the_trimmed_members_and_is_stored_uncompressed(stage, tmp_path):
+    src = fake_wheel(
+        tmp_path,
+        "vllm",
+        "0.26.0",
+        [],
+        {"vllm/__init__.py": "x = 1\n" * 100, stage.TRIM[0]: b"\0" * 5000, stage.TRIM[2]: b"\1" * 300},
+    )
+    out = tmp_path / "out.whl"
+    info = stage.trim_vllm(src, out)
+    assert info["removed_uncompressed_bytes"] == 5300
+    with zipfile.ZipFile(out) as z:
+        names = z.namelist()
+        assert stage.TRIM[0] not in names and stage.TRIM[2] not in names and "vllm/__init__.py" in names
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+        assert z.read("vllm/__init__.py") == b"x = 1\n" * 100
+
+
+def test_read_have_takes_pip_freeze_lines_and_bare_names(stage, tmp_path):
+    f = tmp_path / "have.txt"
+    f.write_text("# comment\nTorch==2.11.0\npydantic_core @ file:///x\n\ntyping-extensions\n")
+    assert stage.read_have(f) == {"torch", "pydantic-core", "typing-extensions"}
+
+
+def run_stage(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "stage_vllm_gpu.py"), *argv], cwd=cwd,
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_stage_refuses_bad_options_before_downloading(tmp_path):
+    res = run_stage("--out", str(tmp_path / "o"), "--have", str(tmp_path / "none.txt"))
+    assert res.returncode and "none.txt: not a file" in res.stderr
+    (tmp_path / "cols.txt").write_text("Package    Version\n---------- -------\nnumpy      2.5.2\n")
+    res = run_stage("--out", str(tmp_path / "o"), "--have", str(tmp_path / "cols.txt"))
+    assert res.returncode and "line 1: 'Package    Version' is not 'name==version'" in res.stderr
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    res = run_stage("--out", str(tmp_path / "o"), "--have", str(tmp_path / "empty.txt"))
+    assert res.returncode and "names no package" in res.stderr
+    (tmp_path / "afile").write_text("")
+    res = run_stage("--out", str(tmp_path / "afile"))
+    assert res.returncode and "exists and is not a folder" in res.stderr
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    res = run_stage("--out", str(tmp_path / "mine"), "--overwrite")
+    assert res.returncode and "holds other files" in res.stderr and (tmp_path / "mine" / "notes.txt").exists()
+    res = run_stage("--out", str(tmp_path / "o"), "--part-mb", "70")
+    assert res.returncode and "--part-mb 70.0: give 5 to 64" in res.stderr
+    (tmp_path / "o" / "p1").mkdir(parents=True)
+    (tmp_path / "o" / "p1" / "manifest.json").write_text("{}")
+    res = run_stage("--out", str(tmp_path / "o"))
+    assert res.returncode and "holds parts of an earlier staging; --overwrite replaces them" in res.stderr
+
+
+def staging(root: Path, payload: bytes, parts: int = 2) -> list[Path]:
+    """A staging as stage_vllm_gpu.py lays it out: ``payload`` in a wheels/ tar.xz cut into ``parts``."""
+    import hashlib
+    import lzma
+    import tarfile
+
+    src = root / "src"
+    src.mkdir(parents=True)
+    (src / "x-1.0-py3-none-any.whl").write_bytes(payload)
+    with tarfile.open(root / "a.tar", "w") as t:
+        t.add(src / "x-1.0-py3-none-any.whl", arcname="./x-1.0-py3-none-any.whl")
+    blob = lzma.compress((root / "a.tar").read_bytes())
+    size = len(blob) // parts + 1
+    chunks = [blob[i : i + size] for i in range(0, len(blob), size)]
+    manifest = {
+        "archive_sha256": hashlib.sha256(blob).hexdigest(),
+        "parts": [
+            {"name": f"p{i + 1}", "sha256": hashlib.sha256(c).hexdigest()} for i, c in enumerate(chunks)
+        ],
+        "wheels": ["x-1.0-py3-none-any.whl"],
+    }
+    out = []
+    for i, c in enumerate(chunks):
+        d = root / f"p{i + 1}"
+        d.mkdir()
+        (d / "stage.part").write_bytes(c)
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        out.append(d)
+    return out
+
+
+def receive(part: Path, stage_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "stage_vllm_receive.py"), str(part), str(stage_dir)],
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_received_parts_are_named_by_their_hash_and_another_stagings_part_starts_over(tmp_path):
+    """A part is placed by its SHA-256 in the manifest (its folder's name does not matter), a damaged one
+    is refused when it arrives, a part of another staging drops the earlier one's, and the last part unpacks
+    the wheels."""
+    import os
+
+    st = tmp_path / "stage"
+    a = staging(tmp_path / "a", os.urandom(3000))
+    b = staging(tmp_path / "b", os.urandom(3000))
+    renamed = a[1].rename(tmp_path / "a" / "second-part")
+    assert receive(renamed, st).stdout.splitlines()[-1] == "waiting" and (st / "parts" / "p2.part").exists()
+    bad = tmp_path / "bad"
+    shutil.copytree(a[0], bad)
+    (bad / "stage.part").write_bytes(b"\0" + (bad / "stage.part").read_bytes()[1:])
+    res = receive(bad, st)
+    assert res.returncode == 2 and "matches no part of its manifest" in res.stderr
+    res = receive(b[0], st)  # another staging: a's part is dropped
+    assert "another staging" in res.stdout and sorted(p.name for p in (st / "parts").iterdir()) == ["p1.part"]
+    res = receive(b[1], st)
+    assert res.stdout.splitlines()[-1] == "complete"
+    assert (st / "wheels" / "x-1.0-py3-none-any.whl").read_bytes() == (
+        tmp_path / "b" / "src" / "x-1.0-py3-none-any.whl"
+    ).read_bytes()
+    (a[0] / "manifest.json").write_text("{")
+    res = receive(a[0], st)
+    assert res.returncode == 2 and "not a manifest stage_vllm_gpu.py wrote" in res.stderr
+
+
+def test_the_device_script_names_a_missing_part_folder_and_an_unknown_command(tmp_path):
+    sh = REPO / "tools" / "stage_vllm_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(sh)]).returncode == 0
+    res = subprocess.run(["bash", str(sh), "receive", str(tmp_path / "p9")], capture_output=True, text=True)
+    assert res.returncode == 2 and "no stage.part and manifest.json there" in res.stderr
+    res = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True)
+    assert res.returncode == 2 and "unknown command nope" in res.stderr
+
+
+@pytest.fixture()
+def serving(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sys.modules.pop("serving_gpu", None)
+    import serving_gpu
+
+    return serving_gpu
+
+
+def test_serving_gpu_refuses_bad_options_before_its_expected_time_line(
+    serving, monkeypatch, capsys, tmp_path
+):
+    work = tmp_path / "work"
+
+    def refusal(*argv: str) -> str:
+        argv = [
+            "serving_gpu.py",
+            "--shared",
+            str(Path(__file__).parents[2] / "shared"),
+            "--work",
+            str(work),
+            *argv,
+        ]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as e:
+            serving.main()
+        assert capsys.readouterr().out == ""
+        return str(e.value.code)
+
+    assert "K up to 7" in refusal("--ks", "3,8")
+    assert "'0' is not an integer of at least 1" in refusal("--concurrency", "0,4")
+    assert "'x' is not one of eagle3.1, eagle3, dflash" in refusal("--drafters", "eagle3.1,x")
+    assert "3 is given twice" in refusal("--ks", "3,3")
+    assert "an empty entry" in refusal("--ks", "3,,5")
+    assert "give 0.05 to 0.45" in refusal("--gpu-share", "0.9")
+    assert "mt_bench.jsonl is missing" in refusal("--shared", str(tmp_path))
+    assert not work.exists()
+    ns = serving.argparse.Namespace(drafters="eagle3.1", ks="3", concurrency="1", prompts=2, max_tokens=8,
+                                    smoke=True, shared=Path(__file__).parents[2] / "shared", work=work)  # fmt: skip
+    serving.check_args(ns)
+    assert json.loads((work / "settings.json").read_text())["ks"] == "3"
+    assert "holds a run made with" in refusal("--drafters", "eagle3.1", "--ks", "5", "--concurrency", "1",
+                                              "--prompts", "2", "--max-tokens", "8", "--smoke")  # fmt: skip
+
+
+def test_a_row_carries_tau_both_ways_and_the_cost_model_of_concurrency_1(serving):
+    """From a bench record and a diagnose report: per level the speed with and without the drafter, and
+    at concurrency 1 the verify step S = TPOT × τ, the overhead S − T over the plain step T."""
+
+    def level(c, tps, tpot, tau=None):
+        return {"concurrency": c, "output_tokens_per_s": tps, "speedup": None, "ttft_ms": {"p50": 20.0},
+                "tpot_ms": {"p50": tpot}, "acceptance": {"tau": tau} if tau else None}  # fmt: skip
+
+    rec = {"servers": {"speculative": {"results": [level(1, 300.0, 4.0, 2.0), level(16, 2000.0, 5.0, 2.0)]},
+                       "baseline": {"results": [level(1, 400.0, 2.5), level(16, 3000.0, 3.0)]}}}  # fmt: skip
+    diag = {"engine": {"tau": 2.01}, "reference": {"tau": 2.0}, "verdict": "agree"}
+    r = serving.row("eagle3.1", 3, {"diagnose": diag, "bench": rec}, {"mt_bench": 1.9})
+    assert (r["tau_served"], r["tau_simulated"], r["verdict"]) == (2.01, 2.0, "agree")
+    assert r["levels"]["16"]["plain_output_tokens_per_s"] == 3000.0 and r["levels"]["1"]["tau_vllm"] == 2.0
+    assert r["cost"] == {**r["cost"], "target_step_ms": 2.5, "verify_step_ms": 8.0, "overhead_ms": 5.5}
+    # the model gives back the measured speedup at concurrency 1: τ / (1 + O / T) = 2 / 3.2 = 0.625 = 2.5 / 4
+    assert abs(2.0 / (1 + 5.5 / 2.5) - 2.5 / 4.0) < 1e-9
