@@ -96,15 +96,28 @@ def check_args(args) -> None:
     work = Path(args.work)
     if work.exists() and not work.is_dir():
         raise SystemExit(f"--work {work}: exists and is not a folder; pass a new folder or an earlier run's")
-    keys = ("drafters", "ks", "concurrency", "prompts", "max_tokens", "smoke")
-    settings, path = {k: getattr(args, k) for k in keys}, work / "settings.json"
+    # what every record in --work was made with; --ks and further --drafters only add records
+    settings = {
+        "first_drafter": args.drafter_list[0],
+        "concurrency": sorted(args.levels),
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "smoke": args.smoke,
+    }
+    path = work / "settings.json"
     if path.exists():
         from common import read_json_object
 
         before = read_json_object(path, "delete it or use another --work")
-        if before != settings:
+        diff = [
+            f"{k}: {settings[k]} here, {before.get(k)} there"
+            for k in settings
+            if before.get(k) != settings[k]
+        ]
+        if diff:
             raise SystemExit(
-                f"--work {work} holds a run made with {before}; this one asks {settings}: use another --work"
+                f"--work {work} holds records made with other settings ({'; '.join(diff)}): give the same "
+                "values, or another --work (other K or drafters may be added to a --work)"
             )
     else:
         work.mkdir(parents=True, exist_ok=True)
@@ -289,9 +302,13 @@ def serve_all(args, runs: dict, prompts: Path) -> list[dict]:
     from eagle3kit.model.target import export_fp32_folder, load_target
 
     work = Path(args.work)
-    target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))  # the folder vLLM reads
-    plain = server(args, target, work / "plain.log", None)
-    plain.start(900)
+    keys = [f"{name}-k{k}" for name in args.drafter_list for k in args.k_list]
+    if all((work / key / p).exists() for key in keys for p in ("diagnose/diagnose.json", "bench/bench.json")):
+        plain = target = None  # every record made: read back, no server started
+    else:
+        target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))  # the folder vLLM reads
+        plain = server(args, target, work / "plain.log", None)
+        plain.start(900)
     rows = []
     try:
         for name in args.drafter_list:
@@ -325,7 +342,8 @@ def serve_all(args, runs: dict, prompts: Path) -> list[dict]:
                     if spec is not None:
                         spec.kill()
     finally:
-        plain.kill()
+        if plain is not None:
+            plain.kill()
     return rows
 
 
@@ -376,7 +394,8 @@ def machine(args) -> dict:
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"gpu": gpu, "hardware": args.hardware, "vllm": vllm.__version__, "torch": torch.__version__,
+    hardware = "CPU, vLLM's CPU build (--smoke)" if args.smoke else args.hardware
+    return {"gpu": gpu, "hardware": hardware, "vllm": vllm.__version__, "torch": torch.__version__,
             "smoke": args.smoke}  # fmt: skip
 
 
@@ -403,7 +422,12 @@ def main() -> None:
     check_args(args)
     from common import expected_time
 
-    expected_time("serving_gpu", "not timed yet (the plan: about 20 minutes on one H100)")
+    expected_time(
+        "serving_gpu",
+        "about 2 minutes on the 2-core CPU (--smoke, one drafter, K 3)"
+        if args.smoke
+        else "not timed yet (the plan: about 20 minutes on one H100)",
+    )
     t0 = time.time()
     runs = {name: train(args, name) for name in args.drafter_list}
     rows = serve_all(args, runs, bench_prompts(args))
@@ -416,6 +440,10 @@ def main() -> None:
         "seconds": round(time.time() - t0),
         "rows": rows,
     }
+    first = Path(args.work) / "first_seconds.json"  # the first run's time; a resume's is its own
+    if not first.exists():
+        first.write_text(json.dumps(result["seconds"]) + "\n")
+    result["first_run_seconds"] = json.loads(first.read_text())
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, args.levels, out.with_suffix(".png"))

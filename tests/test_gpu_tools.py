@@ -236,9 +236,13 @@ def test_serving_gpu_refuses_bad_options_before_its_expected_time_line(
     ns = serving.argparse.Namespace(drafters="eagle3.1", ks="3", concurrency="1", prompts=2, max_tokens=8,
                                     smoke=True, shared=Path(__file__).parents[2] / "shared", work=work)  # fmt: skip
     serving.check_args(ns)
-    assert json.loads((work / "settings.json").read_text())["ks"] == "3"
-    assert "holds a run made with" in refusal("--drafters", "eagle3.1", "--ks", "5", "--concurrency", "1",
-                                              "--prompts", "2", "--max-tokens", "8", "--smoke")  # fmt: skip
+    assert json.loads((work / "settings.json").read_text())["concurrency"] == [1]
+    ns.ks, ns.drafters = "3,5", "eagle3.1,dflash"  # more K and drafters only add records
+    serving.check_args(ns)
+    message = refusal(
+        "--drafters", "eagle3.1", "--concurrency", "1", "--prompts", "2", "--max-tokens", "9", "--smoke"
+    )
+    assert "max_tokens: 9 here, 8 there" in message and "prompts" not in message.split("(")[1].split(")")[0]
 
 
 def test_a_row_carries_tau_both_ways_and_the_cost_model_of_concurrency_1(serving):

@@ -4,12 +4,16 @@ carried one per call and put together there by ``tools/stage_vllm_gpu.sh``).
 
 Run here, on a machine with PyPI::
 
-    python3 tools/stage_vllm_gpu.py --out .stage            # about 4 minutes, 2 CPU cores
-    python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what it would stage (downloads, no archive)
+    python3 tools/stage_vllm_gpu.py --out .stage            # about 5 minutes on 2 CPU cores (downloads
+                                                            # about 360 MB, compresses with xz about 3)
+    python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what it would stage: the same
+                                                            # downloads (about 1 minute), no archive
 
 What it writes under ``--out``: ``p1/`` … ``pN/``, each holding one part of a single ``stage.tar.xz``
 (at most ``--part-mb`` MB each) and, in every part folder, ``manifest.json`` (the parts' count and
-SHA-256, the staged wheels and what was left out, and why). It then prints the device calls.
+SHA-256, the staged wheels and what was left out, and why): 224 MB in four parts for vLLM 0.26.0. It then
+prints the commands to run on the GPU machine, one per part: each part's folder must travel with that
+command (``--out`` is kept out of git), and the machine must keep ``/tmp`` between the commands.
 
 What goes in the archive:
 
@@ -202,11 +206,20 @@ def read_have(path: Path) -> set[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for the parts (kept out of git)")
-    ap.add_argument("--have", type=Path, default=HERE / "gpu_image_packages.txt")
+    ap.add_argument(
+        "--have",
+        type=Path,
+        default=HERE / "gpu_image_packages.txt",
+        help="the GPU machine's `pip list --format=freeze`: packages not staged (default: %(default)s)",
+    )
     ap.add_argument("--part-mb", type=float, default=58.0, help="largest part, MB (a call carries 64 MiB)")
-    ap.add_argument("--check", action="store_true", help="list what would be staged; no archive")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="list what would be staged (downloads the wheels; writes no archive)",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace the parts already in --out")
     args = ap.parse_args()
     if not args.have.is_file():

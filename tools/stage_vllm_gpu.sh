@@ -15,7 +15,9 @@
 set -uo pipefail
 S=/tmp/vstage
 SITE=/tmp/site
-cmd=${1:?receive DIR | check [SECONDS] | env}
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+cmd=${1:-}
+case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 env_lines() {
   echo "export PYTHONPATH=$SITE:$PWD/src\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/bin:\$PATH"
   echo "export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
@@ -106,7 +108,7 @@ if not delta.get("num_drafts"):
 EOF
   ;;
 *)
-  echo "stage_vllm_gpu.sh: unknown command $cmd (receive, check or env)" >&2
+  echo "stage_vllm_gpu.sh: unknown command $cmd (receive, check or env; --help says more)" >&2
   exit 2
   ;;
 esac
