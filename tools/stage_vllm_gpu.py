@@ -39,7 +39,6 @@ downloaded, or naming ``--out`` when it holds parts from another staging (``--ov
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -52,6 +51,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from stage_vllm_receive import sha256  # the receiving side's check, one definition
 
 HERE = Path(__file__).resolve().parent
 VLLM = "vllm==0.26.0"
@@ -304,14 +304,6 @@ def split(archive: Path, out: Path, size: int) -> list[Path]:
             (d / "stage.part").write_bytes(chunk)
             parts.append(d / "stage.part")
     return parts
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while b := fh.read(1 << 20):
-            h.update(b)
-    return h.hexdigest()
 
 
 def archive_mb(parts: list[Path]) -> float:
