@@ -52,6 +52,11 @@ def test_a_good_export_is_servable_and_the_cli_exits_0(good, tiny_target_dir):
     assert codes(good, tiny_target_dir, max_model_len=4096) == []
     res = CliRunner().invoke(app, ["check", str(good), "--target", str(tiny_target_dir), "--json"])
     assert res.exit_code == 0 and json.loads(res.output[res.output.index("{") :])["ok"] is True
+    res = CliRunner().invoke(app, ["check", str(good), "--target", str(tiny_target_dir)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "servable on vllm (installed " in said, said
+    # the releases its rules were measured against by serving, CPU build and GPU
+    assert "0.32.0's CPU build" in said and "0.26.0 on an H100 GPU" in said, said
 
 
 @pytest.mark.parametrize(

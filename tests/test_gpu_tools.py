@@ -196,6 +196,17 @@ def test_the_device_script_names_a_missing_part_folder_and_an_unknown_command(tm
     assert res.returncode == 2 and "unknown command nope" in res.stderr
 
 
+def test_the_serving_device_script_shows_its_usage_and_refuses_a_shared_folder_without_data(tmp_path):
+    sh = REPO / "benchmarks" / "serving_gpu_device.sh"
+    assert subprocess.run(["bash", "-n", str(sh)]).returncode == 0
+    res = subprocess.run(["bash", str(sh)], capture_output=True, text=True)
+    assert res.returncode == 0 and "start SHARED [SERVING_GPU OPTIONS]" in res.stdout
+    res = subprocess.run(["bash", str(sh), "start", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and f"{tmp_path} has no data/ folder" in res.stderr
+    res = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True)
+    assert res.returncode == 2 and "unknown command nope" in res.stderr
+
+
 @pytest.fixture()
 def serving(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))

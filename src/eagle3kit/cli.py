@@ -45,7 +45,13 @@ from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
 from eagle3kit.serve.benchreport import BenchError, load_record
 from eagle3kit.serve.benchreport import compare as compare_records
-from eagle3kit.serve.check import check_drafter, findings_json, parse_version, verifier_of
+from eagle3kit.serve.check import (
+    VLLM_RULES_MEASURED,
+    check_drafter,
+    findings_json,
+    parse_version,
+    verifier_of,
+)
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
 from eagle3kit.serve.inputs import measured_target, measuring_prompts, run_config
@@ -562,6 +568,8 @@ def check(
         console.print(
             f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine} ({version}): {drafter}"
         )
+        if engine == "vllm":
+            console.print(f"vLLM rules measured by serving on vLLM {VLLM_RULES_MEASURED}")
     raise typer.Exit(1 if errors else 0)
 
 

@@ -58,6 +58,11 @@ from eagle3kit.model.target import (
 from eagle3kit.serve.dflash_check import check_dflash
 from eagle3kit.serve.findings import Finding
 
+# where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)
+VLLM_RULES_MEASURED = (
+    "0.32.0's CPU build (every drafter kind, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 and DFlash folders)"
+)
+
 # SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
 # "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
 # reads them verbatim when the largest id equals N (else adds 1).

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# benchmarks/serving_gpu.py on a GPU machine whose commands are limited in time (10 minutes a command,
+# /tmp kept while the machine stays up), after tools/stage_vllm_gpu.sh staged vLLM there (CONTRIBUTING.md).
+# Run from the repository root there.
+#
+#   bash benchmarks/serving_gpu_device.sh start SHARED [SERVING_GPU OPTIONS]   (carrying SHARED's folder)
+#       copies the repository and SHARED to /tmp, starts serving_gpu.py with --work /tmp/sg and those
+#       options in its own process session (it outlives the command), then waits like `wait 480`
+#   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
+#       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
+#       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
+set -uo pipefail
+W=/tmp/sg
+REPO=/tmp/sg-repo
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+cmd=${1:-}
+case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
+shift
+snapshot() { # one archive: a command brings back only a few files
+  mkdir -p "${OUT:-/tmp}"
+  (cd /tmp && tar -czf "${OUT:-/tmp}/sg.tgz" --ignore-failed-read sg-out sg.log \
+    $(cd /tmp && ls sg/*.json sg/*.log sg/*/trained.json sg/*/config.yaml sg/*/run/report.json 2>/dev/null) \
+    $(cd /tmp && ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log 2>/dev/null))
+  grep -aE "^[a-z0-9.]+-k[0-9]+: |Traceback|Error|wrote " /tmp/sg.log | tail -20
+  tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+}
+running() { [ -f $W.pid ] && kill -0 "$(cat $W.pid)" 2>/dev/null; }
+wait_for() {
+  local end=$(($(date +%s) + ${1:-480}))
+  while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"
+  snapshot
+}
+case "$cmd" in
+start)
+  shared=${1:?start needs the shared folder (data/prompts, data/chats), e.g. .gpudata/shared}
+  shift
+  [ -d "$shared/data" ] || { echo "start: $shared has no data/ folder" >&2; exit 2; }
+  running && { echo "start: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
+  rm -rf $REPO /tmp/sg-shared && mkdir -p $REPO /tmp/sg-out &&
+    cp -r src benchmarks examples tools pyproject.toml $REPO/ && cp -r "$shared" /tmp/sg-shared || exit 1
+  cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
+  setsid nohup python3 benchmarks/serving_gpu.py --work $W --shared /tmp/sg-shared --out /tmp/sg-out/serving_gpu.json \
+    "$@" >/tmp/sg.log 2>&1 </dev/null &
+  echo $! >$W.pid
+  echo "== started serving_gpu.py $* (pid $!)"
+  wait_for 480
+  ;;
+wait) wait_for "${1:-480}" ;;
+*)
+  echo "serving_gpu_device.sh: unknown command $cmd (start or wait)" >&2
+  exit 2
+  ;;
+esac
