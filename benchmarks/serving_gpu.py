@@ -438,14 +438,17 @@ def main() -> None:
     import torch
 
     torch.cuda.empty_cache()  # training's cached blocks would crowd the servers and diagnose's target out
+    from eagle3kit.core.rundir import write_text
+
     out = Path(args.out)
     first = Path(args.work) / "first_seconds.json"  # the first run's time; a resume's is its own
+    card = machine(args)
 
     def write(rows: list[dict], final: bool) -> None:
         result = {
             "benchmark": "benchmarks/serving_gpu.py",
             "command": " ".join(["python", "benchmarks/serving_gpu.py", *sys.argv[1:]]),
-            "machine": machine(args),
+            "machine": card,
             "prompts": f"first {args.prompts} of MT-bench and of held-out GSM8K each, {args.max_tokens} tokens, greedy",
             "seconds": round(time.time() - t0),
             "complete": final,
@@ -454,9 +457,7 @@ def main() -> None:
         if final and not first.exists():
             first.write_text(json.dumps(result["seconds"]) + "\n")
         result["first_run_seconds"] = json.loads(first.read_text()) if first.exists() else None
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(out)
+        write_text(out, json.dumps(result, indent=1) + "\n")  # atomic: a lost machine leaves the last row's
 
     rows = serve_all(args, runs, bench_prompts(args), on_row=lambda rows: write(rows, False))
     write(rows, True)
