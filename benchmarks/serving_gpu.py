@@ -12,7 +12,10 @@ Stages (each resumable: a finished run, diagnosis or bench record is read back, 
    vLLM's counters beside τ simulated by eagle3kit on the same prompts and vLLM's own outputs, and the
    verdict; then ``eagle3kit bench`` against the plain server at every ``--concurrency``: output
    tokens/s, speedup, TTFT, TPOT and vLLM's τ.
-4. The cost model, from concurrency 1: the plain server's time per output token T (one target
+4. With ``--faults DRAFTERS``, before the rows: copies of those drafters with a planted integration fault,
+   each served alone and diagnosed, and ``bench --compare`` of two drafters' records at the end
+   (benchmarks/serving_gpu_faults.py).
+5. The cost model, from concurrency 1: the plain server's time per output token T (one target
    step), the drafter's server's time per verify step S = TPOT × τ, and the overhead of drafting and
    verifying O = S − T; speedup = τ / (1 + O / T), so a target whose step takes T' instead gets about
    τ / (1 + O / T') with the same drafter and τ (O grows with the drafter's size, not the target's,
@@ -22,7 +25,8 @@ Prompts: the first ``--prompts`` of MT-bench and of the held-out GSM8K questions
 sets), ``--max-tokens`` each, greedy.
 
     python benchmarks/serving_gpu.py --work /tmp/sg --shared ../shared [--drafters eagle3.1,eagle3,dflash]
-        [--ks 3,5,7] [--concurrency 1,4,16,64] [--prompts 40] [--max-tokens 256] [--smoke]
+        [--ks 3,5,7] [--concurrency 1,4,16,64] [--prompts 40] [--max-tokens 256] [--faults eagle3.1,dflash]
+        [--smoke]
 
 ``--smoke`` rehearses every stage on vLLM's CPU build (float32, a few prompts and tokens, one epoch):
 it checks the plumbing, not the numbers. Writes ``benchmarks/results/serving_gpu.json`` (``--out``) and a
@@ -88,6 +92,7 @@ def check_args(args) -> None:
     if max(args.k_list) > 7:
         raise SystemExit(f"--ks {args.ks}: the drafters train 7 TTT steps (DFlash blocks of 8): K up to 7")
     args.levels = parse_list(args.concurrency, "concurrency", low=1)
+    args.fault_list = parse_list(args.faults, "faults", args.drafter_list) if args.faults.strip() else []
     if args.prompts < 1 or args.max_tokens < 1:
         raise SystemExit(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: give at least 1 of each")
     shared = Path(args.shared)
@@ -418,6 +423,11 @@ def main() -> None:
     ap.add_argument(
         "--hardware", default="1x GPU", help="the card, as the records name it, e.g. '1x H100 80GB'"
     )
+    ap.add_argument(
+        "--faults",
+        default="",
+        help="drafters whose planted faults are served and diagnosed (serving_gpu_faults.py)",
+    )
     ap.add_argument("--smoke", action="store_true", help="rehearse on vLLM's CPU build: tiny sizes, float32")
     ap.add_argument("--out", default=str(OUT), help="the results JSON (the plot beside it)")
     args = ap.parse_args()
@@ -431,7 +441,8 @@ def main() -> None:
         "about 2 minutes on the 2-core CPU (--smoke, one drafter, K 3)"
         if args.smoke
         else "on one H100 80GB, --drafters eagle3.1,dflash --ks 3,7 --prompts 10 took about 16 minutes (training "
-        "7, serving 9); the defaults' nine rows at 40 prompts, about 40 minutes (an estimate)",
+        "7, serving 9); --faults eagle3.1,dflash adds 103-143 s a planted fault (six: about 12 minutes); the "
+        "defaults' nine rows at 40 prompts, about 40 minutes (an estimate)",
     )
     t0 = time.time()
     runs = {name: train(args, name) for name in args.drafter_list}
@@ -444,6 +455,9 @@ def main() -> None:
     first = Path(args.work) / "first_seconds.json"  # the first run's time; a resume's is its own
     card = machine(args)
 
+    faults: list[dict] = []
+    compared = None
+
     def write(rows: list[dict], final: bool) -> None:
         result = {
             "benchmark": "benchmarks/serving_gpu.py",
@@ -453,13 +467,28 @@ def main() -> None:
             "seconds": round(time.time() - t0),
             "complete": final,
             "rows": rows,
+            **({"faults": faults, "compare": compared} if args.fault_list else {}),
         }
         if final and not first.exists():
             first.write_text(json.dumps(result["seconds"]) + "\n")
         result["first_run_seconds"] = json.loads(first.read_text()) if first.exists() else None
         write_text(out, json.dumps(result, indent=1) + "\n")  # atomic: a lost machine leaves the last row's
 
-    rows = serve_all(args, runs, bench_prompts(args), on_row=lambda rows: write(rows, False))
+    prompts = bench_prompts(args)
+    if args.fault_list:  # first: the faults are the shorter stage
+        from serving_gpu_faults import diagnose_faults
+
+        def got_fault(got: list[dict]) -> None:
+            faults[:] = got
+            write([], False)
+
+        faults[:] = diagnose_faults(args, runs, prompts, on_row=got_fault)
+    rows = serve_all(args, runs, prompts, on_row=lambda rows: write(rows, False))
+    if args.fault_list:
+        from serving_gpu_faults import compare_benches, print_faults
+
+        compared = compare_benches(args)
+        print_faults(faults)
     write(rows, True)
     plot(rows, args.levels, out.with_suffix(".png"))
     title = f"served by vLLM ({'CPU build, smoke' if args.smoke else args.hardware}): τ and speedup over plain decoding"

@@ -19,9 +19,9 @@ shift
 snapshot() { # one archive: a command brings back only a few files
   mkdir -p "${OUT:-/tmp}"
   (cd /tmp && tar -czf "${OUT:-/tmp}/sg.tgz" --ignore-failed-read sg-out sg.log \
-    $(ls sg/*.json sg/*.log sg/*/trained.json sg/*/config.yaml sg/*/run/report.json 2>/dev/null) \
-    $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log 2>/dev/null))
-  grep -aE "^[a-z0-9.]+-k[0-9]+: |Traceback|Error|wrote " /tmp/sg.log | tail -20
+    $(ls sg/*.json sg/*.log sg/*/trained.json sg/*/config.yaml sg/*/run/report.json sg/*-fault-*/*.json \
+      sg/*-fault-*/*.log 2>/dev/null) $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null))
+  grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |Traceback|Error|wrote " /tmp/sg.log | tail -20
   tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
 }

@@ -243,8 +243,11 @@ def test_serving_gpu_refuses_bad_options_before_its_expected_time_line(
     assert "an empty entry" in refusal("--ks", "3,,5")
     assert "give 0.05 to 0.45" in refusal("--gpu-share", "0.9")
     assert "mt_bench.jsonl is missing" in refusal("--shared", str(tmp_path))
+    assert "--faults 'dflash': 'dflash' is not one of eagle3.1" in refusal(
+        "--drafters", "eagle3.1", "--faults", "dflash"
+    )
     assert not work.exists()
-    ns = serving.argparse.Namespace(drafters="eagle3.1", ks="3", concurrency="1", prompts=2, max_tokens=8,
+    ns = serving.argparse.Namespace(drafters="eagle3.1", ks="3", concurrency="1", prompts=2, max_tokens=8, faults="",
                                     smoke=True, shared=Path(__file__).parents[2] / "shared", work=work)  # fmt: skip
     serving.check_args(ns)
     assert json.loads((work / "settings.json").read_text())["concurrency"] == [1]
@@ -273,3 +276,35 @@ def test_a_row_carries_tau_both_ways_and_the_cost_model_of_concurrency_1(serving
     assert r["cost"] == {**r["cost"], "target_step_ms": 2.5, "verify_step_ms": 8.0, "overhead_ms": 5.5}
     # the model gives back the measured speedup at concurrency 1: τ / (1 + O / T) = 2 / 3.2 = 0.625 = 2.5 / 4
     assert abs(2.0 / (1 + 5.5 / 2.5) - 2.5 / 4.0) < 1e-9
+
+
+def test_each_drafter_kind_gets_its_own_planted_faults_and_a_row_says_whether_diagnose_named_it(
+    serving, tmp_path
+):
+    """serving_gpu.py --faults: a DFlash folder (vLLM's layout, ``dflash_config``) gets DFlash's plants, any other
+    EAGLE's; a row is correct only when diagnose named the planted fault (a mask token keeps its id)."""
+    import serving_gpu_faults as faults
+
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps({"dflash_config": {"mask_token_id": 5}}))
+    assert faults.faults_of(tmp_path / "e") == faults.EAGLE_FAULTS and "d2t_missing" in faults.EAGLE_FAULTS
+    assert faults.faults_of(tmp_path / "d") == ("target_layer_ids_plus_1", "mask_token:0")
+    hyp = [{"name": "mask_token:0", "tau": 1.24}, {"name": "block_causal", "tau": 1.3}]
+    rep = {"verdict": "fault", "finding": "mask_token:0: the engine drafts with mask token 0", "hypotheses": hyp,
+           "engine": {"tau": 1.2416}, "reference": {"tau": 1.5243}, "k": 3, "prompts": {"count": 20}}  # fmt: skip
+    row = faults.summary("dflash", "mask_token:0", 1, rep, 103.2)
+    assert (row["named"], row["correct"], row["tau_named_fault"], row["prompts"]) == (
+        "mask_token:0",
+        True,
+        1.24,
+        20,
+    )
+    agree = {**rep, "verdict": "agree", "finding": "engine and reference agree"}
+    assert faults.summary("dflash", "mask_token:0", 0, agree, 1.0)["correct"] is False
+    wrong = {**rep, "finding": "block_causal: ..."}
+    assert faults.summary("dflash", "mask_token:0", 1, wrong, 1.0)["named"] == "block_causal"
+    assert (
+        faults.summary("dflash", "mask_token:0", 1, {**rep, "finding": "other: x"}, 1.0)["named"] == "other"
+    )
