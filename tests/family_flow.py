@@ -40,6 +40,31 @@ evaluate:
 EVAL_PROMPTS = 8
 
 
+def run_pool(workers: int = 2):
+    """A process pool for whole family runs side by side: each worker (spawned, so no engine state is
+    inherited) computes on one core of its own — its affinity, torch's threads and vLLM's OpenMP
+    binding — so two tiny runs, whose steps are too small to use a second core, fill both cores
+    instead of leaving one mostly idle. Results and exceptions come back pickled."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    cores, queue = sorted(os.sched_getaffinity(0)), ctx.Queue()
+    for i in range(workers):
+        queue.put(cores[i % len(cores)])
+    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_one_core, initargs=(queue,))
+
+
+def _one_core(queue) -> None:
+    """A :func:`run_pool` worker's set-up: take a core from ``queue`` and compute only there."""
+    import torch
+
+    core = queue.get()
+    os.sched_setaffinity(0, {core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    torch.set_num_threads(1)
+
+
 def release_engines() -> None:
     """Shut down the in-process vLLM engine a run leaves cached (its KV cache is GBs)."""
     from eagle3kit.data.backends import release_vllm_engine, vllm_available

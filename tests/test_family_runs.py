@@ -40,33 +40,44 @@ AUX_BLIND = {"kimi_k25"}
 
 
 @pytest.fixture(scope="module")
-def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numerics_run):
-    """Every family's whole run, one after another; each family's vLLM server with its drafter is
-    spawned as soon as its run ends and measured from a thread once it answers
-    (:func:`family_flow.finish_row`), beside the next family's run (a start is mostly one core's
-    work; a run leaves about half of the second core idle); the refusals' launches start first,
-    then :func:`other_numerics_run` (whose server starts beside these runs).
-    A run or a measurement that raises is kept as its exception, for that family's test to raise."""
-    from concurrent.futures import ThreadPoolExecutor
+def run_pool():
+    """Two worker processes, one core each, for the module's whole runs (:func:`family_flow.run_pool`)."""
+    pool = family_flow.run_pool(2)
+    yield pool
+    pool.shutdown(cancel_futures=True)
 
+
+@pytest.fixture(scope="module")
+def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numerics_run, run_pool):
+    """Every family's whole run, two at a time in :func:`run_pool` (after :func:`other_numerics_run`'s);
+    each family's vLLM server with its drafter is spawned as soon as its run ends and measured from a
+    thread once it answers (:func:`family_flow.finish_row`), beside the runs still going; the refusals'
+    launches start first. A run or a measurement that raises is kept as its exception, for that
+    family's test to raise."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    futures = {other_numerics_run: None}
+    for family in family_flow.family_targets.FAMILIES:
+        work = tmp_path_factory.mktemp(family)
+        kw = {"serve": False, **SMALL_RUN.get(family, {})}
+        futures[run_pool.submit(family_flow.run_family, family, work, smollm2_tok_dir, **kw)] = family
     rows, measured = {}, {}
     with ThreadPoolExecutor(1) as pool:
-        for family in family_flow.family_targets.FAMILIES:
+        for done in as_completed(futures):
+            family = futures[done]
             try:
-                rows[family] = family_flow.run_family(
-                    family,
-                    tmp_path_factory.mktemp(family),
-                    smollm2_tok_dir,
-                    serve=False,
-                    **SMALL_RUN.get(family, {}),
-                )
-                family_flow.spawn_server(rows[family])
-                measured[family] = pool.submit(family_flow.finish_row, rows[family])
+                row = done.result()
+                family_flow.spawn_server(row)  # other numerics' too: its test measures it
+                if family is not None:
+                    rows[family] = row
+                    measured[family] = pool.submit(family_flow.finish_row, row)
             except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
-                rows[family] = e
-        for family, done in measured.items():
-            if done.exception() is not None:
-                rows[family] = done.exception()
+                if family is not None:
+                    rows[family] = e
+        for family, fut in measured.items():
+            if fut.exception() is not None:
+                rows[family] = fut.exception()
+    run_pool.shutdown()  # every run is done: the workers' memory back before the parity tests
     return rows
 
 
@@ -285,28 +296,25 @@ def test_parity_names_the_engine_whose_states_differ(family, verdict, tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def other_numerics_run(tmp_path_factory, smollm2_tok_dir):
+def other_numerics_run(tmp_path_factory, smollm2_tok_dir, run_pool):
     """The whole run of :func:`test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling`
-    (DeepSeek-V3 without rope scaling) and its vLLM server, spawned as the run ends: with the whole
-    module it is made before the family runs (:func:`family_rows`), so that the server's start
-    (about a minute, mostly one core's work) runs beside them instead of on its own at the end.
-    Yields the row of :func:`family_flow.run_family`, or the exception its run raised."""
+    (DeepSeek-V3 without rope scaling), submitted to :func:`run_pool` first: with the whole module its
+    server is spawned by :func:`family_rows` as the run ends, so that the start (about a minute, mostly
+    one core's work) runs beside the family runs instead of on its own at the end. Yields the run's
+    future (its row of :func:`family_flow.run_family`, or the exception it raised)."""
+    run = run_pool.submit(
+        family_flow.run_family,
+        "deepseek_v3_default_rope",
+        tmp_path_factory.mktemp("other-numerics"),
+        smollm2_tok_dir,
+        serve=False,
+        eval_prompts=8,
+    )
     try:
-        row = family_flow.run_family(
-            "deepseek_v3_default_rope",
-            tmp_path_factory.mktemp("other-numerics"),
-            smollm2_tok_dir,
-            serve=False,
-            eval_prompts=8,
-        )
-        family_flow.spawn_server(row)
-    except Exception as e:  # noqa: BLE001 — re-raised by the test
-        row = e
-    try:
-        yield row
+        yield run
     finally:
-        if isinstance(row, dict):
-            row["_server"].kill()
+        if run.done() and run.exception() is None and "_server" in run.result():
+            run.result()["_server"].kill()
 
 
 def test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling(tmp_path, other_numerics_run):
@@ -322,9 +330,9 @@ def test_diagnose_reports_other_numerics_for_deepseek_v3_without_rope_scaling(tm
     from eagle3kit.core.engines import wait_servers
     from eagle3kit.data.sources import read_source
 
-    row = other_numerics_run
-    if isinstance(row, Exception):
-        raise row
+    row = other_numerics_run.result()  # raises what the run raised
+    if "_server" not in row:  # this test alone: no family_rows spawned it
+        family_flow.spawn_server(row)
     srv = row["_server"]
     try:
         err = wait_servers([srv], 400)[0]
