@@ -1,4 +1,4 @@
-"""``eagle3kit run``: the stages of DESIGN.md §1 chained over one run directory.
+"""``eagle3kit run``: the stages (docs/architecture.md) chained over one run directory.
 
 Stages whose inputs are unchanged since their last run are skipped (prompts, tokenize, vocab:
 keyed by the hash of their inputs and config section); ``generate`` and ``train`` resume by
@@ -65,7 +65,7 @@ def _mark(run: RunDir, stage: str, key: str) -> None:
 
 
 def write_run_header(cfg: Config, run: RunDir, target) -> None:
-    """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
+    """Config copy and the target's provenance in the manifest (docs/architecture.md)."""
 
     write_text(run / "config.yaml", dump_config(cfg))
     aux = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)

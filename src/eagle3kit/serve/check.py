@@ -1,5 +1,5 @@
 """``eagle3kit check``: every fault in an exported drafter that would cost a server start, found in
-seconds, each with its fix (DESIGN.md §3, §5; field cases C27–C32).
+seconds, each with its fix (docs/conventions.md).
 
 Reads ``config.json`` and the safetensors header (shapes only; ``d2t``/``t2d`` values are
 loaded to check their invariants) and the target's config; never loads the target's weights.
@@ -63,7 +63,7 @@ VLLM_RULES_MEASURED = (
     "0.32.0's CPU build (every drafter kind, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 and DFlash folders)"
 )
 
-# SGLang 0.5.23's +1 on the configured ids, per target family (DESIGN.md §3): "always" adds 1;
+# SGLang 0.5.23's +1 on the configured ids, per target family (docs/conventions.md, layer ids): "always" adds 1;
 # "if_first_is_1" adds 1 only when the first id is 1 (else reads them verbatim); "verbatim_if_max_is_n"
 # reads them verbatim when the largest id equals N (else adds 1).
 SGLANG_AUX_RULE = {
@@ -78,7 +78,7 @@ SGLANG_AUX_RULE = {
 
 def sglang_captured(config_ids: list[int], model_type: str, num_layers: int) -> list[int]:
     """The HF indices SGLang will capture for ``eagle_config`` ids on a target of ``model_type``
-    (DESIGN.md §3)."""
+    (docs/conventions.md, layer ids)."""
     rule = SGLANG_AUX_RULE.get(model_type, "always")
     if rule == "if_first_is_1" and config_ids and config_ids[0] != 1:
         return list(config_ids)
@@ -1050,7 +1050,7 @@ def vllm_eagle3_gate(version: str) -> tuple[str, list[str] | None] | None:
 
 
 def _vllm_support(archs: list[str], model_type: str, engine_version: str | None) -> list[Finding]:
-    """C31: whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
+    """Whether vLLM ``engine_version`` (default: the installed one) runs EAGLE-3 on this target:
     the release's model-type allow-list, then (installed vLLM only) the class's SupportsEagle3.
 
     Over 80 lines because it is a table of rules by vLLM release and class, each with its message.

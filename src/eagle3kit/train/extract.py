@@ -165,7 +165,7 @@ def engine_features(target: Target, states: torch.Tensor) -> tuple[torch.Tensor,
     """An engine's captured states of one sample → what :func:`~eagle3kit.model.target.target_features`
     gives for it: ``states`` [T, n + 1, Ht] (the n aux states — three for the EAGLE-3 family — then the
     pre-norm output of the last layer, vLLM id N) → aux [T, n·Ht] and last [T, Ht] = ``final_norm(h_N)``,
-    on the norm's device and in its dtype. The norm is applied once, here (DESIGN.md §3)."""
+    on the norm's device and in its dtype. The norm is applied once, here (docs/conventions.md, layer ids)."""
     p = next(target.parts.final_norm.parameters())
     h = states.to(p.device, p.dtype)
     with torch.no_grad():
