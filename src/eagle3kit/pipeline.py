@@ -45,7 +45,7 @@ from eagle3kit.model.target import (
 from eagle3kit.model.target_head import load_target_head
 from eagle3kit.serve.export import run_export
 from eagle3kit.train.distributed import Launch, end_world
-from eagle3kit.train.stage import _resolve_speed, run_train
+from eagle3kit.train.stage import resolve_speed, run_train
 
 
 def stage_key(*parts) -> str:
@@ -214,7 +214,7 @@ def run_all(cfg: Config) -> dict:
     timer, clock = Timer(), StageClock()
     launch = Launch.from_env()
     # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
-    _resolve_speed(cfg.train, pick_device(cfg.train.device))
+    resolve_speed(cfg.train, pick_device(cfg.train.device))
     target = None
     if launch.rank == 0:
         try:

@@ -45,7 +45,7 @@ from eagle3kit.train.features import (
 )
 
 
-def _pack(
+def pack_sample_states(
     aux: torch.Tensor,
     last: torch.Tensor,
     dtype: str,
@@ -496,7 +496,7 @@ def _extract_into(
                 per, ok = _batch_states(cfg, target, aux_ids, rows, out, b_rows)
                 finite.append((a, ok))  # no sync here
                 for x, y in per:
-                    buf.put(_pack(x, y, ec.dtype, topk, target, draft_ids, in_draft))
+                    buf.put(pack_sample_states(x, y, ec.dtype, topk, target, draft_ids, in_draft))
                 bar.update(task, advance=len(b_rows), tokens=new_tokens + buf.n)
             bad = [a for a, ok in finite if not bool(ok)]
             if bad:

@@ -173,7 +173,7 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
         model: the drafter, or the drafter in DistributedDataParallel.
         tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
             its ``lk_kl_scale``/``lk_kl_decay``).
-        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`_resolve_speed`).
+        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`resolve_speed`).
         world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
             supervised position (every process still calls backward, as DDP needs).
     Returns:
@@ -273,7 +273,7 @@ def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int)
     return UNCHUNKED_LOSS_BYTES * tokens_per_step * draft_vocab * ttt_steps
 
 
-def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
+def resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
     """The fast-path settings for ``device``: flex attention, bf16 autocast and the drafter layer
     compiled on CUDA, the readable reference (dense attention, fp32) elsewhere. ``loss_chunk``
     unset, on CUDA: for ``loss: kl`` :data:`FUSED_LOSS_CHUNK` (the fused lm_head + loss of
@@ -427,7 +427,7 @@ class _Training:
             )
         self.world = world = init_world(pick_device(tc.device))
         self.device = device = world.device
-        self.speed = _resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
+        self.speed = resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
         shard = run.require("tokens.safetensors", "tokenize")
         self.vocab_path = run.require("vocab.safetensors", "vocab")
         fingerprint = (
