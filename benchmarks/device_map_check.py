@@ -75,7 +75,7 @@ def main() -> None:
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import load_target, target_features, teacher_argmax, teacher_logits
     from eagle3kit.train.batches import Sample, make_batch
-    from eagle3kit.train.extract import _pack
+    from eagle3kit.train.extract import pack_sample_states
     from eagle3kit.train.ttt import ttt_loss
 
     ap = argparse.ArgumentParser()
@@ -127,7 +127,7 @@ def main() -> None:
             aux, last = target_features(target, ids.to(dev), torch.ones_like(ids).to(dev), aux_ids)
             argmax = torch.stack([teacher_argmax(target, last[b]) for b in range(args.batch)])
             logits = teacher_logits(target, last[0, :64], draft_ids.to(dev))
-            packed = _pack(
+            packed = pack_sample_states(
                 aux[0], last[0], "bf16", 16, target, draft_ids.to(target.device), t2d.to(target.device)
             )
         drafter = Eagle3Drafter(dcfg).to(dev, torch.bfloat16)

@@ -38,7 +38,7 @@ def main() -> None:
 
     from eagle3kit.core.ui import print_table
     from eagle3kit.model.target import Target, resolve_parts, target_features
-    from eagle3kit.train.extract import ShardBuffer, _pack
+    from eagle3kit.train.extract import ShardBuffer, pack_sample_states
     from eagle3kit.train.features import bytes_per_token
 
     ap = argparse.ArgumentParser()
@@ -107,7 +107,7 @@ def main() -> None:
     def extract(ids, buf):
         aux, last = target_features(target, ids.to(dev), None, aux_ids)
         for k in range(ids.shape[0]):
-            buf.put(_pack(aux[k], last[k], "bf16", None, target, None))
+            buf.put(pack_sample_states(aux[k], last[k], "bf16", None, target, None))
 
     timings = {}
     buf = ShardBuffer()

@@ -15,7 +15,7 @@ size for the same number of epochs, TTT 7, plain EAGLE-3, learning rate 3e-4, gr
   which holds the compilation);
 * ``eagle3kit:PATH``: eagle3kit's ``train_step`` on the same files (read with
   ``torch.load(weights_only=True)``, the top-1 taken once at load as ``train`` caches it) under
-  ``PATH``: ``auto`` (what ``train`` picks on this GPU: ``_resolve_speed``), or one of
+  ``PATH``: ``auto`` (what ``train`` picks on this GPU: ``resolve_speed``), or one of
   :data:`PATHS`; steady tokens/s over the steps after the first three.
 
 Wall tokens/s is every trained token over the process's whole life (start-up, loading,
@@ -328,7 +328,7 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, TargetParts, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch
-    from eagle3kit.train.stage import WARM_STEPS, _resolve_speed, train_step
+    from eagle3kit.train.stage import WARM_STEPS, resolve_speed, train_step
 
     prep = json.loads(prep_path.read_text())
     cfg = LlamaConfig(**prep["config"])
@@ -362,7 +362,7 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
     draft_ids = draft_ids_of(shape).to(dev)
     B, T = shape["batch"], shape["seq"]
     tc = TrainConfig(ttt_steps=TTT, step_weight=0.8, grad_clip=CLIP, tokens_per_step=B * T)
-    speed = _resolve_speed(tc, dev, vd) if path == "auto" else PATHS[path]
+    speed = resolve_speed(tc, dev, vd) if path == "auto" else PATHS[path]
     torch.manual_seed(1)
     drafter = Eagle3Drafter(
         DrafterConfig.from_target(cfg, vd, tuple(prep["aux_ids"]), vocab_size=cfg.vocab_size)

@@ -31,13 +31,13 @@ def drop_eval_overlap(rows: list[dict], evals: list[dict], near: float = 0.9) ->
     ``prompts.normalize_text``) or shares ≥ ``near`` of its words with one (Jaccard, as
     ``evaluate.check_overlap`` counts near-duplicates)."""
     from eagle3kit.data.sources import normalize_text
-    from eagle3kit.eval.sets import _word_set
+    from eagle3kit.eval.sets import word_set
 
     ev_norm = {normalize_text(user_text(r)) for r in evals}
-    ev_words = [w for w in (_word_set(user_text(r)) for r in evals) if w]
+    ev_words = [w for w in (word_set(user_text(r)) for r in evals) if w]
 
     def close(r) -> bool:
-        w = _word_set(user_text(r))
+        w = word_set(user_text(r))
         return any(len(w & e) / len(w | e) >= near for e in ev_words)
 
     return [r for r in rows if normalize_text(user_text(r)) not in ev_norm and not close(r)]

@@ -78,7 +78,7 @@ def main() -> None:
     from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch
     from eagle3kit.train.distributed import World
-    from eagle3kit.train.stage import _resolve_speed, train_step
+    from eagle3kit.train.stage import resolve_speed, train_step
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="timed steps of the fast path")
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--loss-chunk", type=int, default=None, help="default: what train picks (_resolve_speed)")
+    ap.add_argument("--loss-chunk", type=int, default=None, help="default: what train picks (resolve_speed)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument(
         "--tiny", action="store_true", help="a small model and few tokens (a smoke run of the script)"
@@ -180,7 +180,7 @@ def main() -> None:
     tc = TrainConfig(
         ttt_steps=S, step_weight=0.8, grad_clip=0.5, tokens_per_step=B * T, loss_chunk=args.loss_chunk
     )
-    auto = _resolve_speed(tc, dev, vd)  # the fast path: what train picks on this GPU
+    auto = resolve_speed(tc, dev, vd)  # the fast path: what train picks on this GPU
 
     def run(drafter, path: str, b: int, steps: int, warmup: int) -> dict:
         fast = path.startswith("fast")

@@ -12,7 +12,8 @@ from eagle3kit.core.config import TargetConfig
 from eagle3kit.model.draft_vocab import DraftVocab
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.folder import export_drafter
-from eagle3kit.serve.check import check_drafter, sglang_captured
+from eagle3kit.serve.check import check_drafter
+from eagle3kit.serve.engine_rules import sglang_captured
 
 
 @pytest.fixture(scope="module")

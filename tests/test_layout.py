@@ -104,3 +104,28 @@ def test_the_length_rule_sees_a_long_function(tmp_path):
     assert long_functions(tmp_path) == [f"m.py:1 long ({LONG + 1} lines)"]
     (tmp_path / "m.py").write_text(f'def long():\n    """{REASON} it is a table."""\n{body}')
     assert long_functions(tmp_path) == []
+
+
+#: what a source file never cites: a design note outside the repository, case ids defined nowhere in it,
+#: issue numbers (history belongs in CHANGELOG.md)
+OUTSIDE = r"DESIGN\.md|\bC[0-9]{2}\b|[Ii]ssues? [0-9]+|field cases?\b"
+
+
+def outside_citations(root: Path) -> list[str]:
+    """``path:line: text`` for every line under ``root`` (``*.py``) that matches :data:`OUTSIDE`."""
+    import re
+
+    return [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for p in sorted(root.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(OUTSIDE, line)
+    ]
+
+
+def test_the_source_cites_only_the_repository(tmp_path):
+    """The design of record is docs/architecture.md and docs/conventions.md: no source file cites the
+    contributors' note outside the repository, a field case id or an issue number. The check sees each."""
+    assert outside_citations(ROOT / "src") == []
+    (tmp_path / "m.py").write_text('"""x (DESIGN.md §3)."""\n# as in C27\n# see issue 24\nOK = 1  # CPU 2\n')
+    assert [c.split(":")[1] for c in outside_citations(tmp_path)] == ["1", "2", "3"]

@@ -145,27 +145,27 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
     from eagle3kit.core.config import ConfigError, TrainConfig
-    from eagle3kit.train.stage import _resolve_speed
+    from eagle3kit.train.stage import resolve_speed
 
     cuda = torch.device("cuda", 0)
-    assert _resolve_speed(TrainConfig(), cuda) == {
+    assert resolve_speed(TrainConfig(), cuda) == {
         "attention": "flex",
         "bf16": True,
         "tf32": False,
         "loss_chunk": 8192,
         "compile": True,
     }
-    assert _resolve_speed(TrainConfig(), torch.device("cpu")) == {
+    assert resolve_speed(TrainConfig(), torch.device("cpu")) == {
         "attention": "reference",
         "bf16": False,
         "tf32": False,
         "loss_chunk": 0,
         "compile": False,
     }
-    assert _resolve_speed(
+    assert resolve_speed(
         TrainConfig(attention="reference", precision="fp32", loss_chunk=0, compile=False), cuda
     ) == {"attention": "reference", "bf16": False, "tf32": False, "loss_chunk": 0, "compile": False}
-    assert _resolve_speed(TrainConfig(attention="reference", precision="tf32"), cuda) == {
+    assert resolve_speed(TrainConfig(attention="reference", precision="tf32"), cuda) == {
         "attention": "reference",
         "bf16": False,
         "tf32": True,
@@ -173,12 +173,12 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
         "compile": True,
     }
     # FSDP2 shards the layer's parameters: the layer is not compiled unless asked for
-    assert _resolve_speed(TrainConfig(parallel="fsdp"), cuda)["compile"] is False
-    assert _resolve_speed(TrainConfig(parallel="fsdp", compile=True), cuda)["compile"] is True
+    assert resolve_speed(TrainConfig(parallel="fsdp"), cuda)["compile"] is False
+    assert resolve_speed(TrainConfig(parallel="fsdp", compile=True), cuda)["compile"] is True
     with pytest.raises(ConfigError, match="flex needs a CUDA device"):
-        _resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
+        resolve_speed(TrainConfig(attention="flex"), torch.device("cpu"))
     with pytest.raises(ConfigError, match="tf32 needs a CUDA device"):
-        _resolve_speed(TrainConfig(precision="tf32"), torch.device("cpu"))
+        resolve_speed(TrainConfig(precision="tf32"), torch.device("cpu"))
 
 
 def test_tf32_matmuls_turns_tf32_on_inside_the_block_only():
@@ -334,24 +334,24 @@ def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_qua
     from types import SimpleNamespace
 
     from eagle3kit.core.config import TrainConfig
-    from eagle3kit.train.stage import FUSED_LOSS_CHUNK, _resolve_speed, unchunked_loss_bytes
+    from eagle3kit.train.stage import FUSED_LOSS_CHUNK, resolve_speed, unchunked_loss_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))
     cuda = torch.device("cuda", 0)
     # the forward KL: the fused chunks on CUDA whatever the size (faster than unchunked at the 8B shape)
     assert FUSED_LOSS_CHUNK == 8192
-    assert _resolve_speed(TrainConfig(tokens_per_step=16384), cuda, 32000)["loss_chunk"] == 8192
-    assert _resolve_speed(TrainConfig(tokens_per_step=8192), cuda, 8192)["loss_chunk"] == 8192
+    assert resolve_speed(TrainConfig(tokens_per_step=16384), cuda, 32000)["loss_chunk"] == 8192
+    assert resolve_speed(TrainConfig(tokens_per_step=8192), cuda, 8192)["loss_chunk"] == 8192
     # ... but not under FSDP2 (a sharded lm_head is not fusable): the memory rule below
-    assert _resolve_speed(TrainConfig(tokens_per_step=16384, parallel="fsdp"), cuda, 32000)["loss_chunk"] == 0
+    assert resolve_speed(TrainConfig(tokens_per_step=16384, parallel="fsdp"), cuda, 32000)["loss_chunk"] == 0
     # the LK objectives: unchunked when the loss fits a quarter of the GPU, else checkpointed chunks
     eight_b = TrainConfig(tokens_per_step=16384, ttt_steps=7, loss="lk_alpha")
     assert unchunked_loss_bytes(16384, 32000, 7) == 8 * 16384 * 32000 * 7  # 29.4 GB ≤ 35.25 GB
-    assert _resolve_speed(eight_b, cuda, 32000)["loss_chunk"] == 0
-    assert _resolve_speed(eight_b, cuda, 128256)["loss_chunk"] == 4096  # 118 GB: chunked
-    assert _resolve_speed(eight_b, cuda)["loss_chunk"] == 4096  # the draft vocabulary unknown
-    assert _resolve_speed(TrainConfig(loss_chunk=1024), cuda, 32000)["loss_chunk"] == 1024
-    assert _resolve_speed(TrainConfig(), torch.device("cpu"), 32000)["loss_chunk"] == 0
+    assert resolve_speed(eight_b, cuda, 32000)["loss_chunk"] == 0
+    assert resolve_speed(eight_b, cuda, 128256)["loss_chunk"] == 4096  # 118 GB: chunked
+    assert resolve_speed(eight_b, cuda)["loss_chunk"] == 4096  # the draft vocabulary unknown
+    assert resolve_speed(TrainConfig(loss_chunk=1024), cuda, 32000)["loss_chunk"] == 1024
+    assert resolve_speed(TrainConfig(), torch.device("cpu"), 32000)["loss_chunk"] == 0
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Tiny random targets of every family eagle3kit supports (DESIGN.md §2), built from config:
+"""Tiny random targets of every family eagle3kit supports (docs/families.md), built from config:
 Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA + MoE), Kimi-K2.5 in both wrapper layouts (transformers'
 native ``Kimi_K25ForConditionalGeneration``: decoder at ``model.language_model``, ``lm_head`` on
 the wrapper; the remote-code ``KimiK25ForConditionalGeneration``: a whole DeepSeek-V3 causal LM

@@ -1,6 +1,6 @@
 """eagle3kit: train EAGLE-3 drafters for a target LLM and prove they work where they are served.
 
-Pipeline stages (one module each, DESIGN.md §1): prompts → generate → tokenize → vocab → train →
+Pipeline stages (one module each, docs/architecture.md): prompts → generate → tokenize → vocab → train →
 export → evaluate; :func:`eagle3kit.pipeline.run` chains them.
 """
 

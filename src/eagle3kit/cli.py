@@ -45,13 +45,8 @@ from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
 from eagle3kit.serve.benchreport import BenchError, load_record
 from eagle3kit.serve.benchreport import compare as compare_records
-from eagle3kit.serve.check import (
-    VLLM_RULES_MEASURED,
-    check_drafter,
-    findings_json,
-    parse_version,
-    verifier_of,
-)
+from eagle3kit.serve.check import check_drafter, findings_json, verifier_of
+from eagle3kit.serve.engine_rules import VLLM_RULES_MEASURED, parse_version
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
 from eagle3kit.serve.inputs import measured_target, measuring_prompts, run_config

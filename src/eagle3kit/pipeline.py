@@ -1,4 +1,4 @@
-"""``eagle3kit run``: the stages of DESIGN.md §1 chained over one run directory.
+"""``eagle3kit run``: the stages (docs/architecture.md) chained over one run directory.
 
 Stages whose inputs are unchanged since their last run are skipped (prompts, tokenize, vocab:
 keyed by the hash of their inputs and config section); ``generate`` and ``train`` resume by
@@ -45,7 +45,7 @@ from eagle3kit.model.target import (
 from eagle3kit.model.target_head import load_target_head
 from eagle3kit.serve.export import run_export
 from eagle3kit.train.distributed import Launch, end_world
-from eagle3kit.train.stage import _resolve_speed, run_train
+from eagle3kit.train.stage import resolve_speed, run_train
 
 
 def stage_key(*parts) -> str:
@@ -65,7 +65,7 @@ def _mark(run: RunDir, stage: str, key: str) -> None:
 
 
 def write_run_header(cfg: Config, run: RunDir, target) -> None:
-    """Config copy and the target's provenance in the manifest (DESIGN.md §1)."""
+    """Config copy and the target's provenance in the manifest (docs/architecture.md)."""
 
     write_text(run / "config.yaml", dump_config(cfg))
     aux = resolve_aux_layer_ids(cfg.target, target.num_layers, cfg.drafter)
@@ -214,7 +214,7 @@ def run_all(cfg: Config) -> dict:
     timer, clock = Timer(), StageClock()
     launch = Launch.from_env()
     # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
-    _resolve_speed(cfg.train, pick_device(cfg.train.device))
+    resolve_speed(cfg.train, pick_device(cfg.train.device))
     target = None
     if launch.rank == 0:
         try:

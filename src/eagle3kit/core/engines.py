@@ -271,7 +271,7 @@ def vllm_launch(
 
 
 class VLLMServer:
-    """vLLM's OpenAI-compatible server (CPU build: fp32, eager, fixed KV-cache bytes; DESIGN.md §6)
+    """vLLM's OpenAI-compatible server (CPU build: fp32, eager, fixed KV-cache bytes; docs/architecture.md, engines)
     for one model folder, as a child process that can be killed and restarted.
 
     ``url`` is the server root (``/v1`` is the API base). Raises RuntimeError when the process
@@ -455,7 +455,7 @@ def free_port() -> int:
     never the same twice in one process. A port the kernel hands out with ``bind(0)`` is
     ephemeral: free only until a starting vLLM asks the kernel for ports of its own (its engine
     core's and torch.distributed's sockets), and one of four servers started together found its
-    port taken (``Address already in use``, 2026-12-04). Raises OSError when 500 draws find none
+    port taken (``Address already in use``). Raises OSError when 500 draws find none
     free."""
     low, high = 32768, 60999
     with contextlib.suppress(OSError, ValueError):
@@ -489,7 +489,7 @@ PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 def spec_decode_counters(url: str, timeout: float = 10.0, headers: dict | None = None) -> dict:
     """vLLM's speculative-decoding counters now, from ``GET {url}/metrics`` (Prometheus text,
     parsed with ``prometheus_client``): ``{"drafts", "draft_tokens", "accepted", "per_position":
-    {k: accepted at position k}}``, summed over engines (DESIGN.md §6). Counts (floats as served)."""
+    {k: accepted at position k}}``, summed over engines (docs/architecture.md, engines). Counts (floats as served)."""
 
     resp = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout, headers=headers or {})
     resp.raise_for_status()
@@ -524,7 +524,7 @@ def counter_delta(before: dict, after: dict) -> dict:
 
 def acceptance_from_counters(delta: dict) -> dict:
     """Acceptance from vLLM counter totals ``{drafts, draft_tokens, accepted, per_position: {k:
-    accepted at position k}}`` (DESIGN.md §6; field cases C33, C34): τ = 1 + accepted / drafts
+    accepted at position k}}`` (docs/architecture.md, engines): τ = 1 + accepted / drafts
     (tokens per verify step, bonus token counted, pooled), acceptance rate = accepted / draft tokens
     (0..1, named apart from τ), cumulative per-position a_k = accepted at position k / drafts,
     K = draft_tokens / drafts. Ratios are None when their denominator is 0."""

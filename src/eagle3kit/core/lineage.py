@@ -1,4 +1,4 @@
-"""Lineage: every stage output in a run directory knows exactly what it was built from (issue 21).
+"""Lineage: every stage output in a run directory knows exactly what it was built from.
 
 One rule for all stages. When a stage writes a file into the run directory it records
 (:meth:`RunDir.record_stage <eagle3kit.core.rundir.RunDir.record_stage>` with ``consumed``), in

@@ -1,4 +1,4 @@
-"""Acceptance arithmetic shared by training validation, simulate and decode (DESIGN.md §6, §7).
+"""Acceptance arithmetic shared by training validation, simulate and decode (docs/architecture.md; docs/measuring.md).
 
 Conventions (named everywhere they are reported):
 
@@ -90,7 +90,7 @@ def match_runs(draft_tokens: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
 
     Args:
         draft_tokens: int64 [T, K]; row t holds the drafts made at origin t (step k proposes
-            the token at index t + k + 2 of ``seq``, DESIGN.md §4 alignment).
+            the token at index t + k + 2 of ``seq``, docs/conventions.md, alignment).
         seq: int64 [L], the target's greedy sequence (prompt + continuation).
     Returns:
         int64 [T]: for each t the number of leading k with ``draft_tokens[t, k] == seq[t+k+2]``

@@ -1,5 +1,5 @@
 """The run directory: JSONL files with atomic appends, content hashes, ``manifest.json`` and
-``report.json`` (DESIGN.md §1).
+``report.json`` (docs/architecture.md).
 
 Layout of a run directory::
 

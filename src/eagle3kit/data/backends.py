@@ -90,7 +90,7 @@ def vllm_engine_args(
 ) -> dict:
     """``vllm.LLM`` arguments for eagle3kit's in-process engine (generation, greedy references).
 
-    CPU build (DESIGN.md §6): ``dtype`` float32, ``enforce_eager``, a fixed KV cache of
+    CPU build (docs/architecture.md, engines): ``dtype`` float32, ``enforce_eager``, a fixed KV cache of
     ``EAGLE3KIT_VLLM_KV_BYTES`` bytes (default 2 GiB). A GPU build: the target's ``dtype`` (for
     example ``bfloat16``) and ``gpu_memory_utilization`` from ``memory`` = (free, total) bytes of
     the device, what ``torch.cuda.mem_get_info`` returns: the free share less 0.05, at least 0.05,
@@ -117,7 +117,7 @@ def vllm_engine(target: Target, max_model_len: int = 4096, seed: int = 0, engine
 
     Uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless the target needs its engine core in its own
     process) and, on the CPU build, ``enforce_eager`` and a fixed KV-cache size
-    (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as that build needs (DESIGN.md §6).
+    (``EAGLE3KIT_VLLM_KV_BYTES``, default 2 GiB), as that build needs (docs/architecture.md, engines).
     """
     key = id(target)
     if key in _VLLM and _VLLM[key].llm_engine.model_config.max_model_len >= max_model_len:

@@ -47,7 +47,7 @@ from eagle3kit.model.target import (
 
 
 def _special_tokens(cfg: Config) -> list[str]:
-    """The target tokenizer's special-token strings (for C06), when the tokenizer is at hand."""
+    """The target tokenizer's special-token strings (a reply holding one is flagged), when the tokenizer is at hand."""
 
     try:
         tok = load_tokenizer(cfg.target)

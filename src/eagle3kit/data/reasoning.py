@@ -1,4 +1,4 @@
-"""Reasoning capture from OpenAI-compatible chat replies (field cases C01–C06).
+"""Reasoning capture from OpenAI-compatible chat replies (reasoning fields, cut blocks, tool calls, special tokens).
 
 Servers return a model's thinking in different places:
 
@@ -30,7 +30,7 @@ THINK_CLOSE = "</think>"
 REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
-# flags that keep a reply out of training as it is (C02 disagreeing fields, C04 cut block, C06 special token,
+# flags that keep a reply out of training as it is (disagreeing fields, a cut block, a special token,
 # a reply without finish_reason that may be incomplete)
 UNTRAINABLE_FLAGS = (
     "reasoning_fields_disagree",
@@ -65,11 +65,11 @@ class Reply:
 
     @property
     def trainable(self) -> bool:
-        """False when the row must not become a training turn as it is (C04, C06, C02)."""
+        """False when the row must not become a training turn as it is."""
         if not self.content.strip() and not self.tool_calls:
             return False
         if self.truncated and self.reasoning is not None:
-            return False  # a cut-off reasoning block (C04)
+            return False  # a cut-off reasoning block
         return not (set(UNTRAINABLE_FLAGS) & set(self.flags))
 
 
@@ -142,7 +142,7 @@ def parse_reply(
         finish_reason: the choice's ``finish_reason``.
         prompt_opens_think: the rendered prompt ends inside an open ``<think>`` block.
         special_tokens: the tokenizer's special-token strings; one inside the reasoning flags the
-            row (C06): tokenizing it would put a special-token id inside the reasoning span.
+            row: tokenizing it would put a special-token id inside the reasoning span.
     """
     content = _get(message, "content") or ""
     reasoning, source, flags = _field_reasoning(message)
@@ -243,7 +243,7 @@ def assistant_history_message(
     content: str, reasoning: str | None, server_reads: str = "both", tool_calls: list[dict] | None = None
 ) -> dict:
     """An earlier assistant turn for the next request, with its reasoning under the key the target
-    server reads (``reasoning``, ``reasoning_content`` or ``both``) — C01 — and its tool calls (C05)."""
+    server reads (``reasoning``, ``reasoning_content`` or ``both``), and its tool calls."""
     msg: dict = {"role": "assistant", "content": content}
     if reasoning:
         keys = REASONING_KEYS if server_reads == "both" else (server_reads,)
@@ -272,7 +272,7 @@ def next_turn_messages(
 ) -> list[dict]:
     """The messages of the next request after ``reply``: the history, the reply as an assistant
     turn (reasoning under ``server_reads``, tool calls kept), then one ``tool`` message per
-    ``tool_results`` item (``{"tool_call_id", "content"}``) — the multi-step tool exchange of C05.
+    ``tool_results`` item (``{"tool_call_id", "content"}``) — the multi-step tool exchange.
 
     Raises:
         ValueError: a tool result answers no tool call of the reply (names the id).

@@ -3,13 +3,13 @@
 A sample for one assistant turn is ``prompt ids + completion ids``:
 
 * **prompt ids**: the target's chat template over the conversation so far with
-  ``add_generation_prompt=True`` and the template flags recorded at generation (C11). History
+  ``add_generation_prompt=True`` and the template flags recorded at generation. History
   turns are rendered the way the template renders them (Kimi keeps only a pending tool exchange's
   reasoning, DeepSeek drops earlier reasoning); their reasoning is passed under the key the
   template reads (:func:`eagle3kit.data.reasoning.template_reasoning_key`).
 * **completion ids**: the ids the server (or the local engine) returned when present; otherwise
   the model's emission rebuilt (:func:`rebuild_completion`): the think-open marker (unless the
-  generation prompt already opened the block, C12) + reasoning + think-close marker + content +
+  generation prompt already opened the block) + reasoning + think-close marker + content +
   tool calls + end-of-turn. Markers are the tokenizer's own special-token ids; the model's text
   (reasoning, content) is tokenized with ``split_special_tokens=True``, so text that merely looks
   like a marker never becomes one.
@@ -23,7 +23,7 @@ newline), and ``gen`` may hold an opened ``<think>`` that the history form lacks
 **Loss mask** (:class:`MaskRule`, ``tokenize.supervise``): by default every completion token —
 think markers, reasoning, content, tool calls, end-of-turn — and nothing the template inserted:
 role headers and default system prompts (they are in the prompt), an empty think block the model
-did not write (Kimi's ``<think></think>`` on a reply without reasoning, C09), and the trailer after
+did not write (Kimi's ``<think></think>`` on a reply without reasoning), and the trailer after
 the end-of-turn token (not part of the sample at all).
 
 Whitespace around reasoning (``think_layout``) differs by family: DeepSeek-R1 and Qwen3 write
@@ -99,7 +99,7 @@ def render(tokenizer, messages: list[dict], flags: dict | None, generation_promp
     kw = dict(flags or {})
     if tools:
         kw["tools"] = tools
-    if not messages:  # transformers refuses an empty conversation; the template itself may not (C08)
+    if not messages:  # transformers refuses an empty conversation; the template itself may not
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         return _compile_jinja_template(tokenizer.chat_template).render(
@@ -331,7 +331,7 @@ def rebuild_completion(
         pieces.append(Piece([spec.close_id], rule.think_markers, "think_marker"))
         body = lay["after_close"] + body.lstrip()
     elif template_think.strip():
-        # an empty block (or a lone closer) the template inserts around a reply without reasoning (C09)
+        # an empty block (or a lone closer) the template inserts around a reply without reasoning
         pieces.append(Piece(encode_template(tokenizer, template_think), False, "template"))
     pieces.extend(
         _body_pieces(tokenizer, body, plain["content"], eot_strs, rule, truncated, body_without_content)

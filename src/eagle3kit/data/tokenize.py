@@ -7,12 +7,13 @@ emission rebuilt from the text (think markers as the tokenizer's special ids). M
 give one sample per assistant turn (``tokenize.multi_turn: per_turn``) or one sequence with every
 assistant turn supervised (``one_sequence``). Loss mask = 1 on the tokens the model emitted
 (``tokenize.supervise`` can leave out reasoning, think markers or end-of-turn); the one-position
-shift of DESIGN.md §4 is applied in training, not here.
+shift (docs/conventions.md, alignment) is applied in training, not here.
 
-Dropped and counted: empty completions (C25), prompts that reach ``max_length`` (the assistant
-turn would start past it, C25), rows the template cannot render consistently, flagged server rows
-(C02, C04, C06), and — with ``tokenize.drop_truncated`` — rows cut at the generation limit. Kept
-truncated rows end without an end-of-turn token. Sequences longer than ``max_length`` are cut.
+Dropped and counted: empty completions, prompts that reach ``max_length`` (the assistant
+turn would start past it), rows the template cannot render consistently, flagged server rows
+(reasoning fields that disagree, a cut reasoning block, a special token inside reasoning), and —
+with ``tokenize.drop_truncated`` — rows cut at the generation limit. Kept truncated rows end
+without an end-of-turn token. Sequences longer than ``max_length`` are cut.
 
 Self-check (not circular): up to ``tokenize.self_check_rows`` rows are compared with the
 tokenizer's own full-conversation render (:func:`eagle3kit.data.templates.self_check`), their returned
@@ -99,7 +100,7 @@ def samples_for_row(
     """One conversation row → (samples cut to ``max_length``, drop reason or None). With
     ``errors`` (a list), the template's own message for a ``template_error`` is appended to it.
 
-    Drop reasons: ``empty_completion`` (C25), ``prompt_reaches_max_length`` (C25; the turn would
+    Drop reasons: ``empty_completion``, ``prompt_reaches_max_length`` (the turn would
     start past the limit), ``no_assistant_turn`` (a finished conversation with nothing to
     supervise), ``reasoning_without_think_tokens`` (a text-only reasoning row for a
     tokenizer without think special tokens), ``template_error`` (the template cannot render the
@@ -225,7 +226,7 @@ def kimi_tool_call_ids(row: dict) -> tuple[dict, int]:
 
 
 def untrainable_reason(row: dict) -> str | None:
-    """Why a server-generated row must not become a training turn (C02, C04, C06), or None."""
+    """Why a server-generated row must not become a training turn, or None."""
 
     flags = set(row.get("flags") or [])
     for flag in UNTRAINABLE_FLAGS:

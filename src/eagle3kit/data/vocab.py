@@ -1,16 +1,16 @@
-"""Stage ``vocab``: the reduced draft vocabulary and its maps (DESIGN.md §1, §5).
+"""Stage ``vocab``: the reduced draft vocabulary and its maps (docs/architecture.md; docs/conventions.md).
 
 The draft vocabulary is the ``draft_vocab_size`` target ids most frequent over loss-masked
 positions (ties broken by the smaller id), end-of-turn (and think) tokens always kept, sorted
 ascending. When fewer distinct ids occur than the size asks for, the smallest unused ids pad it
-(deterministic, unique) and a warning says how many entries never occur (C18).
+(deterministic, unique) and a warning says how many entries never occur.
 
 Maps, in the engines' convention (EAGLE-3 reference code, vLLM ``llama_eagle3.py``):
 
 * ``d2t`` int64 [Vd]: **offsets**, target id = draft id + ``d2t[draft id]``;
 * ``t2d`` bool [V]: True where a target id is in the draft vocabulary.
 
-When ``draft_vocab_size == V`` no maps are written (the full vocabulary, C19).
+When ``draft_vocab_size == V`` no maps are written (the full vocabulary).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_draft_vocab(
         vocabulary), ``distinct_ids``, ``never_seen_entries``.
 
     Raises:
-        ConfigError: Vd outside [1, V] (C20).
+        ConfigError: Vd outside [1, V].
     """
     V = int(token_counts.numel())
     if (

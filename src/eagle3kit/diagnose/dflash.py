@@ -1,5 +1,5 @@
 """The engine-integration faults ``diagnose`` simulates for a DFlash drafter, each what an engine that
-reads the folder otherwise computes (DESIGN.md, DFlash's engine facts):
+reads the folder otherwise computes (docs/dflash.md, serve it):
 
 ================================  ================================================================
 ``target_layer_ids_plus_1/_minus_1``  the engine reads every target layer one later / earlier: a

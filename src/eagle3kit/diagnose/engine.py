@@ -1,7 +1,7 @@
 """What the serving engine did on each prompt: the prompt ids it rendered, its greedy output ids
 and its own acceptance counters for that prompt alone.
 
-Prompts are sent one at a time, so each prompt's counter delta is its own (DESIGN.md §6):
+Prompts are sent one at a time, so each prompt's counter delta is its own (docs/architecture.md, engines):
 
 * vLLM: ``POST /v1/chat/completions`` with ``return_token_ids`` (the response carries
   ``prompt_token_ids`` and the choice's ``token_ids``), and ``/metrics`` read before and after

@@ -2,7 +2,7 @@
 drafter (or to the layers it reads) that reproduces what an engine with that fault computes.
 
 Every fault here was seen in the field (../shared/cases/field-cases.md) or is a convention two
-engines read differently (DESIGN.md §3, §5):
+engines read differently (docs/conventions.md):
 
 ==========================  ====================================================================
 ``aux_ids_plus_1/_minus_1``  the engine captures each aux layer one later / earlier: the HF-index
@@ -154,7 +154,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "d2t_as_ids",
         "the engine reads d2t as target ids, not as offsets (target id = d2t[i] instead of i + d2t[i])",
-        "write d2t as offsets (DESIGN.md §5; `eagle3kit import` converts a source that stores ids)",
+        "write d2t as offsets (docs/conventions.md; `eagle3kit import` converts a source that stores ids)",
         _d2t_as_ids,
         needs_d2t=True,
     ),
@@ -173,13 +173,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "final_norm_twice",
         "the drafter's final norm is applied twice before lm_head",
-        "apply the final norm once (the teacher/last-state convention, DESIGN.md §3)",
+        "apply the final norm once (the teacher/last-state convention, docs/conventions.md, layer ids)",
         _norm_twice,
     ),
     Fault(
         "final_norm_missing",
         "lm_head reads the pre-norm state (the final norm is not applied)",
-        "apply the drafter's final norm before lm_head once (DESIGN.md §3)",
+        "apply the drafter's final norm before lm_head once (docs/conventions.md, layer ids)",
         _norm_missing,
     ),
     Fault(

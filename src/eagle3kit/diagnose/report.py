@@ -19,7 +19,7 @@ def advice(
 ) -> dict:
     """Where the drafter loses on the served text and what would raise its τ.
 
-    * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (DESIGN.md §6), and the
+    * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (docs/architecture.md, engines), and the
       draft position where most verify steps stop (from the accepted-count histogram);
     * per category: τ of each prompt category, lowest first (the domains to add training data from);
     * vocabulary: the share of the engine's output tokens inside the draft vocabulary (a token

@@ -81,7 +81,7 @@ class Simulated:
 
 
 def drafter_aux_ids(drafter: Eagle3Drafter | DFlashDrafter) -> list[int]:
-    """The target states ``drafter`` reads, as HF ``output_hidden_states`` indices (DESIGN.md §3)."""
+    """The target states ``drafter`` reads, as HF ``output_hidden_states`` indices (docs/conventions.md, layer ids)."""
     return list(
         drafter.cfg.aux_layer_ids if isinstance(drafter, DFlashDrafter) else drafter.config.aux_layer_ids
     )

@@ -2,7 +2,7 @@
 engine's integration of it? Answered from one set of requests, without restarting the server.
 
 1. The engine: each prompt sent alone, greedy; its prompt ids, output ids and counter deltas
-   (:mod:`eagle3kit.diagnose.engine`); bench's template check (C35) on the same prompts first.
+   (:mod:`eagle3kit.diagnose.engine`); bench's template check on the same prompts first.
 2. eagle3kit: simulated greedy-chain acceptance of the drafter on exactly those sequences at the
    engine's K (:mod:`eagle3kit.diagnose.simulate`). Simulate reproduces the engine's τ when the
    engine runs the drafter as trained (docs/limits.md: 1.531 against 1.527 on SmolLM2).
@@ -464,7 +464,7 @@ def _engine_name(found: str, given: str | None, base: str) -> str:
 
 
 def _template(base: str, model: str, target, rows: list[dict], headers: dict) -> dict:
-    """Bench's template check (C35) on the prompts: the server's rendering against the target's."""
+    """Bench's template check on the prompts: the server's rendering against the target's."""
     try:
         got = check_template(base, model, target.tokenizer, rows, headers=headers)
         return {"mismatch": False, **got}
@@ -479,7 +479,7 @@ def _template(base: str, model: str, target, rows: list[dict], headers: dict) ->
 
 def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[list[int]]]:
     """The prompts as a client rendering them with the template in ``path`` sends them, and the
-    template check of that rendering against the target's own template (C35).
+    template check of that rendering against the target's own template.
 
     Raises:
         DiagnoseError: the file is missing or holds no template."""

@@ -1,5 +1,5 @@
 """The reference speculative decoder: chain and tree drafting, greedy or lossless sampling
-(DESIGN.md §7), in the style of gpt-fast.
+(docs/measuring.md), in the style of gpt-fast.
 
 The target runs through :class:`eagle3kit.model.fasttarget.FastTarget` and the drafter through
 :meth:`eagle3kit.model.drafter.Eagle3Drafter.step`; both keep a KV cache indexed by slot. Nothing is

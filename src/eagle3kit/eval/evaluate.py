@@ -1,4 +1,4 @@
-"""Stage ``evaluate``: what the drafter is worth, measured against the target itself (DESIGN.md §7).
+"""Stage ``evaluate``: what the drafter is worth, measured against the target itself (docs/measuring.md).
 
 * ``simulate``: greedy-chain τ and per-position acceptance computed exactly from the target's own
   greedy continuation: the target generates (``evaluate.max_new_tokens``), one target forward runs

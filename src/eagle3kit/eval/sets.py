@@ -53,7 +53,8 @@ def trained_prompt_rows(run: RunDir) -> list[dict]:
     return rows
 
 
-def _word_set(text: str) -> set[str]:
+def word_set(text: str) -> set[str]:
+    """The distinct words of ``text`` after :func:`normalize_text` (what the overlap check compares)."""
     return set(normalize_text(text).split())
 
 
@@ -79,10 +80,10 @@ def check_overlap(train_rows: list[dict], eval_rows: list[dict], near_threshold:
             f"{len(exact)} evaluation prompts were trained on (exact overlap), e.g. {shown}; "
             "remove them from the training sources or evaluate on another set"
         )
-    train_sets = [_word_set(text(r)) for r in train_rows]
+    train_sets = [word_set(text(r)) for r in train_rows]
     near = 0
     for r in eval_rows:
-        w = _word_set(text(r))
+        w = word_set(text(r))
         if any(len(w & t) / max(len(w | t), 1) >= near_threshold for t in train_sets if t):
             near += 1
     return {"exact_overlap": 0, "near_duplicates": near}

@@ -1,4 +1,4 @@
-"""The drafter-folder contract (DESIGN.md §5): what vLLM (≥ 0.10) and SGLang (≥ 0.5) need to find
+"""The drafter-folder contract (docs/conventions.md): what vLLM (≥ 0.10) and SGLang (≥ 0.5) need to find
 in a drafter folder, in one place.
 
 * tensor names and shapes (:func:`required_shapes`, :func:`contract_shapes`,
@@ -82,7 +82,7 @@ def contract_mismatches(
 
 
 def validate_tensors(tensors: dict[str, torch.Tensor], c: DrafterConfig) -> None:
-    """Refuse a missing, misshapen or stray tensor and broken vocab maps (DESIGN.md §5, C27, C28).
+    """Refuse a missing, misshapen or stray tensor and broken vocab maps (docs/conventions.md).
 
     Raises:
         ExportError: listing every problem found.
@@ -212,7 +212,7 @@ def speculators_config(
     num_speculative_tokens: int = 3,
     provenance: dict | None = None,
 ) -> dict:
-    """``config.json`` for vLLM's speculators layout (DESIGN.md §5): no top-level ``model_type``;
+    """``config.json`` for vLLM's speculators layout (docs/conventions.md): no top-level ``model_type``;
     ``transformer_layer_config`` holds the Llama layer; aux ids top-level in vLLM numbering (HF
     index); ``norm_before_residual`` written out, false included (vLLM assumes true when it is
     missing); the variant's flags by name; a parallel-drafting drafter as speculators'

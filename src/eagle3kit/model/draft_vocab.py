@@ -1,11 +1,12 @@
-"""The draft vocabulary and its maps (DESIGN.md §1, §5): the one convention every stage and engine shares.
+"""The draft vocabulary and its maps (docs/conventions.md): the one convention every stage and engine
+shares.
 
 * ``d2t`` int64 [Vd]: **offsets**, target id = draft id + ``d2t[draft id]`` (EAGLE-3 reference
   code, vLLM ``llama_eagle3.py``, SGLang ``llama_eagle3.py``);
 * ``t2d`` bool [V]: True where a target id is in the draft vocabulary.
 
 The draft ids are sorted ascending, so ``d2t`` is non-decreasing and every target id appears at
-most once. :func:`check_maps` refuses maps that break this (field cases C27, C28). The stage that
+most once. :func:`check_maps` refuses maps that break this. The stage that
 builds the vocabulary from token counts is :mod:`eagle3kit.data.vocab`.
 """
 
@@ -59,8 +60,8 @@ class DraftVocab:
 
 
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> None:
-    """The invariants of DESIGN.md §5: ``arange(Vd) + d2t`` strictly increasing, inside [0, V),
-    and equal to ``t2d.nonzero()``; ``t2d`` has V entries.
+    """The invariants of the draft vocabulary (docs/conventions.md): ``arange(Vd) + d2t`` strictly
+    increasing, inside [0, V), and equal to ``t2d.nonzero()``; ``t2d`` has V entries.
 
     Raises:
         DataError: naming the violated invariant (for example a ``d2t`` holding ids, not offsets).
@@ -98,7 +99,7 @@ def save_vocab(path, vocab: DraftVocab, meta: dict) -> None:
 
 def load_vocab(path, expected_size: int | None = None) -> tuple[DraftVocab, dict]:
     """Read ``vocab.safetensors`` and check its invariants; with ``expected_size``, refuse a file
-    built for another ``draft_vocab_size`` (C21), naming both numbers."""
+    built for another ``draft_vocab_size``, naming both numbers."""
 
     d = load_safetensors(path, "rerun `eagle3kit vocab`")
     with safe_open(str(path), "pt") as f:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (DESIGN.md §4), in the layout vLLM's ``LlamaForCausalLMEagle3`` and
+"""The EAGLE-3 drafter (docs/conventions.md, alignment), in the layout vLLM's ``LlamaForCausalLMEagle3`` and
 SGLang's ``LlamaForCausalLMEagle3`` load.
 
 Shapes (H = drafter hidden, Ht = target hidden, V = target vocab, Vd = draft vocab)::
@@ -60,7 +60,7 @@ from eagle3kit.model.target import rope_settings
 
 @dataclass
 class DrafterConfig:
-    """Drafter hyper-parameters; attention/rope fields default to the target's (DESIGN.md §5)."""
+    """Drafter hyper-parameters; attention/rope fields default to the target's (docs/conventions.md)."""
 
     hidden_size: int
     intermediate_size: int

@@ -8,7 +8,7 @@ A :class:`FastTarget` runs the target's own weights (the transformers modules of
   back; a later forward simply overwrites the slots of rejected drafts;
 * rotary position ``positions[i]`` apart from the slot, and an explicit boolean attention mask
   [T, max_len] (True = may attend), so that one forward verifies a whole draft tree (a node sees
-  the prefix and its ancestors, DESIGN.md §7);
+  the prefix and its ancestors, docs/measuring.md);
 * the aux hidden states (the input of each decoder layer in ``aux_layer_ids``, the convention of
   :func:`eagle3kit.model.target.capture_layer_inputs`) returned beside the logits;
 * on CUDA, ``compile=True`` wraps the fixed-shape forwards (one token, one verify step) in

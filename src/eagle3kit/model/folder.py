@@ -1,4 +1,4 @@
-"""Reading a drafter folder of any layout, and writing one atomically (DESIGN.md §5).
+"""Reading a drafter folder of any layout, and writing one atomically (docs/conventions.md, the drafter folder).
 
 Reading (:func:`read_drafter`) accepts these layouts (sources: SafeAILab/EAGLE
 ``eagle/traineagle3``, sgl-project/SpecForge ``scripts/train_eagle3.py``, vllm-project/speculators
@@ -123,7 +123,7 @@ def export_drafter(
     if c.hidden_size != c.target_hidden_size:
         raise ExportError(
             f"a drafter of hidden size {c.hidden_size} for a target of {c.target_hidden_size} needs its own "
-            "embed_tokens [V, H] (neither engine shares the target's across widths; DESIGN.md §5), and "
+            "embed_tokens [V, H] (neither engine shares the target's across widths; docs/conventions.md), and "
             "eagle3kit builds drafters as wide as their target only"
         )
     tensors = drafter_tensors(drafter, dtype)

@@ -1,4 +1,5 @@
-"""The target model: loading, the part resolver, aux-layer ids and feature capture (DESIGN.md §2, §3).
+"""The target model: loading, the part resolver, aux-layer ids and feature capture (docs/families.md;
+docs/conventions.md).
 
 Layer-id convention (one, everywhere): a layer id is the Hugging Face ``output_hidden_states``
 index. Index 0 is the embedding output; index i (1 ≤ i < N) is the residual stream *entering*
@@ -46,7 +47,7 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default aux layers as HF indices: ``(2, N//2, N-3)`` (DESIGN.md §3)."""
+    """EAGLE-3's default aux layers as HF indices: ``(2, N//2, N-3)`` (docs/conventions.md, layer ids)."""
     return (2, num_layers // 2, num_layers - 3)
 
 
@@ -120,7 +121,7 @@ _TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 
 def text_config(config) -> object:
     """The config that carries the language model's fields (``hidden_size`` …), looking inside
-    ``text_config`` / ``llm_config`` when they are not at the top level (DESIGN.md §2)."""
+    ``text_config`` / ``llm_config`` when they are not at the top level (docs/families.md)."""
     if (
         getattr(config, "hidden_size", None) is not None
         and getattr(config, "num_hidden_layers", None) is not None
@@ -668,7 +669,7 @@ def checkpoint_tensor_names(folder: str | Path) -> list[str]:
 def language_model_plan(config, folder: str | Path) -> dict | None:
     """How to load only the language model of a wrapper checkpoint (a multimodal class whose text
     fields sit in ``text_config`` / ``llm_config`` / ``language_config``), or None for a plain
-    causal LM that ``AutoModelForCausalLM`` loads as it is (DESIGN.md §2).
+    causal LM that ``AutoModelForCausalLM`` loads as it is (docs/families.md).
 
     The plan is ``{"config": the text config, "key_mapping": {regex: replacement}, "wrapper":
     the wrapper's class, "decoder_prefix": where the checkpoint keeps the decoder, "head":
@@ -974,8 +975,8 @@ def teacher_argmax(
     (logits computed ``chunk`` positions at a time, so [T, V] never exists at once).
 
     ``where`` bool [T]: compute it only there and give 0 elsewhere. Training reads the top-1 only
-    at completion tokens (a TTT step supervises position t only when x_{t+k+1} is one, DESIGN.md
-    §4), and a prompt is most of a chat's tokens: its [T, V] product is skipped."""
+    at completion tokens (a TTT step supervises position t only when x_{t+k+1} is one, docs/conventions.md,
+    alignment), and a prompt is most of a chat's tokens: its [T, V] product is skipped."""
     if where is None:
         return torch.cat([teacher_logits(target, c).argmax(-1) for c in last.split(chunk)])
     where = where.to(last.device)
@@ -1030,7 +1031,7 @@ def export_fp32_folder(target: Target, out_dir: str | Path | None = None) -> Pat
     """Save a GGUF-loaded target as a float32 safetensors folder (for vLLM), once.
 
     A GGUF-loaded model refuses ``save_pretrained``; a model built from its config without
-    ``quantization_config`` takes its state dict and saves (DESIGN.md §2).
+    ``quantization_config`` takes its state dict and saves (docs/families.md).
     ``out_dir`` defaults to ``<cache_dir>/fp32/<first 16 hex of the weights fingerprint>``.
     Returns the folder; reuses it when ``eagle3kit-source.json`` matches the source. The folder is
     written beside its place and renamed into it, so two processes exporting at once never see a

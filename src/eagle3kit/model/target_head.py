@@ -1,4 +1,4 @@
-"""The part of a target a trainer fed by an engine needs (issue 26): its token embedding [V, Ht],
+"""The part of a target a trainer fed by an engine needs: its token embedding [V, Ht],
 final norm and lm_head [V, Ht] (the drafter's input embedding, ``final_norm(h_N)`` and the teacher
 logits), its config and tokenizer, and none of its decoder layers.
 

@@ -18,8 +18,7 @@ Every number is pooled from totals (never a mean of per-request means), and the 
 stored with the numbers (:data:`FORMULAS`). Completion tokens come from the server's ``usage``;
 only when a server sends none is the text re-tokenized with the target's tokenizer, and the
 record says so. Prompts are rendered by the server from messages; before the run the server's
-rendering of a sample of prompts is compared with the target's own chat template (field case
-C35) and a mismatch stops the run.
+rendering of a sample of prompts is compared with the target's own chat template, and a mismatch stops the run.
 """
 
 from __future__ import annotations
@@ -234,7 +233,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def check_template(
     base: str, model: str, tokenizer, rows: list[dict], sample: int = 8, headers: dict | None = None
 ) -> dict:
-    """C35: the server must render prompts with the target's own chat template. Renders up to
+    """The server must render prompts with the target's own chat template. Renders up to
     ``sample`` prompts with ``tokenizer``'s template and compares them with the server's
     ``POST /tokenize`` of the same messages (vLLM, SGLang) or, where it has none, with the
     ``usage.prompt_tokens`` of a one-token request.
@@ -623,7 +622,7 @@ def run_bench(
         )
         if tc.get("checked") == 0:
             console.print(
-                f"[yellow]warning:[/] {base} offers neither /tokenize nor usage: the chat-template check (C35) "
+                f"[yellow]warning:[/] {base} offers neither /tokenize nor usage: the chat-template check "
                 "could not run"
             )
         info = engine.pop("server_info") or {}
@@ -797,7 +796,7 @@ def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str,
 
     out.mkdir(parents=True, exist_ok=True)
     # all three written under temporary names, then renamed: a full disk leaves none of them (an empty
-    # bench.md used to block the rerun) and the error names the file
+    # bench.md would block the rerun) and the error names the file
     tmps: dict[str, Path] = {}
     current = paths["json"]
     try:

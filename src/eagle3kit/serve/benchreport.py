@@ -1,6 +1,6 @@
 """What ``eagle3kit bench`` writes beside its JSON: a Markdown table, a PNG plot (throughput and
 latency against concurrency, with and without speculation), and ``bench --compare`` of two
-records (C36: a drop beyond a tolerance is flagged)."""
+records (a drop beyond a tolerance is flagged)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def markdown(record: dict) -> str:
         tc = srv.get("template_check") or {}
         if "skipped" in tc or tc.get("checked") == 0:
             lines += [
-                f"**{role}: the chat-template check (C35) did not run** ({tc.get('skipped') or tc.get('method')}).",
+                f"**{role}: the chat-template check did not run** ({tc.get('skipped') or tc.get('method')}).",
                 "",
             ]
     lines += [f"**warning:** {w}" for w in record.get("warnings", [])] + (

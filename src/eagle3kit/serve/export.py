@@ -1,5 +1,5 @@
 """Stage ``export``: the drafter folder vLLM (≥ 0.10) and SGLang (≥ 0.5) load unmodified
-(DESIGN.md §5): ``config.json`` + ``model.safetensors``, validated before anything is written.
+(docs/conventions.md): ``config.json`` + ``model.safetensors``, validated before anything is written.
 
 Tensor names (no ``model.`` prefix): ``fc.weight [H, 3·Ht]``,
 ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
@@ -8,7 +8,7 @@ Tensor names (no ``model.`` prefix): ``fc.weight [H, 3·Ht]``,
 when Vd < V: ``d2t`` int64 [Vd] (offsets) and ``t2d`` bool [V]. Never ``embed_tokens`` (the drafter
 borrows the target's; this version only builds drafters as wide as their target).
 
-``--format speculators`` writes vLLM's speculators layout instead (DESIGN.md §5): the same tensors
+``--format speculators`` writes vLLM's speculators layout instead (docs/conventions.md): the same tensors
 with ``layers.0.`` in place of ``midlayer.``, and a config with ``speculators_model_type "eagle3"``,
 ``transformer_layer_config`` and ``speculators_config``.
 """

@@ -1,5 +1,5 @@
 """Stage ``import``: read an EAGLE-3 drafter written by another tool, strictly, into eagle3kit's
-drafter (and from there into the dual-engine folder of DESIGN.md §5).
+drafter (and from there into the dual-engine folder, docs/conventions.md).
 
 The layouts read (SafeAILab EAGLE, SpecForge, speculators, ModelOpt), their tensor names and aux-id
 conventions are the table of :mod:`eagle3kit.model.folder`, which does the reading

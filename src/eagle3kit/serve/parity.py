@@ -8,7 +8,7 @@ token by token. Per aux layer and for the teacher state:
 * relative error ‖a − b‖ / ‖a‖ over all tokens (a = the first folder, the reference);
 * top-1 agreement of the implied next-token distribution: ``lm_head(final_norm(aux))`` for an
   aux state (the logit lens: an aux state is a pre-norm residual stream), ``lm_head(last)`` for
-  the teacher state (already post-norm, DESIGN.md §3).
+  the teacher state (already post-norm, docs/conventions.md, layer ids).
 
 * mean |Δ log-prob|: per token, how far the second source moves the log-probability of the first
   source's own top token under that distribution — for the teacher state, the target's own

@@ -1,5 +1,5 @@
 """Batches for training-time test: samples grouped by length or packed into rows, padded, with
-the per-step shifted tokens and loss masks of DESIGN.md §4."""
+the per-step shifted tokens and loss masks (docs/conventions.md, alignment)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
     Returns dict with ``ids`` [B, T], ``aux`` [B, T, 3Ht], ``last`` [B, T, Ht], ``argmax`` [B, T],
     ``key_mask`` [B, T], ``positions`` [B, T] and per step k ``tok[k]`` [B, T] (x_{t+k+1}, 0 past
     the end of its sequence) and ``sup[k]`` [B, T] (that token is a completion token of the same
-    sequence, DESIGN.md §4).
+    sequence, docs/conventions.md, alignment).
     """
     rows = [[i] if isinstance(i, int) else list(i) for i in idx]
     packed = any(len(r) > 1 for r in rows)

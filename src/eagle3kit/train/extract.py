@@ -45,7 +45,7 @@ from eagle3kit.train.features import (
 )
 
 
-def _pack(
+def pack_sample_states(
     aux: torch.Tensor,
     last: torch.Tensor,
     dtype: str,
@@ -165,7 +165,7 @@ def engine_features(target: Target, states: torch.Tensor) -> tuple[torch.Tensor,
     """An engine's captured states of one sample → what :func:`~eagle3kit.model.target.target_features`
     gives for it: ``states`` [T, n + 1, Ht] (the n aux states — three for the EAGLE-3 family — then the
     pre-norm output of the last layer, vLLM id N) → aux [T, n·Ht] and last [T, Ht] = ``final_norm(h_N)``,
-    on the norm's device and in its dtype. The norm is applied once, here (DESIGN.md §3)."""
+    on the norm's device and in its dtype. The norm is applied once, here (docs/conventions.md, layer ids)."""
     p = next(target.parts.final_norm.parameters())
     h = states.to(p.device, p.dtype)
     with torch.no_grad():
@@ -496,7 +496,7 @@ def _extract_into(
                 per, ok = _batch_states(cfg, target, aux_ids, rows, out, b_rows)
                 finite.append((a, ok))  # no sync here
                 for x, y in per:
-                    buf.put(_pack(x, y, ec.dtype, topk, target, draft_ids, in_draft))
+                    buf.put(pack_sample_states(x, y, ec.dtype, topk, target, draft_ids, in_draft))
                 bar.update(task, advance=len(b_rows), tokens=new_tokens + buf.n)
             bad = [a for a, ok in finite if not bool(ok)]
             if bad:

@@ -1,7 +1,7 @@
 """The feature-store format that ``extract`` writes and ``train --features`` reads.
 
 A features folder holds ``index.json`` and shards ``shard-NNNNN.safetensors``. Per token, a shard
-holds the three aux states (HF indices, DESIGN.md §3) and what the teacher needs:
+holds the three aux states (HF indices, docs/conventions.md, layer ids) and what the teacher needs:
 
 =============  ===============================================  =========================
 option         stored per token                                 bytes per token

@@ -1,5 +1,5 @@
 """Online training from the serving engine: vLLM capture servers produce the aux states and the
-teacher state of the training samples, the trainer consumes them as they arrive (issue 26).
+teacher state of the training samples, the trainer consumes them as they arrive.
 
 The producer is a vLLM server of the target started with its ``extract_hidden_states``
 speculative method and eagle3kit's capture connector (:func:`producer_args`; the same connector

@@ -1,4 +1,4 @@
-"""Stage ``train``: EAGLE-3 with training-time test (DESIGN.md §4).
+"""Stage ``train``: EAGLE-3 with training-time test (docs/conventions.md, alignment).
 
 Data: ``tokens.safetensors`` + ``vocab.safetensors`` + the target (its states computed here), stored
 features (``train.features``) or capture servers (``train.online_from``, online training). Where
@@ -106,7 +106,7 @@ def simulate_samples(
     drafter: Eagle3Drafter, target: Target, samples: list[Sample], k: int, device
 ) -> AcceptanceStats:
     """Greedy-chain τ on samples whose completion is the target's greedy output (TTT unroll with
-    the data tokens, DESIGN.md §7). Each sample's chain starts at its last prompt position."""
+    the data tokens, docs/measuring.md). Each sample's chain starts at its last prompt position."""
     stats = AcceptanceStats(k)
     drafter.eval()
     for s in samples:
@@ -173,7 +173,7 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
         model: the drafter, or the drafter in DistributedDataParallel.
         tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
             its ``lk_kl_scale``/``lk_kl_decay``).
-        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`_resolve_speed`).
+        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`resolve_speed`).
         world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
             supervised position (every process still calls backward, as DDP needs).
     Returns:
@@ -212,7 +212,7 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
 
 def feature_source_warning(source: str | None, serve_engine: str | None) -> str | None:
     """The warning when training features come from another source than the serving engine: a
-    drafter trained on one engine's numerics and served by another's loses acceptance (issue 11).
+    drafter trained on one engine's numerics and served by another's loses acceptance.
     ``source`` is the features' tag (``vllm 0.32.0 (…)``; None = the transformers backend)."""
     src = source or "transformers (the target loaded by eagle3kit)"
     if serve_engine is None or src.split()[0] == serve_engine:
@@ -273,7 +273,7 @@ def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int)
     return UNCHUNKED_LOSS_BYTES * tokens_per_step * draft_vocab * ttt_steps
 
 
-def _resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
+def resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
     """The fast-path settings for ``device``: flex attention, bf16 autocast and the drafter layer
     compiled on CUDA, the readable reference (dense attention, fp32) elsewhere. ``loss_chunk``
     unset, on CUDA: for ``loss: kl`` :data:`FUSED_LOSS_CHUNK` (the fused lm_head + loss of
@@ -427,7 +427,7 @@ class _Training:
             )
         self.world = world = init_world(pick_device(tc.device))
         self.device = device = world.device
-        self.speed = _resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
+        self.speed = resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
         shard = run.require("tokens.safetensors", "tokenize")
         self.vocab_path = run.require("vocab.safetensors", "vocab")
         fingerprint = (
@@ -763,8 +763,8 @@ class _Training:
     def _stale_inputs(self, st: dict) -> tuple[list[str], str]:
         """What differs between this run's inputs and those ``train_state.pt`` (``st``) was made
         from, as ``train.<field>`` names where the train config changed, and a hint on how to
-        resume when the difference is one of the defaults that changed (the drafter variant in
-        issue 24, the optimizer and batches on 2026-12-04), an empty hint when none applies."""
+        resume when the difference is one of the defaults that changed (the drafter variant, the optimizer and
+        batches), an empty hint when none applies."""
         changed = sorted(
             k
             for k in set(self.inputs) | set(st.get("inputs", {}))
@@ -790,7 +790,7 @@ class _Training:
         ):
             hint = (
                 " (they are a plain EAGLE-3 drafter's, and a config without a drafter section trains "
-                "EAGLE-3.1 since issue 24: write drafter: {variant: eagle3} to resume them)"
+                "EAGLE-3.1: write drafter: {variant: eagle3} to resume them)"
             )
         if (
             old_tc.get("betas") == [0.9, 0.95]

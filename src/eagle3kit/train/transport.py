@@ -1,6 +1,6 @@
 """How captured states travel from a vLLM capture engine to eagle3kit: hs-connectors' file
 backends (PyPI ``hs-connectors`` 0.9, the library speculators' online trainer reads vLLM's
-states with), shared by ``extract --backend vllm`` and ``train.online_from`` (issue 26).
+states with), shared by ``extract --backend vllm`` and ``train.online_from``.
 
 A capture engine writes one safetensors file per request where the request's
 ``kv_transfer_params.hidden_states_path`` says (vLLM's ``ExampleHiddenStatesConnector`` layout):

@@ -1,4 +1,4 @@
-"""The EAGLE-3 training objective: training-time test (TTT) over whole sequences (DESIGN.md §4).
+"""The EAGLE-3 training objective: training-time test (TTT) over whole sequences (docs/conventions.md, alignment).
 
 Per TTT step k (0-based), position t is supervised when its input token x_{t+k+1} is a
 completion token and the target's argmax at t+k+1 lies in the draft vocabulary; the label is the

@@ -1,5 +1,5 @@
 """A vLLM KV-connector plugin that writes the aux hidden states vLLM's ``extract_hidden_states``
-speculative method captures, on the CPU build as on GPUs (issue 11).
+speculative method captures, on the CPU build as on GPUs.
 
 vLLM 0.32's ``ExampleHiddenStatesConnector`` copies each finished request's states to pinned host
 memory on a CUDA stream; on the CPU build that stops the engine with ``RuntimeError: pin_memory=True
@@ -160,7 +160,7 @@ class VLLMCapture:
     :class:`CPUHiddenStatesConnector` (which defers to vLLM's own connector on GPUs).
 
     The captured ids are the aux ids and the last layer's id N (vLLM numbers a state by the layer it
-    enters, as HF's ``hidden_states`` index does, DESIGN.md §3; id N is the pre-norm output of the
+    enters, as HF's ``hidden_states`` index does (docs/conventions.md, layer ids); id N is the pre-norm output of the
     last layer, from which the teacher is computed as ``final_norm(h_N)``, the norm applied once).
 
     Args:
