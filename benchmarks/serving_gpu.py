@@ -482,12 +482,13 @@ def main() -> None:
             faults[:] = got
             write([], False)
 
-        faults[:] = diagnose_faults(args, runs, prompts, on_row=got_fault)
+        methods = {name: DRAFTERS[name][2] for name in DRAFTERS}
+        faults[:] = diagnose_faults(args, runs, prompts, server, cli, methods, on_row=got_fault)
     rows = serve_all(args, runs, prompts, on_row=lambda rows: write(rows, False))
     if args.fault_list:
         from serving_gpu_faults import compare_benches, print_faults
 
-        compared = compare_benches(args)
+        compared = compare_benches(args, cli)
         print_faults(faults)
     write(rows, True)
     plot(rows, args.levels, out.with_suffix(".png"))

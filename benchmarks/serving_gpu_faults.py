@@ -62,11 +62,11 @@ def summary(served: str, fault: str, code: int | None, rep: dict, seconds: float
     }
 
 
-def diagnose_faults(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
+def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, on_row=None) -> list[dict]:
     """Every planted fault of every drafter in ``args.fault_list`` served alone on the GPU and diagnosed
-    (see the module); ``on_row(rows so far)`` after each. Diagnose's exit 1 (a fault named) is expected."""
-    from serving_gpu import DRAFTERS, cli, server
-
+    (see the module); ``on_row(rows so far)`` after each. Diagnose's exit 1 (a fault named) is expected.
+    ``serve(args, target, log, speculative_config)``: an unstarted server; ``cli(args_list, log)``: runs
+    ``eagle3kit`` and returns its exit code; ``methods``: drafter name → vLLM's speculative method."""
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.model.target import export_fp32_folder, load_target
 
@@ -81,8 +81,8 @@ def diagnose_faults(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
                 folder = plant(drafter, d / "folder", fault)
                 if target is None:
                     target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))
-                spec = {"method": DRAFTERS[name][2], "model": str(folder), "num_speculative_tokens": FAULT_K}
-                srv, t0 = server(args, target, d / "server.log", spec), time.time()
+                spec = {"method": methods[name], "model": str(folder), "num_speculative_tokens": FAULT_K}
+                srv, t0 = serve(args, target, d / "server.log", spec), time.time()
                 try:
                     srv.start(900)
                     code = cli(["diagnose", "--base-url", srv.url, "--drafter", str(drafter), "--prompts",
@@ -108,11 +108,10 @@ def diagnose_faults(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
     return rows
 
 
-def compare_benches(args) -> dict | None:
+def compare_benches(args, cli) -> dict | None:
     """``eagle3kit bench --compare A B`` of the first two drafters' bench records at the smallest K (None
-    when fewer than two exist): its exit code and printed table, kept in ``<work>/compare.log``."""
-    from serving_gpu import cli
-
+    when fewer than two exist): its exit code and printed table, kept in ``<work>/compare.log``; ``cli`` as
+    for :func:`diagnose_faults`."""
     work, k = Path(args.work), min(args.k_list)
     recs = [work / f"{n}-k{k}" / "bench" / "bench.json" for n in args.drafter_list]
     recs = [r for r in recs if r.exists()][:2]
