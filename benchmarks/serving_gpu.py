@@ -92,7 +92,12 @@ def check_args(args) -> None:
     if max(args.k_list) > 7:
         raise SystemExit(f"--ks {args.ks}: the drafters train 7 TTT steps (DFlash blocks of 8): K up to 7")
     args.levels = parse_list(args.concurrency, "concurrency", low=1)
-    args.fault_list = parse_list(args.faults, "faults", args.drafter_list) if args.faults.strip() else []
+    args.fault_list = parse_list(args.faults, "faults", list(DRAFTERS)) if args.faults.strip() else []
+    if set(args.fault_list) - set(args.drafter_list):
+        missing = ", ".join(sorted(set(args.fault_list) - set(args.drafter_list)))
+        raise SystemExit(
+            f"--faults {args.faults!r}: {missing} not in --drafters {args.drafters!r}: add it there"
+        )
     if args.prompts < 1 or args.max_tokens < 1:
         raise SystemExit(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: give at least 1 of each")
     shared = Path(args.shared)
@@ -490,6 +495,13 @@ def main() -> None:
 
         compared = compare_benches(args, cli)
         print_faults(faults)
+        if compared is None:
+            print(f"bench --compare: not run (fewer than two drafters' records at K {min(args.k_list)})")
+        else:
+            print(
+                f"bench --compare {compared['a']} {compared['b']}: exit {compared['exit_code']} (1: regressions)"
+            )
+            print(compared["output"].rstrip())
     write(rows, True)
     plot(rows, args.levels, out.with_suffix(".png"))
     title = f"served by vLLM ({'CPU build, smoke' if args.smoke else args.hardware}): τ and speedup over plain decoding"

@@ -47,7 +47,10 @@ start)
   echo "== started serving_gpu.py $* (pid $!)"
   wait_for 480
   ;;
-wait) wait_for "${1:-480}" ;;
+wait)
+  [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }
+  wait_for "${1:-480}"
+  ;;
 *)
   echo "serving_gpu_device.sh: unknown command $cmd (start or wait)" >&2
   exit 2

@@ -22,25 +22,35 @@ FAULT_K = 3
 
 
 def faults_of(drafter: Path) -> tuple[str, ...]:
-    """The faults planted for the exported folder ``drafter``: DFlash's when its config has a
-    ``dflash_config`` (vLLM's DFlash layout), else EAGLE's."""
-    cfg = json.loads((Path(drafter) / "config.json").read_text())
-    return DFLASH_FAULTS if isinstance(cfg.get("dflash_config"), dict) else EAGLE_FAULTS
+    """The faults planted for the exported folder ``drafter``: DFlash's for a DFlash folder (either layout;
+    the plants write vLLM's ``dflash_config``), else EAGLE's."""
+    from eagle3kit.model.dflash_folder import is_dflash_folder
+
+    return DFLASH_FAULTS if is_dflash_folder(drafter) else EAGLE_FAULTS
 
 
 def plant(drafter: Path, out: Path, fault: str) -> Path:
-    """``out`` holding ``drafter`` with ``fault`` written in (kept if a rerun finds it made)."""
+    """``out`` holding ``drafter`` with ``fault`` written in. A copy is planted beside ``out`` and renamed into
+    it, so ``out`` is either whole or absent; a whole one is kept on a rerun, a leftover partial copy replaced."""
+    import shutil
+
     from eagle3kit.diagnose.dflash import plant_dflash_in_folder
     from eagle3kit.diagnose.faults import plant_in_folder
 
-    if (out / "config.json").exists():
+    if out.is_dir() and (out / "config.json").exists():
         return out
+    part = out.with_name(out.name + ".partial")
+    shutil.rmtree(part, ignore_errors=True)
     planter = plant_dflash_in_folder if fault in DFLASH_FAULTS else plant_in_folder
-    return planter(drafter, out, fault)
+    planter(drafter, part, fault)
+    shutil.rmtree(out, ignore_errors=True)  # a killed run's partial copy
+    part.rename(out)
+    return out
 
 
 def summary(served: str, fault: str, code: int | None, rep: dict, seconds: float | None) -> dict:
-    """One row: what ``diagnose`` said of the server of ``fault`` (``"none"``: the drafter as trained)."""
+    """One row: what ``diagnose`` said of the server with ``fault`` planted; ``named``: the fault diagnose
+    named first, or its verdict when it named none (``agree``, ``unexplained``)."""
     named = rep.get("verdict")
     if named == "fault":  # the finding starts with the fault's name, a colon and its fix (mask_token:0: ...)
         names = [x["name"] for x in rep.get("hypotheses", []) if rep["finding"].startswith(x["name"] + ":")]
@@ -67,7 +77,12 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
     (see the module); ``on_row(rows so far)`` after each. Diagnose's exit 1 (a fault named) is expected.
     ``serve(args, target, log, speculative_config)``: an unstarted server; ``cli(args_list, log)``: runs
     ``eagle3kit`` and returns its exit code; ``methods``: drafter name → vLLM's speculative method."""
+    import shutil
+
+    from common import read_json_object
+
     from eagle3kit.core.config import TargetConfig
+    from eagle3kit.core.rundir import write_text
     from eagle3kit.model.target import export_fp32_folder, load_target
 
     work, rows, target = Path(args.work), [], None
@@ -78,6 +93,9 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
             rep_path, meta = d / "diagnose" / "diagnose.json", d / "exit.json"
             if not (rep_path.exists() and meta.exists()):
                 d.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(
+                    d / "diagnose", ignore_errors=True
+                )  # a report left by a killed run is not this one
                 folder = plant(drafter, d / "folder", fault)
                 if target is None:
                     target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))
@@ -91,12 +109,12 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
                                 *([] if args.smoke else ["--dtype", "bfloat16"])], d / "diagnose.log")  # fmt: skip
                 finally:
                     srv.kill()
-                if not rep_path.exists():
-                    raise SystemExit(
-                        f"diagnose against {d.name} wrote no report (exit {code}): see {d / 'diagnose.log'}"
-                    )
-                meta.write_text(json.dumps({"exit_code": code, "seconds": round(time.time() - t0, 1)}) + "\n")
-            m = json.loads(meta.read_text())
+                if code not in (0, 1) or not rep_path.exists():  # 0: agree, 1: a fault named
+                    raise SystemExit(f"diagnose against {d.name} exited {code}: see {d / 'diagnose.log'}")
+                write_text(
+                    meta, json.dumps({"exit_code": code, "seconds": round(time.time() - t0, 1)}) + "\n"
+                )
+            m = read_json_object(meta, f"delete {d} to diagnose that fault again")
             rows.append(summary(name, fault, m["exit_code"], json.loads(rep_path.read_text()), m["seconds"]))
             r = rows[-1]
             print(

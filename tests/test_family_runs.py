@@ -61,6 +61,8 @@ def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numeri
         work = tmp_path_factory.mktemp(family)
         kw = {"serve": False, **SMALL_RUN.get(family, {})}
         futures[run_pool.submit(family_flow.run_family, family, work, smollm2_tok_dir, **kw)] = family
+    from concurrent.futures.process import BrokenProcessPool
+
     rows, measured = {}, {}
     with ThreadPoolExecutor(1) as pool:
         for done in as_completed(futures):
@@ -71,7 +73,12 @@ def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numeri
                 if family is not None:
                     rows[family] = row
                     measured[family] = pool.submit(family_flow.finish_row, row)
-            except Exception as e:  # noqa: BLE001 — re-raised by the family's own test
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): every run not done fails
+                if family is not None:
+                    rows[family] = RuntimeError(
+                        f"{family}: its run was not finished when a pool worker died ({e})"
+                    )
+            except (Exception, SystemExit) as e:  # noqa: BLE001 — re-raised by the family's own test
                 if family is not None:
                     rows[family] = e
         for family, fut in measured.items():

@@ -205,6 +205,8 @@ def test_the_serving_device_script_shows_its_usage_and_refuses_a_shared_folder_w
     assert res.returncode == 2 and f"{tmp_path} has no data/ folder" in res.stderr
     res = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True)
     assert res.returncode == 2 and "unknown command nope" in res.stderr
+    res = subprocess.run(["bash", str(sh), "wait", "1x"], capture_output=True, text=True)
+    assert res.returncode == 2 and "SECONDS must be a whole number of seconds, got '1x'" in res.stderr
 
 
 @pytest.fixture()
@@ -243,7 +245,7 @@ def test_serving_gpu_refuses_bad_options_before_its_expected_time_line(
     assert "an empty entry" in refusal("--ks", "3,,5")
     assert "give 0.05 to 0.45" in refusal("--gpu-share", "0.9")
     assert "mt_bench.jsonl is missing" in refusal("--shared", str(tmp_path))
-    assert "--faults 'dflash': 'dflash' is not one of eagle3.1" in refusal(
+    assert "--faults 'dflash': dflash not in --drafters 'eagle3.1': add it there" in refusal(
         "--drafters", "eagle3.1", "--faults", "dflash"
     )
     assert not work.exists()
@@ -288,7 +290,9 @@ def test_each_drafter_kind_gets_its_own_planted_faults_and_a_row_says_whether_di
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "config.json").write_text(json.dumps({"dflash_config": {"mask_token_id": 5}}))
+    (tmp_path / "d" / "config.json").write_text(
+        json.dumps({"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 5}})
+    )
     assert faults.faults_of(tmp_path / "e") == faults.EAGLE_FAULTS and "d2t_missing" in faults.EAGLE_FAULTS
     assert faults.faults_of(tmp_path / "d") == ("target_layer_ids_plus_1", "mask_token:0")
     hyp = [{"name": "mask_token:0", "tau": 1.24}, {"name": "block_causal", "tau": 1.3}]
@@ -308,3 +312,26 @@ def test_each_drafter_kind_gets_its_own_planted_faults_and_a_row_says_whether_di
     assert (
         faults.summary("dflash", "mask_token:0", 1, {**rep, "finding": "other: x"}, 1.0)["named"] == "other"
     )
+
+
+def test_a_planted_copy_left_half_made_is_planted_again_and_a_whole_one_kept(serving, tmp_path):
+    """serving_gpu_faults.plant: a killed run's partial copy (no config.json) never blocks the rerun, and a
+    whole planted copy is reused as it is."""
+    import serving_gpu_faults as faults
+    from safetensors.torch import save_file
+
+    src = tmp_path / "drafter"
+    src.mkdir()
+    (src / "config.json").write_text(
+        json.dumps({"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 5}})
+    )
+    save_file({"w": __import__("torch").zeros(2)}, str(src / "model.safetensors"))
+    out = tmp_path / "planted"
+    out.mkdir()  # what a killed run leaves: a folder without its config
+    (out / "model.safetensors").write_bytes(b"cut")
+    faults.plant(src, out, "target_layer_ids_plus_1")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [2, 4]
+    (out / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [9]}}))
+    assert faults.plant(src, out, "target_layer_ids_plus_1") == out  # whole: kept, not planted again
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [9]
+    assert not (tmp_path / "planted.partial").exists()
