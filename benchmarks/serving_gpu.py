@@ -228,33 +228,23 @@ def cli(args_list: list[str], log: Path) -> int:
         ).returncode
 
 
+def diagnose(args, url: str, drafter: Path, prompts: Path, d: Path) -> int:
+    """``eagle3kit diagnose`` against the server at ``url`` given ``drafter`` as trained, on the first
+    2 × ``--prompts`` of ``prompts`` each sent alone, in the served numerics (bf16 on a GPU): its report in
+    ``d/diagnose/``, its output in ``d/diagnose.log``; returns its exit code (0 agree, 1 a fault named)."""
+    return cli(["diagnose", "--base-url", url, "--drafter", str(drafter), "--prompts", str(prompts),
+                "--num-prompts", str(2 * args.prompts), "--max-tokens", str(args.max_tokens), "--out",
+                str(d / "diagnose"), "--overwrite", *([] if args.smoke else ["--dtype", "bfloat16"])],
+               d / "diagnose.log")  # fmt: skip
+
+
 def measure(args, key: str, drafter: Path, spec, plain, prompts: Path) -> dict:
     """diagnose (each prompt alone) and bench (every level) against one drafter's server; each record
     kept in ``<work>/<key>/`` and read back on a rerun."""
     d = Path(args.work) / key
     d.mkdir(parents=True, exist_ok=True)
-    n = 2 * args.prompts
     if not (d / "diagnose" / "diagnose.json").exists():
-        cli(
-            [
-                "diagnose",
-                "--base-url",
-                spec.url,
-                "--drafter",
-                str(drafter),
-                "--prompts",
-                str(prompts),
-                "--num-prompts",
-                str(n),
-                "--max-tokens",
-                str(args.max_tokens),
-                "--out",
-                str(d / "diagnose"),
-                "--overwrite",
-                *([] if args.smoke else ["--dtype", "bfloat16"]),  # the served numerics
-            ],
-            d / "diagnose.log",
-        )  # fmt: skip  (exit 1 when a fault is named: kept)
+        diagnose(args, spec.url, drafter, prompts, d)  # exit 1 when a fault is named: its report is kept
     if not (d / "bench" / "bench.json").exists():
         code = cli(["bench", "--base-url", spec.url, "--baseline-url", plain.url + "/v1", "--prompts", str(prompts),
                     "--concurrency", ",".join(map(str, args.levels)), "--max-tokens", str(args.max_tokens),
@@ -488,7 +478,7 @@ def main() -> None:
             write([], False)
 
         methods = {name: DRAFTERS[name][2] for name in DRAFTERS}
-        faults[:] = diagnose_faults(args, runs, prompts, server, cli, methods, on_row=got_fault)
+        faults[:] = diagnose_faults(args, runs, prompts, server, diagnose, methods, on_row=got_fault)
     rows = serve_all(args, runs, prompts, on_row=lambda rows: write(rows, False))
     if args.fault_list:
         from serving_gpu_faults import compare_benches, print_faults

@@ -72,11 +72,14 @@ def summary(served: str, fault: str, code: int | None, rep: dict, seconds: float
     }
 
 
-def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, on_row=None) -> list[dict]:
+def diagnose_faults(
+    args, runs: dict, prompts: Path, serve, diagnose, methods: dict, on_row=None
+) -> list[dict]:
     """Every planted fault of every drafter in ``args.fault_list`` served alone on the GPU and diagnosed
     (see the module); ``on_row(rows so far)`` after each. Diagnose's exit 1 (a fault named) is expected.
-    ``serve(args, target, log, speculative_config)``: an unstarted server; ``cli(args_list, log)``: runs
-    ``eagle3kit`` and returns its exit code; ``methods``: drafter name → vLLM's speculative method."""
+    ``serve(args, target, log, speculative_config)``: an unstarted server; ``diagnose(args, url, drafter,
+    prompts, folder)``: the CLI's diagnose into ``folder/diagnose``, its exit code; ``methods``: drafter name →
+    vLLM's speculative method."""
     import shutil
 
     from common import read_json_object
@@ -93,9 +96,8 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
             rep_path, meta = d / "diagnose" / "diagnose.json", d / "exit.json"
             if not (rep_path.exists() and meta.exists()):
                 d.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(
-                    d / "diagnose", ignore_errors=True
-                )  # a report left by a killed run is not this one
+                # a report left by a killed run is not this one
+                shutil.rmtree(d / "diagnose", ignore_errors=True)
                 folder = plant(drafter, d / "folder", fault)
                 if target is None:
                     target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))
@@ -103,10 +105,7 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
                 srv, t0 = serve(args, target, d / "server.log", spec), time.time()
                 try:
                     srv.start(900)
-                    code = cli(["diagnose", "--base-url", srv.url, "--drafter", str(drafter), "--prompts",
-                                str(prompts), "--num-prompts", str(2 * args.prompts), "--max-tokens",
-                                str(args.max_tokens), "--out", str(d / "diagnose"), "--overwrite",
-                                *([] if args.smoke else ["--dtype", "bfloat16"])], d / "diagnose.log")  # fmt: skip
+                    code = diagnose(args, srv.url, drafter, prompts, d)
                 finally:
                     srv.kill()
                 if code not in (0, 1) or not rep_path.exists():  # 0: agree, 1: a fault named
@@ -128,8 +127,8 @@ def diagnose_faults(args, runs: dict, prompts: Path, serve, cli, methods: dict, 
 
 def compare_benches(args, cli) -> dict | None:
     """``eagle3kit bench --compare A B`` of the first two drafters' bench records at the smallest K (None
-    when fewer than two exist): its exit code and printed table, kept in ``<work>/compare.log``; ``cli`` as
-    for :func:`diagnose_faults`."""
+    when fewer than two exist): its exit code and printed table, kept in ``<work>/compare.log``;
+    ``cli(args_list, log)`` runs ``eagle3kit`` and returns its exit code."""
     work, k = Path(args.work), min(args.k_list)
     recs = [work / f"{n}-k{k}" / "bench" / "bench.json" for n in args.drafter_list]
     recs = [r for r in recs if r.exists()][:2]

@@ -55,13 +55,13 @@ def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numeri
     launches start first. A run or a measurement that raises is kept as its exception, for that
     family's test to raise."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     futures = {other_numerics_run: None}
     for family in family_flow.family_targets.FAMILIES:
         work = tmp_path_factory.mktemp(family)
         kw = {"serve": False, **SMALL_RUN.get(family, {})}
         futures[run_pool.submit(family_flow.run_family, family, work, smollm2_tok_dir, **kw)] = family
-    from concurrent.futures.process import BrokenProcessPool
 
     rows, measured = {}, {}
     with ThreadPoolExecutor(1) as pool:
