@@ -10,8 +10,8 @@ tied embeddings, aux ids (present, in range, in both conventions, equal to the i
 were trained on, and for SGLang what it will really capture on this target family), max
 positions against the serving length, rope settings against the target, text fields nested in
 ``text_config``, the speculators layout (vLLM ≥ 0.10.1 only, never SGLang), and engine support:
-vLLM's EAGLE-3 gate by release (:data:`VLLM_EAGLE3_GATE`) and whether the installed vLLM's class
-for the target implements EAGLE-3. Speculators-layout folders are read as such.
+vLLM's EAGLE-3 gate by release (:data:`eagle3kit.serve.engine_rules.VLLM_EAGLE3_GATE`) and whether the
+installed vLLM's class for the target implements EAGLE-3. Speculators-layout folders are read as such.
 """
 
 from __future__ import annotations
