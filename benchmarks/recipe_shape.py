@@ -122,6 +122,7 @@ class Device:
         self.n_prompts = args.prompts if self.scale == "full" else 12
         self.n_smollm2 = args.smollm2_prompts if self.scale == "full" else 12
         self.max_new_tokens, self.eval_prompts = args.max_new_tokens, args.eval_prompts
+        self.generate_backend = getattr(args, "generate_backend", "auto")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def save(self, key: str, value) -> None:
@@ -204,6 +205,7 @@ class Device:
         if self.eval_prompts:
             cfg["evaluate"]["num_prompts"] = self.eval_prompts
         cfg["train"]["feature_cache"] = "auto" if mode == "cache" else "off"
+        cfg["generate"]["backend"] = self.generate_backend
         path = self.work / f"llama8b-{mode}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
@@ -575,6 +577,12 @@ def main() -> None:
     d.add_argument("--max-new-tokens", type=int, default=0, help="8B recipe: reply length (0: the example's)")
     d.add_argument(
         "--eval-prompts", type=int, default=0, help="prompts per evaluation set (0: the example's)"
+    )
+    d.add_argument(
+        "--generate-backend",
+        default="auto",
+        choices=("auto", "transformers", "vllm"),
+        help="8B recipe: generate.backend",
     )
     f = sub.add_parser("reference")
     f.add_argument("--run", required=True)

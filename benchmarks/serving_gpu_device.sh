@@ -6,13 +6,16 @@
 #   bash benchmarks/serving_gpu_device.sh start SHARED [SERVING_GPU OPTIONS]   (carrying SHARED's folder)
 #       copies the repository and SHARED to /tmp, starts serving_gpu.py with --work /tmp/sg and those
 #       options in its own process session (it outlives the command), then waits like `wait 480`
+#   bash benchmarks/serving_gpu_device.sh shape DATA [SERVING_GPU_SHAPE OPTIONS]   (carrying DATA's folder)
+#       the same for serving_gpu_shape.py (the 8B-shaped target; DATA: recipe_shape.py pack's
+#       recipe_shape_pack.txt, prompts/ and shapes/llama8b-full), --work /tmp/sgs
 #   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
 #       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
 set -uo pipefail
 W=/tmp/sg
 REPO=/tmp/sg-repo
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -20,8 +23,9 @@ snapshot() { # one archive: a command brings back only a few files
   mkdir -p "${OUT:-/tmp}"
   (cd /tmp && tar -czf "${OUT:-/tmp}/sg.tgz" --ignore-failed-read sg-out sg.log \
     $(ls sg/*.json sg/*.log sg/*/trained.json sg/*/config.yaml sg/*/run/report.json sg/*-fault-*/*.json \
-      sg/*-fault-*/*.log 2>/dev/null) $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null))
-  grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |Traceback|Error|wrote " /tmp/sg.log | tail -20
+      sg/*-fault-*/*.log 2>/dev/null) $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null) \
+    $(ls sgs/*.json sgs/*.log sgs/rs/*.json sgs/rs/*.log 2>/dev/null) $(ls -d sgs/diagnose sgs/bench 2>/dev/null))
+  grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |^diagnose: |Traceback|Error|wrote " /tmp/sg.log | tail -20
   tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
 }
@@ -47,12 +51,26 @@ start)
   echo "== started serving_gpu.py $* (pid $!)"
   wait_for 480
   ;;
+shape)
+  data=${1:?shape needs the data folder recipe_shape.py pack wrote (prompts/, shapes/llama8b-full)}
+  shift
+  [ -f "$data/recipe_shape_pack.txt" ] || { echo "shape: $data is not a folder recipe_shape.py pack wrote" >&2; exit 2; }
+  running && { echo "shape: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
+  rm -rf $REPO /tmp/sgs-data && mkdir -p $REPO /tmp/sg-out &&
+    cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$data" /tmp/sgs-data || exit 1
+  cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
+  setsid nohup python3 benchmarks/serving_gpu_shape.py --data /tmp/sgs-data --work /tmp/sgs \
+    --out /tmp/sg-out/serving_gpu_8b_shape.json "$@" >/tmp/sg.log 2>&1 </dev/null &
+  echo $! >$W.pid
+  echo "== started serving_gpu_shape.py $* (pid $!)"
+  wait_for 480
+  ;;
 wait)
   [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }
   wait_for "${1:-480}"
   ;;
 *)
-  echo "serving_gpu_device.sh: unknown command $cmd (start or wait)" >&2
+  echo "serving_gpu_device.sh: unknown command $cmd (start, shape or wait)" >&2
   exit 2
   ;;
 esac

@@ -335,3 +335,33 @@ def test_a_planted_copy_left_half_made_is_planted_again_and_a_whole_one_kept(ser
     assert faults.plant(src, out, "target_layer_ids_plus_1") == out  # whole: kept, not planted again
     assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [9]
     assert not (tmp_path / "planted.partial").exists()
+
+
+def test_the_8b_shape_serving_refuses_bad_options_and_a_folder_pack_did_not_write(
+    monkeypatch, capsys, tmp_path
+):
+    """benchmarks/serving_gpu_shape.py: every bad option refused before anything runs (no expected-time
+    line, no --work made), and the device script's ``shape`` refuses a folder that is not a pack."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import serving_gpu_shape
+
+    work = tmp_path / "work"
+
+    def refusal(*argv: str) -> str:
+        monkeypatch.setattr(
+            sys, "argv", ["serving_gpu_shape.py", "--data", str(tmp_path), "--work", str(work), *argv]
+        )
+        with pytest.raises(SystemExit) as e:
+            serving_gpu_shape.main()
+        assert capsys.readouterr().out == ""
+        return str(e.value.code)
+
+    assert "--k 8: the drafter trains 7 TTT steps" in refusal("--k", "8")
+    assert "'0' is not an integer of at least 1" in refusal("--concurrency", "1,0")
+    assert "give 0.05 to 0.45" in refusal("--gpu-share", "0.6")
+    assert "give at least 1 each" in refusal("--run-tokens", "0")
+    assert f"--data {tmp_path}: no shapes/llama8b-* there" in refusal()
+    assert not work.exists()
+    sh = REPO / "benchmarks" / "serving_gpu_device.sh"
+    res = subprocess.run(["bash", str(sh), "shape", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and f"{tmp_path} is not a folder recipe_shape.py pack wrote" in res.stderr
