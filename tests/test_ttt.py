@@ -229,7 +229,7 @@ def test_the_top1_is_computed_only_at_completion_tokens_and_the_loss_is_unchange
     """compute_features skips the [T, V] product at prompt tokens (teacher_argmax ``where``): no TTT
     step reads the target's top-1 there, so the loss, its supervised counts and its gradients
     equal those with the top-1 computed everywhere."""
-    from eagle3kit.train.stage import compute_features
+    from eagle3kit.train.samples import compute_features
 
     t, d = tiny_target(), tiny_drafter()
     full = _samples(t, [19, 33, 26], seed=3)

@@ -303,7 +303,7 @@ def test_a_run_made_before_the_variants_resumes_and_a_variant_is_another_trainin
     their checkpoints are never resumed by another training."""
     from eagle3kit.core.config import Config
     from eagle3kit.core.rundir import sha256_json
-    from eagle3kit.train.stage import trained_settings
+    from eagle3kit.train.samples import trained_settings
 
     old = "1d35fde9481f511c7d6febd542b3d3fa62158e806065c462334aac016a00c639"
     then = {"betas": [0.9, 0.95], "shuffle": "batches"}
@@ -560,7 +560,7 @@ def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refus
 
     from eagle3kit.core.config import ConfigError, DrafterVariantConfig
     from eagle3kit.train.batches import Sample
-    from eagle3kit.train.stage import mask_token
+    from eagle3kit.train.samples import mask_token
 
     tok = smollm2_tokenizer
     special = set(tok.all_special_ids)

@@ -33,14 +33,9 @@ from eagle3kit.diagnose.engine import EngineError
 from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.eval.evaluate import run_evaluate
 from eagle3kit.model.contract import ExportError
-from eagle3kit.model.target import (
-    check_export_out,
-    export_fp32_folder,
-    load_target,
-    locate_target,
-    pick_device,
-    weights_fingerprint,
-)
+from eagle3kit.model.target import load_target, pick_device
+from eagle3kit.model.target_export import check_export_out, export_fp32_folder
+from eagle3kit.model.target_files import locate_target, weights_fingerprint
 from eagle3kit.pipeline import evaluate_rows, run_all
 from eagle3kit.serve.bench import run_bench, write_outputs
 from eagle3kit.serve.benchreport import BenchError, load_record

@@ -74,12 +74,12 @@ from eagle3kit.model.draft_vocab import DraftVocab, check_maps
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.target import (
     default_aux_layer_ids,
-    load_target_config,
     rope_conflict,
     rope_settings,
     same_rope,
     validate_aux_layer_ids,
 )
+from eagle3kit.model.target_files import load_target_config
 
 
 def drafter_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ from eagle3kit.core.rundir import sha256_file, write_failed
 from eagle3kit.core.ui import console, progress
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
-from eagle3kit.model.target import load_tokenizer
+from eagle3kit.model.target_files import load_tokenizer
 from eagle3kit.serve.benchreport import BenchError, markdown, plot
 from eagle3kit.serve.inputs import prompt_source
 

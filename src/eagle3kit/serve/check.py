@@ -40,13 +40,8 @@ from eagle3kit.model.contract import (
 from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.draft_vocab import check_maps
 from eagle3kit.model.drafter import DrafterConfig
-from eagle3kit.model.target import (
-    load_target_config,
-    rope_conflict,
-    rope_settings,
-    same_rope,
-    target_architectures,
-)
+from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
+from eagle3kit.model.target_files import load_target_config, target_architectures
 from eagle3kit.serve.dflash_check import check_dflash
 from eagle3kit.serve.engine_rules import (
     SGLANG_AUX_RULE,
