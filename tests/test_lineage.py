@@ -489,7 +489,7 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
     from pathlib import Path
 
     from eagle3kit.core.rundir import DataError
-    from eagle3kit.serve.bench import write_outputs
+    from eagle3kit.serve.benchreport import write_outputs
 
     real = Path.write_text
 

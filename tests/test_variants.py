@@ -256,7 +256,8 @@ def test_drafter_presets_explicit_flags_and_refusals(tmp_path):
 def test_every_variant_round_trips_through_both_layouts_in_the_fields_vllm_reads(name, tmp_path):
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    from eagle3kit.model.folder import export_drafter, read_drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.model.folder_read import read_drafter
 
     d = variant_drafter(VARIANTS[name], vd=48, dtype=torch.float32)  # draft ids 0, 2, 4, … (offsets ≠ 0)
     flags = d.config.variant()
@@ -420,7 +421,7 @@ def test_variant_folders_are_read_as_vllm_reads_them_and_refused_where_it_would_
 ):
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.model.contract import DrafterImportError
-    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.model.folder_read import read_drafter
     from eagle3kit.serve.check import check_drafter
 
     bad = _edited(variant_folders[src], tmp_path / "bad", config, tensors)
@@ -441,7 +442,7 @@ def test_what_vllm_reads_of_a_variant_folder_is_what_eagle3kit_builds(
     from eagle3kit.core.config import Config, ConfigError, TargetConfig
     from eagle3kit.core.engines import eagle3_speculative_config
     from eagle3kit.eval.evaluate import _checked_drafter
-    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.model.folder_read import read_drafter
     from eagle3kit.serve.check import check_drafter
 
     target = TargetConfig(model=str(tiny_target_dir))

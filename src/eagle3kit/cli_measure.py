@@ -20,8 +20,8 @@ from eagle3kit.core.ui import console
 from eagle3kit.diagnose.engine import EngineError
 from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.model.target import pick_device
-from eagle3kit.serve.bench import run_bench, write_outputs
-from eagle3kit.serve.benchreport import BenchError, load_record
+from eagle3kit.serve.bench import run_bench
+from eagle3kit.serve.benchreport import BenchError, load_record, write_outputs
 from eagle3kit.serve.benchreport import compare as compare_records
 from eagle3kit.serve.check import check_drafter, findings_json, verifier_of
 from eagle3kit.serve.engine_rules import VLLM_RULES_MEASURED, parse_version

@@ -26,7 +26,8 @@ from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import FORMATS, ExportError
 from eagle3kit.model.dflash_folder import write_dflash
-from eagle3kit.model.folder import export_drafter, read_drafter
+from eagle3kit.model.folder import export_drafter
+from eagle3kit.model.folder_read import read_drafter
 from eagle3kit.model.target import load_target
 from eagle3kit.model.target_export import serving_folder
 from eagle3kit.model.target_files import load_target_config, locate_target, target_architectures
