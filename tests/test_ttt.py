@@ -144,7 +144,8 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
-    from eagle3kit.core.config import ConfigError, TrainConfig
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.train.stage import resolve_speed
 
     cuda = torch.device("cuda", 0)
@@ -333,7 +334,7 @@ def test_the_fused_lm_head_and_loss_gives_the_reference_loss_and_gradients(monke
 def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_quarter_of_the_gpu(monkeypatch):
     from types import SimpleNamespace
 
-    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.train.stage import FUSED_LOSS_CHUNK, resolve_speed, unchunked_loss_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))

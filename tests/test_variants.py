@@ -15,7 +15,8 @@ import torch
 from test_decoder import PROMPT, tiny_pair
 from test_drafter import V, tiny_drafter, tiny_target
 
-from eagle3kit.core.config import ConfigError, DrafterVariantConfig, load_config
+from eagle3kit.core.config import ConfigError, load_config
+from eagle3kit.core.config_train import DrafterVariantConfig
 from eagle3kit.train.batches import Sample, make_batch
 from eagle3kit.train.ttt import ttt_loss
 
@@ -487,7 +488,8 @@ def test_the_config_refuses_what_would_train_another_drafter_than_it_says():
 def test_init_from_another_variant_names_settings_the_config_takes(variant_folders, tiny_target_dir):
     from transformers import AutoConfig
 
-    from eagle3kit.core.config import ConfigError, DrafterVariantConfig, TargetConfig
+    from eagle3kit.core.config import ConfigError, TargetConfig
+    from eagle3kit.core.config_train import DrafterVariantConfig
     from eagle3kit.model.draft_vocab import DraftVocab
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.train.checkpoints import init_from_drafter
@@ -559,7 +561,8 @@ def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refus
     import pytest
     import torch
 
-    from eagle3kit.core.config import ConfigError, DrafterVariantConfig
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.core.config_train import DrafterVariantConfig
     from eagle3kit.train.batches import Sample
     from eagle3kit.train.samples import mask_token
 

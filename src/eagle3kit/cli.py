@@ -27,7 +27,8 @@ from eagle3kit.cli_common import (
     show_summary,
 )
 from eagle3kit.cli_measure import bench, check, diagnose, print_findings
-from eagle3kit.core.config import ConfigError, TargetConfig, load_config
+from eagle3kit.core.config import TargetConfig, load_config
+from eagle3kit.core.config_base import ConfigError
 from eagle3kit.core.engines import installed_vllm
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.data.generate import run_generate

@@ -13,7 +13,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from eagle3kit.core.config import ConfigError, dump_config, load_config
+from eagle3kit.core.config import dump_config, load_config
+from eagle3kit.core.config_base import ConfigError
 from eagle3kit.core.rundir import DataError, RunDir, write_failed, write_text
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.model.contract import ExportError

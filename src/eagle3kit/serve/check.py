@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3kit.core.config import TargetConfig, variant_name
+from eagle3kit.core.config import TargetConfig
+from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.engines import (
     installed_vllm,
     uses_mla,

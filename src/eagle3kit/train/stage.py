@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError, variant_name
+from eagle3kit.core.config import Config, ConfigError
+from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import (
