@@ -80,7 +80,7 @@ def train_variant(
     for k, v in train_settings.items():
         setattr(vcfg.train, k, v)
     if drafter is not None:
-        from eagle3kit.core.config import DrafterVariantConfig
+        from eagle3kit.core.config_train import DrafterVariantConfig
 
         vcfg.drafter = DrafterVariantConfig(**drafter)
     t = time.perf_counter()

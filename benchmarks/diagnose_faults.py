@@ -27,7 +27,8 @@ from eagle3kit.core.config import PromptSource, TargetConfig
 from eagle3kit.core.engines import VLLMServer, free_port, start_servers
 from eagle3kit.data.sources import read_source
 from eagle3kit.diagnose.faults import plant_in_folder
-from eagle3kit.model.target import export_fp32_folder, load_target
+from eagle3kit.model.target import load_target
+from eagle3kit.model.target_export import export_fp32_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "chats" / "gsm8k_train.jsonl"

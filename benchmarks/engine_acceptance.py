@@ -34,7 +34,8 @@ from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.sources import read_source
 from eagle3kit.eval.evaluate import greedy_continuations, simulate
 from eagle3kit.model.folder import load_exported
-from eagle3kit.model.target import export_fp32_folder, load_target
+from eagle3kit.model.target import load_target
+from eagle3kit.model.target_export import export_fp32_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "chats" / "gsm8k_train.jsonl"

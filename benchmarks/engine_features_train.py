@@ -59,7 +59,8 @@ def main() -> None:
     from eagle3kit.core.rundir import RunDir
     from eagle3kit.data.sources import read_source
     from eagle3kit.data.tokenize import load_shard
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
     from eagle3kit.serve.parity import compare_features
     from eagle3kit.train.extract import run_extract
 

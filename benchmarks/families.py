@@ -53,7 +53,7 @@ def main() -> None:
 
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.core.engines import installed_vllm
-    from eagle3kit.model.target import load_tokenizer
+    from eagle3kit.model.target_files import load_tokenizer
 
     work = Path(args.work)
     tok_dir = work / "smollm2-tokenizer"

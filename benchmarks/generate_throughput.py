@@ -25,7 +25,8 @@ from eagle3kit.core.engines import VLLMServer, free_port
 from eagle3kit.core.rundir import RunDir, read_jsonl
 from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
-from eagle3kit.model.target import export_fp32_folder, load_target
+from eagle3kit.model.target import load_target
+from eagle3kit.model.target_export import export_fp32_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench.jsonl"

@@ -324,7 +324,7 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
     from torch import nn
     from transformers import LlamaConfig
 
-    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, TargetParts, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch

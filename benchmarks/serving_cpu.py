@@ -303,7 +303,8 @@ def main() -> None:
     )
     from eagle3kit.core.config import PromptSource, TargetConfig
     from eagle3kit.data.sources import read_source
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
 
     t0 = time.time()
     train(args, "eagle3.1")  # the data stages every run copies

@@ -301,7 +301,8 @@ def serve_all(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
     """The plain server kept up; each drafter's server at each K started alone, measured, killed;
     ``on_row(rows so far)`` after each row (the results written as they come, in case the machine goes)."""
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
 
     work = Path(args.work)
     keys = [f"{name}-k{k}" for name in args.drafter_list for k in args.k_list]

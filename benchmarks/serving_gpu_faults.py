@@ -86,7 +86,8 @@ def diagnose_faults(
 
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.core.rundir import write_text
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
 
     work, rows, target = Path(args.work), [], None
     for name in args.fault_list:

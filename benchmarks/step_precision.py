@@ -44,7 +44,7 @@ PATHS = {
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch

@@ -72,7 +72,7 @@ def linear_params(module: nn.Module) -> int:
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.core.ui import print_table
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax

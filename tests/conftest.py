@@ -35,7 +35,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import load_tokenizer
+    from eagle3kit.model.target_files import load_tokenizer
 
     return load_tokenizer(TargetConfig())
 
@@ -105,7 +105,8 @@ def smollm2_target():
     its float32 safetensors export made once: every later load of the target in the session (a
     whole run, the CLI, vLLM) reads that instead of de-quantizing the GGUF again (about 50 s each)."""
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
 
     target = load_target(TargetConfig(), device="cpu")
     export_fp32_folder(target)

@@ -409,7 +409,8 @@ def untrained_drafter(folder: str | Path, out: str | Path, draft_vocab_size: int
     from eagle3kit.model.draft_vocab import DraftVocab
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.folder import export_drafter
-    from eagle3kit.model.target import default_aux_layer_ids, load_target_config
+    from eagle3kit.model.target import default_aux_layer_ids
+    from eagle3kit.model.target_files import load_target_config
 
     _, tc = load_target_config(TargetConfig(model=str(folder)))
     ids = list(default_aux_layer_ids(int(tc.num_hidden_layers)))

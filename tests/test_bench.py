@@ -11,8 +11,8 @@ import json
 import pytest
 
 from eagle3kit.core.engines import acceptance_from_counters
-from eagle3kit.serve.bench import acceptance_from_meta, run_bench, write_outputs
-from eagle3kit.serve.benchreport import BenchError, compare, load_record
+from eagle3kit.serve.bench import acceptance_from_meta, run_bench
+from eagle3kit.serve.benchreport import BenchError, compare, load_record, write_outputs
 
 
 def test_c33_acceptance_rate_and_tokens_per_step_are_named_apart():

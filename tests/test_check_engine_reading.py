@@ -11,9 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3kit.core.config import TargetConfig
+from eagle3kit.model.contract import DrafterImportError
 from eagle3kit.model.draft_vocab import DraftVocab
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.model.folder import DrafterImportError, export_drafter, read_drafter
+from eagle3kit.model.folder import export_drafter
+from eagle3kit.model.folder_read import read_drafter
 from eagle3kit.serve.check import check_drafter
 
 LLAMA3 = {

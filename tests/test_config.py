@@ -67,7 +67,7 @@ def test_relative_prompt_paths_resolve_against_the_config_folder(tmp_path):
 
 
 def test_a_variant_is_named_as_its_preset_and_other_flags_are_listed():
-    from eagle3kit.core.config import variant_name
+    from eagle3kit.core.config_train import variant_name
 
     assert variant_name({}) == "eagle3"
     assert variant_name({"fc_norm": True, "norm_output": True, "norm_before_residual": False}) == "eagle3.1"

@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import gsm8k_token_samples
 
-from eagle3kit.core.config import DrafterVariantConfig, TargetConfig
+from eagle3kit.core.config import TargetConfig
+from eagle3kit.core.config_train import DrafterVariantConfig
 from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
 from eagle3kit.model.dflash_folder import read_dflash, write_dflash
 from eagle3kit.model.target import load_target, resolve_aux_layer_ids

@@ -25,7 +25,7 @@ def base_run(tmp_path_factory, tiny_target):
     """tokens + a 256-token draft vocabulary for the tiny 8-layer target: 24 samples of 10–30
     tokens; the draft vocabulary holds the target's own top-1 picks, so most positions train."""
     from eagle3kit.train.batches import Sample
-    from eagle3kit.train.stage import compute_features
+    from eagle3kit.train.samples import compute_features
 
     d = tmp_path_factory.mktemp("dist-base")
     g = torch.Generator().manual_seed(0)
@@ -282,7 +282,8 @@ def test_a_stale_run_names_what_changed_and_how_to_resume_one_made_before_a_defa
 
     from eagle3kit.core.config import Config
     from eagle3kit.core.rundir import sha256_json
-    from eagle3kit.train.stage import _Training, trained_settings
+    from eagle3kit.train.samples import trained_settings
+    from eagle3kit.train.stage import _Training
 
     def stale(cfg, old_tc, same=False):
         tc = trained_settings(cfg)

@@ -61,7 +61,7 @@ evaluate:
 def plain_server(smollm2_target, tmp_path_factory):
     """vLLM serving SmolLM2 without speculation, spawned at the start of the module: its start
     (mostly one core's work) runs beside the drafter's run, which leaves part of the second core idle."""
-    from eagle3kit.model.target import export_fp32_folder
+    from eagle3kit.model.target_export import export_fp32_folder
 
     tmp = tmp_path_factory.mktemp("plain")
     srv = VLLMServer(export_fp32_folder(smollm2_target, tmp / "target"), free_port(), tmp / "plain.log")
@@ -554,7 +554,7 @@ def test_the_speculators_export_names_a_verifier_the_speculators_library_loads(t
     from typer.testing import CliRunner
 
     from eagle3kit.cli import app
-    from eagle3kit.model.target import serving_folder
+    from eagle3kit.model.target_export import serving_folder
 
     res = CliRunner().invoke(app, ["export", "--run-dir", str(trained.path), "--format", "speculators"])
     assert res.exit_code == 0, res.output

@@ -17,7 +17,8 @@ from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
 from eagle3kit.train.batches import Sample, make_batch
 from eagle3kit.train.extract import run_extract
 from eagle3kit.train.features import bytes_per_token, dequantize_fp8, load_features, quantize_fp8
-from eagle3kit.train.stage import build_drafter, compute_features
+from eagle3kit.train.samples import compute_features
+from eagle3kit.train.stage import build_drafter
 from eagle3kit.train.ttt import ttt_loss
 
 V, VD = 49152, 256
@@ -441,7 +442,7 @@ def test_option_and_folder_refusals(run, tiny_target, tiny_target_dir, tmp_path)
 
 def test_a_target_with_only_pickled_weights_is_refused(tmp_path):
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import locate_target
+    from eagle3kit.model.target_files import locate_target
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")

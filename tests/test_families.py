@@ -77,7 +77,8 @@ def test_c16_a_shallow_target_with_the_default_layers_is_refused_by_name():
 def test_one_ttt_step_trains_on_every_family(family):
     from eagle3kit.model.draft_vocab import DraftVocab
     from eagle3kit.train.batches import Sample, make_batch
-    from eagle3kit.train.stage import build_drafter, compute_features
+    from eagle3kit.train.samples import compute_features
+    from eagle3kit.train.stage import build_drafter
     from eagle3kit.train.ttt import ttt_loss
 
     name, m, t = family
@@ -322,7 +323,8 @@ def test_check_refuses_a_deepseek_routing_other_than_the_one_transformers_traine
 
 
 def test_export_fp32_folder_never_deletes_files_it_did_not_write(family_folders, tmp_path):
-    from eagle3kit.model.target import export_fp32_folder, load_target
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
 
     target = load_target(TargetConfig(model=str(family_folders["llama"])), device="cpu")
     out = tmp_path / "fp32"

@@ -15,7 +15,8 @@ from eagle3kit.core.config import ConfigError, TargetConfig
 from eagle3kit.model.contract import DrafterImportError
 from eagle3kit.model.draft_vocab import DraftVocab
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.model.folder import export_drafter, read_drafter
+from eagle3kit.model.folder import export_drafter
+from eagle3kit.model.folder_read import read_drafter
 from eagle3kit.serve.importer import run_import
 
 

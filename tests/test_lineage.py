@@ -144,7 +144,7 @@ def test_a_config_edited_in_place_is_another_target_a_reindented_one_is_not(copy
     same weights: generate appended the new model's rows to the old one's and every later stage ran.
     The target's identity covers config.json and generation_config.json (their JSON content)."""
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import weights_fingerprint
+    from eagle3kit.model.target_files import weights_fingerprint
 
     cfg, run = copy
     path = run.path.parent / "target" / "config.json"
@@ -489,7 +489,7 @@ def test_bench_on_a_full_disk_names_the_file_and_leaves_nothing_that_blocks_a_re
     from pathlib import Path
 
     from eagle3kit.core.rundir import DataError
-    from eagle3kit.serve.bench import write_outputs
+    from eagle3kit.serve.benchreport import write_outputs
 
     real = Path.write_text
 
@@ -561,7 +561,8 @@ def test_a_changed_chat_template_is_what_tokens_were_built_from_and_nothing_rewr
 
     from eagle3kit.cli import app
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import chat_template_hash, load_tokenizer
+    from eagle3kit.model.target import chat_template_hash
+    from eagle3kit.model.target_files import load_tokenizer
     from eagle3kit.pipeline import run_all
 
     cfg, run = copy

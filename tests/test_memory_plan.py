@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import GSM8K
 
-from eagle3kit.core.config import ConfigError, TrainConfig, load_config
+from eagle3kit.core.config import ConfigError, load_config
+from eagle3kit.core.config_train import TrainConfig
 from eagle3kit.core.rundir import RunDir
 from eagle3kit.train.memory import (
     DrafterShape,

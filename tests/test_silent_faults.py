@@ -341,7 +341,8 @@ def test_a_remote_code_wrapper_with_an_llm_config_loads_its_language_model_witho
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import load_target, load_target_config
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_files import load_target_config
 
     torch.manual_seed(0)
     qc = Qwen2Config(

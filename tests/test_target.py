@@ -108,7 +108,8 @@ def test_gguf_tokenizer_is_cached_as_a_folder_and_loads_identically(tmp_path, mo
     """The GGUF tokenizer rebuild (seconds) happens once; the cached folder gives the same vocabulary,
     special tokens and chat template (same tokenizer hash, same ids)."""
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import load_tokenizer, tokenizer_hash
+    from eagle3kit.model.target import tokenizer_hash
+    from eagle3kit.model.target_files import load_tokenizer
 
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
     first = load_tokenizer(TargetConfig())
@@ -130,13 +131,9 @@ def test_a_gguf_target_reloads_from_its_float32_export_bit_for_bit(smollm2_targe
     as the float32 weights (it holds bfloat16-rounded values)."""
     import copy
 
-    from eagle3kit.model.target import (
-        Target,
-        export_fp32_folder,
-        load_target,
-        load_target_config,
-        resolve_parts,
-    )
+    from eagle3kit.model.target import Target, load_target, resolve_parts
+    from eagle3kit.model.target_export import export_fp32_folder
+    from eagle3kit.model.target_files import load_target_config
 
     monkeypatch.setenv("EAGLE3KIT_CACHE", str(tmp_path))
     ref = smollm2_target

@@ -144,7 +144,8 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
 
 
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
-    from eagle3kit.core.config import ConfigError, TrainConfig
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.train.stage import resolve_speed
 
     cuda = torch.device("cuda", 0)
@@ -229,7 +230,7 @@ def test_the_top1_is_computed_only_at_completion_tokens_and_the_loss_is_unchange
     """compute_features skips the [T, V] product at prompt tokens (teacher_argmax ``where``): no TTT
     step reads the target's top-1 there, so the loss, its supervised counts and its gradients
     equal those with the top-1 computed everywhere."""
-    from eagle3kit.train.stage import compute_features
+    from eagle3kit.train.samples import compute_features
 
     t, d = tiny_target(), tiny_drafter()
     full = _samples(t, [19, 33, 26], seed=3)
@@ -333,7 +334,7 @@ def test_the_fused_lm_head_and_loss_gives_the_reference_loss_and_gradients(monke
 def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_quarter_of_the_gpu(monkeypatch):
     from types import SimpleNamespace
 
-    from eagle3kit.core.config import TrainConfig
+    from eagle3kit.core.config_train import TrainConfig
     from eagle3kit.train.stage import FUSED_LOSS_CHUNK, resolve_speed, unchunked_loss_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))

@@ -15,7 +15,8 @@ import torch
 from test_decoder import PROMPT, tiny_pair
 from test_drafter import V, tiny_drafter, tiny_target
 
-from eagle3kit.core.config import ConfigError, DrafterVariantConfig, load_config
+from eagle3kit.core.config import ConfigError, load_config
+from eagle3kit.core.config_train import DrafterVariantConfig
 from eagle3kit.train.batches import Sample, make_batch
 from eagle3kit.train.ttt import ttt_loss
 
@@ -256,7 +257,8 @@ def test_drafter_presets_explicit_flags_and_refusals(tmp_path):
 def test_every_variant_round_trips_through_both_layouts_in_the_fields_vllm_reads(name, tmp_path):
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    from eagle3kit.model.folder import export_drafter, read_drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.model.folder_read import read_drafter
 
     d = variant_drafter(VARIANTS[name], vd=48, dtype=torch.float32)  # draft ids 0, 2, 4, … (offsets ≠ 0)
     flags = d.config.variant()
@@ -303,7 +305,7 @@ def test_a_run_made_before_the_variants_resumes_and_a_variant_is_another_trainin
     their checkpoints are never resumed by another training."""
     from eagle3kit.core.config import Config
     from eagle3kit.core.rundir import sha256_json
-    from eagle3kit.train.stage import trained_settings
+    from eagle3kit.train.samples import trained_settings
 
     old = "1d35fde9481f511c7d6febd542b3d3fa62158e806065c462334aac016a00c639"
     then = {"betas": [0.9, 0.95], "shuffle": "batches"}
@@ -420,7 +422,7 @@ def test_variant_folders_are_read_as_vllm_reads_them_and_refused_where_it_would_
 ):
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.model.contract import DrafterImportError
-    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.model.folder_read import read_drafter
     from eagle3kit.serve.check import check_drafter
 
     bad = _edited(variant_folders[src], tmp_path / "bad", config, tensors)
@@ -441,7 +443,7 @@ def test_what_vllm_reads_of_a_variant_folder_is_what_eagle3kit_builds(
     from eagle3kit.core.config import Config, ConfigError, TargetConfig
     from eagle3kit.core.engines import eagle3_speculative_config
     from eagle3kit.eval.evaluate import _checked_drafter
-    from eagle3kit.model.folder import read_drafter
+    from eagle3kit.model.folder_read import read_drafter
     from eagle3kit.serve.check import check_drafter
 
     target = TargetConfig(model=str(tiny_target_dir))
@@ -486,7 +488,8 @@ def test_the_config_refuses_what_would_train_another_drafter_than_it_says():
 def test_init_from_another_variant_names_settings_the_config_takes(variant_folders, tiny_target_dir):
     from transformers import AutoConfig
 
-    from eagle3kit.core.config import ConfigError, DrafterVariantConfig, TargetConfig
+    from eagle3kit.core.config import ConfigError, TargetConfig
+    from eagle3kit.core.config_train import DrafterVariantConfig
     from eagle3kit.model.draft_vocab import DraftVocab
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.train.checkpoints import init_from_drafter
@@ -558,9 +561,10 @@ def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refus
     import pytest
     import torch
 
-    from eagle3kit.core.config import ConfigError, DrafterVariantConfig
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.core.config_train import DrafterVariantConfig
     from eagle3kit.train.batches import Sample
-    from eagle3kit.train.stage import mask_token
+    from eagle3kit.train.samples import mask_token
 
     tok = smollm2_tokenizer
     special = set(tok.all_special_ids)

@@ -13,7 +13,7 @@ from eagle3kit.core.rundir import RunDir, read_jsonl
 from eagle3kit.data.backends import render_prompt_ids, transformers_generate
 from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
-from eagle3kit.model.target import export_fp32_folder
+from eagle3kit.model.target_export import export_fp32_folder
 
 pytestmark = [
     pytest.mark.vllm,

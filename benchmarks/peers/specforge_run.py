@@ -42,7 +42,7 @@ def train_specforge(args, key: str, vdir: Path, heldout_tau, open_run, ks) -> di
     from eagle3kit.model.target import resolve_aux_layer_ids
     from eagle3kit.serve.importer import run_import
     from eagle3kit.train.batches import Sample
-    from eagle3kit.train.stage import compute_features
+    from eagle3kit.train.samples import compute_features
 
     seed = int(key.split(":")[1])
     base, cfg, device, target = open_run(str(Path(args.work) / "base"))

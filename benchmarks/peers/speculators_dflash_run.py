@@ -47,7 +47,7 @@ from peers.specforge_run import training_split
 
 def dflash_defaults():
     """The ``drafter`` section of eagle3kit's ``dflash`` row (benchmarks/variants.py ROWS)."""
-    from eagle3kit.core.config import DrafterVariantConfig
+    from eagle3kit.core.config_train import DrafterVariantConfig
 
     return DrafterVariantConfig(variant="dflash")
 

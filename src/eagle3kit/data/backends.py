@@ -20,7 +20,8 @@ import torch
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.engines import installed_vllm, launched_env, vllm_cpu_build, vllm_launch
-from eagle3kit.model.target import Target, serving_folder
+from eagle3kit.model.target import Target
+from eagle3kit.model.target_export import serving_folder
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], template_flags: dict | None = None) -> list[int]:

@@ -36,14 +36,8 @@ from eagle3kit.data.backends import (
     vllm_version,
 )
 from eagle3kit.data.server_backend import generate_via_server, server_version
-from eagle3kit.model.target import (
-    Target,
-    chat_template_hash,
-    load_target,
-    load_tokenizer,
-    target_architectures,
-    weights_fingerprint,
-)
+from eagle3kit.model.target import Target, chat_template_hash, load_target
+from eagle3kit.model.target_files import load_tokenizer, target_architectures, weights_fingerprint
 
 
 def _special_tokens(cfg: Config) -> list[str]:

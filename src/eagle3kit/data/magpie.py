@@ -22,7 +22,7 @@ from eagle3kit.core.ui import console, progress
 from eagle3kit.data.backends import transformers_generate
 from eagle3kit.data.server_backend import MalformedReply, _client, _usage, check_server, redact
 from eagle3kit.data.sources import normalize_text, prompt_id
-from eagle3kit.model.target import load_tokenizer
+from eagle3kit.model.target_files import load_tokenizer
 
 
 def magpie_prefix(tokenizer) -> str:

@@ -48,7 +48,8 @@ from eagle3kit.core.rundir import (
 from eagle3kit.core.ui import console, show_samples
 from eagle3kit.data.reasoning import THINK_CLOSE, THINK_OPEN, UNTRAINABLE_FLAGS, split_inline_think
 from eagle3kit.data.templates import MaskRule, Sample, ThinkSpec, build_samples, self_check, think_spec
-from eagle3kit.model.target import chat_template_hash, load_tokenizer, model_vocab_size, tokenizer_hash
+from eagle3kit.model.target import chat_template_hash, tokenizer_hash
+from eagle3kit.model.target_files import load_tokenizer, model_vocab_size
 
 
 def check_row(row, where: str) -> None:

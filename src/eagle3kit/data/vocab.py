@@ -25,7 +25,8 @@ from eagle3kit.core.rundir import DataError, RunDir, require_free, sha256_tensor
 from eagle3kit.core.ui import console
 from eagle3kit.data.tokenize import load_shard
 from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
-from eagle3kit.model.target import load_tokenizer, model_vocab_size, tokenizer_hash
+from eagle3kit.model.target import tokenizer_hash
+from eagle3kit.model.target_files import load_tokenizer, model_vocab_size
 
 
 def build_draft_vocab(

@@ -17,8 +17,8 @@ from eagle3kit.core.ui import progress
 from eagle3kit.model.dflash import DFlashDrafter
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.target import Target, capture_layer_inputs
+from eagle3kit.train.acceptance import simulate_sequence
 from eagle3kit.train.dflash import block_stats
-from eagle3kit.train.stage import simulate_sequence
 
 
 @dataclass

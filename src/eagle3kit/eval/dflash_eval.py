@@ -26,7 +26,8 @@ from eagle3kit.eval.sets import (
     write_continuations,
 )
 from eagle3kit.model.dflash_folder import read_dflash
-from eagle3kit.model.target import load_target, pick_device, weights_fingerprint
+from eagle3kit.model.target import load_target, pick_device
+from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.train.batches import Sample
 from eagle3kit.train.dflash import simulate_block_tau
 from eagle3kit.train.samples import compute_features

@@ -48,9 +48,11 @@ from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.fasttarget import FastTarget
 from eagle3kit.model.folder import load_exported
-from eagle3kit.model.target import Target, load_target, pick_device, weights_fingerprint
+from eagle3kit.model.target import Target, load_target, pick_device
+from eagle3kit.model.target_files import weights_fingerprint
+from eagle3kit.train.acceptance import simulate_samples
 from eagle3kit.train.batches import Sample
-from eagle3kit.train.stage import compute_features, simulate_samples
+from eagle3kit.train.samples import compute_features
 
 
 def simulate(

@@ -24,17 +24,14 @@ from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError, TargetConfig
 from eagle3kit.core.ui import console
-from eagle3kit.model.target import (
+from eagle3kit.model.target import Target, load_target, pick_device, resolve_parts
+from eagle3kit.model.target_files import (
     FINGERPRINT_FORMAT,
-    Target,
     language_model_plan,
-    load_target,
     load_target_config,
     load_tokenizer,
     locate_target,
     located_fingerprint,
-    pick_device,
-    resolve_parts,
     text_config,
 )
 

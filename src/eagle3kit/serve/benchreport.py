@@ -1,13 +1,13 @@
-"""What ``eagle3kit bench`` writes beside its JSON: a Markdown table, a PNG plot (throughput and
-latency against concurrency, with and without speculation), and ``bench --compare`` of two
-records (a drop beyond a tolerance is flagged)."""
+"""What ``eagle3kit bench`` writes: its record's warnings, the JSON with a Markdown table and a PNG plot
+beside it (throughput and latency against concurrency, with and without speculation; all three or none,
+:func:`write_outputs`), and ``bench --compare`` of two records (a drop beyond a tolerance is flagged)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from eagle3kit.core.rundir import DataError
+from eagle3kit.core.rundir import DataError, write_failed
 
 # (key, how to read it, higher is better)
 COMPARED = [
@@ -241,3 +241,61 @@ def load_record(path: Path) -> dict:
 
 class BenchError(DataError):
     """A benchmark that cannot give honest numbers (unreachable server, wrong template, …)."""
+
+
+def record_warnings(record: dict) -> list[str]:
+    """What makes a record doubtful: failed requests, levels where every request failed, a
+    speculative server without acceptance beside a baseline with some (swapped URLs?)."""
+    out = []
+    for role, srv in record["servers"].items():
+        for r in srv["results"]:
+            if r["requests"] and not r["completed"]:
+                out.append(
+                    f"{role} c={r['concurrency']}: every request failed ({'; '.join(r['errors'][:2])})"
+                )
+            elif r["failures"]:
+                out.append(f"{role} c={r['concurrency']}: {r['failures']} of {r['requests']} requests failed")
+            if r.get("acceptance_error"):
+                out.append(f"{role} c={r['concurrency']}: {r['acceptance_error']}")
+    spec_acc = any(r.get("acceptance") for r in record["servers"]["speculative"]["results"])
+    base_acc = any(r.get("acceptance") for r in record["servers"].get("baseline", {}).get("results", []))
+    if base_acc and not spec_acc:
+        out.append(
+            "the baseline server reports speculative decoding and the speculative one does not: "
+            "are --base-url and --baseline-url swapped?"
+        )
+    return out
+
+
+def write_outputs(record: dict, out: Path, overwrite: bool = False) -> dict[str, Path]:
+    """``bench.json``, ``bench.md`` and ``bench.png`` in ``out``.
+
+    Raises:
+        BenchError: one of them exists and ``overwrite`` is False.
+        DataError: a write failed (disk full, read-only), naming the file; none of the three is left.
+    """
+
+    out = Path(out)
+    paths = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench.png"}
+    there = [str(p) for p in paths.values() if p.exists()]
+    if there and not overwrite:
+        raise BenchError(f"{', '.join(there)} exist: pass --out to a new folder, or --overwrite")
+
+    out.mkdir(parents=True, exist_ok=True)
+    # all three written under temporary names, then renamed: a full disk leaves none of them (an empty
+    # bench.md would block the rerun) and the error names the file
+    tmps: dict[str, Path] = {}
+    current = paths["json"]
+    try:
+        for key, text in (("json", json.dumps(record, indent=2) + "\n"), ("md", markdown(record))):
+            current, tmps[key] = paths[key], paths[key].with_name(paths[key].name + ".tmp")
+            tmps[key].write_text(text)
+        current, tmps["png"] = paths["png"], out / "bench.tmp.png"
+        plot(record, tmps["png"])
+        for key, tmp in tmps.items():
+            tmp.replace(paths[key])
+    except OSError as e:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        raise write_failed(current, e) from None
+    return paths

@@ -21,7 +21,7 @@ from eagle3kit.core.engines import (
     uses_mla,
     vllm_cpu_build,
 )
-from eagle3kit.model.target import locate_target
+from eagle3kit.model.target_files import locate_target
 from eagle3kit.serve.findings import Finding
 
 # where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)

@@ -26,14 +26,11 @@ from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import FORMATS, ExportError
 from eagle3kit.model.dflash_folder import write_dflash
-from eagle3kit.model.folder import export_drafter, read_drafter
-from eagle3kit.model.target import (
-    load_target,
-    load_target_config,
-    locate_target,
-    serving_folder,
-    target_architectures,
-)
+from eagle3kit.model.folder import export_drafter
+from eagle3kit.model.folder_read import read_drafter
+from eagle3kit.model.target import load_target
+from eagle3kit.model.target_export import serving_folder
+from eagle3kit.model.target_files import load_target_config, locate_target, target_architectures
 from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
 from eagle3kit.train.dflash_stage import is_dflash_checkpoint, load_dflash_checkpoint
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.model.contract import DrafterImportError
-from eagle3kit.model.folder import check_out_dir, commit_out_dir, export_drafter, read_drafter
-from eagle3kit.model.target import locate_target
+from eagle3kit.model.folder import check_out_dir, commit_out_dir, export_drafter
+from eagle3kit.model.folder_read import read_drafter
+from eagle3kit.model.target_files import locate_target
 from eagle3kit.serve.check import check_drafter
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from eagle3kit.core.config import Config, ConfigError
 from eagle3kit.core.engines import vllm_cpu_build
 from eagle3kit.core.ui import console
-from eagle3kit.model.target import load_target_config, locate_target, resolve_aux_layer_ids
+from eagle3kit.model.target import resolve_aux_layer_ids
+from eagle3kit.model.target_files import load_target_config, locate_target
 from eagle3kit.train.online import capture_server_command
 
 _CAPTURE_OWNS = {

@@ -13,7 +13,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import load_safetensors, set_aside, sha256_state, write_safetensors
 from eagle3kit.model.contract import DrafterImportError
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
-from eagle3kit.model.folder import read_drafter
+from eagle3kit.model.folder_read import read_drafter
 
 
 def init_from_drafter(drafter: Eagle3Drafter, folder: str | Path, target_cfg) -> dict:

@@ -33,8 +33,8 @@ from eagle3kit.model.target import (
     pick_device,
     resolve_aux_layer_ids,
     tokenizer_hash,
-    weights_fingerprint,
 )
+from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.train.batches import Sample, length_batches
 from eagle3kit.train.dflash import default_gamma, dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.extract import feature_inputs

@@ -34,8 +34,8 @@ from eagle3kit.model.target import (
     target_features,
     teacher_argmax,
     teacher_logits,
-    weights_fingerprint,
 )
+from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.train.features import (
     bytes_per_token,
     quantize_fp8,

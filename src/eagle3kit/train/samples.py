@@ -9,7 +9,8 @@ import random
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError, DrafterVariantConfig
+from eagle3kit.core.config import Config, ConfigError
+from eagle3kit.core.config_train import DrafterVariantConfig
 from eagle3kit.core.ui import progress
 from eagle3kit.model.target import (
     Target,

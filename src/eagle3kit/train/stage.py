@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.core.config import Config, ConfigError, variant_name
+from eagle3kit.core.config import Config, ConfigError
+from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.lineage import check_inputs
-from eagle3kit.core.metrics import AcceptanceStats, match_runs, walk_chain
+from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import (
     REWRITE,
     DataError,
@@ -51,16 +52,16 @@ from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.target import (
     Target,
     chat_template_hash,
-    embed_tokens,
     load_target,
     pick_device,
     resolve_aux_layer_ids,
     teacher_logits,
     teacher_top1_lse,
     tokenizer_hash,
-    weights_fingerprint,
 )
+from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.model.target_head import load_target_head
+from eagle3kit.train.acceptance import simulate_samples, simulate_sequence
 from eagle3kit.train.batches import Sample, length_batches, make_batch, packed_batches
 from eagle3kit.train.checkpoints import (
     _set_aside,
@@ -74,14 +75,7 @@ from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.memory import DrafterShape, MemoryPlan, print_plan, training_plan
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
-from eagle3kit.train.samples import (  # noqa: F401
-    _LATER,
-    _LOGISTICS,
-    compute_features,
-    mask_token,
-    trained_settings,
-    warmup_cosine,
-)
+from eagle3kit.train.samples import compute_features, mask_token, trained_settings, warmup_cosine
 from eagle3kit.train.transport import bytes_per_token
 from eagle3kit.train.ttt import implied_tau, ttt_loss
 
@@ -99,49 +93,6 @@ def fill_engine_features(
         top1, norm = teacher_top1_lse(target, last, where=s.mask.bool())
         s.aux, s.last, s.argmax = aux.to(device), last.to(device), top1.to(device)
         s.lse = norm.to(device) if lse else None
-
-
-@torch.no_grad()
-def simulate_samples(
-    drafter: Eagle3Drafter, target: Target, samples: list[Sample], k: int, device
-) -> AcceptanceStats:
-    """Greedy-chain τ on samples whose completion is the target's greedy output (TTT unroll with
-    the data tokens, docs/measuring.md). Each sample's chain starts at its last prompt position."""
-    stats = AcceptanceStats(k)
-    drafter.eval()
-    for s in samples:
-        simulate_sequence(drafter, target, s.ids, s.mask, s.aux, k, device, stats)
-    return stats
-
-
-@torch.no_grad()
-def simulate_sequence(
-    drafter: Eagle3Drafter,
-    target: Target,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    aux: torch.Tensor,
-    k: int,
-    device,
-    stats: AcceptanceStats | None = None,
-) -> AcceptanceStats:
-    """Greedy-chain acceptance of one sequence (:func:`simulate_samples`' unit) from its aux states.
-
-    Args:
-        ids: int64 [T], prompt + the target's greedy continuation; mask: bool [T], True on the
-            continuation; aux: [T, 3·Ht], the aux states the drafter reads (any source: the target
-            here, an engine's capture, another layer set).
-        stats: the :class:`AcceptanceStats` to add to (a new one when None).
-    Returns: ``stats`` with this sequence's verify steps added."""
-    stats = stats if stats is not None else AcceptanceStats(k)
-    b = make_batch([Sample(ids, mask)], [0], k, device)
-    embeds = [embed_tokens(target, t, drafter.fc.weight) for t in drafter.step_tokens(b["tok"])]
-    # forward: FSDP hooks
-    outs = drafter(aux[None].to(device, drafter.fc.weight.dtype), embeds, b["positions"], b["key_mask"])
-    draft = torch.stack([drafter.draft_to_target(drafter.logits(o[0]).argmax(-1)) for o in outs], dim=1).cpu()
-    runs = match_runs(draft, ids.cpu())
-    first = int(mask.long().argmax())
-    return walk_chain(runs, first - 1, ids.numel(), k, stats)
 
 
 def build_drafter(

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.engines import launched_env, vllm_launch
 from eagle3kit.data.backends import release_vllm_engine, shutdown_vllm
-from eagle3kit.model.target import serving_folder
+from eagle3kit.model.target_export import serving_folder
 from eagle3kit.train.transport import connector_config, read_captured, states_reader
 
 
@@ -104,7 +104,7 @@ class CPUFP8HiddenStatesConnector(CPUHiddenStatesConnector, FP8HiddenStatesConne
 
 def engine_model_folder(target, engine_model: str | None) -> str:
     """The checkpoint vLLM loads for capture: ``engine_model`` when given (the checkpoint you serve,
-    quantized or not), else :func:`eagle3kit.model.target.serving_folder` (the target's own folder, or a
+    quantized or not), else :func:`eagle3kit.model.target_export.serving_folder` (the target's own folder, or a
     float32 export of a GGUF target).
 
     Raises:
