@@ -122,7 +122,7 @@ class Device:
         self.n_prompts = args.prompts if self.scale == "full" else 12
         self.n_smollm2 = args.smollm2_prompts if self.scale == "full" else 12
         self.max_new_tokens, self.eval_prompts = args.max_new_tokens, args.eval_prompts
-        self.generate_backend = getattr(args, "generate_backend", "auto")
+        self.generate_backend = args.generate_backend
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def save(self, key: str, value) -> None:

@@ -200,9 +200,9 @@ def bench_prompts(args) -> Path:
     return out
 
 
-def server(args, target: Path, log: Path, spec: dict | None):
-    """A vLLM server for ``target``: the CPU build's flags with ``--smoke``, else bf16 on the GPU with
-    vLLM's defaults (CUDA graphs) in ``--gpu-share`` of its memory."""
+def server(args, target: Path, log: Path, spec: dict | None, name: str = "smollm2"):
+    """A vLLM server for ``target`` served as ``name``: the CPU build's flags with ``--smoke``, else bf16 on
+    the GPU with vLLM's defaults (CUDA graphs) in ``--gpu-share`` of its memory."""
     from eagle3kit.core.engines import VLLMServer, free_port
 
     class GPUServer(VLLMServer):
@@ -217,7 +217,7 @@ def server(args, target: Path, log: Path, spec: dict | None):
             ]
 
     cls = VLLMServer if args.smoke else GPUServer
-    return cls(target, free_port(), log, speculative=spec)
+    return cls(target, free_port(), log, served_name=name, speculative=spec)
 
 
 def cli(args_list: list[str], log: Path) -> int:

@@ -36,34 +36,32 @@ wait_for() {
   running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"
   snapshot
 }
+launch() { # launch COMMAND FOLDER COPY SCRIPT [ARGS]: FOLDER copied to COPY, SCRIPT started in its own session
+  local name=$1 folder=$2 copy=$3 script=$4
+  shift 4
+  running && { echo "$name: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
+  rm -rf $REPO "$copy" && mkdir -p $REPO /tmp/sg-out &&
+    cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$folder" "$copy" || exit 1
+  cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
+  setsid nohup python3 "$script" "$@" >/tmp/sg.log 2>&1 </dev/null &
+  echo $! >$W.pid
+  echo "== started $script $* (pid $!)"
+  wait_for 480
+}
 case "$cmd" in
 start)
   shared=${1:?start needs the shared folder (data/prompts, data/chats), e.g. .gpudata/shared}
   shift
   [ -d "$shared/data" ] || { echo "start: $shared has no data/ folder" >&2; exit 2; }
-  running && { echo "start: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
-  rm -rf $REPO /tmp/sg-shared && mkdir -p $REPO /tmp/sg-out &&
-    cp -r src benchmarks examples tools pyproject.toml $REPO/ && cp -r "$shared" /tmp/sg-shared || exit 1
-  cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
-  setsid nohup python3 benchmarks/serving_gpu.py --work $W --shared /tmp/sg-shared --out /tmp/sg-out/serving_gpu.json \
-    "$@" >/tmp/sg.log 2>&1 </dev/null &
-  echo $! >$W.pid
-  echo "== started serving_gpu.py $* (pid $!)"
-  wait_for 480
+  launch start "$shared" /tmp/sg-shared benchmarks/serving_gpu.py --work $W --shared /tmp/sg-shared \
+    --out /tmp/sg-out/serving_gpu.json "$@"
   ;;
 shape)
   data=${1:?shape needs the data folder recipe_shape.py pack wrote (prompts/, shapes/llama8b-full)}
   shift
   [ -f "$data/recipe_shape_pack.txt" ] || { echo "shape: $data is not a folder recipe_shape.py pack wrote" >&2; exit 2; }
-  running && { echo "shape: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
-  rm -rf $REPO /tmp/sgs-data && mkdir -p $REPO /tmp/sg-out &&
-    cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$data" /tmp/sgs-data || exit 1
-  cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
-  setsid nohup python3 benchmarks/serving_gpu_shape.py --data /tmp/sgs-data --work /tmp/sgs \
-    --out /tmp/sg-out/serving_gpu_8b_shape.json "$@" >/tmp/sg.log 2>&1 </dev/null &
-  echo $! >$W.pid
-  echo "== started serving_gpu_shape.py $* (pid $!)"
-  wait_for 480
+  launch shape "$data" /tmp/sgs-data benchmarks/serving_gpu_shape.py --data /tmp/sgs-data --work /tmp/sgs \
+    --out /tmp/sg-out/serving_gpu_8b_shape.json "$@"
   ;;
 wait)
   [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }

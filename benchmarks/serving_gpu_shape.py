@@ -42,6 +42,7 @@ from serving_gpu import cli, parse_list, row, server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "serving_gpu_8b_shape.json"
+NAME = "llama8b-shape"  # the served model name
 
 
 def trained(args) -> tuple[Path, dict]:
@@ -52,7 +53,8 @@ def trained(args) -> tuple[Path, dict]:
         SystemExit: the run failed (its log named)."""
     rs = Path(args.work) / "rs"
     results = rs / "results.json"
-    got = json.loads(results.read_text()).get("llama8b_cache", {}) if results.exists() else {}
+    entry = lambda: json.loads(results.read_text()).get("llama8b_cache", {}) if results.exists() else {}  # noqa: E731
+    got = entry()
     if got.get("rc") != 0:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "recipe_shape.py"), "device", "--data", args.data,
                "--work", str(rs), "--tasks", "llama8b_cache", "--prompts", str(args.run_prompts),
@@ -60,7 +62,7 @@ def trained(args) -> tuple[Path, dict]:
                "--generate-backend", "transformers", "--scale", "tiny" if args.smoke else "full"]  # fmt: skip
         with open(Path(args.work) / "run.log", "w") as fh:
             subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        got = json.loads(results.read_text()).get("llama8b_cache", {}) if results.exists() else {}
+        got = entry()
     if got.get("rc") != 0:
         raise SystemExit(
             f"the 8B-shaped run failed: see {Path(args.work) / 'run.log'} and {rs}/llama8b_cache.log"
@@ -69,8 +71,7 @@ def trained(args) -> tuple[Path, dict]:
 
 
 def started(srv) -> float:
-    """Start ``srv`` (a vLLM server, served as ``llama8b-shape``) and return the seconds it took to answer."""
-    srv.served_name = "llama8b-shape"
+    """Start ``srv`` (a vLLM server) and return the seconds it took to answer."""
     t0 = time.time()
     srv.start(1200)
     return round(time.time() - t0, 1)
@@ -81,7 +82,7 @@ def measure(args, run: Path) -> dict:
     ``<work>/diagnose`` and ``<work>/bench``; returns their exit codes, the servers' start times and the
     records."""
     work, drafter = Path(args.work), run / "drafter"
-    target = Path(args.work) / "rs" / "targets" / "llama8b"
+    target = work / "rs" / "targets" / "llama8b"
     times_path = work / "servers.json"
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     spec_cfg = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": args.k}
@@ -90,7 +91,7 @@ def measure(args, run: Path) -> dict:
     spec = plain = None
     try:
         if not (diag_done and bench_done):
-            spec = server(args, target, work / "spec.log", spec_cfg)
+            spec = server(args, target, work / "spec.log", spec_cfg, NAME)
             times["speculative_start_s"] = started(spec)
         if not diag_done:
             t0 = time.time()
@@ -100,7 +101,7 @@ def measure(args, run: Path) -> dict:
                                          work / "diagnose.log")  # fmt: skip
             times["diagnose_s"] = round(time.time() - t0, 1)
         if not bench_done:
-            plain = server(args, target, work / "plain.log", None)
+            plain = server(args, target, work / "plain.log", None, NAME)
             times["plain_start_s"] = started(plain)
             t0 = time.time()
             times["bench_exit"] = cli(["bench", "--base-url", spec.url, "--baseline-url", plain.url + "/v1",
