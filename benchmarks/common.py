@@ -90,8 +90,8 @@ def train_variant(
     if vcfg.drafter.variant == "dflash":
         import torch
 
-        from eagle3kit.model.dflash_folder import write_dflash
-        from eagle3kit.train.dflash_stage import load_dflash_checkpoint
+        from eagle3kit.drafters.dflash.folder import write_dflash
+        from eagle3kit.drafters.dflash.trainer import load_dflash_checkpoint
 
         write_dflash(load_dflash_checkpoint(best)[0], vdir / "drafter", "vllm", torch.float32)
     else:
@@ -168,8 +168,8 @@ def heldout_tau(
 
     sets = heldout_sets(run, target, shared, eval_tokens, eval_prompts)
     out = dict(done or {})
-    from eagle3kit.eval.dflash_eval import dflash_taus
-    from eagle3kit.model.dflash_folder import is_dflash_folder, read_dflash
+    from eagle3kit.drafters.dflash.evaluate import dflash_taus
+    from eagle3kit.drafters.dflash.folder import is_dflash_folder, read_dflash
 
     for name, folder in drafters.items():
         if name in out:

@@ -5,7 +5,7 @@ For each drafter named in ``--faults`` (trained by serving_gpu.py's first stage)
 folder with one fault written in — for an EAGLE drafter the aux ids one layer later, d2t removed, fc
 removed, norm_before_residual flipped (:func:`eagle3kit.diagnose.faults.plant_in_folder`); for a DFlash
 drafter every target layer id one later and the mask token set to 0
-(:func:`eagle3kit.diagnose.dflash.plant_dflash_in_folder`) — each served alone at K 3 and diagnosed by the
+(:func:`eagle3kit.drafters.dflash.faults.plant_dflash_in_folder`) — each served alone at K 3 and diagnosed by the
 CLI given the drafter as trained, on the bench prompts sent one at a time. Then ``eagle3kit bench --compare``
 of the first two drafters' bench records at the smallest K. Records kept in ``<work>/<drafter>-fault-<name>/``
 and read back on a rerun; the results JSON is written after every fault."""
@@ -24,7 +24,7 @@ FAULT_K = 3
 def faults_of(drafter: Path) -> tuple[str, ...]:
     """The faults planted for the exported folder ``drafter``: DFlash's for a DFlash folder (either layout;
     the plants write vLLM's ``dflash_config``), else EAGLE's."""
-    from eagle3kit.model.dflash_folder import is_dflash_folder
+    from eagle3kit.drafters.dflash.folder import is_dflash_folder
 
     return DFLASH_FAULTS if is_dflash_folder(drafter) else EAGLE_FAULTS
 
@@ -34,8 +34,8 @@ def plant(drafter: Path, out: Path, fault: str) -> Path:
     it, so ``out`` is either whole or absent; a whole one is kept on a rerun, a leftover partial copy replaced."""
     import shutil
 
-    from eagle3kit.diagnose.dflash import plant_dflash_in_folder
     from eagle3kit.diagnose.faults import plant_in_folder
+    from eagle3kit.drafters.dflash.faults import plant_dflash_in_folder
 
     if out.is_dir() and (out / "config.json").exists():
         return out

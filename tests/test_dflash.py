@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from eagle3kit.core.config import Config, ConfigError
-from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter, block_inputs, block_mask
-from eagle3kit.model.dflash_folder import read_dflash, read_dflash_config, write_dflash
-from eagle3kit.model.target import default_target_layer_ids
+from eagle3kit.drafters.dflash.folder import read_dflash, read_dflash_config, write_dflash
+from eagle3kit.drafters.dflash.network import (
+    DFlashConfig,
+    DFlashDrafter,
+    block_inputs,
+    block_mask,
+    default_target_layer_ids,
+)
 
 V, H, BLOCK, MASK = 320, 64, 4, 5
 pytest.importorskip("speculators")
@@ -212,7 +217,7 @@ def test_all_blocks_drafted_at_once_equal_each_block_drafted_alone():
     block sees when drafted alone (the context before its bonus token, its own k + 1 positions)."""
     import types
 
-    from eagle3kit.train.dflash import block_drafts, draft_block
+    from eagle3kit.drafters.dflash.objective import block_drafts, draft_block
 
     d = _ours()
     g = torch.Generator().manual_seed(7)

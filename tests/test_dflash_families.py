@@ -16,12 +16,12 @@ from conftest import gsm8k_token_samples
 
 from eagle3kit.core.config import TargetConfig
 from eagle3kit.core.config_train import DrafterVariantConfig
-from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
-from eagle3kit.model.dflash_folder import read_dflash, write_dflash
+from eagle3kit.drafters.dflash.folder import read_dflash, write_dflash
+from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
+from eagle3kit.drafters.dflash.objective import dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.model.target import load_target, resolve_aux_layer_ids
 from eagle3kit.serve.check import check_drafter
 from eagle3kit.train.batches import Sample
-from eagle3kit.train.dflash import dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.samples import compute_features, mask_token
 
 BLOCK, STEPS, LENGTH = 4, 30, 80  # tokens of each conversation kept: the second half supervised

@@ -541,8 +541,8 @@ def dflash_dir(tiny_target_dir, tmp_path_factory):
     tiny 8-layer Llama target, in vLLM's layout, float32, random."""
     from transformers import AutoConfig
 
-    from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
-    from eagle3kit.model.dflash_folder import write_dflash
+    from eagle3kit.drafters.dflash.folder import write_dflash
+    from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
     tc = AutoConfig.from_pretrained(tiny_target_dir)
@@ -555,8 +555,8 @@ def dflash_dir(tiny_target_dir, tmp_path_factory):
 def test_the_dflash_hypotheses_are_the_layer_shifts_the_causal_block_and_other_mask_tokens(
     dflash_dir, smollm2_tokenizer
 ):
-    from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults
-    from eagle3kit.model.dflash_folder import read_dflash
+    from eagle3kit.drafters.dflash.faults import dflash_applicable, dflash_faults
+    from eagle3kit.drafters.dflash.folder import read_dflash
 
     d = read_dflash(dflash_dir)
     cfg = {"mask_token_id": 7, "dflash_config": {"mask_token_id": 5}}  # a top-level id vLLM would not read
@@ -580,7 +580,7 @@ def test_the_dflash_hypotheses_are_the_layer_shifts_the_causal_block_and_other_m
 def _shifted(d, target_layer_ids):
     import dataclasses
 
-    from eagle3kit.model.dflash import DFlashDrafter
+    from eagle3kit.drafters.dflash.network import DFlashDrafter
 
     return DFlashDrafter(dataclasses.replace(d.cfg, target_layer_ids=target_layer_ids))
 
@@ -592,12 +592,12 @@ def test_each_dflash_fault_drafts_what_the_folder_with_it_planted_drafts(
     read from a folder with that fault written in drafts (layers one later; mask token 0), and differs
     from the drafter as trained; the causal block changes the drafts, and `check` names it planted."""
     from eagle3kit.core.config import TargetConfig
-    from eagle3kit.diagnose.dflash import plant_dflash_in_folder
     from eagle3kit.diagnose.simulate import capture_sequences
-    from eagle3kit.model.dflash_folder import read_dflash
+    from eagle3kit.drafters.dflash.faults import plant_dflash_in_folder
+    from eagle3kit.drafters.dflash.folder import read_dflash
+    from eagle3kit.drafters.dflash.objective import block_drafts
     from eagle3kit.model.target import load_target
     from eagle3kit.serve.check import check_drafter
-    from eagle3kit.train.dflash import block_drafts
 
     target = load_target(TargetConfig(model=str(tiny_target_dir), dtype="float32"), device="cpu")
     d = read_dflash(dflash_dir).eval()

@@ -29,8 +29,8 @@ from eagle3kit.core.engines import (
 )
 from eagle3kit.core.rundir import RunDir
 from eagle3kit.data.sources import read_source
-from eagle3kit.diagnose.dflash import plant_dflash_in_folder
 from eagle3kit.diagnose.faults import plant_in_folder
+from eagle3kit.drafters.dflash.faults import plant_dflash_in_folder
 
 pytestmark = [
     pytest.mark.vllm,

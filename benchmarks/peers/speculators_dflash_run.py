@@ -25,7 +25,7 @@ autocast, flex attention, gradient clip 1. Its loss runs unfused (``--loss-imple
 fused Triton kernel stops under the GPU image's torch 2.11 compile. Its final epoch is measured (no best checkpoint).
 
 eagle3kit's ``run_import`` reads EAGLE-3 layouts only; a DFlash folder of speculators' layout is read
-by ``eagle3kit.model.dflash_folder.read_dflash`` (which ``heldout_tau`` uses) and checked with
+by ``eagle3kit.drafters.dflash.folder.read_dflash`` (which ``heldout_tau`` uses) and checked with
 ``eagle3kit.serve.check.check_drafter``, so the checkpoint is copied to ``vdir/drafter``, checked and
 measured as it is.
 """
@@ -97,7 +97,7 @@ def train_speculators_dflash(args, key: str, vdir: Path, heldout_tau, open_run, 
     (``speculators_dflash:SEED``); returns the row's result (written to ``vdir/result.json`` by the
     caller)."""
     from eagle3kit.data.tokenize import load_shard
-    from eagle3kit.model.dflash_folder import read_dflash
+    from eagle3kit.drafters.dflash.folder import read_dflash
     from eagle3kit.model.target import resolve_aux_layer_ids
     from eagle3kit.serve.check import check_drafter
     from eagle3kit.train.batches import Sample

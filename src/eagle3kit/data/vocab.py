@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from eagle3kit.core.config import Config, ConfigError
+from eagle3kit.core.kinds import kind_for_config
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import DataError, RunDir, require_free, sha256_tensors
 from eagle3kit.core.ui import console
@@ -123,9 +124,10 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     with warnings.catch_warnings(record=True) as said:  # a console line for the user, not a Python warning
         warnings.simplefilter("always")
         vocab, stats = build_draft_vocab(counts, cfg.vocab.draft_vocab_size, keep)
-    if cfg.drafter.variant == "dflash":  # its drafter predicts over the target's whole vocabulary
+    kind = kind_for_config(cfg)
+    if kind.whole_vocab:
         console.print(
-            "vocab: a DFlash drafter predicts over the target's whole vocabulary and does not use this one"
+            f"vocab: the {kind.name} drafter predicts over the target's whole vocabulary and does not use this one"
         )
     else:
         for w in said:

@@ -7,17 +7,14 @@ import json
 import os
 from pathlib import Path
 
+from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.core.rundir import DataError
 from eagle3kit.core.ui import console
 from eagle3kit.diagnose.simulate import Sequences, Simulated
-from eagle3kit.model.dflash import DFlashDrafter
-from eagle3kit.model.drafter import Eagle3Drafter
 
 
-def advice(
-    drafter: Eagle3Drafter | DFlashDrafter, ref: Simulated, seqs: Sequences, categories: list[str]
-) -> dict:
-    """Where the drafter loses on the served text and what would raise its τ.
+def advice(kind: DrafterKind, drafter, ref: Simulated, seqs: Sequences, categories: list[str]) -> dict:
+    """Where the drafter (of ``kind``) loses on the served text and what would raise its τ.
 
     * per position: cumulative a_k and conditional α_k = a_k / a_{k−1} (docs/architecture.md, engines), and the
       draft position where most verify steps stop (from the accepted-count histogram);
@@ -36,12 +33,8 @@ def advice(
         cats[c] = {"prompts": len(sts), "tau": round(1 + acc / drafts, 4) if drafts else None}
     outs = [seqs.ids[i][seqs.first[i] :] for i in range(len(seqs.ids))]
     total = sum(int(o.numel()) for o in outs)
-    dflash = isinstance(drafter, DFlashDrafter)  # drafts from the whole vocabulary
-    if not dflash and drafter.config.draft_vocab_size < drafter.config.vocab_size:
-        t2d = drafter.t2d.cpu()
-        inside = sum(int(t2d[o].sum()) for o in outs)
-    else:
-        inside = total
+    t2d = kind.draft_vocab_mask(drafter)  # None: it drafts from the target's whole vocabulary
+    inside = sum(int(t2d[o].sum()) for o in outs) if t2d is not None else total
     coverage = inside / total if total else None
     hints = []
     hist = ref.stats.hist
@@ -49,15 +42,10 @@ def advice(
         # a step that accepted exactly j drafts stopped at draft position j + 1 (all K accepted: none)
         stop = max(range(len(hist) - 1), key=lambda j: hist[j])
         share = hist[stop] / ref.stats.drafts
-        later = (
-            "a larger drafter.gamma weights the block's later slots more in training"
-            if dflash
-            else "more TTT steps (train.ttt_steps) train the later positions"
-        )
         why = (
             "the first draft is the weakest: more training data or epochs raise step-0 accuracy"
             if stop == 0
-            else later
+            else kind.later_positions_hint
         )
         hints.append(f"{share:.0%} of verify steps stop at draft position {stop + 1}; {why}")
     if coverage is not None and coverage < 0.98:

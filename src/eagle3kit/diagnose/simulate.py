@@ -1,4 +1,4 @@
-"""eagle3kit's side of a diagnosis: greedy-chain acceptance simulated on exactly the sequences
+"""eagle3kit's side of a diagnosis: greedy acceptance simulated on exactly the sequences
 the engine produced (its prompt ids and its greedy output), for the drafter as given and for each
 planted fault (:mod:`eagle3kit.diagnose.faults`), and the comparison with the engine's counters.
 
@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.ui import progress
-from eagle3kit.model.dflash import DFlashDrafter
-from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.target import Target, capture_layer_inputs
-from eagle3kit.train.acceptance import simulate_sequence
-from eagle3kit.train.dflash import block_stats
 
 
 @dataclass
@@ -80,37 +77,25 @@ class Simulated:
         }
 
 
-def drafter_aux_ids(drafter: Eagle3Drafter | DFlashDrafter) -> list[int]:
-    """The target states ``drafter`` reads, as HF ``output_hidden_states`` indices (docs/conventions.md, layer ids)."""
-    return list(
-        drafter.cfg.aux_layer_ids if isinstance(drafter, DFlashDrafter) else drafter.config.aux_layer_ids
-    )
-
-
 def simulate_on(
-    drafter: Eagle3Drafter | DFlashDrafter,
+    kind: DrafterKind,
+    drafter,
     target: Target,
     seqs: Sequences,
     k: int,
     layer_ids: list[int],
     aux=None,
-    mask_token_id: int | None = None,
-    causal: bool = False,
+    engine: dict | None = None,
 ) -> Simulated:
-    """Greedy acceptance of ``drafter`` reading ``layer_ids`` on every sequence (or the aux states
-    ``aux[i]`` [T, n·Ht] of another source, an engine's capture): chain drafting for the EAGLE-3
-    family, block drafting (``k`` slots after the bonus token, one forward) for DFlash, where
-    ``mask_token_id`` and ``causal`` simulate an engine that fills or attends the block otherwise
-    (:func:`eagle3kit.train.dflash.block_stats`)."""
+    """Greedy acceptance of ``drafter`` (of ``kind``) reading ``layer_ids`` on every sequence (or the
+    aux states ``aux[i]`` [T, n·Ht] of another source, an engine's capture), drafted as the kind drafts
+    (:meth:`~eagle3kit.core.kinds.DrafterKind.simulate`: a chain for the EAGLE-3 family, one block a step
+    for a block drafter), run as an engine with ``engine`` (a faulty engine's settings, from the kind's ``planted``)."""
     pooled, per = AcceptanceStats(k), []
-    dflash = isinstance(drafter, DFlashDrafter)
-    dev = drafter.fc.weight.device
+    dev = next(drafter.parameters()).device
     for i, ids in enumerate(seqs.ids):
         a = aux[i] if aux is not None else seqs.aux(i, layer_ids)
-        if dflash:
-            st = block_stats(drafter, target, a.to(dev), ids.to(dev), seqs.first[i], k, mask_token_id, causal)
-        else:
-            st = simulate_sequence(drafter, target, ids, seqs.mask(i), a, k, dev)
+        st = kind.simulate(drafter, target, ids, seqs.mask(i), seqs.first[i], a, k, dev, engine or {})
         pooled.merge(st)
         per.append(st)
     return Simulated(pooled, per)

@@ -27,10 +27,9 @@ from pathlib import Path
 import httpx
 
 from eagle3kit.core.config import Config, TargetConfig
+from eagle3kit.core.kinds import kind_for_folder
 from eagle3kit.data.backends import render_prompt_ids
-from eagle3kit.diagnose.dflash import dflash_applicable, dflash_faults, dflash_planted
 from eagle3kit.diagnose.engine import EngineError, EngineRun, measure_engine
-from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
 from eagle3kit.diagnose.record import (
     DiagnoseError,
     check_record_answers,
@@ -44,16 +43,10 @@ from eagle3kit.diagnose.simulate import (
     Sequences,
     capture_sequences,
     compare,
-    drafter_aux_ids,
     engine_per_prompt_tau,
     explains,
     simulate_on,
 )
-from eagle3kit.eval.dflash_eval import check_dflash_target
-from eagle3kit.eval.evaluate import check_drafter_target
-from eagle3kit.model.dflash import DFlashDrafter
-from eagle3kit.model.dflash_folder import is_dflash_folder, read_dflash
-from eagle3kit.model.folder import load_exported
 from eagle3kit.model.target import Target, load_target, pick_device
 from eagle3kit.serve.bench import BenchError
 from eagle3kit.serve.check import check_drafter
@@ -120,8 +113,8 @@ def run_diagnose(
         base_url, replay, prompts, config, folder, num_prompts, max_tokens, engine, model, api_key
     )
     parity = "never" if replay is not None and parity == "auto" else parity  # capturing needs the engine
-    target, drafter = _loaded(target_cfg, target, folder, pick_device(device))
-    faults = _faults(drafter, target, folder, other_vocab)
+    target, kind, drafter = _loaded(target_cfg, target, folder, pick_device(device))
+    faults = kind.faults(drafter, target.tokenizer, folder, other_vocab)
     report = _header(side, folder, target_cfg)
     timings = {"setup_s": round(time.perf_counter() - t0, 1)}
     run = _engine_run(side, report, target, chat_template, timeout)
@@ -131,7 +124,7 @@ def run_diagnose(
     report["k"] = int(round(eng["k"])) if eng["k"] else 1
 
     t1 = time.perf_counter()
-    seqs = _simulate(report, faults, drafter, target, run, side["rows"], per_e, rel_tol)
+    seqs = _simulate(report, faults, kind, drafter, target, run, side["rows"], per_e, rel_tol)
     timings["simulate_s"] = round(time.perf_counter() - t1, 1)
     agree = report["reference"]["within"]
     matched = [h for h in report["hypotheses"] if h.get("explains")]
@@ -141,7 +134,7 @@ def run_diagnose(
     ):
         # the engine's own states: the other-numerics case (and, with --parity always, a check of them)
         t2 = time.perf_counter()
-        report["numerics"] = _numerics(target_cfg, target, drafter, seqs, report, per_e, rel_tol)
+        report["numerics"] = _numerics(target_cfg, target, kind, drafter, seqs, report, per_e, rel_tol)
         timings["parity_s"] = round(time.perf_counter() - t2, 1)
     report["verdict"], report["finding"] = _verdict(report, agree, matched)
     report["timings"] = {**timings, "total_s": round(time.perf_counter() - t0, 1)}
@@ -285,62 +278,45 @@ def _checked_inputs(drafter_dir, out: Path, overwrite: bool, parity: str, engine
 
 
 def _loaded(target_cfg: TargetConfig, target: Target | None, folder: Path, dev):
-    """``(target, drafter)``: the drafter (EAGLE-3 family or DFlash) loaded strictly, checked against
-    the target, in its dtype.
+    """``(target, kind, drafter)``: the drafter of the folder's kind loaded strictly, checked against the
+    target, in its dtype.
 
     Raises:
         ConfigError, ExportError: a drafter for another target, or one that does not load."""
     target = target if target is not None else load_target(target_cfg, device=dev)
-    if is_dflash_folder(folder):
-        drafter = read_dflash(folder).to(dev).eval()
-        check_dflash_target(folder, drafter, target, target_cfg.model)
-    else:
-        drafter = load_exported(folder, device=dev, target=target_cfg).eval()
-        check_drafter_target(folder, drafter, target, target_cfg.model)
-    return target, drafter.to(target.dtype)
+    kind = kind_for_folder(folder)
+    drafter = kind.load(folder, target_cfg, target, dev)
+    return target, kind, drafter.to(target.dtype)
 
 
-def _faults(drafter, target, folder: Path, other_vocab: list[str] | None) -> list:
-    """The hypotheses for this drafter kind: :data:`FAULTS` (and ``--other-vocab`` builds) for the
-    EAGLE-3 family, :func:`eagle3kit.diagnose.dflash.dflash_faults` for DFlash.
-
-    Raises:
-        DiagnoseError: ``--other-vocab`` with a DFlash drafter (it drafts from the whole vocabulary)."""
-    if isinstance(drafter, DFlashDrafter):
-        if other_vocab:
-            raise DiagnoseError(
-                "--other-vocab: a DFlash drafter drafts from the target's whole vocabulary (no d2t); drop it"
-            )
-        return dflash_faults(drafter, target.tokenizer, json.loads((folder / "config.json").read_text()))
-    return list(FAULTS) + [other_vocab_fault(p, drafter) for p in other_vocab or []]
-
-
-def _simulate(report: dict, faults, drafter, target, run, rows, per_e, rel_tol) -> Sequences:
+def _simulate(report: dict, faults, kind, drafter, target, run, rows, per_e, rel_tol) -> Sequences:
     """The target's states on the engine's sequences (every layer a hypothesis reads), the drafter
     as trained and every fault simulated on them; fills the report's ``reference``, ``advice``,
-    ``hypotheses``, ``noise`` and ``match_rule``. Returns the sequences with their states."""
+    ``hypotheses``, ``noise`` and ``match_rule``. Returns the sequences with their states.
+
+    Raises:
+        DiagnoseError: the engine drafts more tokens a step than the drafter can."""
     k, tau_e = report["k"], report["engine"]["tau"]
-    dflash, aux_ids = isinstance(drafter, DFlashDrafter), drafter_aux_ids(drafter)
-    if dflash and k > drafter.cfg.block_size - 1:
+    aux_ids, most = kind.aux_ids(drafter), kind.max_draft(drafter)
+    if most is not None and k > most:
         raise DiagnoseError(
-            f"the engine drafts {k} tokens a step, and the drafter's block of {drafter.cfg.block_size} drafts at "
-            f"most {drafter.cfg.block_size - 1}: is the server serving this drafter?"
+            f"the engine drafts {k} tokens a step, and the drafter drafts at most {most}: is the server serving "
+            "this drafter?"
         )
-    fits = dflash_applicable if dflash else applicable
     layers = set(aux_ids)
     for f in faults:
-        if fits(f, drafter, target.num_layers) is None:
+        if kind.applicable(f, drafter, target.num_layers) is None:
             layers |= {i + f.aux_shift for i in aux_ids}
     seqs = capture_sequences(target, run.prompt_ids, run.outputs, layers)
-    ref = simulate_on(drafter, target, seqs, k, aux_ids)
+    ref = simulate_on(kind, drafter, target, seqs, k, aux_ids)
     ref_cmp = compare(tau_e, per_e, ref, rel_tol)
     report["reference"] = {**ref.as_dict(), **ref_cmp}
     report["noise"] = (
         f"engine and simulation agree when |τ_engine − τ_sim| ≤ {rel_tol:g} · τ_sim (both on the engine's own "
         "sequences, so only numerics that flip a near-tie separate them)"
     )
-    report["advice"] = advice(drafter, ref, seqs, [r.get("category") or "-" for r in rows])
-    report["hypotheses"] = _hypotheses(faults, drafter, target, seqs, k, tau_e, per_e, rel_tol)
+    report["advice"] = advice(kind, drafter, ref, seqs, [r.get("category") or "-" for r in rows])
+    report["hypotheses"] = _hypotheses(faults, kind, drafter, target, seqs, k, tau_e, per_e, rel_tol)
     for h in report["hypotheses"]:
         if "skipped" not in h:
             h["explains"] = explains(h, report["reference"])
@@ -429,34 +405,29 @@ def _client_template(path: str, target, rows: list[dict]) -> tuple[dict, list[li
     return {"mismatch": False, "method": "client rendering", "checked": len(rows)}, sent
 
 
-def _hypotheses(faults: list, drafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol) -> list[dict]:
+def _hypotheses(faults: list, kind, drafter, target, seqs: Sequences, k, tau_e, per_e, rel_tol) -> list[dict]:
     """Each fault simulated on the engine's sequences and compared with the engine, or ``skipped``
-    with the reason: a planted copy of an EAGLE-3 family drafter (:func:`planted`), or for DFlash the
-    drafter itself reading and filling its block as the faulty engine does (:func:`dflash_planted`)."""
-    dflash = isinstance(drafter, DFlashDrafter)
+    with the reason; what the faulty engine runs is the kind's :meth:`~eagle3kit.core.kinds.DrafterKind.planted`
+    (a planted copy of an EAGLE-3 family drafter, or a block drafter filling its block as that engine does)."""
     out = []
     for f in faults:
         head = {"name": f.name, "what": f.what, "fix": f.fix}
-        why = (dflash_applicable if dflash else applicable)(f, drafter, target.num_layers)
+        why = kind.applicable(f, drafter, target.num_layers)
         if why:
             out.append({**head, "skipped": why})
             continue
-        if dflash:
-            ids, engine = dflash_planted(f, drafter)
-            sim = simulate_on(drafter, target, seqs, k, ids, **engine)
-        else:
-            d, ids = planted(f, drafter)
-            sim = simulate_on(d, target, seqs, k, ids)
+        d, ids, engine = kind.planted(f, drafter)
+        sim = simulate_on(kind, d, target, seqs, k, ids, engine=engine)
         out.append({**head, **compare(tau_e, per_e, sim, rel_tol)})
     return out
 
 
-def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e, rel_tol) -> dict:
+def _numerics(target_cfg, target, kind, drafter, seqs: Sequences, report: dict, per_e, rel_tol) -> dict:
     """The engine's own states on the same sequences (vLLM in this process, ``extract --backend
     vllm``'s capture), their agreement with the target's per layer, and the drafter simulated on
     them, compared with the engine like the drafter as trained (``report["reference"]``)."""
     k, tau_e = report["k"], report["engine"]["tau"]
-    aux_ids = drafter_aux_ids(drafter)
+    aux_ids = kind.aux_ids(drafter)
     store = Path(os.environ.get("TMPDIR", "/tmp")) / f"eagle3kit-diagnose-{os.getpid()}"
     longest = max(int(ids.numel()) for ids in seqs.ids)
     capture = start_capture(target, aux_ids, longest, store, target_cfg.dtype)
@@ -475,7 +446,7 @@ def _numerics(target_cfg, target, drafter, seqs: Sequences, report: dict, per_e,
         mine = seqs.aux(i, aux_ids)
         agreement.add(mine.view(mine.shape[0], n, -1).float(), a.view(a.shape[0], n, -1).float().cpu())
     layers = agreement.layers()
-    sim = compare(tau_e, per_e, simulate_on(drafter, target, seqs, k, aux_ids, aux=aux), rel_tol)
+    sim = compare(tau_e, per_e, simulate_on(kind, drafter, target, seqs, k, aux_ids, aux=aux), rel_tol)
     return {
         "source": "vllm (in-process capture, extract_hidden_states)",
         "layers": layers,

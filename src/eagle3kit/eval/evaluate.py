@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.core.config import Config, ConfigError, SpecConfig
+from eagle3kit.core.kinds import kind_for_folder
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import RunDir
@@ -35,16 +36,14 @@ from eagle3kit.eval.decoder import (
     speculative_generate,
     target_generate,
 )
-from eagle3kit.eval.dflash_eval import run_evaluate_dflash
 from eagle3kit.eval.sets import (  # noqa: F401 (evaluate's own names, kept importable)
-    _chosen_sets,
     check_overlap,
+    chosen_sets,
     eval_sets,
     greedy_continuations,
     trained_prompt_rows,
     write_continuations,
 )
-from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.drafter import Eagle3Drafter
 from eagle3kit.model.fasttarget import FastTarget
 from eagle3kit.model.folder import load_exported
@@ -226,14 +225,31 @@ def run_evaluate(
             something it was built from changed since (see :mod:`eagle3kit.core.lineage`).
         ConfigError: the drafter was trained for another target.
     """
+    mode, k = mode or cfg.evaluate.mode, k or cfg.evaluate.k
+    folder = Path(drafter_dir) if drafter_dir else run.path / "drafter"
+    return kind_for_folder(folder).evaluate(
+        cfg, run, target, folder, bool(drafter_dir), mode, k, only_sets, section
+    )
+
+
+def evaluate_chain_drafter(
+    cfg: Config,
+    run: RunDir,
+    target: Target | None,
+    folder: Path,
+    given: bool,
+    mode: str,
+    k: int,
+    only_sets: list[str] | None,
+    section: str,
+) -> dict:
+    """:func:`run_evaluate` for an EAGLE-3 family folder (its kind's
+    :meth:`~eagle3kit.core.kinds.DrafterKind.evaluate`); ``given``: a folder named by the user, whose
+    lineage is not the run's."""
     ec = cfg.evaluate
-    mode, k = mode or ec.mode, k or ec.k
     device = pick_device(ec.device)
-    dflash_folder = Path(drafter_dir) if drafter_dir else run.path / "drafter"
-    if is_dflash_folder(dflash_folder):
-        return run_evaluate_dflash(cfg, run, target, dflash_folder, bool(drafter_dir), k, only_sets, section)
     target, drafter, folder = _checked_drafter(
-        cfg, run, target, drafter_dir, device, tree=mode == "decode" and ec.draft == "tree"
+        cfg, run, target, str(folder) if given else None, device, tree=mode == "decode" and ec.draft == "tree"
     )
     train_rows = trained_prompt_rows(run)
     backend = check_backend(pick_backend(cfg.generate.backend), cfg.generate.backend, target)
@@ -247,7 +263,7 @@ def run_evaluate(
     }
     all_stats, all_base = AcceptanceStats(k), AcceptanceStats(k)
     n_prompts, identical = 0, None  # None: nothing compared (sampling)
-    for name, rows in _chosen_sets(cfg, run, only_sets).items():
+    for name, rows in chosen_sets(cfg, run, only_sets).items():
         prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
         entry: dict = {"num_prompts": len(rows), **check_overlap(train_rows, rows)}
         if mode == "simulate":

@@ -1,6 +1,6 @@
 """The evaluation sets and what ``evaluate`` does with them before any drafter runs: the held-out and
 configured prompt sets, their overlap with the training prompts, the target's greedy continuations and
-where they are written (shared by the EAGLE-3 and DFlash evaluations)."""
+where they are written (shared by every drafter kind's evaluation)."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def write_continuations(
     return path
 
 
-def _chosen_sets(cfg: Config, run: RunDir, only_sets: list[str] | None) -> dict:
+def chosen_sets(cfg: Config, run: RunDir, only_sets: list[str] | None) -> dict:
     """The evaluation sets (:func:`eval_sets`), or those named in ``only_sets``.
 
     Raises:

@@ -1,5 +1,5 @@
-"""Reading a drafter folder of any layout eagle3kit knows (its own, speculators', SpecForge's, EAGLE's,
-vLLM's DFlash layout): the layout detected from config.json, the weights renamed to eagle3kit's, the aux
+"""Reading a drafter folder of any layout eagle3kit knows of the EAGLE-3 family (its own, speculators',
+SpecForge's, EAGLE's): the layout detected from config.json, the weights renamed to eagle3kit's, the aux
 ids, variant and vocabulary maps stated or inferred, every tensor checked strictly (read_drafter)."""
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from eagle3kit.core.config import ConfigError, TargetConfig
+from eagle3kit.core.kinds import kind_for_variant
 from eagle3kit.model.target_files import (
     FINGERPRINT_FORMAT,
     fp32_export_of,
@@ -82,38 +83,24 @@ def validate_aux_layer_ids(ids: Sequence[int], num_layers: int, count: int | Non
     return ids
 
 
-def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
-    """``count`` target layers spread evenly from layer 1 to layer ``N − 3`` (DFlash's choice: for a
-    36-layer Qwen3-8B and 5 layers, ``[1, 9, 17, 25, 33]``), in DFlash's 0-based convention.
-
-    Raises:
-        ConfigError: a target too shallow for ``count`` distinct layers."""
-    first, last = 1, num_target_layers - 3
-    if count < 1 or last - first + 1 < count:
-        raise ConfigError(
-            f"a target of {num_target_layers} layers has no {count} distinct layers between 1 and "
-            f"{last}; set drafter.target_layer_ids"
-        )
-    if count == 1:
-        return [(first + last) // 2]
-    return [int(round(first + i * (last - first) / (count - 1))) for i in range(count)]
-
-
 def resolve_aux_layer_ids(cfg: TargetConfig, num_layers: int, drafter=None) -> tuple[int, ...]:
     """The aux ids in HF numbering from the config (default when unset), validated. ``drafter``: the
-    run's ``drafter`` section; a DFlash drafter reads its own layers (``target_layer_ids`` + 1, default
-    :func:`default_target_layer_ids`, one per draft layer)."""
-    if cfg.aux_layer_ids is None and drafter is not None and drafter.variant == "dflash":
-        t = drafter.target_layer_ids or default_target_layer_ids(num_layers, drafter.num_layers)
-        return validate_aux_layer_ids([i + 1 for i in t], num_layers, count=None)
+    run's ``drafter`` section; its kind may read its own layers by default
+    (:meth:`eagle3kit.core.kinds.DrafterKind.default_aux_layer_ids`) and any number of them.
+
+    Raises:
+        ConfigError: ids outside the target, unsorted, or not as many as the drafter kind reads."""
+    kind = kind_for_variant(drafter.variant) if drafter is not None else None
+    own = kind.default_aux_layer_ids(drafter, num_layers) if kind is not None else None
+    if cfg.aux_layer_ids is None and own is not None:
+        return validate_aux_layer_ids(own, num_layers, count=None)
     if cfg.aux_layer_ids is None:
         ids: Sequence[int] = default_aux_layer_ids(num_layers)
     elif cfg.aux_layer_convention == "output_of_layer":
         ids = [i + 1 for i in cfg.aux_layer_ids]
     else:
         ids = cfg.aux_layer_ids
-    dflash = drafter is not None and drafter.variant == "dflash"  # any number of layers
-    return validate_aux_layer_ids(ids, num_layers, count=None if dflash else 3)
+    return validate_aux_layer_ids(ids, num_layers, count=kind.aux_count if kind is not None else 3)
 
 
 def rope_settings(src) -> dict:

@@ -25,13 +25,13 @@ from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.engines import (
     uses_mla,
 )
+from eagle3kit.core.kinds import kind_for_folder
 from eagle3kit.model.contract import (
     DrafterImportError,
     drafter_fields,
     engine_variant,
     served_config,
 )
-from eagle3kit.model.dflash_folder import is_dflash_folder
 from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
 from eagle3kit.model.target_files import load_target_config, target_architectures
 from eagle3kit.serve.check_folder import (
@@ -45,7 +45,6 @@ from eagle3kit.serve.check_folder import (
     is_int,
     read_folder,
 )
-from eagle3kit.serve.dflash_check import check_dflash
 from eagle3kit.serve.engine_rules import (
     SGLANG_AUX_RULE,
     parse_version,
@@ -113,10 +112,9 @@ def check_drafter(
     num_speculative_tokens: int | None = None,
 ) -> list[Finding]:
     """All findings for serving ``drafter_dir`` beside ``target`` on ``engine``; empty = servable.
-    A DFlash folder is checked by :func:`eagle3kit.serve.dflash_check.check_dflash` (its block against
-    ``num_speculative_tokens``).
-
-    The checks run in this order, each a function below: the folder's files, the config's fields,
+    The folder's drafter kind (:func:`eagle3kit.core.kinds.kind_for_folder`) applies its own rules; for
+    the EAGLE-3 family (:func:`check_chain_folder`) the checks run in this order, each a function below:
+    the folder's files, the config's fields,
     the drafter generation and widths, the tensors against the contract, the vocab maps, positions
     and rope, the aux ids, then what the engine (release, layout, target class) supports.
 
@@ -132,8 +130,20 @@ def check_drafter(
     ]
     if missing:
         return missing
-    if is_dflash_folder(d):
-        return check_dflash(d, load_target_config(target)[1], num_speculative_tokens, engine)
+    return kind_for_folder(d).check(d, target, engine, engine_version, max_model_len, num_speculative_tokens)
+
+
+def check_chain_folder(
+    d: Path,
+    target: TargetConfig,
+    engine: str = "vllm",
+    engine_version: str | None = None,
+    max_model_len: int | None = None,
+    num_speculative_tokens: int | None = None,
+) -> list[Finding]:
+    """:func:`check_drafter` for an EAGLE-3 family folder whose files exist (its kind's
+    :meth:`~eagle3kit.core.kinds.DrafterKind.check`)."""
+    cfg_path, st_path = d / "config.json", d / "model.safetensors"
     try:
         folder = read_folder(cfg_path, st_path)
     except Exception as e:

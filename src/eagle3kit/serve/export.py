@@ -18,21 +18,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from eagle3kit.core.config import Config
+from eagle3kit.core.kinds import kind_for_checkpoint, kind_for_folder
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
 from eagle3kit.model.contract import FORMATS, ExportError
-from eagle3kit.model.dflash_folder import write_dflash
 from eagle3kit.model.folder import export_drafter
 from eagle3kit.model.folder_read import read_drafter
 from eagle3kit.model.target import load_target
 from eagle3kit.model.target_export import serving_folder
 from eagle3kit.model.target_files import load_target_config, locate_target, target_architectures
 from eagle3kit.train.checkpoints import checkpoint_provenance, load_drafter_checkpoint
-from eagle3kit.train.dflash_stage import is_dflash_checkpoint, load_dflash_checkpoint
 
 
 def run_export(
@@ -59,17 +56,8 @@ def run_export(
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
     consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
-    if src.is_file() and is_dflash_checkpoint(src):
-        return _export_dflash(
-            cfg, run, src, consumed, out_dir, overwrite, set_aside_existing, fmt, verifier, target
-        )
-    if src.is_dir():  # a drafter folder (any layout eagle3kit imports): re-export it
-        imp = read_drafter(src, target=cfg.target)
-        drafter, prov = imp.drafter, dict(imp.provenance)
-    else:
-        drafter = load_drafter_checkpoint(src)
-        prov = checkpoint_provenance(src)  # what this checkpoint was trained with, not what the run dir says
-        prov["checkpoint_sha256"] = sha256_tensors(src)
+    kind = kind_for_checkpoint(src) if src.is_file() else kind_for_folder(src)
+    drafter, prov = kind.read_checkpoint(src, cfg.target)
     out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
     if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
         raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
@@ -92,21 +80,12 @@ def run_export(
         return res
     if set_aside_existing and out.is_dir() and any(out.iterdir()):
         console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
-    out = export_drafter(
-        drafter,
-        out,
-        prov,
-        overwrite=overwrite,
-        fmt=fmt,
-        verifier=verifier_cfg,
-        num_speculative_tokens=cfg.evaluate.k,
-    )
+    about = kind.write_folder(drafter, out, prov, fmt, verifier_cfg, overwrite, cfg.evaluate.k)
     res = {
         "path": str(out),
         "format": fmt,
         "model_sha256": sha256_tensors(out / "model.safetensors"),
-        "draft_vocab_size": drafter.config.draft_vocab_size,
-        "vocab_size": drafter.config.vocab_size,
+        **about,
     }
     run.record_stage(
         _stage(fmt),
@@ -115,6 +94,27 @@ def run_export(
         *_lineage(run, out, consumed, res["model_sha256"]),
     )
     return res
+
+
+def read_chain_checkpoint(src: Path, target_cfg) -> tuple:
+    """``(drafter, provenance)`` of an EAGLE-3 family checkpoint, or of a drafter folder of any layout
+    eagle3kit imports (re-exported); the provenance is what the checkpoint was trained with, not what
+    the run directory says now."""
+    if src.is_dir():
+        imp = read_drafter(src, target=target_cfg)
+        return imp.drafter, dict(imp.provenance)
+    prov = checkpoint_provenance(src)
+    prov["checkpoint_sha256"] = sha256_tensors(src)
+    return load_drafter_checkpoint(src), prov
+
+
+def write_chain_folder(drafter, out: Path, prov: dict, fmt: str, verifier, overwrite: bool, k: int) -> dict:
+    """The EAGLE-3 family's serving folder (:func:`eagle3kit.model.folder.export_drafter`); returns its
+    vocabulary sizes for the report."""
+    export_drafter(
+        drafter, out, prov, overwrite=overwrite, fmt=fmt, verifier=verifier, num_speculative_tokens=k
+    )
+    return {"draft_vocab_size": drafter.config.draft_vocab_size, "vocab_size": drafter.config.vocab_size}
 
 
 def speculators_verifier(cfg: Config, name_or_path: str | None = None, target=None) -> dict:
@@ -181,40 +181,3 @@ def _lineage(run: RunDir, out: Path, consumed: dict | None, model_sha: str) -> t
 
 def _stage(fmt: str) -> str:
     return "export" if fmt == "dual" else f"export-{fmt}"
-
-
-def _export_dflash(
-    cfg, run, src, consumed, out_dir, overwrite, set_aside_existing, fmt, verifier, target
-) -> dict:
-    """:func:`run_export` for a DFlash checkpoint: ``dual`` writes the layout vLLM's ``DFlashDraftModel``
-    loads (z-lab's), ``speculators`` speculators' DFlash layout naming its verifier
-    (:mod:`eagle3kit.model.dflash_folder`)."""
-    drafter, prov = load_dflash_checkpoint(src)
-    prov["checkpoint_sha256"] = sha256_tensors(src)
-    out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
-    if out.resolve() == src.resolve():
-        raise ExportError(f"--out {out} is the source checkpoint; give another folder")
-    verifier_cfg = speculators_verifier(cfg, verifier, target) if fmt == "speculators" else None
-    if not overwrite and _up_to_date(out, fmt, prov["checkpoint_sha256"], verifier_cfg if verifier else None):
-        res = {"path": str(out), "format": fmt, "up_to_date": True}
-    else:
-        if out.is_dir() and any(out.iterdir()):
-            if set_aside_existing:
-                console.print(f"[yellow]export: {out} held another drafter; moved it to {set_aside(out)}")
-            elif not overwrite:
-                raise FileExistsError(f"{out} holds another drafter; pass --overwrite or another --out")
-        write_dflash(
-            drafter,
-            out,
-            "vllm" if fmt == "dual" else "speculators",
-            torch.float32,
-            verifier=verifier_cfg,
-            provenance=prov,
-        )
-        res = {"path": str(out), "format": fmt, "drafter": "dflash", "block_size": drafter.cfg.block_size}
-    sha = sha256_tensors(out / "model.safetensors")
-    res["model_sha256"] = sha
-    run.record_stage(
-        _stage(fmt), {"checkpoint": prov["checkpoint_sha256"]}, res, *_lineage(run, out, consumed, sha)
-    )
-    return res

@@ -1,4 +1,4 @@
-"""What ``check`` reports: one :class:`Finding` per fault (shared by the EAGLE-3 and DFlash checks)."""
+"""What ``check`` reports: one :class:`Finding` per fault (shared by every drafter kind's checks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the EAGLE-3 and DFlash trainers share: the target states of every sample from one target pass
+"""What the trainers of every drafter kind share: the target states of every sample from one target pass
 (:func:`compute_features`), the parallel-drafting mask token (:func:`mask_token`) and the settings a run's
 resume hashes (:func:`trained_settings`)."""
 
@@ -11,6 +11,7 @@ import torch
 
 from eagle3kit.core.config import Config, ConfigError
 from eagle3kit.core.config_train import DrafterVariantConfig
+from eagle3kit.core.kinds import kind_for_config, kind_for_variant
 from eagle3kit.core.ui import progress
 from eagle3kit.model.target import (
     Target,
@@ -102,7 +103,7 @@ def compute_features(
 
 
 def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
-    """The mask token of parallel drafting (P-EAGLE's slots; DFlash's block): a token the drafter must
+    """The mask token of parallel drafting (P-EAGLE's slots, a block drafter's block): a token the drafter must
     never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids),
     else the smallest id that never occurs there and is no special token of ``tokenizer``.
 
@@ -175,9 +176,10 @@ def trained_settings(cfg: Config) -> dict:
     # where the states live does not change what is trained (the memory plan may move them between runs):
     # hashed as the true every run before it named places had, so those runs resume
     out["feature_cache"] = True
-    if cfg.drafter.variant == "dflash" or cfg.drafter.model_dump(
+    default = DrafterVariantConfig()
+    if kind_for_config(cfg) is not kind_for_variant(default.variant) or cfg.drafter.model_dump(
         exclude={"variant"}
-    ) != DrafterVariantConfig().model_dump(exclude={"variant"}):
+    ) != default.model_dump(exclude={"variant"}):
         out["drafter"] = cfg.drafter.model_dump(mode="json")
     return out
 

@@ -33,6 +33,7 @@ import torch
 
 from eagle3kit.core.config import Config, ConfigError
 from eagle3kit.core.config_train import variant_name
+from eagle3kit.core.kinds import kind_for_config
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import (
@@ -68,7 +69,6 @@ from eagle3kit.train.checkpoints import (
     init_from_drafter,
     save_drafter_checkpoint,
 )
-from eagle3kit.train.dflash_stage import run_dflash_train
 from eagle3kit.train.distributed import full_state, init_world, load_full_state, parallel_mode
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
@@ -325,21 +325,16 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
         supervised tokens. DataError: another ``eagle3kit train`` holds this run directory (rank 0
         holds ``.train.lock`` while it trains, so two trainings never write the same checkpoints).
     """
-    if cfg.drafter.variant == "dflash":  # its own network and objective (eagle3kit.train.dflash_stage)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                "a DFlash drafter trains in one process for now: run `eagle3kit train` without torchrun"
-            )
-        with run.lock("train"):
-            return run_dflash_train(cfg, run, target)
+    kind = kind_for_config(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the other ranks write nothing of their own
-        return _run_train(cfg, run, target)
+        return kind.train(cfg, run, target)
     with run.lock("train"):
-        return _run_train(cfg, run, target)
+        return kind.train(cfg, run, target)
 
 
-def _run_train(cfg: Config, run: RunDir, target: Target | None) -> dict:
-    """The stage as named steps (:class:`_Training` holds what they share)."""
+def train_chain_drafter(cfg: Config, run: RunDir, target: Target | None) -> dict:
+    """Stage ``train`` for the EAGLE-3 family (its kind's :meth:`~eagle3kit.core.kinds.DrafterKind.train`),
+    as named steps (:class:`_Training` holds what they share)."""
     t = _Training(cfg, run, target)  # resolve inputs: files, vocab, target, samples, features, split
     t.build()  # the drafter, init_from, optimizer and schedule
     t.restore()  # resume from checkpoints/last.*, or set foreign ones aside
@@ -357,7 +352,7 @@ def _run_train(cfg: Config, run: RunDir, target: Target | None) -> dict:
 
 
 class _Training:
-    """One ``train`` run's state, shared by the steps of :func:`_run_train`.
+    """One ``train`` run's state, shared by the steps of :func:`train_chain_drafter`.
 
     Attributes set by ``__init__`` (resolved inputs): ``world``, ``device``, ``speed``, ``target``,
     ``vocab``, ``aux_ids``, ``samples`` (every sample with a supervised token), ``train``/``val``

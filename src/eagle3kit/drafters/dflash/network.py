@@ -30,12 +30,29 @@ from torch import nn
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.model.drafter import RMSNorm, Rotary, apply_rotary
-from eagle3kit.model.target import default_target_layer_ids, rope_settings
+from eagle3kit.model.target import rope_settings
 
 #: block size of the newer public DFlash drafters (Kimi-K2.5's, speculators' default); the first used 16
 DEFAULT_BLOCK_SIZE = 8
 #: draft layers of the public Qwen3-8B drafter (z-lab); Kimi-K2.5's has 6
 DEFAULT_LAYERS = 5
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` target layers spread evenly from layer 1 to layer ``N − 3`` (DFlash's choice: for a
+    36-layer Qwen3-8B and 5 layers, ``[1, 9, 17, 25, 33]``), in DFlash's 0-based convention.
+
+    Raises:
+        ConfigError: a target too shallow for ``count`` distinct layers."""
+    first, last = 1, num_target_layers - 3
+    if count < 1 or last - first + 1 < count:
+        raise ConfigError(
+            f"a target of {num_target_layers} layers has no {count} distinct layers between 1 and "
+            f"{last}; set drafter.target_layer_ids"
+        )
+    if count == 1:
+        return [(first + last) // 2]
+    return [int(round(first + i * (last - first) / (count - 1))) for i in range(count)]
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Stage ``train`` for ``drafter.variant: dflash``: the DFlash drafter (:mod:`eagle3kit.model.dflash`)
-trained with its block objective (:mod:`eagle3kit.train.dflash`) on the run's tokens, its target states
+"""Stage ``train`` for ``drafter.variant: dflash``: the DFlash drafter (:mod:`eagle3kit.drafters.dflash.network`)
+trained with its block objective (:mod:`eagle3kit.drafters.dflash.objective`) on the run's tokens, its target states
 from stored features (``train.features``, extracted for the DFlash layers) or from the target loaded
 here.
 
@@ -26,7 +26,14 @@ from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import DataError, RunDir, open_safetensors, sha256_tensors
 from eagle3kit.core.ui import console, progress
 from eagle3kit.data.tokenize import load_shard
-from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
+from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
+from eagle3kit.drafters.dflash.objective import (
+    default_gamma,
+    dflash_batch,
+    dflash_loss,
+    pick_anchors,
+    simulate_block_tau,
+)
 from eagle3kit.model.target import (
     chat_template_hash,
     load_target,
@@ -36,7 +43,6 @@ from eagle3kit.model.target import (
 )
 from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.train.batches import Sample, length_batches
-from eagle3kit.train.dflash import default_gamma, dflash_batch, dflash_loss, pick_anchors, simulate_block_tau
 from eagle3kit.train.extract import feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.memory import print_plan, training_plan

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.model.dflash import DFlashConfig, DFlashDrafter
+from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
 from eagle3kit.model.target import rope_settings
 
 #: the Qwen3 layer fields both layouts carry
@@ -131,16 +131,21 @@ def write_dflash(
     return folder
 
 
+def is_dflash_config(config: dict) -> bool:
+    """Whether a drafter folder's ``config.json`` (as a dict) is a DFlash drafter's (either layout)."""
+    return (
+        "DFlashDraftModel" in (config.get("architectures") or [])
+        or config.get("speculators_model_type") == "dflash"
+    )
+
+
 def is_dflash_folder(folder: str | Path) -> bool:
     """Whether ``folder`` holds a DFlash drafter's ``config.json`` (either layout)."""
     try:
         cfg = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and (
-        "DFlashDraftModel" in (cfg.get("architectures") or [])
-        or cfg.get("speculators_model_type") == "dflash"
-    )
+    return isinstance(cfg, dict) and is_dflash_config(cfg)
 
 
 def read_dflash_config(config: dict, where: str = "config.json") -> DFlashConfig:

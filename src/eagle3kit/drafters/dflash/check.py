@@ -12,8 +12,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.model.dflash import DFlashDrafter
-from eagle3kit.model.dflash_folder import read_dflash_config
+from eagle3kit.drafters.dflash.folder import read_dflash_config
+from eagle3kit.drafters.dflash.network import DFlashDrafter
 from eagle3kit.serve.findings import Finding
 
 #: head sizes the CPU build's attention runs (``vllm/v1/attention/backends/cpu_attn.py``)

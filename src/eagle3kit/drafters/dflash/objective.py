@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3kit.core.metrics import AcceptanceStats
-from eagle3kit.model.dflash import DFlashDrafter, block_inputs, block_mask
+from eagle3kit.drafters.dflash.network import DFlashDrafter, block_inputs, block_mask
 from eagle3kit.model.target import Target, embed_tokens, teacher_logits
 
 #: γ of the position weights by block size (the paper's: 7 for 16, 5 for 10, 4 for 8)

@@ -1,5 +1,5 @@
 """``evaluate`` for a DFlash drafter folder: the target's greedy continuation of every held-out prompt,
-then block drafting over it (:func:`eagle3kit.train.dflash.simulate_block_tau`): each verify step drafts
+then block drafting over it (:func:`eagle3kit.drafters.dflash.objective.simulate_block_tau`): each verify step drafts
 ``k`` tokens in one forward from the bonus token and the context before it, and accepts the run that
 equals the target's own greedy tokens — the τ a lossless greedy engine gets on the same prompts (the
 states are causal, so one target pass over the finished sequence gives those the engine computed step
@@ -18,18 +18,18 @@ from eagle3kit.core.rundir import RunDir
 from eagle3kit.core.ui import console
 from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.generate import check_backend, pick_backend
+from eagle3kit.drafters.dflash.folder import read_dflash
+from eagle3kit.drafters.dflash.objective import simulate_block_tau
 from eagle3kit.eval.sets import (
-    _chosen_sets,
     check_overlap,
+    chosen_sets,
     greedy_continuations,
     trained_prompt_rows,
     write_continuations,
 )
-from eagle3kit.model.dflash_folder import read_dflash
 from eagle3kit.model.target import load_target, pick_device
 from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.train.batches import Sample
-from eagle3kit.train.dflash import simulate_block_tau
 from eagle3kit.train.samples import compute_features
 
 
@@ -112,7 +112,7 @@ def run_evaluate_dflash(
                     "sets": {}, "drafter": str(folder)}  # fmt: skip
     pooled = AcceptanceStats(k)
     n_prompts = 0
-    for name, rows in _chosen_sets(cfg, run, only_sets).items():
+    for name, rows in chosen_sets(cfg, run, only_sets).items():
         prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
         entry: dict = {"num_prompts": len(rows), **check_overlap(train_rows, rows)}
         conts = greedy_continuations(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.model.dflash import DFlashDrafter
+from eagle3kit.drafters.dflash.network import DFlashDrafter
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,184 @@
+"""Drafter kinds: what a stage asks of a drafter kind, and the registry that finds a kind by name,
+by a run's config or by an exported folder.
+
+A kind (the EAGLE-3 family, DFlash) is one package under ``eagle3kit/drafters/``: its network, its
+objective and trainer, the folder layouts it writes and reads, its ``check`` rules, its ``evaluate``
+simulation and its ``diagnose`` faults. A stage never names a kind: it asks the registry for one
+(:func:`kind_for_config`, :func:`kind_for_folder`, :func:`kind_for_checkpoint`) and calls the methods
+of :class:`DrafterKind`. The kinds' packages sit above the stages and import them; the stages reach a
+kind only through :data:`KINDS` (module paths, imported on first use), so imports still run downward.
+
+Adding a kind: a package under ``drafters/`` whose ``kind.py`` defines ``KIND`` (a :class:`DrafterKind`),
+and one line in :data:`KINDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from abc import ABC, abstractmethod
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+#: kind name → the module holding its ``KIND``; asked in this order for a folder or checkpoint (the
+#: EAGLE-3 family last: it reads every other layout an engine or a peer writes, naming what it cannot)
+KINDS: dict[str, str] = {
+    "dflash": "eagle3kit.drafters.dflash.kind",
+    "eagle3": "eagle3kit.drafters.eagle3.kind",
+}
+
+
+class DrafterKind(ABC):
+    """One drafter kind, as the stages use it. ``variants``: the ``drafter.variant`` values it trains
+    (None: a ``drafter`` section that names no variant);
+    ``aux_count``: how many target states its drafter reads (None: any number); ``whole_vocab``: it
+    predicts over the target's whole vocabulary (no draft vocabulary, no d2t/t2d).
+
+    The methods take and return the stages' own objects (``Config``, ``RunDir``, ``Target``,
+    ``Finding``, ``AcceptanceStats``); their contracts are the stage functions that call them."""
+
+    name: str
+    variants: tuple[str, ...]
+    aux_count: int | None = 3
+    whole_vocab: bool = False
+
+    # --- config and inputs -------------------------------------------------------------------------
+    def default_aux_layer_ids(self, drafter_cfg, num_layers: int) -> list[int] | None:
+        """The target states (HF ``output_hidden_states`` indices) the drafter reads when
+        ``target.aux_layer_ids`` is unset; None: the target's default three."""
+        return None
+
+    # --- stages ------------------------------------------------------------------------------------
+    @abstractmethod
+    def owns_folder(self, config: dict) -> bool:
+        """Whether an exported folder whose ``config.json`` is ``config`` holds this kind's drafter."""
+
+    @abstractmethod
+    def owns_checkpoint(self, path: Path) -> bool:
+        """Whether the safetensors checkpoint at ``path`` was written by this kind's trainer."""
+
+    @abstractmethod
+    def train(self, cfg, run, target) -> dict:
+        """Stage ``train`` (:func:`eagle3kit.train.stage.run_train`): returns the report section."""
+
+    @abstractmethod
+    def read_checkpoint(self, src: Path, target_cfg) -> tuple[Any, dict]:
+        """``(drafter, provenance)`` of a checkpoint of :meth:`train` (or, for a kind that imports
+        others' folders, of a drafter folder); the provenance holds ``checkpoint_sha256`` when known."""
+
+    @abstractmethod
+    def write_folder(
+        self, drafter, out: Path, prov: dict, fmt: str, verifier, overwrite: bool, k: int
+    ) -> dict:
+        """Write the drafter's serving folder ``out`` in format ``fmt`` (``dual`` or ``speculators``,
+        naming ``verifier``; ``k``: the draft length it will be served at); returns what the export
+        report adds about it. Raises FileExistsError: another drafter in ``out`` and not ``overwrite``."""
+
+    @abstractmethod
+    def check(self, folder: Path, target, engine: str, engine_version, max_model_len, k) -> list:
+        """``check``'s findings for the folder (its files exist) beside ``target`` (a ``TargetConfig``)."""
+
+    @abstractmethod
+    def evaluate(
+        self, cfg, run, target, folder: Path, given: bool, mode: str, k: int, only_sets, section
+    ) -> dict:
+        """Stage ``evaluate`` (:func:`eagle3kit.eval.evaluate.run_evaluate`) of the drafter in ``folder``."""
+
+    # --- diagnose ----------------------------------------------------------------------------------
+    @abstractmethod
+    def load(self, folder: Path, target_cfg, target, device):
+        """The drafter of ``folder`` loaded strictly and checked against the loaded ``target``."""
+
+    @abstractmethod
+    def aux_ids(self, drafter) -> list[int]:
+        """The target states the drafter reads (HF ``output_hidden_states`` indices)."""
+
+    def max_draft(self, drafter) -> int | None:
+        """The most tokens the drafter drafts in one step (None: no limit)."""
+        return None
+
+    def draft_vocab_mask(self, drafter):
+        """``t2d`` (bool [vocab]) when the drafter drafts from a smaller draft vocabulary, else None."""
+        return None
+
+    later_positions_hint = "more TTT steps (train.ttt_steps) train the later positions"
+
+    @abstractmethod
+    def faults(self, drafter, tokenizer, folder: Path, other_vocab: list[str] | None) -> list:
+        """The engine faults ``diagnose`` simulates for this drafter (each with ``name``, ``what``,
+        ``fix``, ``aux_shift``)."""
+
+    @abstractmethod
+    def applicable(self, fault, drafter, num_layers: int) -> str | None:
+        """None when ``fault`` can be simulated on a target of ``num_layers`` layers, else why not."""
+
+    @abstractmethod
+    def planted(self, fault, drafter) -> tuple[Any, list[int], dict]:
+        """``(drafter, aux ids, engine)``: what the engine with ``fault`` runs — a drafter (a planted
+        copy or the drafter itself), the target states it reads, and :meth:`simulate`'s ``engine``."""
+
+    @abstractmethod
+    def simulate(self, drafter, target, ids, mask, first: int, aux, k: int, device, engine: dict):
+        """Greedy acceptance (``AcceptanceStats``) of ``drafter`` on one sequence ``ids`` [T] whose
+        reply starts at ``first`` (``mask`` [T], 1 on the reply), reading ``aux`` [T, n·Ht], at ``k``
+        draft tokens a step, run as an engine with ``engine`` (from :meth:`planted`) would."""
+
+
+class KindError(ValueError):
+    """No registered kind answers (a ``drafter.variant`` or a folder no kind owns)."""
+
+
+@cache
+def kind_named(name: str) -> DrafterKind:
+    """The registered kind ``name``.
+
+    Raises:
+        KindError: no kind of that name (names the registered ones)."""
+    if name not in KINDS:
+        raise KindError(f"no drafter kind {name!r}; registered: {', '.join(KINDS)}")
+    return importlib.import_module(KINDS[name]).KIND
+
+
+def all_kinds() -> list[DrafterKind]:
+    """Every registered kind, in :data:`KINDS` order."""
+    return [kind_named(n) for n in KINDS]
+
+
+def kind_for_variant(variant: str | None) -> DrafterKind:
+    """The kind that trains ``drafter.variant`` (None: the default EAGLE-3 section as written).
+
+    Raises:
+        KindError: no kind trains that variant."""
+    for k in all_kinds():
+        if variant in k.variants:
+            return k
+    raise KindError(f"drafter.variant {variant!r} belongs to no drafter kind; registered: {', '.join(KINDS)}")
+
+
+def kind_for_config(cfg) -> DrafterKind:
+    """The kind of a run's config (its ``drafter.variant``)."""
+    return kind_for_variant(cfg.drafter.variant)
+
+
+def kind_for_folder(folder: str | Path) -> DrafterKind:
+    """The kind whose layout ``folder``'s ``config.json`` is (the last kind when none reads or claims it)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    kinds = all_kinds()
+    if isinstance(config, dict):
+        for k in kinds:
+            if k.owns_folder(config):
+                return k
+    return kinds[-1]
+
+
+def kind_for_checkpoint(path: str | Path) -> DrafterKind:
+    """The kind whose trainer wrote the checkpoint at ``path`` (the last kind when none claims it)."""
+    kinds = all_kinds()
+    for k in kinds[:-1]:
+        if k.owns_checkpoint(Path(path)):
+            return k
+    return kinds[-1]

@@ -1,0 +1,1 @@
+"""The EAGLE-3 family drafter kind (``kind.KIND``)."""
