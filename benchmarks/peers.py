@@ -328,7 +328,8 @@ def worker(prep_path: Path, path: str, epochs: int, out: Path) -> None:
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, TargetParts, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch
-    from eagle3kit.train.stage import WARM_STEPS, resolve_speed, train_step
+    from eagle3kit.train.chain_step import resolve_speed, train_step
+    from eagle3kit.train.stage import WARM_STEPS
 
     prep = json.loads(prep_path.read_text())
     cfg = LlamaConfig(**prep["config"])

@@ -48,7 +48,7 @@ def main() -> None:
     from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
     from eagle3kit.model.target import Target, resolve_parts, target_features, teacher_argmax
     from eagle3kit.train.batches import Sample, make_batch
-    from eagle3kit.train.stage import train_step
+    from eagle3kit.train.chain_step import train_step
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)

@@ -44,24 +44,31 @@ def base_run(tmp_path_factory, tiny_target):
     return d
 
 
-def _cfg_file(run_dir, target_dir, dtype: str, train: str):
+#: the DFlash drafter of the ``dflash`` runs: one layer, blocks of 4 (3 draft tokens), 8 anchors a sample
+DFLASH = "drafter: {variant: dflash, num_layers: 1, block_size: 4, max_anchors: 8}\n"
+
+
+def _cfg_file(run_dir, target_dir, dtype: str, train: str, drafter: str = ""):
     """``run_dir/c.yaml``: the tiny target on the CPU, a 256-token draft vocabulary, TTT 2, and
-    ``train`` (the rest of the train section, as YAML flow items)."""
+    ``train`` (the rest of the train section, as YAML flow items); ``drafter``: a drafter section line."""
     cfg = run_dir / "c.yaml"
     cfg.write_text(
         f"run_dir: {run_dir}\ntarget: {{model: {target_dir}, dtype: {dtype}, device: cpu}}\n"
         "vocab: {draft_vocab_size: 256}\n"
         f"train: {{ttt_steps: 2, lr: 0.003, val_fraction: 0.1, device: cpu, {train}}}\nevaluate: {{k: 2}}\n"
+        + drafter
     )
     return cfg
 
 
 def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
+    """``parallel``: ddp or fsdp (the EAGLE-3.1 drafter), or dflash (a DFlash drafter under DDP)."""
     return _cfg_file(
         run_dir,
         target_dir,
         "float64",
-        f"epochs: 2, tokens_per_step: 64, checkpoint_every: 3, parallel: {parallel}",
+        f"epochs: 2, tokens_per_step: 64, checkpoint_every: 3, parallel: {'ddp' if parallel == 'dflash' else parallel}",
+        DFLASH if parallel == "dflash" else "",
     )
 
 
@@ -103,17 +110,18 @@ def whole_runs(base_run, tmp_path_factory, tiny_target_dir) -> dict:
     """The uninterrupted two-process run in each parallel mode, launched once each, whichever test
     asks first: ``{parallel: (run folder, completed process)}``."""
     out = {}
-    for parallel in ("ddp", "fsdp"):
+    for parallel in ("ddp", "fsdp", "dflash"):
         d = tmp_path_factory.mktemp(f"whole-{parallel}") / "run"
         shutil.copytree(base_run, d)
         out[parallel] = (d, _launch(d, tiny_target_dir, parallel=parallel))
     return out
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "dflash"])
 def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
     base_run, whole_runs, tmp_path, tiny_target_dir, parallel
 ):
+    """The EAGLE-3.1 drafter under DDP and FSDP2, and a DFlash drafter under DDP (the same training loop)."""
     whole_dir, whole = whole_runs[parallel]
     killed_dir = tmp_path / "killed"
     shutil.copytree(base_run, killed_dir)
@@ -134,8 +142,11 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
     assert [r["lr"] for r in b] == [r["lr"] for r in a]
     assert a[-1]["loss"] < a[0]["loss"]
     report = json.loads((runs["whole"] / "report.json").read_text())["train"]
-    assert report["processes"] == 2 and report["attention"] == "reference" and report["precision"] == "fp32"
-    assert report["parallel"] == parallel  # what the drafter was wrapped in, read from the module
+    attention = "sdpa" if parallel == "dflash" else "reference"
+    assert report["processes"] == 2 and report["attention"] == attention and report["precision"] == "fp32"
+    # what the drafter was wrapped in, read from the module
+    assert report["parallel"] == ("ddp" if parallel == "dflash" else parallel)
+    assert report["drafter_variant"] == ("dflash" if parallel == "dflash" else "eagle3.1")
     # clocks differ run to run, and so does the memory the host has available (the plan's capacity and
     # the margin it keeps): the plan's parts and placement are compared on their own
     timing = ("tokens_per_s", "tokens_per_s_wall", "tokens_per_s_steady", "seconds", "memory")
@@ -146,6 +157,11 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
     assert (report["memory"]["cache"], report["memory"]["val"]) == ("device", "device")
     assert any(f.name.startswith("events.out.tfevents") for f in (runs["whole"] / "tensorboard").iterdir())
     assert RunDir(runs["whole"]).path.joinpath("checkpoints/best.safetensors").exists()
+    if parallel == "dflash":  # the resumed run ends with the uninterrupted run's drafter, bit for bit
+        from safetensors.torch import load_file
+
+        wa, wb = (load_file(str(runs[r] / "checkpoints/last.safetensors")) for r in ("whole", "killed"))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_the_sharded_and_the_replicated_drafter_train_alike(whole_runs):
@@ -154,7 +170,8 @@ def test_the_sharded_and_the_replicated_drafter_train_alike(whole_runs):
     from safetensors.torch import load_file
 
     curves, best = {}, {}
-    for parallel, (d, done) in whole_runs.items():
+    for parallel in ("ddp", "fsdp"):
+        d, done = whole_runs[parallel]
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads((d / "report.json").read_text())["train"]["parallel"] == parallel
         curves[parallel] = [r["loss"] for r in _log(d)]

@@ -15,10 +15,10 @@ from eagle3kit.core.rundir import RunDir, sha256_tensors
 from eagle3kit.data.tokenize import save_shard
 from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
 from eagle3kit.train.batches import Sample, make_batch
+from eagle3kit.train.chain_step import build_drafter
 from eagle3kit.train.extract import run_extract
 from eagle3kit.train.features import bytes_per_token, dequantize_fp8, load_features, quantize_fp8
 from eagle3kit.train.samples import compute_features
-from eagle3kit.train.stage import build_drafter
 from eagle3kit.train.ttt import ttt_loss
 
 V, VD = 49152, 256

@@ -77,8 +77,8 @@ def test_c16_a_shallow_target_with_the_default_layers_is_refused_by_name():
 def test_one_ttt_step_trains_on_every_family(family):
     from eagle3kit.model.draft_vocab import DraftVocab
     from eagle3kit.train.batches import Sample, make_batch
+    from eagle3kit.train.chain_step import build_drafter
     from eagle3kit.train.samples import compute_features
-    from eagle3kit.train.stage import build_drafter
     from eagle3kit.train.ttt import ttt_loss
 
     name, m, t = family

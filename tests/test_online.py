@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm]
 REPLY = 48  # greedy tokens of the target after each prompt (training samples and the served check)
 
 
-def _cfg(run, target, **train):
+def _cfg(run, target, drafter=None, **train):
     import yaml
 
     cfg = {
@@ -27,7 +27,7 @@ def _cfg(run, target, **train):
         "target": {"model": str(target), "dtype": "float32"},
         "vocab": {"draft_vocab_size": 512},
         "extract": {"backend": "vllm", "dtype": "fp32", "shard_tokens": 4000},
-        "drafter": {"variant": "eagle3"},
+        "drafter": drafter or {"variant": "eagle3"},
         "train": {
             "epochs": 2,
             "ttt_steps": 3,
@@ -188,7 +188,14 @@ def trained(online):
     )
     served.spawn()
     try:
-        yield {"off": off, "on": on, "rep_off": rep_off, "rep_on": rep_on, "served": served}
+        yield {
+            "off": off,
+            "on": on,
+            "rep_off": rep_off,
+            "rep_on": rep_on,
+            "served": served,
+            "features": ext["path"],
+        }
     finally:
         served.kill()
 
@@ -225,6 +232,34 @@ def test_online_training_equals_offline_training_on_the_stored_engine_states(onl
         sample_key(torch.tensor(s[0])) for s in online["samples"]
     }
     assert not list((on / "online-buffer" / "rank-0").glob("*.safetensors"))  # consumed, deleted
+
+
+#: a DFlash drafter reading the layers the module's capture server captures (aux ids 2, 4, 5 = DFlash's
+#: 0-based outputs 1, 3, 4): blocks of 4, one layer
+DFLASH = {
+    "variant": "dflash",
+    "num_layers": 1,
+    "block_size": 4,
+    "target_layer_ids": [1, 3, 4],
+    "max_anchors": 8,
+}
+
+
+def test_a_dflash_drafter_trains_online_as_on_the_stored_engine_states(online, trained):
+    """The same training loop feeds a DFlash drafter from the capture server: with one seed, the loss
+    at every step and the drafter equal those trained on the states `extract --backend vllm` stored."""
+    off, on = _copy_run(online, "dflash-offline"), _copy_run(online, "dflash-online")
+    rep_off = _train(_cfg(off, online["target"], DFLASH, features=trained["features"]))
+    rep_on = _train(_cfg(on, online["target"], DFLASH, online_from=[online["server"].url]))
+    a, b = _log(off), _log(on)
+    assert len(a) == len(b) >= 4 and rep_on["drafter_variant"] == rep_off["drafter_variant"] == "dflash"
+    for x, y in zip(a, b):
+        assert x["step"] == y["step"] and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5), (x, y)
+    assert rep_on["online"]["target_loaded"] == "head" and rep_on["online"]["requests"] > 0
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(r / "checkpoints/best.safetensors")) for r in (off, on))
+    assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-3
 
 
 def test_the_online_trained_drafter_serves_in_vllm_at_the_offline_drafters_tau(online, trained):

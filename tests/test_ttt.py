@@ -146,7 +146,7 @@ def test_mixed_samples_make_new_length_grouped_batches_every_epoch():
 def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
     from eagle3kit.core.config import ConfigError
     from eagle3kit.core.config_train import TrainConfig
-    from eagle3kit.train.stage import resolve_speed
+    from eagle3kit.train.chain_step import resolve_speed
 
     cuda = torch.device("cuda", 0)
     assert resolve_speed(TrainConfig(), cuda) == {
@@ -183,7 +183,7 @@ def test_the_fast_path_is_the_cuda_default_and_flex_is_refused_without_cuda():
 
 
 def test_tf32_matmuls_turns_tf32_on_inside_the_block_only():
-    from eagle3kit.train.stage import tf32_matmuls
+    from eagle3kit.train.chain_step import tf32_matmuls
 
     mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = mm.fp32_precision, conv.fp32_precision
@@ -335,7 +335,7 @@ def test_loss_chunk_auto_is_fused_for_kl_and_unchunked_for_lk_when_it_fits_a_qua
     from types import SimpleNamespace
 
     from eagle3kit.core.config_train import TrainConfig
-    from eagle3kit.train.stage import FUSED_LOSS_CHUNK, resolve_speed, unchunked_loss_bytes
+    from eagle3kit.train.chain_step import FUSED_LOSS_CHUNK, resolve_speed, unchunked_loss_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141e9))
     cuda = torch.device("cuda", 0)

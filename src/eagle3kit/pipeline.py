@@ -17,6 +17,7 @@ import torch
 
 from eagle3kit import __version__
 from eagle3kit.core.config import Config, dump_config
+from eagle3kit.core.kinds import kind_for_config
 from eagle3kit.core.rundir import (
     DataError,
     RunDir,
@@ -45,7 +46,7 @@ from eagle3kit.model.target import (
 from eagle3kit.model.target_head import load_target_head
 from eagle3kit.serve.export import run_export
 from eagle3kit.train.distributed import Launch, end_world
-from eagle3kit.train.stage import resolve_speed, run_train
+from eagle3kit.train.stage import run_train
 
 
 def stage_key(*parts) -> str:
@@ -213,8 +214,10 @@ def run_all(cfg: Config) -> dict:
     run = RunDir(cfg.run_dir)
     timer, clock = Timer(), StageClock()
     launch = Launch.from_env()
-    # train settings this machine cannot run (tf32 or flex off CUDA) fail now, not after generate
-    resolve_speed(cfg.train, pick_device(cfg.train.device))
+    # train settings this machine or drafter kind cannot run (tf32 or flex off CUDA) fail now, not after generate
+    kind = kind_for_config(cfg)
+    kind.check_training(cfg, launch.size)
+    kind.speed(cfg.train, pick_device(cfg.train.device), cfg.vocab.draft_vocab_size)
     target = None
     if launch.rank == 0:
         try:

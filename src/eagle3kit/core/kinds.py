@@ -39,6 +39,7 @@ class DrafterKind(ABC):
     ``Finding``, ``AcceptanceStats``); their contracts are the stage functions that call them."""
 
     name: str
+    title: str  # the kind's name in messages ("DFlash")
     variants: tuple[str, ...]
     aux_count: int | None = 3
     whole_vocab: bool = False
@@ -57,10 +58,6 @@ class DrafterKind(ABC):
     @abstractmethod
     def owns_checkpoint(self, path: Path) -> bool:
         """Whether the safetensors checkpoint at ``path`` was written by this kind's trainer."""
-
-    @abstractmethod
-    def train(self, cfg, run, target) -> dict:
-        """Stage ``train`` (:func:`eagle3kit.train.stage.run_train`): returns the report section."""
 
     @abstractmethod
     def read_checkpoint(self, src: Path, target_cfg) -> tuple[Any, dict]:
@@ -84,6 +81,52 @@ class DrafterKind(ABC):
         self, cfg, run, target, folder: Path, given: bool, mode: str, k: int, only_sets, section
     ) -> dict:
         """Stage ``evaluate`` (:func:`eagle3kit.eval.evaluate.run_evaluate`) of the drafter in ``folder``."""
+
+    # --- training: the one loop (eagle3kit.train.stage) calls these -----------------------------
+    #: the epoch record's name for the accuracy of the first drafted position
+    first_accuracy = "step0_accuracy"
+
+    def check_training(self, cfg, world_size: int) -> None:
+        """Refuse a ``train`` config this kind cannot train on ``world_size`` processes (ConfigError
+        naming the key and the fix), before anything is loaded."""
+
+    def check_features(self, cfg, features: dict) -> None:
+        """Refuse stored features (``train.features``; ``features`` is their index, with ``teacher``)
+        that this kind's objective cannot train from (ConfigError naming the fix)."""
+
+    @abstractmethod
+    def speed(self, tc, device, draft_vocab: int) -> dict:
+        """The step's settings: ``{"attention", "bf16", "tf32", "loss_chunk", "compile"}``."""
+
+    @abstractmethod
+    def shaped(self, cfg, target, vocab, aux_ids) -> tuple[int, Any]:
+        """``(parameters, shape)`` of the drafter ``build`` would make: its parameter count, and the
+        memory plan's ``DrafterShape`` (None: its activations are not estimated)."""
+
+    @abstractmethod
+    def build(self, cfg, target, vocab, aux_ids, samples):
+        """A freshly initialised drafter (seeded by ``train.seed``) for the target and its states."""
+
+    @abstractmethod
+    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
+        """One optimizer step on ``batch`` (sample indices into ``samples``, whose states are filled):
+        loss, backward (on every process), gradient clipping, the optimizer step when any process had a
+        supervised position. ``seed``: for anything random in the step (the same on a resume). Returns
+        ``(loss, stats)``: ``n`` and ``acc`` (lists, first drafted position first), ``tokens`` (the
+        batch's real tokens over every process) and optionally ``log`` (more fields for the log record)."""
+
+    @abstractmethod
+    def validate(self, drafter, target, samples, k: int, device):
+        """Simulated greedy acceptance (``AcceptanceStats``) on validation samples (states filled)."""
+
+    @abstractmethod
+    def save_checkpoint(self, drafter, path: Path, meta: dict, state: dict) -> None:
+        """Write the drafter's weights ``state`` (whole) to ``path`` atomically with ``meta`` and what
+        :meth:`read_checkpoint` needs to rebuild it."""
+
+    @abstractmethod
+    def report(self, cfg, drafter) -> dict:
+        """The ``train`` report's fields about this drafter (``drafter_variant`` and its shape)."""
 
     # --- diagnose ----------------------------------------------------------------------------------
     @abstractmethod

@@ -127,7 +127,7 @@ def run_vocab(cfg: Config, run: RunDir, tokenizer=None) -> dict:
     kind = kind_for_config(cfg)
     if kind.whole_vocab:
         console.print(
-            f"vocab: the {kind.name} drafter predicts over the target's whole vocabulary and does not use this one"
+            f"vocab: a {kind.title} drafter predicts over the target's whole vocabulary and does not use this one"
         )
     else:
         for w in said:

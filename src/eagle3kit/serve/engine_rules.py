@@ -25,7 +25,10 @@ from eagle3kit.model.target_files import locate_target
 from eagle3kit.serve.findings import Finding
 
 # where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)
-VLLM_RULES_MEASURED = "0.32.0's CPU build (every drafter kind, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 and block-drafter folders)"
+VLLM_RULES_MEASURED = (
+    "0.32.0's CPU build (every drafter kind, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 and "
+    "block-drafter folders)"
+)
 
 
 # SGLang 0.5.23's +1 on the configured ids, per target family (docs/conventions.md, layer ids): "always" adds 1;

@@ -21,7 +21,6 @@ model, optimizer, scheduler, epoch and RNG state; a rerun continues after the la
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -32,8 +31,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.core.config import Config, ConfigError
-from eagle3kit.core.config_train import variant_name
-from eagle3kit.core.kinds import kind_for_config
+from eagle3kit.core.kinds import DrafterKind, kind_for_config
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import (
@@ -48,8 +46,7 @@ from eagle3kit.core.rundir import (
 )
 from eagle3kit.core.ui import Timer, console, progress
 from eagle3kit.data.tokenize import load_shard
-from eagle3kit.model.draft_vocab import DraftVocab, load_vocab
-from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.draft_vocab import load_vocab
 from eagle3kit.model.target import (
     Target,
     chat_template_hash,
@@ -62,22 +59,20 @@ from eagle3kit.model.target import (
 )
 from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.model.target_head import load_target_head
-from eagle3kit.train.acceptance import simulate_samples, simulate_sequence
-from eagle3kit.train.batches import Sample, length_batches, make_batch, packed_batches
+from eagle3kit.train.batches import Sample, length_batches, packed_batches
 from eagle3kit.train.checkpoints import (
     _set_aside,
     init_from_drafter,
-    save_drafter_checkpoint,
 )
 from eagle3kit.train.distributed import full_state, init_world, load_full_state, parallel_mode
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.log import TrainLog
-from eagle3kit.train.memory import DrafterShape, MemoryPlan, print_plan, training_plan
+from eagle3kit.train.memory import MemoryPlan, print_plan, training_plan
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
-from eagle3kit.train.samples import compute_features, mask_token, trained_settings, warmup_cosine
+from eagle3kit.train.samples import compute_features, trained_settings, warmup_cosine
 from eagle3kit.train.transport import bytes_per_token
-from eagle3kit.train.ttt import implied_tau, ttt_loss
+from eagle3kit.train.ttt import implied_tau
 
 
 @torch.no_grad()
@@ -93,72 +88,6 @@ def fill_engine_features(
         top1, norm = teacher_top1_lse(target, last, where=s.mask.bool())
         s.aux, s.last, s.argmax = aux.to(device), last.to(device), top1.to(device)
         s.lse = norm.to(device) if lse else None
-
-
-def build_drafter(
-    target: Target, vocab: DraftVocab, aux_ids, seed: int, variant=None, samples: list | None = None
-) -> Eagle3Drafter:
-    """A freshly initialised drafter shaped after the target (seeded); ``variant``: the run's
-    ``drafter`` section (:class:`~eagle3kit.core.config.DrafterVariantConfig`, None: EAGLE-3);
-    ``samples``: the training data, from which a P-EAGLE drafter's mask token is picked
-    (:func:`mask_token`)."""
-    torch.manual_seed(seed)
-    unused = None
-    if variant is not None and variant.parallel_drafting and samples:
-        unused = mask_token(samples, target.tokenizer, target.vocab_size, variant.mask_token_id)
-    flags = variant.flags(target.tokenizer, target.vocab_size, unused) if variant is not None else {}
-    dcfg = DrafterConfig.from_target(
-        target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags
-    )
-    d = Eagle3Drafter(dcfg)
-    d.set_vocab(vocab)
-    return d
-
-
-def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict, world=None):
-    """One optimizer step on one batch: the TTT loss (:func:`eagle3kit.train.ttt.ttt_loss`) under bf16
-    autocast when ``speed["bf16"]`` (fp32 matmuls on TF32 tensor cores when ``speed["tf32"]``, the
-    forward and the backward), backward, gradient clipping to ``tc.grad_clip``, AdamW.
-
-    Args:
-        model: the drafter, or the drafter in DistributedDataParallel.
-        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
-            its ``lk_kl_scale``/``lk_kl_decay``).
-        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`resolve_speed`).
-        world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
-            supervised position (every process still calls backward, as DDP needs).
-    Returns:
-        (loss scalar, per-step stats of :func:`eagle3kit.train.ttt.ttt_loss` plus ``tokens``, the batch's
-        real tokens summed over every process).
-    """
-    drafter = getattr(model, "module", model)
-    with (
-        tf32_matmuls(speed.get("tf32", False)),
-        torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]),
-    ):
-        loss, st = ttt_loss(
-            model,
-            target,
-            batch,
-            draft_ids,
-            tc.ttt_steps,
-            tc.step_weight,
-            attention=speed["attention"],
-            loss_chunk=speed["loss_chunk"],
-            loss=tc.loss,
-            lk_kl_scale=tc.lk_kl_scale,
-            lk_kl_decay=tc.lk_kl_decay,
-        )
-    opt.zero_grad(set_to_none=True)
-    with tf32_matmuls(speed.get("tf32", False)):
-        loss.backward()
-    mine = [float(sum(st["n"])), float(batch["key_mask"].sum())]
-    n, tokens = world.sum_floats(mine) if world is not None else mine  # one collective for both
-    st["tokens"] = int(tokens)
-    if n > 0:
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-        opt.step()
-    return loss, st
 
 
 def feature_source_warning(source: str | None, serve_engine: str | None) -> str | None:
@@ -181,95 +110,10 @@ def feature_source_warning(source: str | None, serve_engine: str | None) -> str 
     )
 
 
-@contextlib.contextmanager
-def tf32_matmuls(on: bool):
-    """fp32 matrix products (and convolutions) on TF32 tensor cores inside the block when ``on``
-    (10-bit mantissa operands, fp32 accumulation, relative error near 3e-4 — NVIDIA's A100
-    whitepaper, "TF32"), set through PyTorch's ``fp32_precision`` settings (the API PyTorch ≥ 2.9
-    asks for; mixing it with the legacy ``allow_tf32`` flags raises); the exact previous values
-    are restored after, so a process-wide setting outlives the block."""
-    if not on:
-        yield
-        return
-    knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
-    old = [k.fp32_precision for k in knobs]
-    for k in knobs:
-        k.fp32_precision = "tf32"
-    try:
-        yield
-    finally:
-        for k, v in zip(knobs, old):
-            k.fp32_precision = v
-
-
 # optimizer steps of a run left out of its steady tokens/s (flex attention's compilation, the
 # allocator's and autotuner's warm-up)
 WARM_STEPS = 3
 ENGINE_CHECK = 16  # online: samples whose engine token is compared with this target's argmax
-
-# Bytes the unchunked loss keeps for the backward pass, per position, TTT step and draft-vocabulary
-# entry: the fp32 log-softmax and the fp32 teacher rows (the product's saved inputs), 8 bytes;
-# measured on the H200 at the 8B shape (benchmarks/peers.py: 16,384 positions, Vd 32,000, TTT 7)
-UNCHUNKED_LOSS_BYTES = 8
-# the share of the GPU's memory the unchunked loss may take before ``loss_chunk: auto`` chunks it
-UNCHUNKED_LOSS_SHARE = 0.25
-# positions per chunk of the fused forward-KL loss (``loss_chunk: auto`` with ``loss: kl`` on CUDA):
-# the fastest of 0 / 4096 / 8192 on the H200 at the 8B shape (benchmarks/results/peers.json)
-FUSED_LOSS_CHUNK = 8192
-
-
-def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int) -> int:
-    """Bytes the unchunked draft-vocabulary loss keeps for the backward pass at most (every
-    position of a ``tokens_per_step`` batch supervised): 8 · tokens · Vd · TTT steps."""
-    return UNCHUNKED_LOSS_BYTES * tokens_per_step * draft_vocab * ttt_steps
-
-
-def resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
-    """The fast-path settings for ``device``: flex attention, bf16 autocast and the drafter layer
-    compiled on CUDA, the readable reference (dense attention, fp32) elsewhere. ``loss_chunk``
-    unset, on CUDA: for ``loss: kl`` :data:`FUSED_LOSS_CHUNK` (the fused lm_head + loss of
-    :class:`~eagle3kit.train.ttt.FusedDraftCE`, its element-wise work one compiled kernel); for the
-    LK objectives 0 (unchunked) unless that loss (:func:`unchunked_loss_bytes`, ``draft_vocab``
-    entries) would take more than a quarter of the device's memory (or ``draft_vocab`` is not
-    given), then 4096-position checkpointed chunks. Elsewhere 0. Measured on the H200 at the 8B
-    shape, compiled (benchmarks/results/peers.json): fused chunks of 8192 28,982 tokens/s, of 4096
-    28,583, unchunked 27,070.
-
-    Raises:
-        ConfigError: ``attention: flex`` or ``precision: tf32`` off CUDA."""
-    cuda = device.type == "cuda"
-    if tc.attention == "flex" and not cuda:
-        raise ConfigError(
-            f"train.attention: flex needs a CUDA device (flex attention has no backward pass on "
-            f"{device.type}); use attention: auto or reference here"
-        )
-    if tc.precision == "tf32" and not cuda:
-        raise ConfigError(
-            f"train.precision: tf32 needs a CUDA device (TF32 is a tensor-core mode; {device.type} has "
-            "none); use precision: fp32 or auto here"
-        )
-    fsdp = tc.parallel == "fsdp"  # FSDP2 shards the layer and the lm_head: neither compiled nor fused
-    chunk = tc.loss_chunk
-    if chunk is None:
-        chunk = 0
-        if cuda and tc.loss == "kl" and not fsdp:
-            chunk = FUSED_LOSS_CHUNK
-        elif cuda:
-            need = (
-                unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps) if draft_vocab else None
-            )
-            fits = (
-                need is not None
-                and need <= UNCHUNKED_LOSS_SHARE * torch.cuda.get_device_properties(device).total_memory
-            )
-            chunk = 0 if fits else 4096
-    return {
-        "attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
-        "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
-        "tf32": tc.precision == "tf32",
-        "loss_chunk": chunk,
-        "compile": tc.compile if tc.compile is not None else (cuda and not fsdp),
-    }
 
 
 def _flat(b) -> list[int]:
@@ -327,15 +171,14 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
     """
     kind = kind_for_config(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the other ranks write nothing of their own
-        return kind.train(cfg, run, target)
+        return _run_train(cfg, run, target, kind)
     with run.lock("train"):
-        return kind.train(cfg, run, target)
+        return _run_train(cfg, run, target, kind)
 
 
-def train_chain_drafter(cfg: Config, run: RunDir, target: Target | None) -> dict:
-    """Stage ``train`` for the EAGLE-3 family (its kind's :meth:`~eagle3kit.core.kinds.DrafterKind.train`),
-    as named steps (:class:`_Training` holds what they share)."""
-    t = _Training(cfg, run, target)  # resolve inputs: files, vocab, target, samples, features, split
+def _run_train(cfg: Config, run: RunDir, target: Target | None, kind: DrafterKind) -> dict:
+    """The stage as named steps (:class:`_Training` holds what they share), for any drafter ``kind``."""
+    t = _Training(cfg, run, target, kind)  # resolve inputs: files, vocab, target, samples, features, split
     t.build()  # the drafter, init_from, optimizer and schedule
     t.restore()  # resume from checkpoints/last.*, or set foreign ones aside
     if t.start_epoch >= t.tc.epochs:
@@ -352,7 +195,9 @@ def train_chain_drafter(cfg: Config, run: RunDir, target: Target | None) -> dict
 
 
 class _Training:
-    """One ``train`` run's state, shared by the steps of :func:`train_chain_drafter`.
+    """One ``train`` run's state, shared by the steps of :func:`_run_train`; what
+    differs between drafter kinds (the drafter, its step, its validation, its checkpoint) is asked of
+    ``kind`` (:class:`~eagle3kit.core.kinds.DrafterKind`).
 
     Attributes set by ``__init__`` (resolved inputs): ``world``, ``device``, ``speed``, ``target``,
     ``vocab``, ``aux_ids``, ``samples`` (every sample with a supervised token), ``train``/``val``
@@ -363,8 +208,8 @@ class _Training:
     ``start_batch``, ``history``, ``best``, ``acc_state``.
     """
 
-    def __init__(self, cfg: Config, run: RunDir, target: Target | None):
-        self.cfg, self.run, self.tc = cfg, run, cfg.train
+    def __init__(self, cfg: Config, run: RunDir, target: Target | None, kind: DrafterKind):
+        self.cfg, self.run, self.tc, self.kind = cfg, run, cfg.train, kind
         tc = self.tc
         if tc.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
@@ -373,7 +218,8 @@ class _Training:
             )
         self.world = world = init_world(pick_device(tc.device))
         self.device = device = world.device
-        self.speed = resolve_speed(tc, device, cfg.vocab.draft_vocab_size)
+        kind.check_training(cfg, world.size)
+        self.speed = kind.speed(tc, device, cfg.vocab.draft_vocab_size)
         shard = run.require("tokens.safetensors", "tokenize")
         self.vocab_path = run.require("vocab.safetensors", "vocab")
         fingerprint = (
@@ -412,13 +258,8 @@ class _Training:
         source = "stored" if tc.features else ("servers" if tc.online_from else None)
         self.memory = self._plan_memory(source)  # where the states go, or a plan that does not fit refused
         self.features = self._stored(all_samples, tokens_sha, vocab_sha) if tc.features else None
-        if tc.loss != "kl" and (self.features or {}).get("teacher", "last") != "last":
-            raise ConfigError(
-                f"train.loss {tc.loss} needs the target's full-vocabulary probabilities, and the features in "
-                f"{tc.features} keep only the teacher's {self.features.get('teacher')}: extract them with "
-                "extract.teacher: last, train without train.features (the target in the step, or online), or use "
-                "train.loss: kl"
-            )
+        if self.features is not None:
+            kind.check_features(cfg, self.features)
         self.feeder = self._online(tc, target, aux_ids) if tc.online_from else None
         self.engine_agree = [0, 0]  # samples whose engine token equals this target's argmax, of those checked
         warning = feature_source_warning(self._features_source(), tc.serve_engine)
@@ -454,20 +295,14 @@ class _Training:
         the drafter's shapes from a copy on the ``meta`` device), printed by rank 0; the feature
         cache and validation states placed. Raises ConfigError for a plan that does not fit."""
         tc = self.tc
-        flags = self.cfg.drafter.flags(self.target.tokenizer, self.target.vocab_size, 0)
-        dcfg = DrafterConfig.from_target(
-            self.target.config, self.vocab.size, self.aux_ids, vocab_size=self.target.vocab_size, **flags
-        )
-        with torch.device("meta"):
-            shaped = Eagle3Drafter(dcfg)
-        params = sum(p.numel() for p in shaped.parameters())
+        params, shape = self.kind.shaped(self.cfg, self.target, self.vocab, self.aux_ids)
         plan = training_plan(
             tc,
             self.speed,
             self.target,
             params,
             len(self.aux_ids),
-            DrafterShape.of(shaped),
+            shape,
             self.train,
             self.val,
             self.device,
@@ -608,9 +443,7 @@ class _Training:
         """The drafter (seeded; from ``train.init_from`` when set), wrapped for the world, AdamW and
         the warmup + cosine schedule over every process's common number of steps."""
         tc, world, device = self.tc, self.world, self.device
-        drafter = build_drafter(
-            self.target, self.vocab, self.aux_ids, tc.seed, self.cfg.drafter, self.samples
-        )
+        drafter = self.kind.build(self.cfg, self.target, self.vocab, self.aux_ids, self.samples)
         # last.safetensors (weights + AdamW's two moments), best, and one of them being written
         if world.main:
             require_free(
@@ -880,7 +713,7 @@ class _Training:
         model_state, opt_state = full_state(self.drafter, self.opt)  # collective under FSDP
         if world.main:
             meta = {"epoch": next_epoch, "step": self.step, "provenance": json.dumps(self.provenance)}
-            save_drafter_checkpoint(self.drafter, self.ckpt / "last.safetensors", meta, model_state)
+            self.kind.save_checkpoint(self.drafter, self.ckpt / "last.safetensors", meta, model_state)
             tmp = self.state_path.with_name(self.state_path.name + ".tmp")
             torch.save(
                 {
@@ -961,9 +794,18 @@ class _Training:
                 self.device,
                 lse=tc.loss != "kl",
             )
-        batch = make_batch(train, b, tc.ttt_steps, self.device)
-        loss, st = train_step(
-            self.model, self.opt, self.target, batch, self.draft_ids, tc, self.speed, self.world
+        seed = (tc.seed * 1_000_003 + self.step) * 1024 + self.world.rank  # the same on a resume
+        loss, st = self.kind.step(
+            self.model,
+            self.opt,
+            self.target,
+            train,
+            b,
+            self.speed,
+            self.cfg,
+            self.world,
+            self.draft_ids,
+            seed,
         )
         self.sched.step()
         self.step += 1
@@ -998,6 +840,7 @@ class _Training:
                 )
         if "alpha" in st:  # the LK objectives: mean expected acceptance α per TTT step
             rec["alpha"] = [round(a, 4) for a in st["alpha"]]
+        rec.update(st.get("log", {}))
         if self.steps_run > WARM_STEPS:  # the log record's float() has waited for the step's kernels
             self.steady[0] += st["tokens"]
             self.steady[1] += time.perf_counter() - t_step
@@ -1020,18 +863,19 @@ class _Training:
         t_val = time.perf_counter()
         val_stats = self._simulate_val() if self.val else None
         self.seconds["validation"] += time.perf_counter() - t_val
+        acc0 = f"train_{self.kind.first_accuracy}"
         epoch_rec = {
             "epoch": epoch + 1,
             "train_loss": round(ep_loss / max(ep_n, 1), 5),
-            "train_step0_accuracy": round(ep_acc0 / max(ep_n, 1), 4),
+            acc0: round(ep_acc0 / max(ep_n, 1), 4),
             "val_tau": round(val_stats.tau, 4) if val_stats else None,
         }
         self.history.append(epoch_rec)
         self.logger.epoch(epoch_rec, self.step)
         if world.main:
             console.print(
-                f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  step-0 acc "
-                f"{epoch_rec['train_step0_accuracy']:.3f}"
+                f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  "
+                f"{self.kind.first_accuracy.replace('_accuracy', '')} acc {epoch_rec[acc0]:.3f}"
                 + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else "")
             )
         score = val_stats.tau if val_stats else -epoch_rec["train_loss"]
@@ -1040,7 +884,7 @@ class _Training:
             self.best = {"val_tau": score, "epoch": epoch + 1}
             model_state, _ = full_state(self.drafter)
             if world.main:
-                save_drafter_checkpoint(
+                self.kind.save_checkpoint(
                     self.drafter,
                     self.ckpt / "best.safetensors",
                     {"epoch": epoch + 1, "provenance": json.dumps(self.provenance)},
@@ -1053,7 +897,7 @@ class _Training:
         (``memory.val == "off"``), the target computes them again, a few steps' tokens at a time."""
         k = self.cfg.evaluate.k
         if self.memory.val != "off":
-            return simulate_samples(self.drafter, self.target, self.val, k, self.device)
+            return self.kind.validate(self.drafter, self.target, self.val, k, self.device)
         stats, group, size = AcceptanceStats(k), [], 0
         self.drafter.eval()
         for i, s in enumerate(self.val):
@@ -1070,8 +914,8 @@ class _Training:
                 self.device,
                 label="validation states",
             )
+            stats.merge(self.kind.validate(self.drafter, self.target, group, k, self.device))
             for g in group:
-                simulate_sequence(self.drafter, self.target, g.ids, g.mask, g.aux, k, self.device, stats)
                 g.aux = g.last = g.argmax = g.lse = None
             group, size = [], 0
         return stats
@@ -1084,13 +928,11 @@ class _Training:
         final = self.history[-1] if self.history else {}
         result = {
             "final_loss": final.get("train_loss"),
-            "step0_accuracy": final.get("train_step0_accuracy"),
+            self.kind.first_accuracy: final.get(f"train_{self.kind.first_accuracy}"),
             "best_epoch": self.best["epoch"],
             "best_val_tau": round(self.best["val_tau"], 4) if self.n_val else None,
             "epochs": tc.epochs,
-            "ttt_steps": tc.ttt_steps,
-            "drafter_variant": variant_name(self.drafter.config.variant()),
-            "loss": tc.loss,
+            **self.kind.report(self.cfg, self.drafter),
             "train_samples": len(self.samples) - self.n_val,
             "val_samples": self.n_val,
             "history": self.history,

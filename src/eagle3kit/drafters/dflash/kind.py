@@ -4,7 +4,6 @@ any number of target layers and predicts over the target's whole vocabulary."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -17,14 +16,23 @@ from eagle3kit.drafters.dflash.check import check_dflash
 from eagle3kit.drafters.dflash.evaluate import check_dflash_target, run_evaluate_dflash
 from eagle3kit.drafters.dflash.faults import dflash_applicable, dflash_faults, dflash_planted
 from eagle3kit.drafters.dflash.folder import is_dflash_config, read_dflash, write_dflash
-from eagle3kit.drafters.dflash.network import default_target_layer_ids
-from eagle3kit.drafters.dflash.objective import block_stats
-from eagle3kit.drafters.dflash.trainer import is_dflash_checkpoint, load_dflash_checkpoint, run_dflash_train
+from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from eagle3kit.drafters.dflash.objective import block_stats, simulate_block_tau
+from eagle3kit.drafters.dflash.trainer import (
+    build_dflash,
+    check_dflash_training,
+    dflash_report,
+    dflash_step,
+    is_dflash_checkpoint,
+    load_dflash_checkpoint,
+    save_dflash_checkpoint,
+)
 from eagle3kit.model.target_files import load_target_config
 
 
 class DFlashKind(DrafterKind):
     name = "dflash"
+    title = "DFlash"
     variants = ("dflash",)
     aux_count = None
     whole_vocab = True
@@ -42,12 +50,48 @@ class DFlashKind(DrafterKind):
     def owns_checkpoint(self, path: Path) -> bool:
         return path.is_file() and is_dflash_checkpoint(path)
 
-    def train(self, cfg, run, target) -> dict:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    first_accuracy = "slot1_accuracy"
+
+    def check_training(self, cfg, world_size: int) -> None:
+        check_dflash_training(cfg)
+
+    def check_features(self, cfg, features: dict) -> None:
+        if cfg.drafter.objective == "kl" and features.get("teacher", "last") != "last":
             raise ConfigError(
-                "a DFlash drafter trains in one process for now: run `eagle3kit train` without torchrun"
+                f"drafter.objective kl distils the target's whole distribution, and the features in "
+                f"{cfg.train.features} keep only its {features.get('teacher')}: extract them with extract.teacher: "
+                "last, or use drafter.objective: ce"
             )
-        return run_dflash_train(cfg, run, target)
+
+    def speed(self, tc, device, draft_vocab: int) -> dict:
+        if tc.precision == "tf32" and device.type != "cuda":
+            raise ConfigError(f"train.precision: tf32 needs a CUDA device; {device.type} has no tensor cores")
+        bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+        return {"attention": "sdpa", "bf16": bf16, "tf32": False, "loss_chunk": 0, "compile": False}
+
+    def shaped(self, cfg, target, vocab, aux_ids):
+        dc = cfg.drafter
+        dcfg = DFlashConfig.from_target(
+            target.config, 0, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
+        )
+        with torch.device("meta"):
+            shaped = DFlashDrafter(dcfg)
+        return sum(p.numel() for p in shaped.parameters()), None
+
+    def build(self, cfg, target, vocab, aux_ids, samples):
+        return build_dflash(cfg, target, aux_ids, samples)
+
+    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
+        return dflash_step(model, opt, target, samples, batch, speed, cfg, world, seed)
+
+    def validate(self, drafter, target, samples, k: int, device):
+        return simulate_block_tau(drafter, target, samples, k, device)
+
+    def save_checkpoint(self, drafter, path: Path, meta: dict, state: dict) -> None:
+        save_dflash_checkpoint(drafter, path, meta, state)
+
+    def report(self, cfg, drafter) -> dict:
+        return dflash_report(cfg, drafter)
 
     def read_checkpoint(self, src: Path, target_cfg):
         """``(drafter, provenance)`` of a DFlash checkpoint (float32, its hash in the provenance), or of

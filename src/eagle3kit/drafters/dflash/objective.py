@@ -47,7 +47,7 @@ def pick_anchors(
 
 
 def dflash_loss(
-    drafter: DFlashDrafter,
+    model,
     target: Target,
     batch: dict,
     anchors: torch.Tensor,
@@ -57,6 +57,8 @@ def dflash_loss(
     """The weighted block loss of one batch.
 
     Args:
+        model: the :class:`DFlashDrafter`, or it in DistributedDataParallel (its forward is called
+            through ``model``, so that DDP reduces the gradients).
         batch: ``ids`` int64 [B, T], ``mask`` bool [B, T] (supervised tokens), ``valid`` bool [B, T]
             (real, not padding), ``aux`` [B, T, n · Ht] (the target layers' states), and for
             ``objective: kl`` ``last`` [B, T, Ht] (the target's post-norm final state).
@@ -65,6 +67,7 @@ def dflash_loss(
         (loss scalar, ``{"n": supervised slots, "correct": [per slot k = 1…B−1 correct top-1],
         "count": [per slot supervised], "accepted": Σ per block of the run of correct slots,
         "blocks": blocks with a supervised slot 1}``)."""
+    drafter = getattr(model, "module", model)
     bs = drafter.cfg.block_size
     ids, mask, valid = batch["ids"], batch["mask"], batch["valid"]
     B, T = ids.shape
@@ -72,7 +75,7 @@ def dflash_loss(
     ctx = drafter.context(batch["aux"])
     with torch.no_grad():
         emb = embed_tokens(target, tokens, ctx)
-    hidden = drafter(
+    hidden = model(
         ctx, torch.arange(T, device=ids.device).expand(B, T), emb, pos, block_mask(anchors, valid, bs)
     )
     k = torch.arange(bs, device=ids.device).repeat(anchors.shape[1])  # slot of each block position

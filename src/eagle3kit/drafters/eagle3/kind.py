@@ -11,18 +11,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
 from eagle3kit.eval.evaluate import check_drafter_target, evaluate_chain_drafter
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.folder import load_exported
 from eagle3kit.serve.check import check_chain_folder
 from eagle3kit.serve.export import read_chain_checkpoint, write_chain_folder
-from eagle3kit.train.acceptance import simulate_sequence
-from eagle3kit.train.stage import train_chain_drafter
+from eagle3kit.train.acceptance import simulate_samples, simulate_sequence
+from eagle3kit.train.batches import make_batch
+from eagle3kit.train.chain_step import build_drafter, resolve_speed, train_step
+from eagle3kit.train.checkpoints import save_drafter_checkpoint
+from eagle3kit.train.memory import DrafterShape
 
 
 class Eagle3Kind(DrafterKind):
     name = "eagle3"
+    title = "EAGLE-3"
     variants = (None, "eagle3", "eagle3.1", "p-eagle")
 
     def owns_folder(self, config: dict) -> bool:
@@ -31,8 +40,48 @@ class Eagle3Kind(DrafterKind):
     def owns_checkpoint(self, path: Path) -> bool:
         return True
 
-    def train(self, cfg, run, target) -> dict:
-        return train_chain_drafter(cfg, run, target)
+    def check_features(self, cfg, features: dict) -> None:
+        tc = cfg.train
+        if tc.loss != "kl" and features.get("teacher", "last") != "last":
+            raise ConfigError(
+                f"train.loss {tc.loss} needs the target's full-vocabulary probabilities, and the features in "
+                f"{tc.features} keep only the teacher's {features.get('teacher')}: extract them with "
+                "extract.teacher: last, train without train.features (the target in the step, or online), or use "
+                "train.loss: kl"
+            )
+
+    def speed(self, tc, device, draft_vocab: int) -> dict:
+        return resolve_speed(tc, device, draft_vocab)
+
+    def shaped(self, cfg, target, vocab, aux_ids):
+        flags = cfg.drafter.flags(target.tokenizer, target.vocab_size, 0)
+        dcfg = DrafterConfig.from_target(
+            target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags
+        )
+        with torch.device("meta"):
+            shaped = Eagle3Drafter(dcfg)
+        return sum(p.numel() for p in shaped.parameters()), DrafterShape.of(shaped)
+
+    def build(self, cfg, target, vocab, aux_ids, samples):
+        return build_drafter(target, vocab, aux_ids, cfg.train.seed, cfg.drafter, samples)
+
+    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
+        device = next(getattr(model, "module", model).parameters()).device
+        b = make_batch(samples, batch, cfg.train.ttt_steps, device)
+        return train_step(model, opt, target, b, draft_ids, cfg.train, speed, world)
+
+    def validate(self, drafter, target, samples, k: int, device):
+        return simulate_samples(drafter, target, samples, k, device)
+
+    def save_checkpoint(self, drafter, path: Path, meta: dict, state: dict) -> None:
+        save_drafter_checkpoint(drafter, path, meta, state)
+
+    def report(self, cfg, drafter) -> dict:
+        return {
+            "ttt_steps": cfg.train.ttt_steps,
+            "drafter_variant": variant_name(drafter.config.variant()),
+            "loss": cfg.train.loss,
+        }
 
     def read_checkpoint(self, src: Path, target_cfg):
         return read_chain_checkpoint(src, target_cfg)

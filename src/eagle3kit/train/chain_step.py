@@ -1,0 +1,167 @@
+"""The EAGLE-3 family's training step: its drafter built for the target, the TTT loss's optimizer step
+(:func:`train_step`), and the fast-path settings it runs with (:func:`resolve_speed`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from eagle3kit.core.config import ConfigError
+from eagle3kit.model.draft_vocab import DraftVocab
+from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+from eagle3kit.model.target import Target
+from eagle3kit.train.samples import mask_token
+from eagle3kit.train.ttt import ttt_loss
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """fp32 matrix products (and convolutions) on TF32 tensor cores inside the block when ``on``
+    (10-bit mantissa operands, fp32 accumulation, relative error near 3e-4 — NVIDIA's A100
+    whitepaper, "TF32"), set through PyTorch's ``fp32_precision`` settings (the API PyTorch ≥ 2.9
+    asks for; mixing it with the legacy ``allow_tf32`` flags raises); the exact previous values
+    are restored after, so a process-wide setting outlives the block."""
+    if not on:
+        yield
+        return
+    knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    old = [k.fp32_precision for k in knobs]
+    for k in knobs:
+        k.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        for k, v in zip(knobs, old):
+            k.fp32_precision = v
+
+
+# Bytes the unchunked loss keeps for the backward pass, per position, TTT step and draft-vocabulary
+# entry: the fp32 log-softmax and the fp32 teacher rows (the product's saved inputs), 8 bytes;
+# measured on the H200 at the 8B shape (benchmarks/peers.py: 16,384 positions, Vd 32,000, TTT 7)
+UNCHUNKED_LOSS_BYTES = 8
+# the share of the GPU's memory the unchunked loss may take before ``loss_chunk: auto`` chunks it
+UNCHUNKED_LOSS_SHARE = 0.25
+# positions per chunk of the fused forward-KL loss (``loss_chunk: auto`` with ``loss: kl`` on CUDA):
+# the fastest of 0 / 4096 / 8192 on the H200 at the 8B shape (benchmarks/results/peers.json)
+FUSED_LOSS_CHUNK = 8192
+
+
+def unchunked_loss_bytes(tokens_per_step: int, draft_vocab: int, ttt_steps: int) -> int:
+    """Bytes the unchunked draft-vocabulary loss keeps for the backward pass at most (every
+    position of a ``tokens_per_step`` batch supervised): 8 · tokens · Vd · TTT steps."""
+    return UNCHUNKED_LOSS_BYTES * tokens_per_step * draft_vocab * ttt_steps
+
+
+def resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> dict:
+    """The fast-path settings for ``device``: flex attention, bf16 autocast and the drafter layer
+    compiled on CUDA, the readable reference (dense attention, fp32) elsewhere. ``loss_chunk``
+    unset, on CUDA: for ``loss: kl`` :data:`FUSED_LOSS_CHUNK` (the fused lm_head + loss of
+    :class:`~eagle3kit.train.ttt.FusedDraftCE`, its element-wise work one compiled kernel); for the
+    LK objectives 0 (unchunked) unless that loss (:func:`unchunked_loss_bytes`, ``draft_vocab``
+    entries) would take more than a quarter of the device's memory (or ``draft_vocab`` is not
+    given), then 4096-position checkpointed chunks. Elsewhere 0. Measured on the H200 at the 8B
+    shape, compiled (benchmarks/results/peers.json): fused chunks of 8192 28,982 tokens/s, of 4096
+    28,583, unchunked 27,070.
+
+    Raises:
+        ConfigError: ``attention: flex`` or ``precision: tf32`` off CUDA."""
+    cuda = device.type == "cuda"
+    if tc.attention == "flex" and not cuda:
+        raise ConfigError(
+            f"train.attention: flex needs a CUDA device (flex attention has no backward pass on "
+            f"{device.type}); use attention: auto or reference here"
+        )
+    if tc.precision == "tf32" and not cuda:
+        raise ConfigError(
+            f"train.precision: tf32 needs a CUDA device (TF32 is a tensor-core mode; {device.type} has "
+            "none); use precision: fp32 or auto here"
+        )
+    fsdp = tc.parallel == "fsdp"  # FSDP2 shards the layer and the lm_head: neither compiled nor fused
+    chunk = tc.loss_chunk
+    if chunk is None:
+        chunk = 0
+        if cuda and tc.loss == "kl" and not fsdp:
+            chunk = FUSED_LOSS_CHUNK
+        elif cuda:
+            need = (
+                unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps) if draft_vocab else None
+            )
+            fits = (
+                need is not None
+                and need <= UNCHUNKED_LOSS_SHARE * torch.cuda.get_device_properties(device).total_memory
+            )
+            chunk = 0 if fits else 4096
+    return {
+        "attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
+        "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),
+        "tf32": tc.precision == "tf32",
+        "loss_chunk": chunk,
+        "compile": tc.compile if tc.compile is not None else (cuda and not fsdp),
+    }
+
+
+def build_drafter(
+    target: Target, vocab: DraftVocab, aux_ids, seed: int, variant=None, samples: list | None = None
+) -> Eagle3Drafter:
+    """A freshly initialised drafter shaped after the target (seeded); ``variant``: the run's
+    ``drafter`` section (:class:`~eagle3kit.core.config.DrafterVariantConfig`, None: EAGLE-3);
+    ``samples``: the training data, from which a P-EAGLE drafter's mask token is picked
+    (:func:`mask_token`)."""
+    torch.manual_seed(seed)
+    unused = None
+    if variant is not None and variant.parallel_drafting and samples:
+        unused = mask_token(samples, target.tokenizer, target.vocab_size, variant.mask_token_id)
+    flags = variant.flags(target.tokenizer, target.vocab_size, unused) if variant is not None else {}
+    dcfg = DrafterConfig.from_target(
+        target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags
+    )
+    d = Eagle3Drafter(dcfg)
+    d.set_vocab(vocab)
+    return d
+
+
+def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict, world=None):
+    """One optimizer step on one batch: the TTT loss (:func:`eagle3kit.train.ttt.ttt_loss`) under bf16
+    autocast when ``speed["bf16"]`` (fp32 matmuls on TF32 tensor cores when ``speed["tf32"]``, the
+    forward and the backward), backward, gradient clipping to ``tc.grad_clip``, AdamW.
+
+    Args:
+        model: the drafter, or the drafter in DistributedDataParallel.
+        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
+            its ``lk_kl_scale``/``lk_kl_decay``).
+        speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`resolve_speed`).
+        world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
+            supervised position (every process still calls backward, as DDP needs).
+    Returns:
+        (loss scalar, per-step stats of :func:`eagle3kit.train.ttt.ttt_loss` plus ``tokens``, the batch's
+        real tokens summed over every process).
+    """
+    drafter = getattr(model, "module", model)
+    with (
+        tf32_matmuls(speed.get("tf32", False)),
+        torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]),
+    ):
+        loss, st = ttt_loss(
+            model,
+            target,
+            batch,
+            draft_ids,
+            tc.ttt_steps,
+            tc.step_weight,
+            attention=speed["attention"],
+            loss_chunk=speed["loss_chunk"],
+            loss=tc.loss,
+            lk_kl_scale=tc.lk_kl_scale,
+            lk_kl_decay=tc.lk_kl_decay,
+        )
+    opt.zero_grad(set_to_none=True)
+    with tf32_matmuls(speed.get("tf32", False)):
+        loss.backward()
+    mine = [float(sum(st["n"])), float(batch["key_mask"].sum())]
+    n, tokens = world.sum_floats(mine) if world is not None else mine  # one collective for both
+    st["tokens"] = int(tokens)
+    if n > 0:
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+        opt.step()
+    return loss, st
