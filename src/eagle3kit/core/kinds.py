@@ -25,6 +25,7 @@ from typing import Any
 #: EAGLE-3 family last: it reads every other layout an engine or a peer writes, naming what it cannot)
 KINDS: dict[str, str] = {
     "dflash": "eagle3kit.drafters.dflash.kind",
+    "dspark": "eagle3kit.drafters.dspark.kind",
     "eagle3": "eagle3kit.drafters.eagle3.kind",
 }
 
