@@ -22,7 +22,6 @@ from eagle3kit.core.kinds import KINDS, kind_for_checkpoint, kind_for_folder, ki
 from eagle3kit.drafters.dflash.objective import pick_anchors
 from eagle3kit.drafters.dspark.folder import (
     read_dspark,
-    save_dspark_checkpoint,
     vllm_aux_ids,
     write_dspark,
 )
@@ -366,12 +365,61 @@ def test_the_registry_finds_dspark_by_name_folder_and_checkpoint(tmp_path):
     assert kind_for_folder(folder) is kind
     assert kind.aux_ids(read_dspark(folder)) == [2, 4, 6] and kind.max_draft(read_dspark(folder)) == BLOCK
     d = _drafter(seed=4)
-    save_dspark_checkpoint(d, tmp_path / "best.safetensors", 3, {"x": 1})
+    kind.save_checkpoint(
+        d, tmp_path / "best.safetensors", {"epoch": 3, "provenance": json.dumps({"x": 1})}, d.state_dict()
+    )
     assert kind_for_checkpoint(tmp_path / "best.safetensors") is kind
     back, prov = kind.read_checkpoint(tmp_path / "best.safetensors", None)
     assert prov["x"] == 1 and len(prov["checkpoint_sha256"]) == 64
     assert all(torch.equal(back.state_dict()[k], v) for k, v in d.state_dict().items())
-    with pytest.raises(ConfigError, match="common training loop"):
-        kind.train(None, None, None)
     with pytest.raises(ExportError, match="Qwen3DSparkModel layout only"):
         kind.write_folder(d, tmp_path / "spec", {}, "speculators", None, False, BLOCK)
+
+
+def test_dspark_trains_in_the_common_loop_exports_and_checks(tmp_path, tiny_target_dir, tiny_target):
+    """`train` runs the one training loop for a DSpark drafter (its loss, DFlash's step) on the tiny
+    8-layer target: the loss falls, the checkpoint is a DSpark checkpoint, `export` writes vLLM's
+    Qwen3DSparkModel folder holding the trained weights, and `check` finds no error in it (only that
+    vLLM serves DSpark on the GPU)."""
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.rundir import RunDir
+    from eagle3kit.data.tokenize import save_shard
+    from eagle3kit.model.draft_vocab import DraftVocab, save_vocab
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.train.stage import run_train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(16):  # a counting-like pattern the drafter can learn: x, x+1, x+2, …
+        start, n = int(torch.randint(10, 1500, (1,), generator=g)), 14 + i % 7
+        rows.append((list(range(start, start + n)), [0] * 4 + [1] * (n - 4)))
+    save_shard(run / "tokens.safetensors", rows)
+    save_vocab(run / "vocab.safetensors", DraftVocab(ids=torch.arange(256), vocab_size=49152), {})
+    (run / "c.yaml").write_text(
+        f"run_dir: {run}\ntarget: {{model: {tiny_target_dir}, dtype: float64, device: cpu}}\n"
+        "vocab: {draft_vocab_size: 256}\n"
+        "drafter: {variant: dspark, num_layers: 1, block_size: 4, max_anchors: 8}\n"
+        "train: {epochs: 3, tokens_per_step: 128, lr: 0.003, val_fraction: 0.2, device: cpu}\n"
+        "evaluate: {k: 3}\n"
+    )
+    cfg = load_config(run / "c.yaml")
+    rep = run_train(cfg, RunDir(run), target=tiny_target)
+    hist = rep["history"]
+    assert rep["drafter_variant"] == "dspark" and rep["drafts_per_block"] == 4 and len(hist) == 3
+    assert hist[-1]["train_loss"] < hist[0]["train_loss"]
+    best = run / "checkpoints" / "best.safetensors"
+    assert kind_for_checkpoint(best).name == "dspark"
+    log = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
+    assert all("confidence_loss" in r for r in log if "step" in r and "loss" in r)
+    run_export(cfg, RunDir(run), target=tiny_target)
+    folder = run / "drafter"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    assert kind_for_folder(folder).name == "dspark"
+    findings = check_drafter(folder, cfg.target, num_speculative_tokens=3)
+    assert [f.code for f in findings if f.severity == "error"] == [], findings
+    assert "dspark_gpu_only" in {f.code for f in findings}
+    d = read_dspark(folder)
+    trained = load_file(str(best))
+    assert torch.equal(d.markov_head.markov_w1.weight.float(), trained["markov_head.markov_w1.weight"])

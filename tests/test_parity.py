@@ -94,7 +94,7 @@ def test_a_teacher_state_taken_before_the_final_norm_is_flagged(
 
 def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
     from eagle3kit.core.config_train import TrainConfig
-    from eagle3kit.train.stage import feature_source_warning
+    from eagle3kit.train.loop_inputs import feature_source_warning
 
     assert feature_source_warning(None, None) is None  # nothing named for serving
     assert feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "vllm") is None

@@ -28,6 +28,7 @@ from pydantic import (
 
 from eagle3kit.core.config_base import ConfigError, StrictSection
 from eagle3kit.core.config_train import (
+    BLOCK_VARIANTS,
     DEFAULT_VARIANT,
     DFLASH_FIELDS,
     VARIANT_FLAGS,
@@ -446,7 +447,7 @@ class Config(StrictSection):
 
     @model_validator(mode="after")
     def _across_sections(self):
-        if self.drafter.variant == "dflash":
+        if self.drafter.variant in BLOCK_VARIANTS:
             ids = self.drafter.target_layer_ids
             if ids is not None and self.target.aux_layer_ids is not None:
                 hf = [i + 1 for i in ids]
@@ -459,7 +460,7 @@ class Config(StrictSection):
                         f"{list(self.target.aux_layer_ids)} name other layers; keep drafter.target_layer_ids"
                     )
             if self.evaluate.draft == "tree":
-                raise ValueError("a DFlash drafter drafts a block (a chain): set evaluate.draft: chain")
+                raise ValueError("a block drafter drafts a block (a chain): set evaluate.draft: chain")
             if self.evaluate.k > self.drafter.block_size - 1:
                 raise ValueError(
                     f"evaluate.k {self.evaluate.k} > drafter.block_size − 1 = {self.drafter.block_size - 1}: a block "
@@ -577,6 +578,6 @@ def dump_config(cfg: Config) -> str:
         "variant": d.variant,
         **{k: True for k in VARIANT_FLAGS if getattr(d, k) and not preset.get(k)},
         **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
-        **({k: data["drafter"][k] for k in DFLASH_FIELDS} if d.variant == "dflash" else {}),
+        **({k: data["drafter"][k] for k in DFLASH_FIELDS} if d.variant in BLOCK_VARIANTS else {}),
     }
     return yaml.safe_dump(data, sort_keys=False)

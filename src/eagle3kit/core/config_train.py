@@ -35,8 +35,10 @@ def variant_name(flags: dict) -> str:
     return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
-#: the ``drafter`` fields that only DFlash reads
+#: the ``drafter`` fields that only the block drafters (DFlash, DSpark) read
 DFLASH_FIELDS = ("block_size", "num_layers", "target_layer_ids", "objective", "gamma", "max_anchors")
+#: the variants that draft a block in one forward (their own networks, set by DFLASH_FIELDS)
+BLOCK_VARIANTS = ("dflash", "dspark")
 
 #: the drafter a config without a ``drafter`` section trains (docs/training.md, "Which drafter by default")
 DEFAULT_VARIANT = "eagle3.1"
@@ -47,11 +49,12 @@ class DrafterVariantConfig(StrictSection):
     names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); flags written out add to it, and
     one that turns a flag of the preset off, or any flag beside ``eagle3``, is refused."""
 
-    variant: Literal["eagle3", "eagle3.1", "p-eagle", "dflash"] | None = Field(
+    variant: Literal["eagle3", "eagle3.1", "p-eagle", "dflash", "dspark"] | None = Field(
         default=None,
         description="preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), p-eagle "
         "(parallel_drafting); flags written out add to it (turning one of its own off is refused); dflash: "
-        "the block drafter (its own network, set by the block_size … max_anchors fields)",
+        "the block drafter (its own network, set by the block_size … max_anchors fields); dspark: DFlash "
+        "with a Markov head and a confidence head (vLLM serves it on the GPU only)",
     )
     block_size: StrictInt = Field(
         default=8,
@@ -107,15 +110,15 @@ class DrafterVariantConfig(StrictSection):
     @model_validator(mode="after")
     def _preset(self):
         dflash_only = [k for k in DFLASH_FIELDS if k in self.model_fields_set]
-        if self.variant == "dflash":
+        if self.variant in BLOCK_VARIANTS:
             flags = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]
             if flags:
                 raise ValueError(
-                    f"drafter.variant dflash is its own network; {', '.join(flags)} belong to EAGLE-3"
+                    f"drafter.variant {self.variant} is its own network; {', '.join(flags)} belong to EAGLE-3"
                 )
             return self
         if dflash_only:
-            raise ValueError(f"drafter.{dflash_only[0]} is read only with drafter.variant: dflash")
+            raise ValueError(f"drafter.{dflash_only[0]} is read only with drafter.variant: dflash or dspark")
         preset = VARIANTS.get(self.variant or "eagle3", {})
         off = [k for k, v in preset.items() if k in self.model_fields_set and getattr(self, k) != v]
         if off:

@@ -44,15 +44,18 @@ def load_dflash_checkpoint(path) -> tuple[DFlashDrafter, dict]:
     return d.float(), json.loads(meta.get("provenance", "{}"))
 
 
-def save_dflash_checkpoint(drafter: DFlashDrafter, path: Path, meta: dict, state: dict) -> None:
+def save_dflash_checkpoint(
+    drafter: DFlashDrafter, path: Path, meta: dict, state: dict, kind: str = "dflash"
+) -> None:
     """``state`` (the whole drafter, float32 on the CPU) written atomically to ``path`` with the
-    drafter's config and ``meta`` (epoch, step, provenance) in the metadata."""
+    drafter's config and ``meta`` (epoch, step, provenance) in the metadata; ``kind``: the metadata's
+    ``drafter`` (another block drafter's checkpoint in the same format)."""
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
     write_safetensors(
         path,
         tensors,
         {
-            KIND_KEY: "dflash",
+            KIND_KEY: kind,
             "config": json.dumps(drafter.cfg.to_dict()),
             **{k: str(v) for k, v in meta.items()},
         },
@@ -89,11 +92,12 @@ def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:
     return DFlashDrafter(dcfg)
 
 
-def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, seed: int):
+def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, seed: int, loss_fn=dflash_loss):
     """One optimizer step of the block loss (:func:`eagle3kit.drafters.dflash.objective.dflash_loss`) on
     the samples ``batch`` indexes: anchors drawn with a generator seeded by ``seed``, bf16 autocast
     when ``speed["bf16"]``, backward on every process (as DDP needs), clipping to ``train.grad_clip``,
-    the step when any process had a supervised slot.
+    the step when any process had a supervised slot. ``loss_fn``: the block loss (another block
+    drafter's, with :func:`~eagle3kit.drafters.dflash.objective.dflash_loss`'s contract).
 
     Returns: (loss, ``{"n": [slots], "acc": [top-1 accuracy per slot 1 … B−1], "tokens", "log"}``)."""
     drafter = getattr(model, "module", model)
@@ -106,7 +110,7 @@ def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, see
     )
     gamma = cfg.drafter.gamma or default_gamma(drafter.cfg.block_size)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
-        loss, st = dflash_loss(model, target, b, anchors, gamma, cfg.drafter.objective)
+        loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     n, tokens = world.sum_floats([float(st["n"]), float(b["valid"].sum())])
@@ -115,6 +119,7 @@ def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, see
         opt.step()
     acc = [c / m if m else 0.0 for c, m in zip(st["correct"], st["count"])]
     log = {"block_tau": round(1 + st["accepted"] / st["blocks"], 4)} if st["blocks"] else {}
+    log.update({k: round(st[k], 5) for k in ("block_loss", "confidence_loss") if k in st})
     return loss, {"n": [st["n"]], "acc": acc, "tokens": int(tokens), "log": log}
 
 

@@ -260,21 +260,6 @@ def is_dspark_checkpoint(path: str | Path) -> bool:
         return (f.metadata() or {}).get(KIND_KEY) == KIND_VALUE
 
 
-def save_dspark_checkpoint(drafter: DSparkDrafter, path: str | Path, epoch: int, provenance: dict) -> None:
-    """Write a float32 checkpoint of ``drafter`` (its config and ``provenance`` in the metadata) to
-    ``path`` atomically — the format :func:`load_dspark_checkpoint` reads."""
-    path = Path(path)
-    meta = {
-        KIND_KEY: KIND_VALUE,
-        "config": json.dumps(drafter.cfg.to_dict()),
-        "epoch": str(epoch),
-        "provenance": json.dumps(provenance),
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(serving_tensors(drafter, torch.float32), str(tmp), metadata=meta)
-    tmp.replace(path)
-
-
 def load_dspark_checkpoint(path: str | Path) -> tuple[DSparkDrafter, dict]:
     """The drafter (float32, every tensor required) and the provenance of a DSpark checkpoint.
 

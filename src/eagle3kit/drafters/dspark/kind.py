@@ -5,8 +5,8 @@ the default target layers, the target check, the faults ``diagnose`` plants (lay
 mask token, a causal block); its own are the network, the loss, the block drafting with the Markov
 head, the folder and its ``check``.
 
-Training is not wired yet: DFlash's trainer builds a DFlash drafter and loss itself, so DSpark trains
-once the stage ``train`` runs a common loop with per-kind objective hooks."""
+It trains in the common loop with DFlash's step (anchors, batches, clipping) and its own loss
+(:func:`eagle3kit.drafters.dspark.objective.dspark_loss`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,14 @@ from eagle3kit.data.generate import check_backend, pick_backend
 from eagle3kit.diagnose.record import DiagnoseError
 from eagle3kit.drafters.dflash.evaluate import check_dflash_target
 from eagle3kit.drafters.dflash.faults import dflash_applicable, dflash_faults, dflash_planted
+from eagle3kit.drafters.dflash.kind import KIND as DFLASH
 from eagle3kit.drafters.dflash.network import default_target_layer_ids
+from eagle3kit.drafters.dflash.trainer import (
+    check_dflash_training,
+    dflash_report,
+    dflash_step,
+    save_dflash_checkpoint,
+)
 from eagle3kit.drafters.dspark.check import check_dspark
 from eagle3kit.drafters.dspark.folder import (
     is_dspark_checkpoint,
@@ -36,7 +43,8 @@ from eagle3kit.drafters.dspark.folder import (
     read_dspark,
     write_dspark,
 )
-from eagle3kit.drafters.dspark.objective import dspark_block_stats, simulate_dspark_tau
+from eagle3kit.drafters.dspark.network import DSparkConfig, DSparkDrafter
+from eagle3kit.drafters.dspark.objective import dspark_block_stats, dspark_loss, simulate_dspark_tau
 from eagle3kit.eval.sets import (
     check_overlap,
     chosen_sets,
@@ -48,7 +56,7 @@ from eagle3kit.model.contract import ExportError
 from eagle3kit.model.target import load_target, pick_device
 from eagle3kit.model.target_files import load_target_config, weights_fingerprint
 from eagle3kit.train.batches import Sample
-from eagle3kit.train.samples import compute_features
+from eagle3kit.train.samples import compute_features, mask_token
 
 LAYER_FIX = (
     "write dspark_target_layer_ids as 0-based decoder layers (vLLM reads decoder layer t's output, HF index "
@@ -127,6 +135,7 @@ def run_evaluate_dspark(
 
 class DSparkKind(DrafterKind):
     name = "dspark"
+    title = "DSpark"
     variants = ("dspark",)
     aux_count = None
     whole_vocab = True
@@ -144,13 +153,53 @@ class DSparkKind(DrafterKind):
     def owns_checkpoint(self, path: Path) -> bool:
         return path.is_file() and is_dspark_checkpoint(path)
 
-    def train(self, cfg, run, target) -> dict:
-        """Raises ConfigError always: DFlash's trainer (``run_dflash_train``) builds its own drafter and
-        loss, so a DSpark drafter trains once ``train`` runs the common loop with per-kind hooks."""
-        raise ConfigError(
-            "drafter.variant dspark: training lands with the common training loop; until then export, check, "
-            "evaluate and diagnose read DSpark folders (vLLM's Qwen3DSparkModel layout)"
+    first_accuracy = "slot1_accuracy"
+
+    def check_training(self, cfg, world_size: int) -> None:
+        check_dflash_training(cfg)
+
+    def check_features(self, cfg, features: dict) -> None:
+        DFLASH.check_features(cfg, features)
+
+    def speed(self, tc, device, draft_vocab: int) -> dict:
+        return DFLASH.speed(tc, device, draft_vocab)
+
+    def shaped(self, cfg, target, vocab, aux_ids):
+        dc = cfg.drafter
+        c = DSparkConfig.from_target(target.config, 0, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids])
+        with torch.device("meta"):
+            shaped = DSparkDrafter(c)
+        return sum(p.numel() for p in shaped.parameters()), None
+
+    def build(self, cfg, target, vocab, aux_ids, samples):
+        """A DSpark drafter for ``target`` (DFlash's backbone and mask token, the heads at their defaults:
+        Markov rank :data:`~eagle3kit.drafters.dspark.network.DEFAULT_MARKOV_RANK`, drafting from the
+        anchor), seeded by ``train.seed``."""
+        dc = cfg.drafter
+        mask_id = mask_token(samples, target.tokenizer, target.vocab_size, dc.mask_token_id)
+        c = DSparkConfig.from_target(
+            target.config, mask_id, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
         )
+        torch.manual_seed(cfg.train.seed)
+        return DSparkDrafter(c)
+
+    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
+        return dflash_step(model, opt, target, samples, batch, speed, cfg, world, seed, loss_fn=dspark_loss)
+
+    def validate(self, drafter, target, samples, k: int, device):
+        return simulate_dspark_tau(drafter, target, samples, min(k, drafter.cfg.drafts_per_block), device)
+
+    def save_checkpoint(self, drafter, path: Path, meta: dict, state: dict) -> None:
+        save_dflash_checkpoint(drafter, path, meta, state, kind="dspark")
+
+    def report(self, cfg, drafter) -> dict:
+        c = drafter.cfg
+        return {
+            **dflash_report(cfg, drafter),
+            "drafter_variant": "dspark",
+            "markov_rank": c.markov_rank,
+            "drafts_per_block": c.drafts_per_block,
+        }
 
     def read_checkpoint(self, src: Path, target_cfg):
         """``(drafter, provenance)`` of a DSpark checkpoint (its hash in the provenance) or of an exported

@@ -73,7 +73,7 @@ def _block_stats(hit: torch.Tensor, sup: torch.Tensor, j: torch.Tensor, drafter:
 
 
 def dspark_loss(
-    drafter: DSparkDrafter,
+    model,
     target: Target,
     batch: dict,
     anchors: torch.Tensor,
@@ -84,6 +84,8 @@ def dspark_loss(
     (formulas: module docstring).
 
     Args:
+        model: the :class:`DSparkDrafter`, or it in DistributedDataParallel (its forward is called
+            through ``model``, so that DDP reduces the gradients).
         batch: ``ids`` int64 [B, T], ``mask`` bool [B, T] (supervised tokens), ``valid`` bool [B, T]
             (real, not padding), ``aux`` [B, T, n · Ht] (the target layers' aux hidden states), and for
             ``objective: kl`` ``last`` [B, T, Ht] (the target's post-norm final state).
@@ -95,6 +97,7 @@ def dspark_loss(
         ``correct``/``count`` per draft index 1 … D (D = ``drafts_per_block``), ``accepted`` (Σ per
         block of the run of correct drafts), ``blocks`` (blocks whose first draft is supervised) — and
         ``block_loss``, ``confidence_loss`` (floats; 0.0 without a confidence head)."""
+    drafter = getattr(model, "module", model)
     ids = batch["ids"]
     B, T = ids.shape
     j, where, sup, tokens, pos = _slots(drafter, batch, anchors)
@@ -102,7 +105,7 @@ def dspark_loss(
     with torch.no_grad():
         emb = embed_tokens(target, tokens, ctx)
     mask = block_mask(anchors, batch["valid"], drafter.cfg.block_size)
-    hidden = drafter(ctx, torch.arange(T, device=ids.device).expand(B, T), emb, pos, mask)[sup]
+    hidden = model(ctx, torch.arange(T, device=ids.device).expand(B, T), emb, pos, mask)[sup]
     labels = ids.gather(1, where)[sup]
     prev = ids.gather(1, (where - 1).clamp(min=0))[sup]  # the true token before each draft
     markov = drafter.markov_head.embed(prev)
