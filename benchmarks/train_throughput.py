@@ -10,7 +10,7 @@ its argmax always lies in the draft vocabulary: every position is supervised at 
 
 Two paths, measured in the same run with the same data:
 
-* fast: what ``train`` does on CUDA (``eagle3kit.train.stage.train_step``): flex attention with a block
+* fast: what ``train`` does on CUDA (``eagle3kit.train.chain_step.train_step``): flex attention with a block
   mask (compiled), the loss unchunked when it fits (``train.loss_chunk`` unset; ``--loss-chunk`` to
   force chunks), the teacher's logits once per batch, bf16 autocast
   over fp32 master weights, fused AdamW;

@@ -193,7 +193,16 @@ def test_default_target_layers_are_spread_from_layer_1_to_n_minus_3():
     [
         ({"variant": "dflash", "fc_norm": True}, {}, "fc_norm belong to EAGLE-3"),
         ({"block_size": 16}, {}, "drafter.block_size is read only with drafter.variant: dflash"),
-        ({"variant": "dflash", "block_size": 4}, {"k": 4}, "evaluate.k 4 > drafter.block_size − 1 = 3"),
+        (
+            {"variant": "dflash", "block_size": 4},
+            {"k": 4},
+            "evaluate.k 4 > 3: a dflash block of 4 drafts at most 3",
+        ),
+        (
+            {"variant": "dspark", "block_size": 4},
+            {"k": 5},
+            "evaluate.k 5 > 4: a dspark block of 4 drafts at most 4",
+        ),
         ({"variant": "dflash"}, {"draft": "tree", "mode": "decode"}, "drafts a block (a chain)"),
     ],
 )

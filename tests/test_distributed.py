@@ -164,6 +164,41 @@ def test_a_resumed_two_process_run_logs_the_uninterrupted_loss_curve(
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_checkpoints_of_the_earlier_dflash_trainer_are_set_aside_not_overwritten(
+    base_run, tmp_path, tiny_target_dir
+):
+    """A run folder trained by the earlier DFlash trainer (checkpoints/ with dflash_state.pt, no
+    train_state.pt) cannot be resumed exactly: its checkpoints are moved to checkpoints.prev-1 (named in
+    the output) and the run trains from the start, never writing over them."""
+    import io
+
+    from rich.console import Console
+
+    from eagle3kit.core.config import load_config
+    from eagle3kit.train import loop_resume
+    from eagle3kit.train.stage import run_train
+
+    d = tmp_path / "run"
+    shutil.copytree(base_run, d)
+    (d / "checkpoints").mkdir()
+    old = {n: f"old {n}".encode() for n in ("last.safetensors", "best.safetensors", "dflash_state.pt")}
+    for n, b in old.items():
+        (d / "checkpoints" / n).write_bytes(b)
+    cfg = _cfg_file(d, tiny_target_dir, "float64", "epochs: 1, tokens_per_step: 64", DFLASH)
+    buf = io.StringIO()
+    saved = loop_resume.console
+    loop_resume.console = Console(file=buf, width=300)
+    try:
+        rep = run_train(load_config(cfg), RunDir(d))
+    finally:
+        loop_resume.console = saved
+    assert (
+        "written by the earlier DFlash trainer" in buf.getvalue() and "checkpoints.prev-1" in buf.getvalue()
+    )
+    assert {n: (d / "checkpoints.prev-1" / n).read_bytes() for n in old} == old
+    assert rep["drafter_variant"] == "dflash" and (d / "checkpoints" / "train_state.pt").exists()
+
+
 def test_the_sharded_and_the_replicated_drafter_train_alike(whole_runs):
     """FSDP2 and DDP on the same data and seed: the same loss curve (to 1e-4 relative), every step, and
     the same trained drafter — each run really in its mode (its report reads the mode off the module)."""

@@ -215,6 +215,22 @@ def test_the_loss_is_finite_and_falls_over_twenty_steps():
     assert d.markov_head.markov_w2.weight.abs().sum() > 0  # the Markov head trained (it starts at zero)
 
 
+def test_a_batch_without_a_supervised_draft_still_gives_every_head_a_gradient():
+    """Under DDP every process must produce a gradient for every parameter in every step: a batch whose
+    anchors supervise nothing (no anchor at all) still puts the confidence head in the graph (zero loss)."""
+    d, target = _drafter(), _target()
+    batch = _batch(_no_successor_ids(16, seed=1), 8, seed=1)
+    anchors = torch.full((1, 1), -1, dtype=torch.long)  # no block at all
+    loss, st = dspark_loss(d, target, batch, anchors, gamma=2.0)
+    loss.backward()
+    assert st["n"] == 0 and float(loss.detach()) == 0.0
+    grads = {n: p.grad for n, p in d.named_parameters()}
+    assert (
+        grads["confidence_head.proj.weight"] is not None and grads["markov_head.markov_w2.weight"] is not None
+    )
+    assert float(grads["confidence_head.proj.weight"].abs().sum()) == 0.0
+
+
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_the_loss_applies_the_markov_bias_of_the_true_previous_token(sample_from_anchor):
     """With a head that drafts ``prev + 1`` and small base logits, a counting sequence (each token its
@@ -420,6 +436,14 @@ def test_dspark_trains_in_the_common_loop_exports_and_checks(tmp_path, tiny_targ
     findings = check_drafter(folder, cfg.target, num_speculative_tokens=3)
     assert [f.code for f in findings if f.severity == "error"] == [], findings
     assert "dspark_gpu_only" in {f.code for f in findings}
+    (run / "drafter-speculators").mkdir()
+    (run / "drafter-speculators" / "keep.txt").write_text("a user's file")
+    with pytest.raises(ExportError, match="DSpark drafter is written as dual only"):
+        run_export(cfg, RunDir(run), fmt="speculators", set_aside_existing=True, target=tiny_target)
+    assert (run / "drafter-speculators" / "keep.txt").exists()  # refused before anything was moved
+    (run / "broken.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ExportError, match="not a readable safetensors checkpoint"):
+        run_export(cfg, RunDir(run), checkpoint=str(run / "broken.safetensors"), out_dir=str(tmp_path / "o"))
     d = read_dspark(folder)
     trained = load_file(str(best))
     assert torch.equal(d.markov_head.markov_w1.weight.float(), trained["markov_head.markov_w1.weight"])

@@ -461,10 +461,12 @@ class Config(StrictSection):
                     )
             if self.evaluate.draft == "tree":
                 raise ValueError("a block drafter drafts a block (a chain): set evaluate.draft: chain")
-            if self.evaluate.k > self.drafter.block_size - 1:
+            # DSpark drafts from the anchor itself: a block of B drafts B tokens (DFlash: B − 1)
+            most = self.drafter.block_size - (self.drafter.variant != "dspark")
+            if self.evaluate.k > most:
                 raise ValueError(
-                    f"evaluate.k {self.evaluate.k} > drafter.block_size − 1 = {self.drafter.block_size - 1}: a block "
-                    "drafts at most block_size − 1 tokens"
+                    f"evaluate.k {self.evaluate.k} > {most}: a {self.drafter.variant} block of "
+                    f"{self.drafter.block_size} drafts at most {most} tokens"
                 )
         if self.drafter.parallel_drafting and self.train.ttt_steps < 2:
             raise ValueError(

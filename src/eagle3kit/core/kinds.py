@@ -86,6 +86,10 @@ class DrafterKind(ABC):
     # --- training: the one loop (eagle3kit.train.stage) calls these -----------------------------
     #: the epoch record's name for the accuracy of the first drafted position
     first_accuracy = "step0_accuracy"
+    #: how the epoch lines print it
+    first_accuracy_label = "step-0 acc"
+    #: the export formats it writes (``dual``: its engines' own layout; ``speculators``)
+    formats: tuple[str, ...] = ("dual", "speculators")
 
     def check_training(self, cfg, world_size: int) -> None:
         """Refuse a ``train`` config this kind cannot train on ``world_size`` processes (ConfigError

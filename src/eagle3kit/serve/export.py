@@ -56,10 +56,20 @@ def run_export(
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     src = Path(checkpoint) if checkpoint else run.require("checkpoints/best.safetensors", "train")
     consumed = check_inputs(run, "export", ["checkpoints/best.safetensors"]) if not checkpoint else None
-    kind = kind_for_checkpoint(src) if src.is_file() else kind_for_folder(src)
+    try:
+        kind = kind_for_checkpoint(src) if src.is_file() else kind_for_folder(src)
+    except Exception as e:  # safetensors' own errors: a truncated or foreign file
+        raise ExportError(
+            f"{src} is not a readable safetensors checkpoint ({type(e).__name__}); give the checkpoints/*.safetensors "
+            "train wrote, or a drafter folder"
+        ) from None
+    if fmt not in kind.formats:
+        raise ExportError(
+            f"--format {fmt}: a {kind.title} drafter is written as {', '.join(kind.formats)} only"
+        )
     drafter, prov = kind.read_checkpoint(src, cfg.target)
     out = Path(out_dir or (run / ("drafter" if fmt == "dual" else "drafter-speculators")))
-    if out.resolve() == src.resolve() or out.resolve() == Path(locate_target(cfg.target)["path"]).resolve():
+    if out.resolve() in (src.resolve(), _target_folder(cfg)):
         raise ExportError(f"--out {out} is the source drafter or the target folder; give another folder")
     if verifier is not None and fmt != "speculators":
         raise ExportError(
@@ -94,6 +104,15 @@ def run_export(
         *_lineage(run, out, consumed, res["model_sha256"]),
     )
     return res
+
+
+def _target_folder(cfg: Config) -> Path | None:
+    """The target's folder (resolved), or None when it cannot be located here (an export needs it only
+    to refuse writing into it)."""
+    try:
+        return Path(locate_target(cfg.target)["path"]).resolve()
+    except Exception:  # not on this machine: nothing to overwrite
+        return None
 
 
 def read_chain_checkpoint(src: Path, target_cfg) -> tuple:

@@ -79,6 +79,23 @@ class _Resume:
             )
         world.barrier()
         if not state_path.exists():
+            stray = [
+                n for n in ("last.safetensors", "best.safetensors", "dflash_state.pt") if (ckpt / n).exists()
+            ]
+            if (
+                stray and world.main
+            ):  # checkpoints without their resume state: an earlier trainer's, or a kill
+                keep = _set_aside(ckpt, log_path)
+                why = (
+                    "written by the earlier DFlash trainer, which kept dflash_state.pt"
+                    if "dflash_state.pt" in stray
+                    else "without train_state.pt (a kill while saving)"
+                )
+                console.print(
+                    f"[yellow]train: checkpoints/ holds {', '.join(stray)} {why}: they cannot be resumed exactly; "
+                    f"moved checkpoints/ to {keep} and starting fresh"
+                )
+            world.barrier()
             return
         try:
             st = torch.load(state_path, weights_only=True)

@@ -290,7 +290,8 @@ class _Training(_Inputs, _Resume):
                 self.device,
                 lse=tc.loss != "kl",
             )
-        seed = (tc.seed * 1_000_003 + self.step) * 1024 + self.world.rank  # the same on a resume
+        # the same on a resume; unique per seed, step and process (below 1024 processes)
+        seed = ((tc.seed * 1_000_003 + self.step) * 1024 + self.world.rank) % (2**63 - 1)
         loss, st = self.kind.step(
             self.model,
             self.opt,
@@ -350,6 +351,11 @@ class _Training(_Inputs, _Resume):
         world, cfg = self.world, self.cfg
         ep_loss, ep_acc0, ep_n, _ = world.sum_floats(sums)
         if ep_n == 0:
+            if self.kind.whole_vocab:
+                raise DataError(
+                    f"train: epoch {epoch + 1} supervised no block slot: no anchor had a completion token after it; "
+                    "check the tokenize stage's report (replies of at least two tokens)"
+                )
             raise DataError(
                 f"train: epoch {epoch + 1} supervised no position: the target's top-1 is never in the draft "
                 f"vocabulary ({self.vocab_path}) at a completion token. The vocabulary or the tokens were "
@@ -371,7 +377,7 @@ class _Training(_Inputs, _Resume):
         if world.main:
             console.print(
                 f"epoch {epoch + 1}: loss {epoch_rec['train_loss']:.4f}  "
-                f"{self.kind.first_accuracy.replace('_accuracy', '')} acc {epoch_rec[acc0]:.3f}"
+                f"{self.kind.first_accuracy_label} {epoch_rec[acc0]:.3f}"
                 + (f"  val τ(K={cfg.evaluate.k}) {val_stats.tau:.3f}" if val_stats else "")
             )
         score = val_stats.tau if val_stats else -epoch_rec["train_loss"]

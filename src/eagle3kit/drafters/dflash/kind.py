@@ -51,9 +51,10 @@ class DFlashKind(DrafterKind):
         return path.is_file() and is_dflash_checkpoint(path)
 
     first_accuracy = "slot1_accuracy"
+    first_accuracy_label = "slot-1 acc"
 
     def check_training(self, cfg, world_size: int) -> None:
-        check_dflash_training(cfg)
+        check_dflash_training(cfg, self.title)
 
     def check_features(self, cfg, features: dict) -> None:
         if cfg.drafter.objective == "kl" and features.get("teacher", "last") != "last":

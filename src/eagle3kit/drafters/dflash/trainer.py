@@ -62,8 +62,8 @@ def save_dflash_checkpoint(
     )
 
 
-def check_dflash_training(cfg) -> None:
-    """Refuse what the DFlash objective cannot train with.
+def check_dflash_training(cfg, title: str = "DFlash") -> None:
+    """Refuse what the DFlash objective (and ``title``'s, another block drafter's) cannot train with.
 
     Raises:
         ConfigError: ``train.init_from`` (an EAGLE-3 drafter's weights), ``train.pack_length`` (a block
@@ -71,12 +71,12 @@ def check_dflash_training(cfg) -> None:
             (DFlash trains data-parallel with DDP)."""
     tc = cfg.train
     for key, bad, fix in (
-        ("init_from", tc.init_from, "unset it (a DFlash drafter starts from its own initialisation)"),
-        ("pack_length", tc.pack_length, "unset it (DFlash batches whole samples)"),
-        ("parallel", tc.parallel == "fsdp", "use parallel: ddp (DFlash's drafter is replicated)"),
+        ("init_from", tc.init_from, "unset it (the drafter starts from its own initialisation)"),
+        ("pack_length", tc.pack_length, "unset it (a block drafter batches whole samples)"),
+        ("parallel", tc.parallel == "fsdp", "use parallel: ddp (the drafter is replicated)"),
     ):
         if bad:
-            raise ConfigError(f"train.{key} is not read by a DFlash drafter: {fix}")
+            raise ConfigError(f"train.{key} is not read by a {title} drafter: {fix}")
 
 
 def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:

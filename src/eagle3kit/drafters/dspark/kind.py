@@ -154,9 +154,11 @@ class DSparkKind(DrafterKind):
         return path.is_file() and is_dspark_checkpoint(path)
 
     first_accuracy = "slot1_accuracy"
+    first_accuracy_label = "slot-1 acc"
+    formats = ("dual",)
 
     def check_training(self, cfg, world_size: int) -> None:
-        check_dflash_training(cfg)
+        check_dflash_training(cfg, self.title)
 
     def check_features(self, cfg, features: dict) -> None:
         DFLASH.check_features(cfg, features)

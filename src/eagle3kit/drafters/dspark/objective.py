@@ -123,9 +123,15 @@ def dspark_loss(
     with torch.no_grad():
         hit_sup = logits.argmax(-1) == labels
     conf = block.new_zeros(())
-    if drafter.confidence_head is not None and hit_sup.numel():
+    if (
+        drafter.confidence_head is not None
+    ):  # in the graph on every process, as DDP needs, even without a draft
         conf_logit = drafter.confidence_head(hidden.detach(), markov.detach())
-        conf = F.binary_cross_entropy_with_logits(conf_logit, hit_sup.float())
+        conf = (
+            F.binary_cross_entropy_with_logits(conf_logit, hit_sup.float())
+            if hit_sup.numel()
+            else conf_logit.sum() * 0.0
+        )
     hit = torch.zeros_like(sup)
     hit[sup] = hit_sup
     stats = _block_stats(hit, sup, j, drafter)
