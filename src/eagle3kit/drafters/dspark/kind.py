@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from eagle3kit.core.config import Config, ConfigError
-from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import RunDir, sha256_tensors
@@ -26,11 +25,9 @@ from eagle3kit.data.backends import render_prompt_ids
 from eagle3kit.data.generate import check_backend, pick_backend
 from eagle3kit.diagnose.record import DiagnoseError
 from eagle3kit.drafters.dflash.evaluate import check_dflash_target
-from eagle3kit.drafters.dflash.faults import dflash_applicable, dflash_faults, dflash_planted
-from eagle3kit.drafters.dflash.kind import KIND as DFLASH
-from eagle3kit.drafters.dflash.network import default_target_layer_ids
+from eagle3kit.drafters.dflash.faults import dflash_faults
+from eagle3kit.drafters.dflash.kind import DFlashKind
 from eagle3kit.drafters.dflash.trainer import (
-    check_dflash_training,
     dflash_report,
     dflash_step,
     save_dflash_checkpoint,
@@ -133,19 +130,15 @@ def run_evaluate_dspark(
     return report
 
 
-class DSparkKind(DrafterKind):
+class DSparkKind(DFlashKind):
+    """DFlash's kind with DSpark's network, loss, block drafting, folder and checks; what it inherits
+    (default target layers, training refusals, step settings, aux ids, the faults' applicability and
+    planting) is DFlash's because DSpark reads the target and fills its block as DFlash does."""
+
     name = "dspark"
     title = "DSpark"
     variants = ("dspark",)
-    aux_count = None
-    whole_vocab = True
     later_positions_hint = "a larger drafter.gamma weights the block's later drafts more in training"
-
-    def default_aux_layer_ids(self, drafter_cfg, num_layers: int) -> list[int]:
-        """``drafter.target_layer_ids`` + 1, by default one layer per draft layer spread over the target
-        (:func:`eagle3kit.drafters.dflash.network.default_target_layer_ids`), as DFlash."""
-        t = drafter_cfg.target_layer_ids or default_target_layer_ids(num_layers, drafter_cfg.num_layers)
-        return [i + 1 for i in t]
 
     def owns_folder(self, config: dict) -> bool:
         return is_dspark_config(config)
@@ -153,18 +146,7 @@ class DSparkKind(DrafterKind):
     def owns_checkpoint(self, path: Path) -> bool:
         return path.is_file() and is_dspark_checkpoint(path)
 
-    first_accuracy = "slot1_accuracy"
-    first_accuracy_label = "slot-1 acc"
     formats = ("dual",)
-
-    def check_training(self, cfg, world_size: int) -> None:
-        check_dflash_training(cfg, self.title)
-
-    def check_features(self, cfg, features: dict) -> None:
-        DFLASH.check_features(cfg, features)
-
-    def speed(self, tc, device, draft_vocab: int) -> dict:
-        return DFLASH.speed(tc, device, draft_vocab)
 
     def shaped(self, cfg, target, vocab, aux_ids):
         dc = cfg.drafter
@@ -245,9 +227,6 @@ class DSparkKind(DrafterKind):
         check_dflash_target(folder, drafter, target, target_cfg.model)
         return drafter
 
-    def aux_ids(self, drafter) -> list[int]:
-        return list(drafter.cfg.aux_layer_ids)
-
     def max_draft(self, drafter) -> int:
         return drafter.cfg.drafts_per_block
 
@@ -263,13 +242,6 @@ class DSparkKind(DrafterKind):
             )
         faults = dflash_faults(drafter, tokenizer, json.loads((folder / "config.json").read_text()))
         return [dataclasses.replace(f, fix=LAYER_FIX) if f.aux_shift else f for f in faults]
-
-    def applicable(self, fault, drafter, num_layers: int) -> str | None:
-        return dflash_applicable(fault, drafter, num_layers)
-
-    def planted(self, fault, drafter):
-        ids, engine = dflash_planted(fault, drafter)
-        return drafter, ids, engine
 
     def simulate(self, drafter, target, ids, mask, first: int, aux, k: int, device, engine: dict):
         return dspark_block_stats(drafter, target, aux.to(device), ids.to(device), first, k, **engine)
