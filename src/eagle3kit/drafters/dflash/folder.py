@@ -173,27 +173,39 @@ def read_dflash_config(config: dict, where: str = "config.json") -> DFlashConfig
     ]
     if missing:
         raise ConfigError(f"{where}: a DFlash config without {', '.join(missing)}")
-    rope = rope_settings(layer)
-    heads = int(layer["num_attention_heads"])
-    H = int(layer["hidden_size"])
+    fields = layer_fields(layer)
     return DFlashConfig(
-        hidden_size=H,
-        intermediate_size=int(layer["intermediate_size"]),
-        num_hidden_layers=int(layer["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or H // heads),
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        vocab_size=int(layer["vocab_size"]),
-        target_hidden_size=int(config.get("target_hidden_size") or H),
+        **fields,
+        target_hidden_size=int(config.get("target_hidden_size") or fields["hidden_size"]),
         num_target_layers=int(config.get("num_target_layers") or max(target_ids) + 1),
         target_layer_ids=[int(t) for t in target_ids],
         block_size=int(block),
         mask_token_id=int(mask_id),
-        rope_theta=float(rope["rope_theta"]),
-        rope_scaling=rope["rope_scaling"],
-        max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
     )
+
+
+def layer_fields(layer: dict) -> dict:
+    """The decoder layers' fields of :class:`DFlashConfig` (widths, heads, eps, vocabulary, rope, max
+    positions) from the Qwen3 layer config a block drafter's folder holds.
+
+    Raises:
+        KeyError: a required key (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+            vocab_size) missing."""
+    rope = rope_settings(layer)
+    heads, H = int(layer["num_attention_heads"]), int(layer["hidden_size"])
+    return {
+        "hidden_size": H,
+        "intermediate_size": int(layer["intermediate_size"]),
+        "num_hidden_layers": int(layer["num_hidden_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(layer.get("num_key_value_heads") or heads),
+        "head_dim": int(layer.get("head_dim") or H // heads),
+        "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
+        "vocab_size": int(layer["vocab_size"]),
+        "rope_theta": float(rope["rope_theta"]),
+        "rope_scaling": rope["rope_scaling"],
+        "max_position_embeddings": int(layer.get("max_position_embeddings") or 4096),
+    }
 
 
 def read_dflash(folder: str | Path) -> DFlashDrafter:

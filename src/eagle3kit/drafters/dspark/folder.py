@@ -33,9 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.drafters.dflash.folder import _layer_config
+from eagle3kit.drafters.dflash.folder import _layer_config, layer_fields
 from eagle3kit.drafters.dspark.network import DSparkConfig, DSparkDrafter
-from eagle3kit.model.target import rope_settings
 
 #: the architecture vLLM maps to ``qwen3_dspark.Qwen3DSparkForCausalLM`` (``model_executor/models/registry.py``)
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -175,24 +174,14 @@ def read_dspark_config(config: dict, where: str = "config.json") -> DSparkConfig
         )
     aux, mask, block, rank = _required(config, where)
     try:
-        rope, heads, H = rope_settings(config), int(config["num_attention_heads"]), int(config["hidden_size"])
+        fields = layer_fields(config)
         return DSparkConfig(
-            hidden_size=H,
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or H // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            vocab_size=int(config["vocab_size"]),
-            target_hidden_size=int(config.get("target_hidden_size") or H),
+            **fields,
+            target_hidden_size=int(config.get("target_hidden_size") or fields["hidden_size"]),
             num_target_layers=int(config.get("num_target_layers") or max(aux)),
             target_layer_ids=[i - 1 for i in aux],
             block_size=block,
             mask_token_id=mask,
-            rope_theta=float(rope["rope_theta"]),
-            rope_scaling=rope["rope_scaling"],
-            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
             markov_rank=rank,
             sample_from_anchor=bool(config.get("sample_from_anchor", True)),
             confidence_head=bool(config.get("enable_confidence_head", False)),
