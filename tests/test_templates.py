@@ -7,7 +7,8 @@ import family_tokenizers as fam
 import pytest
 from golden_templates import GOLDEN
 
-from eagle3kit.data.templates import MaskRule, build_samples, self_check, think_spec
+from eagle3kit.data.templates import MaskRule, think_spec
+from eagle3kit.data.turn_samples import build_samples, self_check
 
 TC = [{"id": "call0", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 3}'}}]
 CONVS = {

@@ -136,7 +136,8 @@ def test_zero_samples_is_an_error_that_names_why_and_keeps_the_old_shard(tmp_pat
 
 
 def test_one_sequence_applies_the_supervise_rule_to_earlier_turns_too(smollm2_tokenizer):
-    from eagle3kit.data.templates import MaskRule, build_samples
+    from eagle3kit.data.templates import MaskRule
+    from eagle3kit.data.turn_samples import build_samples
 
     tok = smollm2_tokenizer
     row = {

@@ -293,7 +293,8 @@ class SuperviseConfig(StrictSection):
 
 
 class TokenizeConfig(StrictSection):
-    """How conversations become training sequences (see :mod:`eagle3kit.data.templates`)."""
+    """How conversations become training sequences (see :mod:`eagle3kit.data.templates` and
+    :mod:`eagle3kit.data.turn_samples`)."""
 
     max_length: int = Field(default=2048, gt=1)
     drop_truncated: bool = False

@@ -1,13 +1,14 @@
 """Stage ``tokenize``: conversations → token shard (``input_ids``, ``loss_mask``).
 
-Samples are built by :mod:`eagle3kit.data.templates`: prompt ids = the target's chat template over the
-conversation so far with ``add_generation_prompt=True`` and the row's recorded template flags;
-completion ids = the ids the target emitted (``completion_ids``) when the row has them, else the
-emission rebuilt from the text (think markers as the tokenizer's special ids). Multi-turn rows
-give one sample per assistant turn (``tokenize.multi_turn: per_turn``) or one sequence with every
-assistant turn supervised (``one_sequence``). Loss mask = 1 on the tokens the model emitted
-(``tokenize.supervise`` can leave out reasoning, think markers or end-of-turn); the one-position
-shift (docs/conventions.md, alignment) is applied in training, not here.
+Samples are built by :mod:`eagle3kit.data.turn_samples` (from :mod:`eagle3kit.data.templates`'s
+renders): prompt ids = the target's chat template over the conversation so far with
+``add_generation_prompt=True`` and the row's recorded template flags; completion ids = the ids the
+target emitted (``completion_ids``) when the row has them, else the emission rebuilt from the text
+(think markers as the tokenizer's special ids). Multi-turn rows give one sample per assistant turn
+(``tokenize.multi_turn: per_turn``) or one sequence with every assistant turn supervised
+(``one_sequence``). Loss mask = 1 on the tokens the model emitted (``tokenize.supervise`` can leave out
+reasoning, think markers or end-of-turn); the one-position shift (docs/conventions.md, alignment) is
+applied in training, not here.
 
 Dropped and counted: empty completions, prompts that reach ``max_length`` (the assistant
 turn would start past it), rows the template cannot render consistently, flagged server rows
@@ -16,7 +17,7 @@ with ``tokenize.drop_truncated`` — rows cut at the generation limit. Kept trun
 without an end-of-turn token. Sequences longer than ``max_length`` are cut.
 
 Self-check (not circular): up to ``tokenize.self_check_rows`` rows are compared with the
-tokenizer's own full-conversation render (:func:`eagle3kit.data.templates.self_check`), their returned
+tokenizer's own full-conversation render (:func:`eagle3kit.data.turn_samples.self_check`), their returned
 prompt ids with the render, and their returned completion ids with the text rebuild; the counts go
 to the report and ``--strict`` turns a mismatch into an error.
 
@@ -47,7 +48,8 @@ from eagle3kit.core.rundir import (
 )
 from eagle3kit.core.ui import console, show_samples
 from eagle3kit.data.reasoning import THINK_CLOSE, THINK_OPEN, UNTRAINABLE_FLAGS, split_inline_think
-from eagle3kit.data.templates import MaskRule, Sample, ThinkSpec, build_samples, self_check, think_spec
+from eagle3kit.data.templates import MaskRule, ThinkSpec, think_spec
+from eagle3kit.data.turn_samples import Sample, build_samples, self_check
 from eagle3kit.model.target import chat_template_hash, tokenizer_hash
 from eagle3kit.model.target_files import load_tokenizer, model_vocab_size
 
