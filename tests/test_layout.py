@@ -129,3 +129,38 @@ def test_the_source_cites_only_the_repository(tmp_path):
     assert outside_citations(ROOT / "src") == []
     (tmp_path / "m.py").write_text('"""x (DESIGN.md §3)."""\n# as in C27\n# see issue 24\nOK = 1  # CPU 2\n')
     assert [c.split(":")[1] for c in outside_citations(tmp_path)] == ["1", "2", "3"]
+
+
+#: where a drafter kind's name may appear outside its own package: the registry, the CLI's help texts,
+#: and (for DFlash) the DSpark package, whose drafter is DFlash's network with heads added
+KIND_NAME_ALLOWED = {
+    "dflash": {"core/kinds.py", "cli.py", "cli_measure.py", "drafters/dspark/"},
+    "dspark": {"core/kinds.py", "cli.py", "cli_measure.py"},
+}
+
+
+def kind_names_outside(package: Path) -> list[str]:
+    """``path:line`` of each line naming a drafter kind (other than the EAGLE-3 family, whose name is the
+    package's) outside the kind's own package and :data:`KIND_NAME_ALLOWED`."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for name, allowed in KIND_NAME_ALLOWED.items():
+            if rel.startswith(f"drafters/{name}/") or any(rel.startswith(a) for a in allowed):
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if name in line.lower():
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def test_a_kind_is_named_only_in_its_own_package_and_the_registry(tmp_path):
+    """A stage never names a drafter kind: its config keys, checks, legacy files and messages live in its
+    package (``drafters/<kind>/``) and reach the stages through the registry. A stage that names one is
+    found (a copy of the package with one such line planted)."""
+    assert kind_names_outside(PACKAGE) == []
+    copy = tmp_path / "eagle3kit"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    stage = copy / "train" / "stage.py"
+    stage.write_text(stage.read_text() + '\nIS_BLOCK = ("dflash",)\n')
+    assert [f.split(":")[0] for f in kind_names_outside(copy)] == ["train/stage.py"]

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from eagle3kit.cli import app
 from eagle3kit.core.config import Config, load_config
+from eagle3kit.core.kinds import kind_named, kind_settings_modules
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "reference"
@@ -84,7 +85,13 @@ def _rows(model: type[BaseModel], prefix: str, embedded: BaseModel, fresh: BaseM
         default, runs = getattr(fresh, name), getattr(embedded, name)
         run_value = _shown(runs) if runs != default else ""
         about = " ".join((field.description or "").split()).replace("|", "\\|")
-        rows.append(f"| `{key}` | {_type_name(annotation)} | {_shown(default)} | {run_value} | {about} |")
+        kind = _type_name(annotation)
+        if key == "drafter.variant":  # a str the registry checks: the variants its kinds train
+            kind = "one of " + ", ".join(
+                f"`{v}`" for m in kind_settings_modules().values() for v in m.VARIANTS if v
+            )
+            kind += " or none"
+        rows.append(f"| `{key}` | {kind} | {_shown(default)} | {run_value} | {about} |")
     return rows
 
 
@@ -99,7 +106,37 @@ def config_reference() -> str:
         "| key | type | default | default run | description |",
         "|---|---|---|---|---|",
     ]
-    return "\n".join(head + _rows(Config, "", load_config(None), Config())) + "\n"
+    return "\n".join(head + _rows(Config, "", load_config(None), Config()) + _kind_rows()) + "\n"
+
+
+def _kind_rows() -> list[str]:
+    """The ``drafter`` keys each other drafter kind adds (its ``settings`` module), under a heading per
+    kind, in the registry's order; a kind's keys that another kind's settings already listed are not
+    repeated (DSpark reads DFlash's)."""
+    out, listed = [], {}
+    for name, mod in kind_settings_modules().items():
+        if mod.SETTINGS is None:
+            continue
+        title = kind_named(name).title
+        variants = ", ".join(f"`{v}`" for v in mod.VARIANTS)
+        if mod.SETTINGS.model_fields.keys() <= listed.keys():
+            owner = listed[next(iter(mod.SETTINGS.model_fields))]
+            out += [
+                "",
+                f"`drafter.variant` {variants} ({title}) reads the keys of {owner} above.",
+            ]
+            continue
+        fresh = mod.SETTINGS()
+        out += [
+            "",
+            f"## The `drafter` keys of {title} (`drafter.variant` {variants})",
+            "",
+            "| key | type | default | default run | description |",
+            "|---|---|---|---|---|",
+        ]
+        out += _rows(mod.SETTINGS, "drafter.", fresh, fresh)
+        listed |= dict.fromkeys(mod.SETTINGS.model_fields, title)
+    return out
 
 
 def main() -> int:

@@ -28,14 +28,13 @@ from pydantic import (
 
 from eagle3kit.core.config_base import ConfigError, StrictSection
 from eagle3kit.core.config_train import (
-    BLOCK_VARIANTS,
     DEFAULT_VARIANT,
-    DFLASH_FIELDS,
     VARIANT_FLAGS,
     VARIANTS,
     DrafterVariantConfig,
     TrainConfig,
 )
+from eagle3kit.core.kinds import kind_settings
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 
@@ -448,27 +447,11 @@ class Config(StrictSection):
 
     @model_validator(mode="after")
     def _across_sections(self):
-        if self.drafter.variant in BLOCK_VARIANTS:
-            ids = self.drafter.target_layer_ids
-            if ids is not None and self.target.aux_layer_ids is not None:
-                hf = [i + 1 for i in ids]
-                mine = list(self.target.aux_layer_ids)
-                if self.target.aux_layer_convention == "output_of_layer":
-                    mine = [i + 1 for i in mine]
-                if mine != hf:
-                    raise ValueError(
-                        f"drafter.target_layer_ids {ids} (outputs of layers, = aux ids {hf}) and target.aux_layer_ids "
-                        f"{list(self.target.aux_layer_ids)} name other layers; keep drafter.target_layer_ids"
-                    )
-            if self.evaluate.draft == "tree":
-                raise ValueError("a block drafter drafts a block (a chain): set evaluate.draft: chain")
-            # DSpark drafts from the anchor itself: a block of B drafts B tokens (DFlash: B − 1)
-            most = self.drafter.block_size - (self.drafter.variant != "dspark")
-            if self.evaluate.k > most:
-                raise ValueError(
-                    f"evaluate.k {self.evaluate.k} > {most}: a {self.drafter.variant} block of "
-                    f"{self.drafter.block_size} drafts at most {most} tokens"
-                )
+        settings = self.drafter.settings
+        if settings is not None:  # another kind's keys: what that kind needs of the other sections
+            check = getattr(kind_settings(self.drafter.variant), "check_config", None)
+            if check is not None:
+                check(self, settings)
         if self.drafter.parallel_drafting and self.train.ttt_steps < 2:
             raise ValueError(
                 "drafter.parallel_drafting trains its mask slots at TTT steps 1 and later: set train.ttt_steps ≥ 2 "
@@ -581,6 +564,6 @@ def dump_config(cfg: Config) -> str:
         "variant": d.variant,
         **{k: True for k in VARIANT_FLAGS if getattr(d, k) and not preset.get(k)},
         **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
-        **({k: data["drafter"][k] for k in DFLASH_FIELDS} if d.variant in BLOCK_VARIANTS else {}),
+        **{k: data["drafter"][k] for k in d.__pydantic_extra__ or {}},  # the kind's own keys
     }
     return yaml.safe_dump(data, sort_keys=False)

@@ -1,21 +1,25 @@
-"""The training sections of the run configuration: the drafter kind and variant (drafter:, with DFlash's
-fields) and how it is trained (train:); validated like the rest of :mod:`eagle3kit.core.config`."""
+"""The training sections of the run configuration: the drafter kind and variant (drafter:, with the keys
+its kind adds) and how it is trained (train:); validated like the rest of :mod:`eagle3kit.core.config`."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
+    ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
 from eagle3kit.core.config_base import ConfigError, StrictSection
+from eagle3kit.core.kinds import KindError, kind_settings, variants_reading
 
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
 VARIANTS = {  # drafter.variant → its flags (docs/training.md, drafter variants; model/drafter.py's table)
@@ -35,52 +39,29 @@ def variant_name(flags: dict) -> str:
     return "EAGLE-3 + " + ", ".join(sorted(on))
 
 
-#: the ``drafter`` fields that only the block drafters (DFlash, DSpark) read
-DFLASH_FIELDS = ("block_size", "num_layers", "target_layer_ids", "objective", "gamma", "max_anchors")
-#: the variants that draft a block in one forward (their own networks, set by DFLASH_FIELDS)
-BLOCK_VARIANTS = ("dflash", "dspark")
-
 #: the drafter a config without a ``drafter`` section trains (docs/training.md, "Which drafter by default")
 DEFAULT_VARIANT = "eagle3.1"
 
 
 class DrafterVariantConfig(StrictSection):
-    """Which drafter is trained (the flags of :mod:`eagle3kit.model.drafter`, exported under the
-    names vLLM reads). ``variant`` names a preset (:data:`VARIANTS`); flags written out add to it, and
-    one that turns a flag of the preset off, or any flag beside ``eagle3``, is refused."""
+    """Which drafter is trained. ``variant`` names the drafter kind's preset: the EAGLE-3 family's
+    flags (of :mod:`eagle3kit.model.drafter`, exported under the names vLLM reads) are this section's
+    own keys; ``variant`` names a preset (:data:`VARIANTS`); flags written out add to it, and one that
+    turns a flag of the preset off, or any flag beside ``eagle3``, is refused. Another kind's keys
+    (its ``settings`` module, :func:`eagle3kit.core.kinds.kind_settings`) are checked by that kind and
+    read as attributes of this section (``cfg.drafter.<key>``); :attr:`settings` holds them."""
 
-    variant: Literal["eagle3", "eagle3.1", "p-eagle", "dflash", "dspark"] | None = Field(
+    model_config = ConfigDict(extra="allow")
+
+    variant: str | None = Field(
         default=None,
-        description="preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), p-eagle "
-        "(parallel_drafting); flags written out add to it (turning one of its own off is refused); dflash: "
-        "the block drafter (its own network, set by the block_size … max_anchors fields); dspark: DFlash "
-        "with a Markov head and a confidence head (vLLM serves it on the GPU only)",
+        description="the drafter kind and preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), "
+        "p-eagle (parallel_drafting) of the EAGLE-3 family, whose flags written out add to it (turning one of "
+        "its own off is refused); or another kind eagle3kit trains, whose own keys follow (the drafter "
+        "kinds below)",
     )
-    block_size: StrictInt = Field(
-        default=8,
-        ge=2,
-        description="DFlash: the block [anchor, mask × (block_size − 1)]; drafts up to block_size − 1",
-    )
-    num_layers: StrictInt = Field(default=5, ge=1, description="DFlash: decoder layers of the drafter")
-    target_layer_ids: list[StrictInt] | None = Field(
-        default=None,
-        description="DFlash: the target's decoder layers read (0-based outputs, DFlash's convention; default one "
-        "per draft layer, spread from layer 1 to N − 3)",
-    )
-    objective: Literal["ce", "kl"] = Field(
-        default="ce",
-        description="DFlash: ce, the paper's cross-entropy on the reply's tokens; kl, distil the target's "
-        "distribution (as speculators trains)",
-    )
-    gamma: float | None = Field(
-        default=None,
-        gt=0,
-        description="DFlash: the position weights' decay exp(−(k−1)/γ) (default 4 for block 8, "
-        "5 for 10, 7 for 16)",
-    )
-    max_anchors: StrictInt = Field(
-        default=512, ge=1, description="DFlash: blocks drawn per sequence and step"
-    )
+    _settings: Any = PrivateAttr(default=None)
+
     norm_before_residual: StrictBool = Field(
         default=False,
         description="the decoder layer's residual is hidden_norm(feature) (speculators' default)",
@@ -107,18 +88,39 @@ class DrafterVariantConfig(StrictSection):
         "data and is no special token; one that occurs is refused)",
     )
 
+    @property
+    def settings(self):
+        """The kind's own keys, validated (its ``SETTINGS`` model), or None for the EAGLE-3 family."""
+        return self._settings
+
     @model_validator(mode="after")
     def _preset(self):
-        dflash_only = [k for k in DFLASH_FIELDS if k in self.model_fields_set]
-        if self.variant in BLOCK_VARIANTS:
+        try:
+            mod = kind_settings(self.variant)
+        except KindError as e:
+            raise ValueError(str(e)) from None
+        extra = dict(self.__pydantic_extra__ or {})
+        if mod.SETTINGS is not None:
             flags = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]
             if flags:
                 raise ValueError(
                     f"drafter.variant {self.variant} is its own network; {', '.join(flags)} belong to EAGLE-3"
                 )
+            try:
+                self._settings = mod.SETTINGS.model_validate(extra)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in err["loc"])
+                msg = err["msg"].removeprefix("Value error, ")
+                raise ValueError(f"drafter.{where}: {msg} (got {err.get('input')!r})") from None
+            self.__pydantic_extra__ = self._settings.model_dump()
             return self
-        if dflash_only:
-            raise ValueError(f"drafter.{dflash_only[0]} is read only with drafter.variant: dflash or dspark")
+        if extra:
+            key = next(iter(extra))
+            readers = variants_reading(key)
+            if readers:
+                raise ValueError(f"drafter.{key} is read only with drafter.variant: {' or '.join(readers)}")
+            raise ValueError(f"drafter.{key}: an unknown key (Extra inputs are not permitted)")
         preset = VARIANTS.get(self.variant or "eagle3", {})
         off = [k for k, v in preset.items() if k in self.model_fields_set and getattr(self, k) != v]
         if off:
@@ -161,7 +163,7 @@ class DrafterVariantConfig(StrictSection):
 
         Raises:
             ConfigError: a ``mask_token_id`` outside the target's vocabulary (``vocab_size``)."""
-        out = self.model_dump(exclude={"variant", "mask_token_id", *DFLASH_FIELDS})
+        out = self.model_dump(exclude={"variant", "mask_token_id", *(self.__pydantic_extra__ or {})})
         if self.parallel_drafting:
             mid = self.mask_token_id
             if mid is None and unused_id is not None:

@@ -8,8 +8,10 @@ simulation and its ``diagnose`` faults. A stage never names a kind: it asks the 
 of :class:`DrafterKind`. The kinds' packages sit above the stages and import them; the stages reach a
 kind only through :data:`KINDS` (module paths, imported on first use), so imports still run downward.
 
-Adding a kind: a package under ``drafters/`` whose ``kind.py`` defines ``KIND`` (a :class:`DrafterKind`),
-and one line in :data:`KINDS`.
+Adding a kind: a package under ``drafters/`` whose ``kind.py`` defines ``KIND`` (a :class:`DrafterKind`)
+and whose ``settings.py`` (pydantic only, read while a config loads: :func:`kind_settings`) defines
+``VARIANTS``, ``SETTINGS`` (its keys of the ``drafter`` section, or None) and, when it needs one,
+``check_config(cfg, settings)``; and one line in :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class DrafterKind(ABC):
     variants: tuple[str, ...]
     aux_count: int | None = 3
     whole_vocab: bool = False
+    #: checkpoint files an earlier trainer of this kind kept instead of ``train_state.pt`` → why they
+    #: cannot be resumed (the loop sets them aside and says so)
+    stale_checkpoint_files: dict[str, str] = {}
 
     # --- config and inputs -------------------------------------------------------------------------
     def default_aux_layer_ids(self, drafter_cfg, num_layers: int) -> list[int] | None:
@@ -202,6 +207,38 @@ def kind_for_variant(variant: str | None) -> DrafterKind:
         if variant in k.variants:
             return k
     raise KindError(f"drafter.variant {variant!r} belongs to no drafter kind; registered: {', '.join(KINDS)}")
+
+
+@cache
+def kind_settings_modules() -> dict[str, Any]:
+    """Each registered kind's ``settings`` module (beside its ``kind`` module), by kind name: light
+    modules the config reads while it loads, without importing the kinds themselves."""
+    return {
+        name: importlib.import_module(path.rsplit(".", 1)[0] + ".settings") for name, path in KINDS.items()
+    }
+
+
+def kind_settings(variant: str | None):
+    """The ``settings`` module of the kind that trains ``drafter.variant`` (see :data:`KINDS`).
+
+    Raises:
+        KindError: no kind trains that variant (names every variant that is trained)."""
+    mods = kind_settings_modules()
+    for mod in mods.values():
+        if variant in mod.VARIANTS:
+            return mod
+    known = [v for m in mods.values() for v in m.VARIANTS if v is not None]
+    raise KindError(f"drafter.variant {variant!r} is no drafter eagle3kit trains; one of: {', '.join(known)}")
+
+
+def variants_reading(key: str) -> list[str]:
+    """The ``drafter.variant`` values whose kind's settings have ``key`` (for a message naming them)."""
+    return [
+        v
+        for m in kind_settings_modules().values()
+        if m.SETTINGS is not None and key in m.SETTINGS.model_fields
+        for v in m.VARIANTS
+    ]
 
 
 def kind_for_config(cfg) -> DrafterKind:

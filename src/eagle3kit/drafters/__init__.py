@@ -1,2 +1,2 @@
-"""Drafter kinds, one package each (``eagle3/``, ``dflash/``), each exposing ``kind.KIND``; the stages
-reach them through :mod:`eagle3kit.core.kinds`."""
+"""Drafter kinds, one package each, each exposing ``kind.KIND`` and its config keys in ``settings``; the
+stages reach them through :mod:`eagle3kit.core.kinds`, which lists them."""

@@ -26,8 +26,8 @@ from eagle3kit.serve.findings import Finding
 
 # where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)
 VLLM_RULES_MEASURED = (
-    "0.32.0's CPU build (the EAGLE-3 family and DFlash, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 and "
-    "DFlash folders)"
+    "0.32.0's CPU build (the EAGLE-3 family and the block drafter, in CI) and 0.26.0 on an H100 GPU (EAGLE-3.1 "
+    "and block-drafter folders)"
 )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3kit.core.kinds import all_kinds
 from eagle3kit.core.rundir import (
     REWRITE,
     DataError,
@@ -79,17 +80,15 @@ class _Resume:
             )
         world.barrier()
         if not state_path.exists():
-            stray = [
-                n for n in ("last.safetensors", "best.safetensors", "dflash_state.pt") if (ckpt / n).exists()
-            ]
+            # files an earlier trainer of some kind kept instead of train_state.pt, each with why
+            stale = {n: why for k in all_kinds() for n, why in k.stale_checkpoint_files.items()}
+            stray = [n for n in ("last.safetensors", "best.safetensors", *stale) if (ckpt / n).exists()]
             if (
                 stray and world.main
             ):  # checkpoints without their resume state: an earlier trainer's, or a kill
                 keep = _set_aside(ckpt, log_path)
-                why = (
-                    "written by the earlier DFlash trainer, which kept dflash_state.pt"
-                    if "dflash_state.pt" in stray
-                    else "without train_state.pt (a kill while saving)"
+                why = next(
+                    (stale[n] for n in stray if n in stale), "without train_state.pt (a kill while saving)"
                 )
                 console.print(
                     f"[yellow]train: checkpoints/ holds {', '.join(stray)} {why}: they cannot be resumed exactly; "

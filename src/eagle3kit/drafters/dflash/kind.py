@@ -12,6 +12,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.core.rundir import sha256_tensors
 from eagle3kit.diagnose.record import DiagnoseError
+from eagle3kit.drafters.dflash import settings
 from eagle3kit.drafters.dflash.check import check_dflash
 from eagle3kit.drafters.dflash.evaluate import check_dflash_target, run_evaluate_dflash
 from eagle3kit.drafters.dflash.faults import dflash_applicable, dflash_faults, dflash_planted
@@ -33,9 +34,12 @@ from eagle3kit.model.target_files import load_target_config
 class DFlashKind(DrafterKind):
     name = "dflash"
     title = "DFlash"
-    variants = ("dflash",)
+    variants = settings.VARIANTS
     aux_count = None
     whole_vocab = True
+    stale_checkpoint_files = {
+        "dflash_state.pt": "written by the earlier DFlash trainer, which kept dflash_state.pt"
+    }
     later_positions_hint = "a larger drafter.gamma weights the block's later slots more in training"
 
     def default_aux_layer_ids(self, drafter_cfg, num_layers: int) -> list[int]:

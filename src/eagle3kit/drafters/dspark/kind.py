@@ -32,6 +32,7 @@ from eagle3kit.drafters.dflash.trainer import (
     dflash_step,
     save_dflash_checkpoint,
 )
+from eagle3kit.drafters.dspark import settings
 from eagle3kit.drafters.dspark.check import check_dspark
 from eagle3kit.drafters.dspark.folder import (
     is_dspark_checkpoint,
@@ -137,7 +138,7 @@ class DSparkKind(DFlashKind):
 
     name = "dspark"
     title = "DSpark"
-    variants = ("dspark",)
+    variants = settings.VARIANTS
     later_positions_hint = "a larger drafter.gamma weights the block's later drafts more in training"
 
     def owns_folder(self, config: dict) -> bool:

@@ -17,6 +17,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.core.config_train import variant_name
 from eagle3kit.core.kinds import DrafterKind
 from eagle3kit.diagnose.faults import FAULTS, applicable, other_vocab_fault, planted
+from eagle3kit.drafters.eagle3 import settings
 from eagle3kit.eval.evaluate import check_drafter_target, evaluate_chain_drafter
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.folder import load_exported
@@ -32,7 +33,7 @@ from eagle3kit.train.memory import DrafterShape
 class Eagle3Kind(DrafterKind):
     name = "eagle3"
     title = "EAGLE-3"
-    variants = (None, "eagle3", "eagle3.1", "p-eagle")
+    variants = settings.VARIANTS
 
     def owns_folder(self, config: dict) -> bool:
         return True  # every other layout (its own, speculators', SpecForge's, EAGLE's): read_drafter names a bad one
