@@ -390,6 +390,10 @@ def test_a_server_that_drops_mid_run_stops_diagnose_with_exit_2_and_nothing_writ
         (["--prompts", "{tmp}/none.jsonl"], "no prompt file"),
         (["--parity", "sometimes"], "--parity must be auto, always or never"),
         (["--engine", "tgi"], "--engine must be vllm or sglang"),
+        # files and values the server never sees, named before it is asked
+        (["--other-vocab", "{tmp}/nowhere"], "--other-vocab"),
+        (["--chat-template", "{tmp}/nowhere.jinja"], "--chat-template"),
+        (["--device-map", "bogus"], "target.device_map 'bogus' is no placement"),
         ([], "no OpenAI-compatible server answers"),
     ],
 )

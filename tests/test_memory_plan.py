@@ -161,6 +161,32 @@ def test_a_plan_that_cannot_fit_the_stated_device_is_refused_naming_the_key():
         plan(79.2, 3.0, 120, want="off", can_recompute=False, source="stored")
 
 
+def test_a_cpu_plan_names_what_shrinks_its_biggest_part_and_the_limit_last():
+    """On a CPU (no GPUs to shard over) a target that dominates the plan is shrunk by its dtype or by
+    stored features; the step by its tokens or its TTT steps; a larger limit is the last resort."""
+    setup = gpu_step(256, 8192)
+    with pytest.raises(ConfigError) as e:
+        plan_memory(
+            device="cpu",
+            capacity=int(8 * GiB),
+            host=None,
+            target_bytes=int(16 * GiB),
+            drafter_state=drafter_state_bytes(D8B.params),
+            step=step_activation_bytes(D8B, setup, state_bytes_per_token(3, 4096, 4, False)),
+            target_step=0,
+            cache_bytes=0,
+            val_bytes=0,
+            want="auto",
+            can_recompute=True,
+            source=None,
+            setup=setup,
+        )
+    said = str(e.value)
+    assert said.index("target.dtype: bfloat16") < said.index("train.tokens_per_step or train.ttt_steps")
+    assert said.index("train.tokens_per_step or train.ttt_steps") < said.index("raise train.memory_limit_gib")
+    assert "target.device_map" not in said and "train.parallel: fsdp" not in said
+
+
 def test_feature_cache_reads_the_old_true_and_false_and_never_restarts_a_run():
     from eagle3kit.core.config import Config
     from eagle3kit.train.samples import trained_settings
@@ -242,6 +268,39 @@ def test_train_refuses_before_its_first_step_when_the_plan_exceeds_the_limit(dat
     assert "train.tokens_per_step" in str(e.value) and "cpu" in str(e.value)
     assert not (tmp_path / "tiny" / "checkpoints" / "last.safetensors").exists()
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_limit_above_what_the_host_offers_plans_with_what_it_offers_and_says_so(data_run, tmp_path, capfd):
+    from eagle3kit.train.memory_device import host_available
+
+    big, _ = train_copy(data_run, tmp_path, "big", ", memory_limit_gib: 100000")
+    said = " ".join(capfd.readouterr().err.split())
+    assert "train.memory_limit_gib 100000 is more than cpu offers" in said
+    assert big["memory"]["capacity"] < 2 * host_available() < 100000 * GiB
+
+
+def test_a_validation_split_that_leaves_nothing_to_train_is_refused_naming_the_key(data_run, tmp_path):
+    global CONFIG
+    saved, CONFIG = CONFIG, CONFIG.replace("val_fraction: 0.25", "val_fraction: 0.99")
+    try:
+        with pytest.raises(ConfigError, match=r"train\.val_fraction 0\.99 keeps all \d+ samples"):
+            train_copy(data_run, tmp_path, "allval", "")
+    finally:
+        CONFIG = saved
+
+
+def test_a_device_map_no_loader_takes_is_refused_by_the_config_and_cuda_on_a_cpu_machine_by_the_loader(
+    tiny_target_dir,
+):
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
+
+    with pytest.raises(ValueError, match=r"target\.device_map 'bogus' is no placement: give one of auto"):
+        TargetConfig(device_map="bogus")
+    assert TargetConfig(device_map="cuda:1").device_map == "cuda:1"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"target\.device_map cuda:0: this machine has no CUDA GPU"):
+            load_target(TargetConfig(model=str(tiny_target_dir), device_map="cuda:0"))
 
 
 def test_host_states_are_views_into_one_block_per_field_and_equal_the_device_copy(tiny_target_dir):

@@ -37,6 +37,8 @@ from eagle3kit.core.config_train import (
 from eagle3kit.core.kinds import kind_settings
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+#: the device_map strategies transformers (accelerate) take as a string
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,18 @@ class TargetConfig(StrictSection):
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
     allow_download: bool = False
+
+    @field_validator("device_map")
+    @classmethod
+    def _device_map(cls, v):
+        """A placement transformers' ``device_map`` takes as a string: a strategy or one device."""
+        if v is None or v == "" or v in DEVICE_MAP_STRATEGIES or re.fullmatch(r"(cpu|mps|cuda(:\d+)?)", v):
+            return v
+        raise ValueError(
+            f"target.device_map {v!r} is no placement: give one of {', '.join(DEVICE_MAP_STRATEGIES)}, or a "
+            "device (cpu, cuda, cuda:0)"
+        )
+
     trust_remote_code: StrictBool = Field(
         default=False,
         description="run the Python files a hub checkpoint ships (its tokenizer or model class, as Kimi-K2.5's "

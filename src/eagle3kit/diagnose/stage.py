@@ -109,6 +109,7 @@ def run_diagnose(
     t0 = time.perf_counter()
     out = Path(out)
     folder = _checked_inputs(drafter_dir, out, overwrite, parity, engine, rel_tol)
+    _checked_files(other_vocab, chat_template)
     side = _engine_side(
         base_url, replay, prompts, config, folder, num_prompts, max_tokens, engine, model, api_key
     )
@@ -122,7 +123,6 @@ def run_diagnose(
     eng, per_e = run.totals(), engine_per_prompt_tau(run.per_prompt)
     report["engine"] = {**eng, "per_prompt_tau": [None if t is None else round(t, 4) for t in per_e]}
     report["k"] = int(round(eng["k"])) if eng["k"] else 1
-
     t1 = time.perf_counter()
     seqs = _simulate(report, faults, kind, drafter, target, run, side["rows"], per_e, rel_tol)
     timings["simulate_s"] = round(time.perf_counter() - t1, 1)
@@ -248,6 +248,22 @@ def _base_url(url: str) -> str:
             "--base-url holds a user name or password; put the key in the environment variable --api-key-env names"
         )
     return str(u).rstrip("/").removesuffix("/v1").rstrip("/")
+
+
+def _checked_files(other_vocab: list[str] | None, chat_template: str | None) -> None:
+    """``--other-vocab`` and ``--chat-template`` exist, checked before the server is contacted.
+
+    Raises:
+        DiagnoseError: naming the option whose file is missing."""
+    for p in other_vocab or []:
+        if not Path(p).exists():
+            raise DiagnoseError(
+                f"--other-vocab {p} does not exist; give a vocab.safetensors or a drafter folder"
+            )
+    if chat_template and not Path(chat_template).is_file():
+        raise DiagnoseError(
+            f"--chat-template {chat_template} is no file; give a Jinja file or a tokenizer_config.json"
+        )
 
 
 def _checked_inputs(drafter_dir, out: Path, overwrite: bool, parity: str, engine, rel_tol) -> Path:

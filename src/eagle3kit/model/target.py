@@ -316,6 +316,10 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None) -> 
         config, _ = load_target_config(cfg)  # config faults named before the tokenizer's own errors
     tok = load_tokenizer(cfg)
     if cfg.device_map:
+        if "cuda" in cfg.device_map and not torch.cuda.is_available():
+            raise ConfigError(
+                f"target.device_map {cfg.device_map}: this machine has no CUDA GPU usable by torch; use auto or cpu"
+            )
         kw["device_map"] = cfg.device_map  # layers spread over the GPUs; accelerate moves activations
     if config is not None:
         plan = language_model_plan(config, loc["path"])

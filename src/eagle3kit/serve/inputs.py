@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from eagle3kit.core.config import Config, ConfigError, PromptSource, TargetConfig, load_config
 from eagle3kit.core.rundir import DataError
@@ -69,7 +70,10 @@ def measured_target(
         base.device_map = device_map or None
     if trust_remote_code is not None:
         base.trust_remote_code = trust_remote_code
-    return TargetConfig.model_validate(base.model_dump())
+    try:
+        return TargetConfig.model_validate(base.model_dump())
+    except ValidationError as e:  # a value given on the command line (--device-map …)
+        raise ConfigError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
 
 
 def prompt_source(value: str, limit: int | None) -> PromptSource:

@@ -294,6 +294,11 @@ class _Inputs:
         self.n_val = n_val = (
             max(1, round(len(samples) * tc.val_fraction)) if tc.val_fraction > 0 and len(samples) > 1 else 0
         )
+        if n_val >= len(samples):
+            raise ConfigError(
+                f"train.val_fraction {tc.val_fraction} keeps all {len(samples)} samples with a supervised token "
+                "for validation and leaves none to train on: lower it (0.05 keeps 1 in 20), or add prompts"
+            )
         # FSDP: all validate
         self.val = [samples[i] for i in order[:n_val]] if world.main or tc.parallel == "fsdp" else []
         self.train = [samples[i] for i in order[n_val:]][world.rank :: world.size]  # this process's share

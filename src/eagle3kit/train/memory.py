@@ -38,8 +38,8 @@ import torch
 
 from eagle3kit.core.config import ConfigError
 from eagle3kit.core.ui import console
+from eagle3kit.train.memory_device import GiB, capped_limit, host_available, resident_bytes
 
-GiB = 1 << 30
 #: a cache or the validation states go on the device only when the plan then leaves this share free
 SPARE = 0.10
 #: what the device must keep free beyond the estimate: on CUDA the context, compile workspaces and the
@@ -180,42 +180,6 @@ def drafter_state_bytes(params: int, world: int = 1, fsdp: bool = False) -> int:
     if fsdp:
         return -(-16 * params // max(world, 1))
     return 16 * params + (4 * params if world > 1 else 0)
-
-
-def resident_bytes(model, device: torch.device) -> dict[str, int]:
-    """Bytes of ``model``'s parameters and buffers per device name (tied tensors once, ``meta`` ones
-    not at all): the target's weights as loaded, on the training device and on the others a
-    ``device_map`` spread it over."""
-    seen, out = set(), {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "meta" or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
-    return out
-
-
-def host_available() -> int | None:
-    """Bytes the host can still give (``MemAvailable`` of /proc/meminfo), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def device_capacity(device: torch.device, counted: int = 0) -> int | None:
-    """Bytes this process may still plan with on a CUDA ``device``: what is free, what its allocator
-    holds unused, and ``counted`` (tensors already allocated that the plan counts itself: the loaded
-    target). Another process's share of the GPU (a capture server's) and this process's other live
-    tensors are not counted. None elsewhere."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + counted
 
 
 @dataclass
@@ -453,10 +417,23 @@ def _on_device(plan: MemoryPlan, cache_bytes: int, val_bytes: int) -> int:
 def _rows(plan, target_bytes, drafter_state, step, target_step, cache_bytes, val_bytes, source, setup):
     """Fill ``plan.rows`` and ``plan.peak`` (what the device holds at the step's peak)."""
     S = setup
-    act_key = "train.tokens_per_step" + (", train.loss_chunk" if S is not None and not S.loss_chunk else "")
+    act_key = "train.tokens_per_step, train.ttt_steps" + (
+        ", train.loss_chunk" if S is not None and not S.loss_chunk else ""
+    )
+    cuda = plan.device.startswith("cuda")
     plan.rows = [
-        Row("target weights", target_bytes, plan.device, "target.device_map, train.online_from"),
-        Row("drafter, gradients, AdamW state (fp32)", drafter_state, plan.device, "train.parallel: fsdp"),
+        Row(
+            "target weights",
+            target_bytes,
+            plan.device,
+            "target.device_map, train.online_from" if cuda else "target.dtype",
+        ),
+        Row(
+            "drafter, gradients, AdamW state (fp32)",
+            drafter_state,
+            plan.device,
+            "train.parallel: fsdp" if cuda else "",
+        ),
     ]
     origin = {"stored": " (from train.features)", "servers": " (streamed from the servers)"}.get(
         source or "", ""
@@ -484,32 +461,22 @@ def _fix(
     parts = [
         (
             sum(step.values()),
-            "lower train.tokens_per_step (the step's activations scale with it)"
+            "lower train.tokens_per_step or train.ttt_steps (the step's activations scale with both)"
             + ("" if setup is None or setup.loss_chunk else ", or set train.loss_chunk: 4096"),
         ),
         (
             target_bytes,
             "shard the target with target.device_map: auto, or train from capture servers "
-            "(train.online_from) or extracted features (train.features)",
+            "(train.online_from) or extracted features (train.features)"
+            if cuda
+            else "load the target in half the bytes (target.dtype: bfloat16), or train from extracted "
+            "features (train.features)",
         ),
         (drafter_state, "under torchrun, shard the drafter with train.parallel: fsdp"),
     ]
-    if not cuda:  # a CPU: no GPUs to spread the target over; the memory limit is what is left to change
-        parts = parts[:1] + [(0, "or raise train.memory_limit_gib if the host has more")]
+    if not cuda:  # a CPU: no GPUs to shard over; the memory limit is the last thing left to change
+        parts = parts[:2] + [(-1, "or raise train.memory_limit_gib if the host has more")]
     return "; ".join(f for _, f in sorted(parts, key=lambda p: -p[0]))
-
-
-def memory_limit(limit_gib: float | None, device: torch.device, resident: int = 0) -> int | None:
-    """The bytes a training process may use on ``device``: ``train.memory_limit_gib`` when set, else
-    what a CUDA device offers (:func:`device_capacity`), else (the CPU, whose memory is the host's)
-    what the host has available; both plus ``resident``, the bytes this process already holds there
-    that the plan counts (the loaded target). None where unknown."""
-    if limit_gib is not None:
-        return int(limit_gib * GiB)
-    if device.type == "cuda":
-        return device_capacity(device, resident)
-    avail = host_available()
-    return None if avail is None else avail + resident
 
 
 def training_plan(
@@ -565,7 +532,7 @@ def training_plan(
         device = torch.device("cuda", torch.cuda.current_device())
     held = resident_bytes(target.model, device)
     here = held.pop(str(device), 0)
-    capacity = memory_limit(tc.memory_limit_gib, device, resident=here)
+    capacity, capped = capped_limit(tc.memory_limit_gib, device, here)
     host = host_available() if device.type == "cuda" else None
     if host is not None:  # the processes of a node share its host memory: each plans with its share
         host //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -588,4 +555,6 @@ def training_plan(
         estimated=shape is not None,
     )
     plan.rows[1:1] = [Row(f"target weights on {d}", b, d, "target.device_map") for d, b in held.items()]
+    if capped:
+        plan.notes.append(capped)
     return plan
