@@ -128,6 +128,29 @@ def test_sglang_paths_against_replayed_responses(tmp_path, smollm2_tokenizer):
         write_outputs(rec, tmp_path / "out")
 
 
+def test_a_bench_that_stops_leaves_no_empty_out_folder_and_compare_names_a_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+    from eagle3kit.core.engines import free_port
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"turns": ["hi there"]}\n')
+    url = f"http://127.0.0.1:{free_port()}"
+    res = CliRunner().invoke(
+        app, ["bench", "--base-url", url, "--prompts", str(p), "--out", str(tmp_path / "o")]
+    )
+    assert res.exit_code == 2 and "no OpenAI-compatible server answers" in " ".join(res.output.split())
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "given").mkdir()  # a folder the user made is theirs: kept even when empty
+    CliRunner().invoke(
+        app, ["bench", "--base-url", url, "--prompts", str(p), "--out", str(tmp_path / "given")]
+    )
+    assert (tmp_path / "given").is_dir()
+    res = CliRunner().invoke(app, ["bench", "--compare", str(tmp_path / "given"), str(p)])
+    assert res.exit_code == 2 and "given is a folder" in " ".join(res.output.split())
+
+
 def test_bad_input_names_the_thing_and_the_fix(tmp_path):
     from eagle3kit.core.engines import free_port
 

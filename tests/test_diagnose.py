@@ -385,6 +385,7 @@ def test_a_server_that_drops_mid_run_stops_diagnose_with_exit_2_and_nothing_writ
     [
         (["--drafter", "{tmp}/nowhere"], "does not exist"),
         (["--drafter", "{tmp}"], "holds no config.json"),
+        (["--drafter", "{tmp}/prompts.jsonl"], "is a file, not a folder"),
         (["--tolerance", "inf"], "--tolerance must be a fraction in [0, 1)"),
         (["--out", "{tmp}/prompts.jsonl"], "is a file; give a folder"),
         (["--prompts", "{tmp}/none.jsonl"], "no prompt file"),

@@ -244,6 +244,7 @@ def bench(
             f"{folder} already holds bench results (bench.json/.md/.png): pass another --out, or --overwrite "
             "to replace those three files"
         )
+    made = not folder.exists()
     try:  # an unusable --out is found before anything is timed
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -273,11 +274,15 @@ def bench(
             timeout,
             prompts_label=label,
         )
-    except KeyboardInterrupt:
-        console.print(
-            "[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)"
-        )
-        raise typer.Exit(130) from None
+    except BaseException as e:
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # a run that stopped leaves no empty --out behind
+        if isinstance(e, KeyboardInterrupt):
+            console.print(
+                "[red]bench interrupted:[/] nothing was written (a bench run does not resume; run it again)"
+            )
+            raise typer.Exit(130) from None
+        raise
     paths = write_outputs(rec, folder, overwrite)
     console.print(Path(paths["md"]).read_text(), soft_wrap=True)
     console.print(f"[bold]bench:[/] {paths['json']}, {paths['md']}, {paths['png']}")

@@ -287,7 +287,8 @@ def _checked_inputs(drafter_dir, out: Path, overwrite: bool, parity: str, engine
         raise DiagnoseError(f"--tolerance must be a fraction in [0, 1), not {rel_tol}")
     folder = Path(drafter_dir)
     if not folder.is_dir():
-        raise DiagnoseError(f"--drafter {folder} does not exist; give the drafter folder you trained")
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise DiagnoseError(f"--drafter {folder} {what}; give the drafter folder you trained")
     if not (folder / "config.json").is_file():
         raise DiagnoseError(f"--drafter {folder} holds no config.json; give the drafter folder you trained")
     return folder

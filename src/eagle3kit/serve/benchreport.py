@@ -214,7 +214,8 @@ def load_record(path: Path) -> dict:
 
     p = Path(path)
     if not p.is_file():
-        raise BenchError(f"{p} does not exist; give two bench.json files written by `eagle3kit bench`")
+        what = "is a folder" if p.is_dir() else "does not exist"
+        raise BenchError(f"{p} {what}; give two bench.json files written by `eagle3kit bench`")
     try:
         rec = json.loads(p.read_text())
     except ValueError as e:
