@@ -39,6 +39,22 @@ def test_every_prompt_format_is_read():
     )
 
 
+def test_sharegpt_rows_as_specforge_and_public_dumps_write_them_are_read():
+    """SpecForge's data preparation writes ``conversations`` of role/content; public ShareGPT dumps name
+    the assistant chatgpt, bing or bard: each row gives its first user turn, none is rejected."""
+    for conv in (
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+        [{"from": "human", "value": "Q"}, {"from": "chatgpt", "value": "A"}],
+        [{"from": "human", "value": "Q"}, {"from": "bing", "value": "A"}, {"from": "human", "value": "Q2"}],
+        [{"from": "human", "value": "Q"}, {"from": "bard", "value": "A"}],
+    ):
+        assert parse_row({"conversations": conv}, "auto", None, "x")[0] == [{"role": "user", "content": "Q"}]
+    with pytest.raises(DataError, match=r"unknown ShareGPT speaker 'robot'"):
+        parse_row({"conversations": [{"from": "robot", "value": "Q"}]}, "auto", None, "x")
+    with pytest.raises(DataError, match=r"need 'from' and 'value' \(or 'role' and 'content'\)"):
+        parse_row({"conversations": [{"speaker": "human", "text": "Q"}]}, "auto", None, "x")
+
+
 def test_real_files_mt_bench_gsm8k_oasst_and_spec_bench_filters():
     mt, _ = read_source(PromptSource(path=str(MT_BENCH)))
     assert len(mt) == 80 and mt[0]["messages"][0]["content"].startswith("Compose an engaging travel blog")

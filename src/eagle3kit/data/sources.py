@@ -24,11 +24,14 @@ from eagle3kit.data.hub_datasets import category_key, open_dataset, resolve_data
 _TEXT_FIELDS = ("prompt", "question", "instruction", "text", "input")
 
 
-_SHAREGPT_ROLES = {
+_SHAREGPT_ROLES = {  # the speakers public ShareGPT dumps and their cleaning scripts write
     "human": "user",
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "system": "system",
 }
 
@@ -99,14 +102,18 @@ def parse_row(row, fmt: str, field: str | None, where: str) -> tuple[list[dict],
             raise DataError(f"{where}: 'conversations' must be a list")
         msgs = []
         for m in conv:
-            if not isinstance(m, dict) or "from" not in m or "value" not in m:
-                raise DataError(f"{where}: ShareGPT turns need 'from' and 'value', got {str(m)[:80]!r}")
-            role = _SHAREGPT_ROLES.get(m["from"])
+            # ShareGPT's from/value, or role/content as SpecForge's data preparation writes conversations
+            speaker, text = ("from", "value") if isinstance(m, dict) and "from" in m else ("role", "content")
+            if not isinstance(m, dict) or speaker not in m or text not in m:
+                raise DataError(
+                    f"{where}: ShareGPT turns need 'from' and 'value' (or 'role' and 'content'), got {str(m)[:80]!r}"
+                )
+            role = _SHAREGPT_ROLES.get(m[speaker])
             if role is None:
                 raise DataError(
-                    f"{where}: unknown ShareGPT speaker {m['from']!r} (known: {sorted(_SHAREGPT_ROLES)})"
+                    f"{where}: unknown ShareGPT speaker {m[speaker]!r} (known: {sorted(_SHAREGPT_ROLES)})"
                 )
-            msgs.append({"role": role, "content": _text(m["value"], where, "a ShareGPT 'value'")})
+            msgs.append({"role": role, "content": _text(m[text], where, f"a ShareGPT {text!r}")})
         return _first_user_prefix(msgs, where), cat
     if fmt in ("auto", "oasst") and isinstance(row.get("prompt"), dict) and "text" in row["prompt"]:
         return [{"role": "user", "content": _text(row["prompt"]["text"], where, "prompt.text")}], cat
@@ -251,10 +258,14 @@ def _turns_after(raw, msgs: list[dict]) -> int:
     row loses. MT-bench's later ``turns`` are user turns only and not counted."""
     if not isinstance(raw, dict):
         return 0
-    for key, role in (("messages", "role"), ("conversations", "from")):
+    for key in ("messages", "conversations"):
         if isinstance(raw.get(key), list):
             rest = raw[key][len(msgs) :]
-            return sum(1 for m in rest if isinstance(m, dict) and m.get(role) not in ("user", "human"))
+            return sum(
+                1
+                for m in rest
+                if isinstance(m, dict) and m.get("from", m.get("role")) not in ("user", "human")
+            )
     return 0
 
 
