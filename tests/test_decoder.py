@@ -125,16 +125,16 @@ def test_spec_config_names_and_refuses_impossible_trees():
         SpecConfig(mode="tree", steps=2, topk=2, num_draft_tokens=0)
     with pytest.raises(ValueError, match="chain has topk 1"):
         SpecConfig(steps=3, topk=2)
-    for bad in (
-        dict(temperature=1e-300),
-        dict(temperature=float("inf")),
-        dict(temperature=float("nan")),
-        dict(top_p=0.0),
-        dict(top_p=1.5),
-        dict(steps=2.5),
-        dict(steps=True),
+    for bad, said in (
+        (dict(temperature=1e-300), "temperature 1e-300 must be 0"),
+        (dict(temperature=float("inf")), "temperature inf must be 0"),
+        (dict(temperature=float("nan")), "temperature nan must be 0"),
+        (dict(top_p=0.0), r"top_p 0.0 must lie in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p 1.5 must lie in \(0, 1\]"),
+        (dict(steps=2.5), r"steps \(2.5\) and topk \(1\) must be integers"),
+        (dict(steps=True), r"steps \(True\) and topk \(1\) must be integers"),
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=said):
             SpecConfig(**bad)
 
 

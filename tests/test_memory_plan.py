@@ -193,8 +193,14 @@ def test_feature_cache_reads_the_old_true_and_false_and_never_restarts_a_run():
 
     assert TrainConfig(feature_cache=True).feature_cache == "auto"
     assert TrainConfig(feature_cache=False).feature_cache == "off"
-    for bad in ("gpu", float("inf"), float("nan"), 0, 1e-9):
-        with pytest.raises(ValueError):
+    for bad, said in (
+        ("gpu", "Input should be 'auto', 'device', 'host' or 'off'"),
+        (float("inf"), "memory_limit_gib inf must be a finite number of GiB"),
+        (float("nan"), "Input should be greater than 0"),
+        (0, "Input should be greater than 0"),
+        (1e-9, "memory_limit_gib 1e-09 must be a finite number of GiB"),
+    ):
+        with pytest.raises(ValueError, match=said):
             TrainConfig(**({"feature_cache": bad} if isinstance(bad, str) else {"memory_limit_gib": bad}))
     # where the states live does not change what is trained: a run resumes across places and limits
     hashes = {

@@ -106,7 +106,7 @@ def test_train_warns_when_the_feature_source_is_not_the_serving_engine():
     assert "transformers" in w and "extract --backend vllm" in w and "eagle3kit parity" in w
     assert "vllm 0.32.0" in feature_source_warning("vllm 0.32.0 (extract_hidden_states)", "sglang")
     assert TrainConfig(serve_engine="vllm").serve_engine == "vllm"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"serve_engine\s+Input should be 'vllm' or 'sglang'"):
         TrainConfig(serve_engine="tgi")
 
 

@@ -83,7 +83,7 @@ def test_speculators_dataset_reads_the_values_written(written):
 def test_data_ratio_is_speculators_split():
     for n_train, n in ((1, 2), (9, 10), (4571, 4810), (32, 36)):
         assert int(n * sda.data_ratio(n_train, n)) == n_train
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 0 < training rows \(5\) < all rows \(5\)"):
         sda.data_ratio(5, 5)
 
 
@@ -186,7 +186,12 @@ def test_offline_data_refuses_empty_or_malformed_rows(tmp_path, rows, match):
 
 def test_data_ratio_and_final_checkpoint_refuse_bad_counts(tmp_path):
     for n_train, n in ((4.0, 10), (4, 10.5), (True, 10), (0, 10), (10, 10), (-1, 10)):
-        with pytest.raises(ValueError):
+        said = (
+            "row counts must be ints"
+            if not all(type(x) is int for x in (n_train, n))
+            else "need 0 < training rows"
+        )
+        with pytest.raises(ValueError, match=said):
             sda.data_ratio(n_train, n)
     for epochs in (0, -1):
         with pytest.raises(ValueError, match="epochs must be at least 1"):
