@@ -191,7 +191,17 @@ def test_default_target_layers_are_spread_from_layer_1_to_n_minus_3():
 @pytest.mark.parametrize(
     "drafter, evaluate, said",
     [
-        ({"variant": "dflash", "fc_norm": True}, {}, "fc_norm belong to EAGLE-3"),
+        ({"variant": "dflash", "fc_norm": True}, {}, "fc_norm is an EAGLE-3 flag: drop it"),
+        (
+            {"variant": "dflash", "blocksize": 4},
+            {},
+            "drafter.blocksize: Extra inputs are not permitted; did you mean drafter.block_size?",
+        ),
+        (
+            {"fc_nrom": True},
+            {},
+            "drafter.fc_nrom: an unknown key (Extra inputs are not permitted); did you mean drafter.fc_norm?",
+        ),
         ({"block_size": 16}, {}, "drafter.block_size is read only with drafter.variant: dflash"),
         (
             {"variant": "dflash", "block_size": 4},

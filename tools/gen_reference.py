@@ -80,7 +80,9 @@ def _rows(model: type[BaseModel], prefix: str, embedded: BaseModel, fresh: BaseM
         annotation = field.annotation
         sub = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
         if sub is not None:
-            rows += _rows(sub, key + ".", getattr(embedded, name), getattr(fresh, name))
+            # a section written without this key gets the section's own default (the drafter section's
+            # differs from a config without one: plain EAGLE-3 against EAGLE-3.1)
+            rows += _rows(sub, key + ".", getattr(embedded, name), sub())
             continue
         default, runs = getattr(fresh, name), getattr(embedded, name)
         run_value = _shown(runs) if runs != default else ""
@@ -120,10 +122,17 @@ def _kind_rows() -> list[str]:
         title = kind_named(name).title
         variants = ", ".join(f"`{v}`" for v in mod.VARIANTS)
         if mod.SETTINGS.model_fields.keys() <= listed.keys():
-            owner = listed[next(iter(mod.SETTINGS.model_fields))]
+            owner = listed[next(iter(mod.SETTINGS.model_fields))][0]
+            own = [
+                f"`drafter.{k}`: {f.description}"
+                for k, f in mod.SETTINGS.model_fields.items()
+                if f.description != listed[k][1]
+            ]
             out += [
                 "",
-                f"`drafter.variant` {variants} ({title}) reads the keys of {owner} above.",
+                f"`drafter.variant` {variants} ({title}) reads the keys of {owner} above"
+                + (", but " + "; ".join(own) if own else "")
+                + ".",
             ]
             continue
         fresh = mod.SETTINGS()
@@ -135,7 +144,7 @@ def _kind_rows() -> list[str]:
             "|---|---|---|---|---|",
         ]
         out += _rows(mod.SETTINGS, "drafter.", fresh, fresh)
-        listed |= dict.fromkeys(mod.SETTINGS.model_fields, title)
+        listed |= {k: (title, f.description) for k, f in mod.SETTINGS.model_fields.items()}
     return out
 
 

@@ -3,6 +3,7 @@ its kind adds) and how it is trained (train:); validated like the rest of :mod:`
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -58,7 +59,8 @@ class DrafterVariantConfig(StrictSection):
         description="the drafter kind and preset: eagle3 (2025's drafter), eagle3.1 (fc_norm + norm_output), "
         "p-eagle (parallel_drafting) of the EAGLE-3 family, whose flags written out add to it (turning one of "
         "its own off is refused); or another kind eagle3kit trains, whose own keys follow (the drafter "
-        "kinds below)",
+        "kinds below). A config without a drafter section trains eagle3.1; a section that names no variant, plain "
+        "eagle3 with the flags it writes",
     )
     _settings: Any = PrivateAttr(default=None)
 
@@ -84,8 +86,8 @@ class DrafterVariantConfig(StrictSection):
     mask_token_id: StrictInt | None = Field(
         default=None,
         ge=0,
-        description="P-EAGLE: the mask slots' input token (default: the smallest id that never occurs in the training "
-        "data and is no special token; one that occurs is refused)",
+        description="P-EAGLE's and a block drafter's: the mask slots' input token (default: the smallest id that "
+        "never occurs in the training data and is no special token; one that occurs is refused)",
     )
 
     @property
@@ -104,7 +106,9 @@ class DrafterVariantConfig(StrictSection):
             flags = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]
             if flags:
                 raise ValueError(
-                    f"drafter.variant {self.variant} is its own network; {', '.join(flags)} belong to EAGLE-3"
+                    f"drafter.variant {self.variant} is its own network; {', '.join(flags)} "
+                    f"{'is an EAGLE-3 flag' if len(flags) == 1 else 'are EAGLE-3 flags'}: drop "
+                    f"{'it' if len(flags) == 1 else 'them'}"
                 )
             try:
                 self._settings = mod.SETTINGS.model_validate(extra)
@@ -112,6 +116,9 @@ class DrafterVariantConfig(StrictSection):
                 err = e.errors()[0]
                 where = ".".join(str(x) for x in err["loc"])
                 msg = err["msg"].removeprefix("Value error, ")
+                near = difflib.get_close_matches(where, list(mod.SETTINGS.model_fields), 1)
+                if err["type"] == "extra_forbidden" and near:
+                    msg += f"; did you mean drafter.{near[0]}?"
                 raise ValueError(f"drafter.{where}: {msg} (got {err.get('input')!r})") from None
             self.__pydantic_extra__ = self._settings.model_dump()
             return self
@@ -120,7 +127,9 @@ class DrafterVariantConfig(StrictSection):
             readers = variants_reading(key)
             if readers:
                 raise ValueError(f"drafter.{key} is read only with drafter.variant: {' or '.join(readers)}")
-            raise ValueError(f"drafter.{key}: an unknown key (Extra inputs are not permitted)")
+            near = difflib.get_close_matches(key, list(type(self).model_fields), 1)
+            hint = f"; did you mean drafter.{near[0]}?" if near else ""
+            raise ValueError(f"drafter.{key}: an unknown key (Extra inputs are not permitted){hint}")
         preset = VARIANTS.get(self.variant or "eagle3", {})
         off = [k for k, v in preset.items() if k in self.model_fields_set and getattr(self, k) != v]
         if off:
