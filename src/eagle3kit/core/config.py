@@ -34,7 +34,6 @@ from eagle3kit.core.config_train import (
     DrafterVariantConfig,
     TrainConfig,
 )
-from eagle3kit.core.kinds import kind_settings
 
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 #: the device_map strategies transformers (accelerate) take as a string
@@ -461,11 +460,9 @@ class Config(StrictSection):
 
     @model_validator(mode="after")
     def _across_sections(self):
-        settings = self.drafter.settings
-        if settings is not None:  # another kind's keys: what that kind needs of the other sections
-            check = getattr(kind_settings(self.drafter.variant), "check_config", None)
-            if check is not None:
-                check(self, settings)
+        check = getattr(self.drafter.settings, "check_config", None)
+        if check is not None:  # another kind's keys: what that kind needs of the other sections
+            check(self)
         if self.drafter.parallel_drafting and self.train.ttt_steps < 2:
             raise ValueError(
                 "drafter.parallel_drafting trains its mask slots at TTT steps 1 and later: set train.ttt_steps ≥ 2 "

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from eagle3kit.core.config_base import ConfigError, StrictSection
-from eagle3kit.core.kinds import KindError, kind_settings, variants_reading
+from eagle3kit.core.kinds import kind_settings, variants_reading
 
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "parallel_drafting")
 VARIANTS = {  # drafter.variant → its flags (docs/training.md, drafter variants; model/drafter.py's table)
@@ -97,10 +97,7 @@ class DrafterVariantConfig(StrictSection):
 
     @model_validator(mode="after")
     def _preset(self):
-        try:
-            mod = kind_settings(self.variant)
-        except KindError as e:
-            raise ValueError(str(e)) from None
+        mod = kind_settings(self.variant)  # KindError is a ValueError: pydantic reports it under drafter
         extra = dict(self.__pydantic_extra__ or {})
         if mod.SETTINGS is not None:
             flags = [k for k in VARIANT_FLAGS if k in self.model_fields_set and getattr(self, k)]

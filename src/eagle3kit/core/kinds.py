@@ -10,8 +10,8 @@ kind only through :data:`KINDS` (module paths, imported on first use), so import
 
 Adding a kind: a package under ``drafters/`` whose ``kind.py`` defines ``KIND`` (a :class:`DrafterKind`)
 and whose ``settings.py`` (pydantic only, read while a config loads: :func:`kind_settings`) defines
-``VARIANTS``, ``SETTINGS`` (its keys of the ``drafter`` section, or None) and, when it needs one,
-``check_config(cfg, settings)``; and one line in :data:`KINDS`.
+``VARIANTS`` and ``SETTINGS`` (its keys of the ``drafter`` section, or None; a ``check_config(cfg)``
+method on it checks the other sections); and one line in :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -202,11 +202,8 @@ def kind_for_variant(variant: str | None) -> DrafterKind:
     """The kind that trains ``drafter.variant`` (None: the default EAGLE-3 section as written).
 
     Raises:
-        KindError: no kind trains that variant."""
-    for k in all_kinds():
-        if variant in k.variants:
-            return k
-    raise KindError(f"drafter.variant {variant!r} belongs to no drafter kind; registered: {', '.join(KINDS)}")
+        KindError: no kind trains that variant (names every variant that is trained)."""
+    return kind_named(_kind_name(variant))
 
 
 @cache
@@ -223,10 +220,15 @@ def kind_settings(variant: str | None):
 
     Raises:
         KindError: no kind trains that variant (names every variant that is trained)."""
+    return kind_settings_modules()[_kind_name(variant)]
+
+
+def _kind_name(variant: str | None) -> str:
+    """The registered kind whose ``settings.VARIANTS`` holds ``variant``. Raises KindError."""
     mods = kind_settings_modules()
-    for mod in mods.values():
+    for name, mod in mods.items():
         if variant in mod.VARIANTS:
-            return mod
+            return name
     known = [v for m in mods.values() for v in m.VARIANTS if v is not None]
     raise KindError(f"drafter.variant {variant!r} is no drafter eagle3kit trains; one of: {', '.join(known)}")
 

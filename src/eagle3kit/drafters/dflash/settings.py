@@ -2,8 +2,8 @@
 needs. Light on purpose (pydantic only): :mod:`eagle3kit.core.kinds` reads it while a config loads.
 
 The registry finds these by convention (:func:`eagle3kit.core.kinds.kind_settings`): ``VARIANTS`` (the
-``drafter.variant`` values this kind trains), ``SETTINGS`` (the section's keys beside ``variant``) and
-``check_config(cfg)``.
+``drafter.variant`` values this kind trains) and ``SETTINGS`` (the section's keys beside ``variant``),
+whose ``check_config(cfg)`` the config calls once every section is read.
 """
 
 from __future__ import annotations
@@ -52,33 +52,32 @@ class BlockSettings(StrictSection):
         """Draft tokens a block yields: its slots after the anchor (``block_size − 1``)."""
         return self.block_size - 1
 
+    def check_config(self, cfg) -> None:
+        """What a block drafter needs of the other sections: ``drafter.target_layer_ids`` and
+        ``target.aux_layer_ids`` name the same layers when both are set, chain drafting, and
+        ``evaluate.k`` within a block.
+
+        Raises:
+            ValueError: naming the keys and the fix (pydantic reports it under the config's path)."""
+        ids = self.target_layer_ids
+        if ids is not None and cfg.target.aux_layer_ids is not None:
+            hf = [i + 1 for i in ids]
+            mine = list(cfg.target.aux_layer_ids)
+            if cfg.target.aux_layer_convention == "output_of_layer":
+                mine = [i + 1 for i in mine]
+            if mine != hf:
+                raise ValueError(
+                    f"drafter.target_layer_ids {ids} (outputs of layers, = aux ids {hf}) and target.aux_layer_ids "
+                    f"{list(cfg.target.aux_layer_ids)} name other layers; keep drafter.target_layer_ids"
+                )
+        if cfg.evaluate.draft == "tree":
+            raise ValueError("a block drafter drafts a block (a chain): set evaluate.draft: chain")
+        most = self.most_drafts()
+        if cfg.evaluate.k > most:
+            raise ValueError(
+                f"evaluate.k {cfg.evaluate.k} > {most}: a {cfg.drafter.variant} block of "
+                f"{self.block_size} drafts at most {most} tokens"
+            )
+
 
 SETTINGS = BlockSettings
-
-
-def check_config(cfg, settings: BlockSettings) -> None:
-    """What a block drafter needs of the other sections: ``drafter.target_layer_ids`` and
-    ``target.aux_layer_ids`` name the same layers when both are set, chain drafting, and
-    ``evaluate.k`` within a block.
-
-    Raises:
-        ValueError: naming the keys and the fix (pydantic reports it under the config's path)."""
-    ids = settings.target_layer_ids
-    if ids is not None and cfg.target.aux_layer_ids is not None:
-        hf = [i + 1 for i in ids]
-        mine = list(cfg.target.aux_layer_ids)
-        if cfg.target.aux_layer_convention == "output_of_layer":
-            mine = [i + 1 for i in mine]
-        if mine != hf:
-            raise ValueError(
-                f"drafter.target_layer_ids {ids} (outputs of layers, = aux ids {hf}) and target.aux_layer_ids "
-                f"{list(cfg.target.aux_layer_ids)} name other layers; keep drafter.target_layer_ids"
-            )
-    if cfg.evaluate.draft == "tree":
-        raise ValueError("a block drafter drafts a block (a chain): set evaluate.draft: chain")
-    most = settings.most_drafts()
-    if cfg.evaluate.k > most:
-        raise ValueError(
-            f"evaluate.k {cfg.evaluate.k} > {most}: a {cfg.drafter.variant} block of "
-            f"{settings.block_size} drafts at most {most} tokens"
-        )

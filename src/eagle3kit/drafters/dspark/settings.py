@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, StrictInt
 
-from eagle3kit.drafters.dflash.settings import BlockSettings, check_config
+from eagle3kit.drafters.dflash.settings import BlockSettings
 
 VARIANTS = ("dspark",)
 
@@ -24,5 +24,3 @@ class DSparkSettings(BlockSettings):
 
 
 SETTINGS = DSparkSettings
-
-__all__ = ["SETTINGS", "VARIANTS", "DSparkSettings", "check_config"]
