@@ -1,11 +1,15 @@
 """Serving on a GPU: SmolLM2-135M-Instruct served by vLLM in bf16, alone and with each drafter kind eagle3kit
-trains (train's default EAGLE-3.1, EAGLE-3, DFlash), all trained on the example recipe's data
-(examples/smollm2-shared-data.yaml, its prompt files read from ``--shared``), at 3, 5 and 7 draft tokens.
+trains (train's default EAGLE-3.1, EAGLE-3, DFlash) and SpecForge 0.2.0's EAGLE-3 drafter, all trained on the
+example recipe's data (examples/smollm2-shared-data.yaml, its prompt files read from ``--shared``), at 3, 5 and
+7 draft tokens.
 
 Stages (each resumable: a finished run, diagnosis or bench record is read back, not made again):
 
-1. ``eagle3kit run`` of the recipe (EAGLE-3.1: prompts, SmolLM2's replies, tokens, vocabulary, training,
-   export, evaluate); then EAGLE-3 and DFlash trained on a copy of its data stages (the same tokens).
+1. ``eagle3kit run`` of the recipe for the first drafter (prompts, SmolLM2's replies, tokens, vocabulary,
+   training, export, evaluate); then the others trained on a copy of its data stages (the same tokens):
+   eagle3kit's by ``eagle3kit run``, SpecForge's by its own trainer (benchmarks/serving_gpu_peer.py; its own
+   export is what vLLM serves). With ``--online``, right after the first: the first drafter trained again
+   from a capture server on the same GPU, beside its offline run (benchmarks/serving_gpu_online.py).
 2. The plain server (no speculation), started first and kept; then, one at a time (two vLLM servers
    started together on one GPU each count the other's memory as their own), a server per drafter and K.
 3. Against each drafter's server: ``eagle3kit diagnose`` on the bench prompts, each sent alone — τ from
@@ -13,8 +17,8 @@ Stages (each resumable: a finished run, diagnosis or bench record is read back, 
    verdict; then ``eagle3kit bench`` against the plain server at every ``--concurrency``: output
    tokens/s, speedup, TTFT, TPOT and vLLM's τ.
 4. With ``--faults DRAFTERS``, before the rows: copies of those drafters with a planted integration fault,
-   each served alone and diagnosed, and ``bench --compare`` of two drafters' records at the end
-   (benchmarks/serving_gpu_faults.py).
+   each served alone and diagnosed (benchmarks/serving_gpu_faults.py); at the end, ``bench --compare`` of the
+   first two drafters' records at the smallest K.
 5. The cost model, from concurrency 1: the plain server's time per output token T (one target
    step), the drafter's server's time per verify step S = TPOT × τ, and the overhead of drafting and
    verifying O = S − T; speedup = τ / (1 + O / T), so a target whose step takes T' instead gets about
@@ -26,7 +30,7 @@ sets), ``--max-tokens`` each, greedy.
 
     python benchmarks/serving_gpu.py --work /tmp/sg --shared ../shared [--drafters eagle3.1,eagle3,dflash]
         [--ks 3,5,7] [--concurrency 1,4,16,64] [--prompts 40] [--max-tokens 256] [--faults eagle3.1,dflash]
-        [--smoke]
+        [--online] [--smoke]
 
 ``--smoke`` rehearses every stage on vLLM's CPU build (float32, a few prompts and tokens, one epoch):
 it checks the plumbing, not the numbers. Writes ``benchmarks/results/serving_gpu.json`` (``--out``) and a
@@ -55,6 +59,8 @@ DRAFTERS = {  # name: (drafter section, train settings over the recipe's, vLLM's
     "eagle3": ({"variant": "eagle3"}, {}, "eagle3"),
     # 5 layers, blocks of 8 (K up to 7); 4,096 tokens a step: 8,192 needs about 75 GiB (an 80 GB H100 ran out)
     "dflash": ({"variant": "dflash"}, {"lr": 6e-4, "tokens_per_step": 4096}, "dflash"),
+    # SpecForge 0.2.0's trainer on the same data (serving_gpu_peer.py); its own export is what vLLM serves
+    "specforge": ({"variant": "eagle3"}, {}, "eagle3"),
 }
 SMOKE = {"limit": 12, "max_new_tokens": 16, "epochs": 1, "tokens_per_step": 256}
 SETS = ("mt_bench", "gsm8k_heldout")
@@ -88,6 +94,11 @@ def check_args(args) -> None:
     """Refuse bad options before anything runs; ``<work>/settings.json`` keeps the first run's sizes so
     that a resumed run cannot mix records made with other ones."""
     args.drafter_list = parse_list(args.drafters, "drafters", list(DRAFTERS))
+    if args.drafter_list[0] == "specforge":
+        raise SystemExit(
+            f"--drafters {args.drafters!r}: specforge trains on the first drafter's data; name an eagle3kit "
+            "drafter first (eagle3.1, eagle3 or dflash)"
+        )
     args.k_list = parse_list(args.ks, "ks", low=1)
     if max(args.k_list) > 7:
         raise SystemExit(f"--ks {args.ks}: the drafters train 7 TTT steps (DFlash blocks of 8): K up to 7")
@@ -173,6 +184,11 @@ def train(args, name: str) -> Path:
         keep = shutil.ignore_patterns("checkpoints", "drafter*", "evaluate", "tensorboard", "train_log.jsonl")
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(train(args, first), run, ignore=keep)
+    if name == "specforge":
+        from serving_gpu_peer import train_specforge
+
+        shutil.copy(run_config(args, name), run / "config.yaml")  # what open_run reads
+        return train_specforge(args, run, done)
     t0 = time.time()
     report = run_all(load_config(run_config(args, name)))
     sets = (report.get("evaluate") or {}).get("sets") or {}
@@ -183,6 +199,15 @@ def train(args, name: str) -> Path:
         + "\n"
     )
     return run
+
+
+def target_folder() -> Path:
+    """The target's safetensors folder vLLM reads (SmolLM2 exported in float32 once, then reused)."""
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.target import load_target
+    from eagle3kit.model.target_export import export_fp32_folder
+
+    return export_fp32_folder(load_target(TargetConfig(), device="cpu"))
 
 
 def bench_prompts(args) -> Path:
@@ -300,16 +325,14 @@ def row(name: str, k: int, got: dict, evaluate: dict) -> dict:
 def serve_all(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
     """The plain server kept up; each drafter's server at each K started alone, measured, killed;
     ``on_row(rows so far)`` after each row (the results written as they come, in case the machine goes)."""
-    from eagle3kit.core.config import TargetConfig
-    from eagle3kit.model.target import load_target
-    from eagle3kit.model.target_export import export_fp32_folder
+    from serving_gpu_peer import served_folder, served_note, start_drafter_server
 
     work = Path(args.work)
     keys = [f"{name}-k{k}" for name in args.drafter_list for k in args.k_list]
     if all((work / key / p).exists() for key in keys for p in ("diagnose/diagnose.json", "bench/bench.json")):
         plain = target = None  # every record made: read back, no server started
     else:
-        target = export_fp32_folder(load_target(TargetConfig(), device="cpu"))  # the folder vLLM reads
+        target = target_folder()
         plain = server(args, target, work / "plain.log", None)
         plain.start(900)
     rows = []
@@ -320,14 +343,14 @@ def serve_all(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
                 key = f"{name}-k{k}"
                 spec_cfg = {
                     "method": DRAFTERS[name][2],
-                    "model": str(runs[name] / "drafter"),
+                    "model": str(served_folder(runs[name])),  # serving_gpu_peer.py
                     "num_speculative_tokens": k,
                 }
                 done = all((work / key / p).exists() for p in ("diagnose/diagnose.json", "bench/bench.json"))
-                spec = None if done else server(args, target, work / f"{key}.log", spec_cfg)
+                spec = None
                 try:
-                    if spec is not None:
-                        spec.start(900)
+                    if not done:
+                        spec = start_drafter_server(server, args, target, work / key, spec_cfg, runs[name])
                     rows.append(
                         row(
                             name,
@@ -337,6 +360,7 @@ def serve_all(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
                         )
                     )
                     r = rows[-1]
+                    r["served_folder"] = served_note(work / key)
                     print(
                         f"{key}: τ served {r['tau_served']}, simulated {r['tau_simulated']}, {r['verdict']}",
                         flush=True,
@@ -350,47 +374,6 @@ def serve_all(args, runs: dict, prompts: Path, on_row=None) -> list[dict]:
         if plain is not None:
             plain.kill()
     return rows
-
-
-def print_table(rows: list[dict], levels: list[int], title: str) -> None:
-    """The one table: a line per drafter and K."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    cols = ["drafter", "K", "τ served", "τ simulated", "verdict"]
-    cols += [f"speedup c={c}" for c in levels] + ["overhead ms (target step)"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("drafter", "verdict") else "right")
-    for r in rows:
-        cost = r.get("cost") or {}
-        table.add_row(
-            r["drafter"], str(r["k"]), f"{r['tau_served'] or 0:.3f}", f"{r['tau_simulated'] or 0:.3f}",
-            str(r["verdict"]), *[f"{(r['levels'].get(str(c)) or {}).get('speedup') or 0:.2f}" for c in levels],
-            f"{cost.get('overhead_ms', 0):.2f} ({cost.get('target_step_ms', 0):.2f})",
-        )  # fmt: skip
-    Console(width=160).print(table)
-
-
-def plot(rows: list[dict], levels: list[int], path: Path) -> None:
-    """Speedup against concurrency, a line per drafter and K."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ys = [(r["levels"].get(str(c)) or {}).get("speedup") for c in levels]
-        ax.plot(levels, ys, marker="o", label=f"{r['drafter']} K={r['k']} (τ {r['tau_served'] or 0:.2f})")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s over plain decoding")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def machine(args) -> dict:
@@ -424,6 +407,11 @@ def main() -> None:
         default="",
         help="drafters whose planted faults are served and diagnosed (serving_gpu_faults.py)",
     )
+    ap.add_argument(
+        "--online",
+        action="store_true",
+        help="also train the first drafter online from a capture server on the same GPU (serving_gpu_online.py)",
+    )
     ap.add_argument("--smoke", action="store_true", help="rehearse on vLLM's CPU build: tiny sizes, float32")
     ap.add_argument("--out", default=str(OUT), help="the results JSON (the plot beside it)")
     args = ap.parse_args()
@@ -431,6 +419,7 @@ def main() -> None:
         raise SystemExit(f"--gpu-share {args.gpu_share}: give 0.05 to 0.45 (two servers share the GPU)")
     check_args(args)
     from common import expected_time
+    from serving_gpu_report import plot, print_online, print_table
 
     expected_time(
         "serving_gpu",
@@ -441,10 +430,16 @@ def main() -> None:
         "defaults' nine rows at 40 prompts, about 40 minutes (an estimate)",
     )
     t0 = time.time()
-    runs = {name: train(args, name) for name in args.drafter_list}
     import torch
 
-    torch.cuda.empty_cache()  # training's cached blocks would crowd the servers and diagnose's target out
+    runs, online = {}, None
+    for name in args.drafter_list:
+        runs[name] = train(args, name)
+        torch.cuda.empty_cache()  # training's cached blocks would crowd the servers and diagnose's target out
+        if args.online and name == args.drafter_list[0]:  # before the others: the row no peer has
+            from serving_gpu_online import colocated
+
+            online = colocated(args, runs[name], target_folder(), cli)
     from eagle3kit.core.rundir import write_text
 
     out = Path(args.out)
@@ -463,7 +458,9 @@ def main() -> None:
             "seconds": round(time.time() - t0),
             "complete": final,
             "rows": rows,
-            **({"faults": faults, "compare": compared} if args.fault_list else {}),
+            **({"faults": faults} if args.fault_list else {}),
+            "compare": compared,
+            **({"online": online} if args.online else {}),
         }
         if final and not first.exists():
             first.write_text(json.dumps(result["seconds"]) + "\n")
@@ -481,18 +478,20 @@ def main() -> None:
         methods = {name: DRAFTERS[name][2] for name in DRAFTERS}
         faults[:] = diagnose_faults(args, runs, prompts, server, diagnose, methods, on_row=got_fault)
     rows = serve_all(args, runs, prompts, on_row=lambda rows: write(rows, False))
-    if args.fault_list:
-        from serving_gpu_faults import compare_benches, print_faults
+    from serving_gpu_faults import compare_benches, print_faults
 
-        compared = compare_benches(args, cli)
+    compared = compare_benches(args, cli)
+    if args.fault_list:
         print_faults(faults)
-        if compared is None:
-            print(f"bench --compare: not run (fewer than two drafters' records at K {min(args.k_list)})")
-        else:
-            print(
-                f"bench --compare {compared['a']} {compared['b']}: exit {compared['exit_code']} (1: regressions)"
-            )
-            print(compared["output"].rstrip())
+    if compared is None:
+        print(f"bench --compare: not run (fewer than two drafters' records at K {min(args.k_list)})")
+    else:
+        print(
+            f"bench --compare {compared['a']} {compared['b']}: exit {compared['exit_code']} (1: regressions)"
+        )
+        print(compared["output"].rstrip())
+    if online is not None:
+        print_online(online)
     write(rows, True)
     plot(rows, args.levels, out.with_suffix(".png"))
     title = f"served by vLLM ({'CPU build, smoke' if args.smoke else args.hardware}): τ and speedup over plain decoding"

@@ -5,7 +5,9 @@
 #
 #   bash benchmarks/serving_gpu_device.sh start SHARED [SERVING_GPU OPTIONS]   (carrying SHARED's folder)
 #       copies the repository and SHARED to /tmp, starts serving_gpu.py with --work /tmp/sg and those
-#       options in its own process session (it outlives the command), then waits like `wait 480`
+#       options in its own process session (it outlives the command), then waits like `wait 480`;
+#       wheels in .whl (carried too) are installed into /tmp/site first (for --drafters …,specforge:
+#       benchmarks/peers/specforge_adapter.py GPU_WHEELS)
 #   bash benchmarks/serving_gpu_device.sh shape DATA [SERVING_GPU_SHAPE OPTIONS]   (carrying DATA's folder)
 #       the same for serving_gpu_shape.py (the 8B-shaped target; DATA: recipe_shape.py pack's
 #       recipe_shape_pack.txt, prompts/ and shapes/llama8b-full), --work /tmp/sgs
@@ -23,7 +25,9 @@ snapshot() { # one archive: a command brings back only a few files
   mkdir -p "${OUT:-/tmp}"
   (cd /tmp && tar -czf "${OUT:-/tmp}/sg.tgz" --ignore-failed-read sg-out sg.log \
     $(ls sg/*.json sg/*.log sg/*/trained.json sg/*/config.yaml sg/*/run/report.json sg/*-fault-*/*.json \
-      sg/*-fault-*/*.log 2>/dev/null) $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null) \
+      sg/*-fault-*/*.log sg/*-k*/served.txt sg/specforge/run/specforge.log sg/online/*.json sg/online/*.log \
+      sg/online/*.txt sg/online/capture.sh 2>/dev/null) \
+    $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null) \
     $(ls sgs/*.json sgs/*.log sgs/rs/*.json sgs/rs/*.log 2>/dev/null) $(ls -d sgs/diagnose sgs/bench 2>/dev/null))
   grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |^diagnose: |Traceback|Error|wrote " /tmp/sg.log | tail -20
   tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
@@ -42,6 +46,9 @@ launch() { # launch COMMAND FOLDER COPY SCRIPT [ARGS]: FOLDER copied to COPY, SC
   running && { echo "$name: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
   rm -rf $REPO "$copy" && mkdir -p $REPO /tmp/sg-out &&
     cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$folder" "$copy" || exit 1
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  fi
   cd $REPO && eval "$(bash tools/stage_vllm_gpu.sh env)"
   setsid nohup python3 "$script" "$@" >/tmp/sg.log 2>&1 </dev/null &
   echo $! >$W.pid

@@ -240,7 +240,10 @@ def test_serving_gpu_refuses_bad_options_before_its_expected_time_line(
 
     assert "K up to 7" in refusal("--ks", "3,8")
     assert "'0' is not an integer of at least 1" in refusal("--concurrency", "0,4")
-    assert "'x' is not one of eagle3.1, eagle3, dflash" in refusal("--drafters", "eagle3.1,x")
+    assert "'x' is not one of eagle3.1, eagle3, dflash, specforge" in refusal("--drafters", "eagle3.1,x")
+    assert "specforge trains on the first drafter's data; name an eagle3kit drafter first" in refusal(
+        "--drafters", "specforge,eagle3.1"
+    )
     assert "3 is given twice" in refusal("--ks", "3,3")
     assert "an empty entry" in refusal("--ks", "3,,5")
     assert "give 0.05 to 0.45" in refusal("--gpu-share", "0.9")
@@ -278,6 +281,27 @@ def test_a_row_carries_tau_both_ways_and_the_cost_model_of_concurrency_1(serving
     assert r["cost"] == {**r["cost"], "target_step_ms": 2.5, "verify_step_ms": 8.0, "overhead_ms": 5.5}
     # the model gives back the measured speedup at concurrency 1: τ / (1 + O / T) = 2 / 3.2 = 0.625 = 2.5 / 4
     assert abs(2.0 / (1 + 5.5 / 2.5) - 2.5 / 4.0) < 1e-9
+
+
+def test_the_online_rows_mfu_counts_matmul_weights_and_the_target_once_an_epoch_offline(serving, tmp_path):
+    """serving_gpu.py --online: P counts 2-D weights but embeddings, a tied lm_head once; the offline row's
+    target FLOPs are spread over its epochs (states cached), the online row's spent every epoch."""
+    import serving_gpu_online as online
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"tie_word_embeddings": True, "vocab_size": 10, "hidden_size": 4})
+    )
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4), "layers.0.q.weight": torch.zeros(4, 4),
+               "layers.0.norm.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))  # fmt: skip
+    assert online.matmul_params(tmp_path) == 16 + 40
+    row = {"ttt_steps": 7, "epochs": 12, "tokens_per_s_steady": 1000.0, "tokens_per_s_wall": None}
+    got = online.mfu({"offline": row, "online": row}, p_drafter=100, p_target=1200, rate=1e9)
+    assert got["offline"]["flops_per_token"] == 6 * 100 * 7 + 2 * 1200 / 12
+    assert got["online"]["flops_per_token"] == 6 * 100 * 7 + 2 * 1200
+    assert got["online"]["steady"] == round((4200 + 2400) * 1000 / 1e9, 5) and got["online"]["wall"] is None
+    assert online.mfu({"online": row}, 100, 1200, None)["online"]["steady"] is None
 
 
 def test_each_drafter_kind_gets_its_own_planted_faults_and_a_row_says_whether_diagnose_named_it(
