@@ -113,7 +113,11 @@ def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
 
 
 def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(tiny_run):
+    """... and leaves the run's stored recipe alone: its one-off flags are recorded in the report section it
+    writes, not in config.yaml (a later plain evaluate or run measures the recipe's settings)."""
     _, cfg_path, run, _ = tiny_run
+    stored = (run / "config.yaml").read_text()
+    assert "mode: simulate" in stored
     res = CliRunner().invoke(
         app,
         [
@@ -135,7 +139,9 @@ def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(t
         ],
     )
     assert res.exit_code == 0, res.output
+    assert (run / "config.yaml").read_text() == stored
     rep = json.loads((run / "report.json").read_text())["evaluate-tree"]
+    assert (rep["mode"], rep["k"]) == ("decode", 3)
     s = rep["sets"]["mt_bench"]
     assert rep["greedy_identical"] is True and s["draft"] == {
         "mode": "tree",
