@@ -459,3 +459,29 @@ def test_run_with_a_run_dir_alone_reads_its_config_and_never_starts_the_default_
     res = CliRunner().invoke(app, ["run", "--run-dir", str(tmp_path / "old")])
     assert res.exit_code == 2 and "holds a run but no config.yaml" in res.output
     assert (tmp_path / "old" / "manifest.json").read_text() == "{}"  # left as it was
+
+
+def test_export_and_evaluate_refuse_the_runs_drafter_of_another_kind_than_the_config(tiny_run):
+    """A config naming DFlash over a run whose checkpoint and export are EAGLE-3.1's: export would say up to
+    date and keep the EAGLE folder, evaluate would report the EAGLE drafter's τ as DFlash's. Both refuse,
+    naming both kinds; an explicitly named checkpoint or folder is still read as what it is."""
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.serve.export import run_export
+
+    cfg, cfg_path, run, _ = tiny_run
+    other = load_config(cfg_path, {"drafter": {"variant": "dflash"}})
+    before = (run / "drafter" / "model.safetensors").read_bytes()
+    with pytest.raises(
+        ConfigError,
+        match=r"best.safetensors holds a drafter of kind EAGLE-3, but the config.s drafter.variant dflash trains",
+    ):
+        run_export(other, run)
+    with pytest.raises(
+        ConfigError,
+        match=r"drafter holds a drafter of kind EAGLE-3, but the config's drafter.variant dflash trains DFlash",
+    ):
+        run_evaluate(other, run)
+    assert (run / "drafter" / "model.safetensors").read_bytes() == before
+    rep = run_evaluate(other, run, drafter_dir=str(run / "drafter"), section="evaluate-named")
+    assert rep["sets"]["mt_bench"]["tau"] > 1.0
