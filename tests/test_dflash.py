@@ -221,6 +221,36 @@ def test_the_config_refuses_a_dflash_drafter_it_cannot_train_or_evaluate(drafter
         Config.model_validate({"drafter": drafter, "evaluate": evaluate})
 
 
+@pytest.mark.parametrize(
+    "variant, train, said",
+    [
+        ("dflash", {"pack_length": 2048}, "train.pack_length is not read by a DFlash drafter: unset it"),
+        ("dflash", {"parallel": "fsdp"}, "train.parallel is not read by a DFlash drafter: use parallel: ddp"),
+        ("dspark", {"init_from": "DRAFTER"}, "train.init_from is not read by a DSpark drafter: unset it"),
+    ],
+)
+def test_train_keys_a_block_drafter_does_not_read_are_refused_before_any_stage(
+    tmp_path, variant, train, said
+):
+    """Refused as the config loads (``eagle3kit run`` on it writes nothing), not once prompts, generate,
+    tokenize and vocab have run; the EAGLE-3 drafter takes the same keys."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    if train.get("init_from"):  # an EAGLE-3 drafter's folder
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "config.json").write_text("{}")
+        train = {"init_from": str(tmp_path / "d")}
+    cfg = {"run_dir": str(tmp_path / "run"), "drafter": {"variant": variant}, "train": train}
+    with pytest.raises(ValueError, match=said):
+        Config.model_validate(cfg)
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["run", "-c", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2 and said in " ".join(res.output.split()) and not (tmp_path / "run").exists()
+    Config.model_validate({**cfg, "drafter": {"variant": "eagle3.1"}})
+
+
 def test_a_block_sees_the_context_before_its_anchor_and_its_own_block_only():
     anchors = torch.tensor([[2, 5, -1]])
     m = block_mask(anchors, torch.tensor([[True] * 6 + [False] * 2]), 3)[0, 0]

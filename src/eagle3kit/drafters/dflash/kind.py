@@ -21,7 +21,6 @@ from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter, defau
 from eagle3kit.drafters.dflash.objective import block_stats, simulate_block_tau
 from eagle3kit.drafters.dflash.trainer import (
     build_dflash,
-    check_dflash_training,
     dflash_report,
     dflash_step,
     is_dflash_checkpoint,
@@ -56,9 +55,6 @@ class DFlashKind(DrafterKind):
 
     first_accuracy = "slot1_accuracy"
     first_accuracy_label = "slot-1 acc"
-
-    def check_training(self, cfg, world_size: int) -> None:
-        check_dflash_training(cfg, self.title)
 
     def check_features(self, cfg, features: dict) -> None:
         if cfg.drafter.objective == "kl" and features.get("teacher", "last") != "last":

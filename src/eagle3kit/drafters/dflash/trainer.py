@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import write_safetensors
 from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
 from eagle3kit.drafters.dflash.objective import (
@@ -60,23 +59,6 @@ def save_dflash_checkpoint(
             **{k: str(v) for k, v in meta.items()},
         },
     )
-
-
-def check_dflash_training(cfg, title: str = "DFlash") -> None:
-    """Refuse what the DFlash objective (and ``title``'s, another block drafter's) cannot train with.
-
-    Raises:
-        ConfigError: ``train.init_from`` (an EAGLE-3 drafter's weights), ``train.pack_length`` (a block
-            never crosses into another sequence, so samples are not packed), ``train.parallel: fsdp``
-            (DFlash trains data-parallel with DDP)."""
-    tc = cfg.train
-    for key, bad, fix in (
-        ("init_from", tc.init_from, "unset it (the drafter starts from its own initialisation)"),
-        ("pack_length", tc.pack_length, "unset it (a block drafter batches whole samples)"),
-        ("parallel", tc.parallel == "fsdp", "use parallel: ddp (the drafter is replicated)"),
-    ):
-        if bad:
-            raise ConfigError(f"train.{key} is not read by a {title} drafter: {fix}")
 
 
 def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:
