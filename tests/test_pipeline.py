@@ -2,6 +2,7 @@
 each stage alone from the CLI, decode vs simulate, and the train/eval overlap guard."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -485,3 +486,39 @@ def test_export_and_evaluate_refuse_the_runs_drafter_of_another_kind_than_the_co
     assert (run / "drafter" / "model.safetensors").read_bytes() == before
     rep = run_evaluate(other, run, drafter_dir=str(run / "drafter"), section="evaluate-named")
     assert rep["sets"]["mt_bench"]["tau"] > 1.0
+
+
+def test_training_another_kind_in_a_run_sets_the_old_checkpoints_aside_and_switching_back_puts_them_back(
+    tiny_run, tmp_path, capsys
+):
+    """The same run folder trained as DFlash after EAGLE-3.1: the EAGLE checkpoints, log and state move to
+    checkpoints.prev-N (as docs/training.md promises), the message names the changed field, the new log holds
+    DFlash's epochs alone; switching back to EAGLE-3.1 puts its checkpoints back instead of blaming a kill."""
+    import shutil
+
+    from eagle3kit.core.rundir import read_jsonl
+    from eagle3kit.train.stage import run_train
+
+    _, cfg_path, run0, _ = tiny_run
+    run = tmp_path / "run"
+    shutil.copytree(run0.path, run, ignore=shutil.ignore_patterns("drafter*", "evaluate*"))
+    eagle = load_config(cfg_path, {"run_dir": str(run)})
+    old_best = (run / "checkpoints" / "best.safetensors").read_bytes()
+    n_old = len(list(read_jsonl(run / "train_log.jsonl")))
+    dflash = load_config(cfg_path, {"run_dir": str(run), "drafter": {"variant": "dflash", "num_layers": 1},
+                                    "train": {"epochs": 1}})  # fmt: skip
+    capsys.readouterr()
+    run_train(dflash, RunDir(run))
+    said = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"checkpoints/ were made from other inputs \(changed: [^)]*train\.drafter", said), said
+    assert "moved them to" in said and "checkpoints.prev-1" in said
+    prev = run / "checkpoints.prev-1"
+    assert (prev / "best.safetensors").read_bytes() == old_best and (prev / "train_state.pt").exists()
+    assert len(list(read_jsonl(prev / "train_log.jsonl"))) == n_old
+    epochs = [r["epoch"] for _, r in read_jsonl(run / "train_log.jsonl")]
+    assert epochs and set(epochs) == {1}  # DFlash's one epoch alone, not EAGLE's twelve before it
+    capsys.readouterr()
+    run_train(eagle, RunDir(run))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "checkpoints.prev-1/ was made from this run's inputs; put it back" in said and "a kill" not in said
+    assert (run / "checkpoints" / "best.safetensors").read_bytes() == old_best
