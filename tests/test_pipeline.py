@@ -66,6 +66,11 @@ def test_run_writes_every_stage_and_the_report_keys(tiny_run):
         and report["tokenize"]["selfcheck_mismatch"] == 0
     )
     assert 0 < report["vocab"]["coverage"] <= 1
+    stages = report["run"]["stages"]  # every stage's wall time, each within the run's
+    names = ["load target", "prompts", "generate", "tokenize", "vocab", "train", "export", "evaluate"]
+    assert list(stages) == names
+    assert all(0 <= r["seconds"] <= report["run"]["seconds"] for r in stages.values())
+    assert sum(r["seconds"] for r in stages.values()) <= report["run"]["seconds"] + 1
     assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
     tr = report["train"]  # steady: the steps after the first three only; wall: the stage's whole clock
     assert (
@@ -522,3 +527,30 @@ def test_training_another_kind_in_a_run_sets_the_old_checkpoints_aside_and_switc
     said = " ".join(capsys.readouterr().err.split())
     assert "checkpoints.prev-1/ was made from this run's inputs; put it back" in said and "a kill" not in said
     assert (run / "checkpoints" / "best.safetensors").read_bytes() == old_best
+
+
+def test_dflash_evaluate_reports_the_untrained_baseline_and_the_token_cap_share_as_eagle_does(
+    tiny_run, tmp_path
+):
+    """DFlash's evaluate section carries what the EAGLE section does: τ of an untrained drafter of the same
+    shape (per set and pooled) and the share of continuations that hit the token cap — the same share as the
+    EAGLE run's, since both measure the target's own continuations of the same prompts."""
+    import shutil
+
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.train.stage import run_train
+
+    _, cfg_path, run0, report0 = tiny_run
+    run = tmp_path / "run"
+    skip = ("drafter*", "evaluate*", "checkpoints*", "train_log.jsonl", "tensorboard")
+    shutil.copytree(run0.path, run, ignore=shutil.ignore_patterns(*skip))
+    cfg = load_config(cfg_path, {"run_dir": str(run), "drafter": {"variant": "dflash", "num_layers": 1},
+                                 "train": {"epochs": 2}})  # fmt: skip
+    run_train(cfg, RunDir(run))
+    run_export(cfg, RunDir(run))
+    rep = run_evaluate(cfg, RunDir(run))
+    s, e = rep["sets"]["mt_bench"], report0["evaluate"]["sets"]["mt_bench"]
+    assert rep["drafter_kind"] == "dflash" and s["num_prompts"] == e["num_prompts"] == 4
+    assert s["hit_max_new_tokens_share"] == e["hit_max_new_tokens_share"]
+    assert 1.0 <= s["untrained_tau"] <= 1.0 + rep["k"] and rep["untrained_tau"] == s["untrained_tau"]
