@@ -296,3 +296,34 @@ def test_a_causal_block_mask_hides_the_later_slots_and_nothing_else():
         and full[:, 8:].sum() == 18
         and causal[:, 8:].sum() == 12
     )
+
+
+def test_check_refuses_a_dflash_folder_whose_rope_is_not_the_targets(tiny_target_dir, tmp_path):
+    """A DFlash export whose rope_theta was changed (1e6 against the target's) is not servable as trained:
+    vLLM positions the block with the drafter's rope. As for EAGLE, every spelling is read as the engine
+    reads it; the folder as exported (the target's rope copied) has no rope finding."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=1, block_size=4, target_layer_ids=[1, 4]))
+    good = write_dflash(d, tmp_path / "good", dtype=torch.float32)
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    assert not [f for f in check_drafter(good, tcfg, num_speculative_tokens=3) if f.code.startswith("rope")]
+    theta = float(json.loads((good / "config.json").read_text()).get("rope_theta") or 0)
+    for name, edit in (
+        ("theta", {"rope_theta": 1e6}),
+        ("params", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.pop("rope_theta", None) if name == "params" else None
+        (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+        assert [f.code for f in found] == ["rope"], [f"{f.code}: {f.message}" for f in found]
+        assert "theta 1000000.0" in found[0].message and f"target's (theta {theta}" in found[0].message

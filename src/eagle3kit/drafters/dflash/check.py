@@ -14,6 +14,7 @@ from safetensors import safe_open
 from eagle3kit.core.config import ConfigError
 from eagle3kit.drafters.dflash.folder import read_dflash_config
 from eagle3kit.drafters.dflash.network import DFlashDrafter
+from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
 from eagle3kit.serve.findings import Finding
 
 #: head sizes the CPU build's attention runs (``vllm/v1/attention/backends/cpu_attn.py``)
@@ -133,6 +134,35 @@ def _fits_target(dcfg, N: int, Ht: int, V: int) -> list:
     return out
 
 
+def _rope(layer: dict, tc) -> list:
+    """The drafter's rope against the target's, every spelling read as the engine reads it (as the EAGLE
+    checks do): vLLM's DFlash layer positions its block with the drafter's own rope, and eagle3kit trains
+    it with the target's. No ``rope_theta`` at all: vLLM assumes 1,000,000."""
+    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
+        return [
+            _finding(
+                "rope",
+                "no rope_theta: vLLM's DFlash layer assumes 1,000,000",
+                "write the rope the drafter was trained with",
+            )
+        ]
+    twice = rope_conflict(layer)
+    if twice:
+        return [_finding("rope_twice", f"the drafter's config: {twice}", "keep one spelling (export again)")]
+    own, want = rope_settings(layer), rope_settings(tc)
+    if same_rope(own, want):
+        return []
+    return [
+        _finding(
+            "rope",
+            f"the drafter's rope (theta {own['rope_theta']}, scaling {own['rope_scaling']}) differs from the "
+            f"target's (theta {want['rope_theta']}, scaling {want['rope_scaling']}): vLLM positions the block "
+            "with the drafter's, not the one it was trained with",
+            "export again (it copies the target's)",
+        )
+    ]
+
+
 def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, engine: str = "vllm") -> list:
     """Every finding for serving the DFlash ``folder`` beside a target of text config ``tc``; empty:
     servable. ``num_speculative_tokens``: the draft length to be served (None: ``block_size − 1``)."""
@@ -179,14 +209,7 @@ def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, en
                 f"serve with num_speculative_tokens ≤ {dcfg.block_size - 1}",
             )
         )
-    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
-        out.append(
-            _finding(
-                "rope",
-                "no rope_theta: vLLM's DFlash layer assumes 1,000,000",
-                "write the rope the drafter was trained with",
-            )
-        )
+    out += _rope(layer, tc)
     if dcfg.head_dim not in CPU_HEAD_SIZES:
         out.append(
             _finding(
