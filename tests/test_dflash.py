@@ -327,3 +327,24 @@ def test_check_refuses_a_dflash_folder_whose_rope_is_not_the_targets(tiny_target
         found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
         assert [f.code for f in found] == ["rope"], [f"{f.code}: {f.message}" for f in found]
         assert "theta 1000000.0" in found[0].message and f"target's (theta {theta}" in found[0].message
+
+
+def test_check_names_a_missing_verifier_in_a_dflash_speculators_folder(tiny_target_dir, tmp_path):
+    """A DFlash speculators folder whose target (its verifier) was moved away: `vllm serve FOLDER` fails to
+    start, so check must not say servable — as for an EAGLE folder moved the same way. The verifier that is
+    there gets no finding."""
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=1, block_size=4, target_layer_ids=[1, 4]))
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    here = {"name_or_path": str(tiny_target_dir), "architectures": ["LlamaForCausalLM"]}
+    ok = write_dflash(d, tmp_path / "ok", layout="speculators", verifier=here, dtype=torch.float32)
+    assert not [f for f in check_drafter(ok, tcfg, num_speculative_tokens=3) if f.code.startswith("verifier")]
+    gone = {**here, "name_or_path": str(tmp_path / "moved-away")}
+    bad = write_dflash(d, tmp_path / "bad", layout="speculators", verifier=gone, dtype=torch.float32)
+    found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+    assert [f.code for f in found] == ["verifier_missing"] and "moved-away" in found[0].message
