@@ -348,3 +348,32 @@ def test_check_names_a_missing_verifier_in_a_dflash_speculators_folder(tiny_targ
     bad = write_dflash(d, tmp_path / "bad", layout="speculators", verifier=gone, dtype=torch.float32)
     found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
     assert [f.code for f in found] == ["verifier_missing"] and "moved-away" in found[0].message
+
+
+def test_check_refuses_sliding_layers_in_a_dflash_folder_eagle3kit_trained_full_attention(
+    tiny_target_dir, tmp_path
+):
+    """layer_types all sliding_attention with a window smaller than the block: vLLM serves those layers
+    sliding (and causal), unlike what eagle3kit trained (full attention): an error for eagle3kit's folder, a
+    warning for a foreign one (evaluate simulates full attention, so its τ is not what is served)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=2, block_size=4, target_layer_ids=[1, 4]))
+    good = write_dflash(d, tmp_path / "good", dtype=torch.float32)
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    assert not [f for f in check_drafter(good, tcfg, num_speculative_tokens=3) if f.code == "dflash_sliding"]
+    cfg = json.loads((good / "config.json").read_text())
+    for name, extra in (("ours", {}), ("foreign", {"eagle3kit": None})):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        edited = {**cfg, "layer_types": ["sliding_attention"] * 2, "sliding_window": 2, **extra}
+        (bad / "config.json").write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.code == "dflash_sliding"]
+        assert len(found) == 1 and "2 of 2 layers sliding-window attention (window 2)" in found[0].message
+        assert found[0].severity == ("error" if name == "ours" else "warning")

@@ -40,6 +40,25 @@ def _attention(cfg: dict, layer: dict, speculators: bool) -> list:
                 "warning",
             )
         )
+    if sliding:
+        ours = isinstance(cfg.get("eagle3kit"), dict)  # exported by eagle3kit: trained full-attention
+        out.append(
+            _finding(
+                "dflash_sliding",
+                f"layer_types makes {sliding} of {len(types)} layers sliding-window attention (window "
+                f"{layer.get('sliding_window')}) in vLLM, causal inside the block; "
+                + (
+                    "eagle3kit trained this drafter with full, non-causal attention in every layer"
+                    if ours
+                    else "eagle3kit's evaluate and diagnose simulate full, non-causal attention in every layer, so "
+                    "their τ is not what vLLM serves"
+                ),
+                "write full_attention for every layer in layer_types (eagle3kit's export does)"
+                if ours
+                else "measure this drafter where it is served (`eagle3kit bench`)",
+                "error" if ours else "warning",
+            )
+        )
     if speculators:
         if cfg.get("sliding_window_non_causal") is False:
             out.append(
