@@ -86,8 +86,9 @@ class DrafterVariantConfig(StrictSection):
     mask_token_id: StrictInt | None = Field(
         default=None,
         ge=0,
-        description="P-EAGLE's and a block drafter's: the mask slots' input token (default: the smallest id that "
-        "never occurs in the training data and is no special token; one that occurs is refused)",
+        description="P-EAGLE's and a block drafter's: the mask slots' input token (default: the tokenizer's first "
+        "reserved token the training data never uses, not its end, begin, padding or unknown token; one that "
+        "occurs is refused)",
     )
 
     @property
