@@ -179,4 +179,6 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
     # a moved target folder is a local path: no download to suggest
     res = CliRunner().invoke(app, ["check", str(dual), "--target", str(tmp_path / "moved" / "target")])
     said = " ".join(res.output.split())
-    assert res.exit_code == 2 and "does not exist: it reads as a local path" in said and "download" not in said
+    assert (
+        res.exit_code == 2 and "does not exist: it reads as a local path" in said and "download" not in said
+    )

@@ -105,7 +105,7 @@ def compute_features(
 def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
     """The mask token of parallel drafting (P-EAGLE's slots, a block drafter's block): a token the drafter must
     never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids); else a
-    reserved token, as published DFlash drafters take one: the first special or added token of ``tokenizer``
+    reserved token, as published block drafters take one: the first special or added token of ``tokenizer``
     that the samples never use and that is not its end, begin, padding or unknown token (SmolLM2:
     ``<repo_name>``, id 3). Only a tokenizer with none such falls back to the smallest ordinary id the
     samples never use — text the target may still write (an ordinary id missing from a small training
