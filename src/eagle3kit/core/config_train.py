@@ -280,7 +280,9 @@ class TrainConfig(StrictSection):
         "draft-vocabulary loss (0: unchunked); default 0 unless the unchunked loss (8 bytes × "
         "tokens_per_step × draft vocabulary × TTT steps) would take more than a quarter of the CUDA "
         "device's memory, then 4096 (for loss kl the lm_head and the loss fused, gradients taken in "
-        "the forward pass; for the LK losses checkpointed chunks)",
+        "the forward pass; for the LK losses checkpointed chunks); a block drafter: supervised slots per "
+        "checkpointed chunk of its loss over the target's vocabulary, by default chunked (4096) only on CUDA "
+        "when 8 bytes × slots × vocabulary would take more than a quarter of the device",
     )
     pack_length: int = Field(
         default=0,

@@ -68,7 +68,9 @@ class DFlashKind(DrafterKind):
         if tc.precision == "tf32" and device.type != "cuda":
             raise ConfigError(f"train.precision: tf32 needs a CUDA device; {device.type} has no tensor cores")
         bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
-        return {"attention": "sdpa", "bf16": bf16, "tf32": False, "loss_chunk": 0, "compile": False}
+        # unset: chunked on CUDA when the block loss would not fit a quarter of the device (objective.loss_rows)
+        chunk = tc.loss_chunk if tc.loss_chunk is not None else ("auto" if device.type == "cuda" else 0)
+        return {"attention": "sdpa", "bf16": bf16, "tf32": False, "loss_chunk": chunk, "compile": False}
 
     def shaped(self, cfg, target, vocab, aux_ids):
         dc = cfg.drafter

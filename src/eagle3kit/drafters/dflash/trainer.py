@@ -92,7 +92,7 @@ def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, see
     )
     gamma = cfg.drafter.gamma or default_gamma(drafter.cfg.block_size)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
-        loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective)
+        loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective, speed["loss_chunk"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     n, tokens = world.sum_floats([float(st["n"]), float(b["valid"].sum())])
