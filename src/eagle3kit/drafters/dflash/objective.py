@@ -69,7 +69,7 @@ def loss_rows(
         hidden: [N, H] the drafter's states of the supervised slots; labels: int64 [N].
         objective: ``ce`` (cross-entropy on ``labels``) or ``kl`` (forward KL from the target's distribution
             at ``before`` [N, Ht], its post-norm state before each slot).
-        extra, extra_fn: logits added to the target head's, ``extra_fn(extra)`` [N, V] (DSpark's Markov bias).
+        extra, extra_fn: logits added to the target head's, ``extra_fn(extra)`` [N, V] (another block drafter's bias).
         chunk: rows per checkpointed chunk (their logits recomputed in the backward pass, so at most one
             chunk's [chunk, V] fp32 logits live at once); 0 or None: all rows at once; ``"auto"``:
             :data:`AUTO_CHUNK` on CUDA when the unchunked loss (8 · N · V bytes) would take more than
