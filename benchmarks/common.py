@@ -26,6 +26,30 @@ def expected_time(what: str, estimate: str) -> None:
     print(f"{what}: {lead}{estimate}; progress lines follow", flush=True)
 
 
+def gpu_processes() -> int | None:
+    """How many processes hold a context on the machine's GPUs now (``nvidia-smi --query-compute-apps``),
+    this one included when it has one; None without nvidia-smi or when it fails. Recorded at the start and
+    end of a timed part, so a row's tokens/s says what shared the device while it was measured."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        got = subprocess.run(
+            [exe, "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if got.returncode:
+        return None
+    return sum(1 for line in got.stdout.splitlines() if line.strip())
+
+
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in ``path``.
 

@@ -221,7 +221,7 @@ def train_one(args, key: str) -> None:
     """One row and seed: the drafter trained on the data run's tokens and vocabulary, exported,
     and measured (``<run>/result.json``)."""
     import torch
-    from common import heldout_tau, open_run, train_variant
+    from common import gpu_processes, heldout_tau, open_run, train_variant
 
     name, seed = key.split(":")
     vdir = run_dir(args, key)
@@ -236,9 +236,11 @@ def train_one(args, key: str) -> None:
     speed = speed_settings(args)
     trained = {**EARLIER, **(more[0] if more else {})}
     settings = {**speed, **trained}
+    seen = {"at_start": gpu_processes(), "launched_together": args.parallel}
     res, seconds = train_variant(
         cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
     )
+    seen["at_end"] = gpu_processes()
     tau, counts = heldout_tau(
         base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS + EXTRA_KS, **args.eval
     )
@@ -260,7 +262,7 @@ def train_one(args, key: str) -> None:
             )
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "concurrent_processes": args.parallel,
+        "gpu_processes": seen,
         "speed": args.speed,
         "loss_chunk": speed["loss_chunk"],
         "precision": speed["precision"],

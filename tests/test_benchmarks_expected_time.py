@@ -226,3 +226,29 @@ def test_serving_cpu_resumes_only_finished_runs_and_a_benched_seed_trains_nothin
         ("dflash", 2, None),
     ]
     assert len(calls) == 3  # seed 2 was benched: nothing trained, no server started
+
+
+def test_a_row_records_the_gpu_processes_it_saw_not_how_many_it_launched(tmp_path, monkeypatch):
+    """benchmarks/common.gpu_processes counts nvidia-smi's compute apps (a row shared with three other
+    processes says 4, whatever --parallel launched); without nvidia-smi, or when it fails, None — never a
+    guess. The training rows of variants.py and the peer rows record it at the start and end of their timed
+    part under ``gpu_processes``."""
+    sys.path.insert(0, str(BENCH))
+    import common
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '101\\n202\\n303\\n404\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert common.gpu_processes() == 4
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert common.gpu_processes() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert common.gpu_processes() is None
+    for f in ("variants.py", "peers/specforge_run.py", "peers/speculators_dflash_run.py"):
+        text = (BENCH / f).read_text()
+        assert (
+            '"gpu_processes": seen' in text
+            and text.count("gpu_processes()") == 2
+            and "concurrent_processes" not in text
+        )

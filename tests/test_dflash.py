@@ -221,6 +221,36 @@ def test_the_config_refuses_a_dflash_drafter_it_cannot_train_or_evaluate(drafter
         Config.model_validate({"drafter": drafter, "evaluate": evaluate})
 
 
+@pytest.mark.parametrize(
+    "variant, train, said",
+    [
+        ("dflash", {"pack_length": 2048}, "train.pack_length is not read by a DFlash drafter: unset it"),
+        ("dflash", {"parallel": "fsdp"}, "train.parallel is not read by a DFlash drafter: use parallel: ddp"),
+        ("dspark", {"init_from": "DRAFTER"}, "train.init_from is not read by a DSpark drafter: unset it"),
+    ],
+)
+def test_train_keys_a_block_drafter_does_not_read_are_refused_before_any_stage(
+    tmp_path, variant, train, said
+):
+    """Refused as the config loads (``eagle3kit run`` on it writes nothing), not once prompts, generate,
+    tokenize and vocab have run; the EAGLE-3 drafter takes the same keys."""
+    from typer.testing import CliRunner
+
+    from eagle3kit.cli import app
+
+    if train.get("init_from"):  # an EAGLE-3 drafter's folder
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "config.json").write_text("{}")
+        train = {"init_from": str(tmp_path / "d")}
+    cfg = {"run_dir": str(tmp_path / "run"), "drafter": {"variant": variant}, "train": train}
+    with pytest.raises(ValueError, match=said):
+        Config.model_validate(cfg)
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["run", "-c", str(tmp_path / "c.yaml")])
+    assert res.exit_code == 2 and said in " ".join(res.output.split()) and not (tmp_path / "run").exists()
+    Config.model_validate({**cfg, "drafter": {"variant": "eagle3.1"}})
+
+
 def test_a_block_sees_the_context_before_its_anchor_and_its_own_block_only():
     anchors = torch.tensor([[2, 5, -1]])
     m = block_mask(anchors, torch.tensor([[True] * 6 + [False] * 2]), 3)[0, 0]
@@ -266,3 +296,84 @@ def test_a_causal_block_mask_hides_the_later_slots_and_nothing_else():
         and full[:, 8:].sum() == 18
         and causal[:, 8:].sum() == 12
     )
+
+
+def test_check_refuses_a_dflash_folder_whose_rope_is_not_the_targets(tiny_target_dir, tmp_path):
+    """A DFlash export whose rope_theta was changed (1e6 against the target's) is not servable as trained:
+    vLLM positions the block with the drafter's rope. As for EAGLE, every spelling is read as the engine
+    reads it; the folder as exported (the target's rope copied) has no rope finding."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=1, block_size=4, target_layer_ids=[1, 4]))
+    good = write_dflash(d, tmp_path / "good", dtype=torch.float32)
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    assert not [f for f in check_drafter(good, tcfg, num_speculative_tokens=3) if f.code.startswith("rope")]
+    theta = float(json.loads((good / "config.json").read_text()).get("rope_theta") or 0)
+    for name, edit in (
+        ("theta", {"rope_theta": 1e6}),
+        ("params", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.pop("rope_theta", None) if name == "params" else None
+        (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+        assert [f.code for f in found] == ["rope"], [f"{f.code}: {f.message}" for f in found]
+        assert "theta 1000000.0" in found[0].message and f"target's (theta {theta}" in found[0].message
+
+
+def test_check_names_a_missing_verifier_in_a_dflash_speculators_folder(tiny_target_dir, tmp_path):
+    """A DFlash speculators folder whose target (its verifier) was moved away: `vllm serve FOLDER` fails to
+    start, so check must not say servable — as for an EAGLE folder moved the same way. The verifier that is
+    there gets no finding."""
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=1, block_size=4, target_layer_ids=[1, 4]))
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    here = {"name_or_path": str(tiny_target_dir), "architectures": ["LlamaForCausalLM"]}
+    ok = write_dflash(d, tmp_path / "ok", layout="speculators", verifier=here, dtype=torch.float32)
+    assert not [f for f in check_drafter(ok, tcfg, num_speculative_tokens=3) if f.code.startswith("verifier")]
+    gone = {**here, "name_or_path": str(tmp_path / "moved-away")}
+    bad = write_dflash(d, tmp_path / "bad", layout="speculators", verifier=gone, dtype=torch.float32)
+    found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+    assert [f.code for f in found] == ["verifier_missing"] and "moved-away" in found[0].message
+
+
+def test_check_refuses_sliding_layers_in_a_dflash_folder_eagle3kit_trained_full_attention(
+    tiny_target_dir, tmp_path
+):
+    """layer_types all sliding_attention with a window smaller than the block: vLLM serves those layers
+    sliding (and causal), unlike what eagle3kit trained (full attention): an error for eagle3kit's folder, a
+    warning for a foreign one (evaluate simulates full attention, so its τ is not what is served)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.serve.check import check_drafter
+
+    tc = AutoConfig.from_pretrained(tiny_target_dir)
+    d = DFlashDrafter(DFlashConfig.from_target(tc, 5, num_layers=2, block_size=4, target_layer_ids=[1, 4]))
+    good = write_dflash(d, tmp_path / "good", dtype=torch.float32)
+    tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
+    assert not [f for f in check_drafter(good, tcfg, num_speculative_tokens=3) if f.code == "dflash_sliding"]
+    cfg = json.loads((good / "config.json").read_text())
+    for name, extra in (("ours", {}), ("foreign", {"eagle3kit": None})):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        edited = {**cfg, "layer_types": ["sliding_attention"] * 2, "sliding_window": 2, **extra}
+        (bad / "config.json").write_text(json.dumps({k: v for k, v in edited.items() if v is not None}))
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.code == "dflash_sliding"]
+        assert len(found) == 1 and "2 of 2 layers sliding-window attention (window 2)" in found[0].message
+        assert found[0].severity == ("error" if name == "ours" else "warning")

@@ -591,14 +591,15 @@ def _shifted(d, target_layer_ids):
 
 
 def test_each_dflash_fault_drafts_what_the_folder_with_it_planted_drafts(
-    dflash_dir, tiny_target_dir, tmp_path
+    dflash_dir, tiny_target_dir, tmp_path, smollm2_tokenizer
 ):
-    """On one sequence of the tiny target, what diagnose simulates for a fault equals what the drafter
+    """On one sequence of the tiny target, what diagnose simulates for a fault — the layers and block
+    settings ``dflash_planted`` gives for the hypothesis ``dflash_faults`` lists — equals what the drafter
     read from a folder with that fault written in drafts (layers one later; mask token 0), and differs
     from the drafter as trained; the causal block changes the drafts, and `check` names it planted."""
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.diagnose.simulate import capture_sequences
-    from eagle3kit.drafters.dflash.faults import plant_dflash_in_folder
+    from eagle3kit.drafters.dflash.faults import dflash_faults, dflash_planted, plant_dflash_in_folder
     from eagle3kit.drafters.dflash.folder import read_dflash
     from eagle3kit.drafters.dflash.objective import block_drafts
     from eagle3kit.model.target import load_target
@@ -617,16 +618,21 @@ def test_each_dflash_fault_drafts_what_the_folder_with_it_planted_drafts(
 
     base = drafts(d, [2, 6])
     assert base.shape == (19, 3) and torch.equal(drafts(d, [2, 6], mask_token_id=5), base)
-    for name, layers, kw in (
-        ("target_layer_ids_plus_1", [3, 7], {}),
-        ("mask_token:0", [2, 6], {"mask_token_id": 0}),
-    ):
+    faults = {
+        f.name: f
+        for f in dflash_faults(d, smollm2_tokenizer, json.loads((dflash_dir / "config.json").read_text()))
+    }
+    for name, layers, mask in (("target_layer_ids_plus_1", [3, 7], 5), ("mask_token:0", [2, 6], 0)):
+        ids, kw = dflash_planted(faults[name], d)  # what diagnose simulates for the hypothesis
+        filled = d.cfg.mask_token_id if kw["mask_token_id"] is None else kw["mask_token_id"]
+        assert ids == layers and filled == mask and not kw["causal"], name
         p = read_dflash(plant_dflash_in_folder(dflash_dir, tmp_path / name.replace(":", "_"), name)).eval()
         # the planted folder is read as the engine reads it: its layers, its mask token
-        assert p.cfg.aux_layer_ids == layers and p.cfg.mask_token_id == kw.get("mask_token_id", 5)
+        assert p.cfg.aux_layer_ids == layers and p.cfg.mask_token_id == mask
         want = drafts(p, p.cfg.aux_layer_ids)  # the planted drafter on the layers its config names
-        assert torch.equal(drafts(d, layers, **kw), want) and not torch.equal(want, base), name
-    assert not torch.equal(drafts(d, [2, 6], causal=True), base)
+        assert torch.equal(drafts(d, ids, **kw), want) and not torch.equal(want, base), name
+    ids, kw = dflash_planted(faults["block_causal"], d)
+    assert ids == [2, 6] and kw["causal"] is True and not torch.equal(drafts(d, ids, **kw), base)
     causal = plant_dflash_in_folder(dflash_dir, tmp_path / "causal", "block_causal")
     assert json.loads((causal / "config.json").read_text())["dflash_config"]["causal"] is True
     assert "dflash_causal" in {

@@ -447,3 +447,31 @@ def test_dspark_trains_in_the_common_loop_exports_and_checks(tmp_path, tiny_targ
     d = read_dspark(folder)
     trained = load_file(str(best))
     assert torch.equal(d.markov_head.markov_w1.weight.float(), trained["markov_head.markov_w1.weight"])
+
+
+@pytest.mark.parametrize("objective", ["ce", "kl"])
+def test_the_block_loss_in_checkpointed_chunks_equals_it_whole_with_the_same_gradients(objective):
+    """train.loss_chunk for a block drafter (DSpark here, its Markov bias added per chunk; DFlash shares the
+    path): the loss, every draft's top-1 and every gradient are those of the unchunked loss, while at most
+    one chunk's logits are live at once ("auto" on a CPU: unchunked)."""
+    d, target = _drafter(), _target()
+    ids = _no_successor_ids(32, seed=3)
+    batch = _batch(ids, 8, seed=3)
+    batch["last"] = torch.randn(1, 32, H, generator=torch.Generator().manual_seed(4))
+    anchors = _all_anchors(batch)
+    got = {}
+    for chunk in (0, 7, "auto"):
+        d.zero_grad()
+        loss, st = dspark_loss(d, target, batch, anchors, gamma=2.0, objective=objective, chunk=chunk)
+        loss.backward()
+        got[chunk] = (
+            float(loss.detach()),
+            st["correct"],
+            {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None},
+        )
+    assert st["n"] == 90  # 90 rows: 13 chunks of 7
+    for chunk in (7, "auto"):
+        assert abs(got[chunk][0] - got[0][0]) < 1e-5 and got[chunk][1] == got[0][1], chunk
+        assert got[chunk][2].keys() == got[0][2].keys()
+        for n, g in got[0][2].items():
+            torch.testing.assert_close(got[chunk][2][n], g, atol=1e-5, rtol=1e-4, msg=f"{chunk} {n}")

@@ -937,8 +937,8 @@ def test_vllm_serves_our_dflash_drafter_at_the_acceptance_eagle3kit_measured(
     dflash_trained, dflash_served, served
 ):
     """A DFlash drafter trained here (2 layers, block 4) served by vLLM's CPU build drafting 3 tokens a
-    block: τ from vLLM's counters within 5% of `evaluate`'s on the same 20 held-out questions, outputs
-    identical to the target's alone."""
+    block: τ from vLLM's counters within 2% of `evaluate`'s on the same 20 held-out questions (as for the
+    EAGLE drafter; measured about 0.5% apart), outputs identical to the target's alone."""
     cfg = json.loads((dflash_trained / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
     ours = dflash_trained.report["evaluate"]["sets"]["gsm8k_heldout"]
@@ -948,7 +948,7 @@ def test_vllm_serves_our_dflash_drafter_at_the_acceptance_eagle3kit_measured(
         f"DFlash τ vLLM {got['tau']:.4f} ({got['accepted']}/{got['drafts']}) vs eagle3kit {ours['tau']:.4f}"
     )
     assert ours["num_prompts"] == 20 and ours["tau"] > 1.05, ours  # drafts accepted: worth comparing
-    assert abs(got["tau"] / ours["tau"] - 1) <= 0.05
+    assert abs(got["tau"] / ours["tau"] - 1) <= 0.02
     assert outs == served["plain"][0]  # speculation changed no output
 
 
@@ -973,6 +973,10 @@ def test_diagnose_agrees_with_vllm_serving_the_dflash_drafter_as_trained(dflash_
     names = {h["name"] for h in rep["hypotheses"]}
     assert {"target_layer_ids_plus_1", "target_layer_ids_minus_1", "block_causal", "mask_token:0"} <= names
     assert not any(h.get("explains") for h in rep["hypotheses"])
+    # per prompt, vLLM's numbers follow the drafter as trained, not its layers one off (whose pooled τ is
+    # within 1% of it on this target): a pooled tolerance alone would not tell them apart
+    shifted = {h["name"]: h for h in rep["hypotheses"] if h["name"].startswith("target_layer_ids")}
+    assert all(rep["reference"]["distance"] < h["distance"] for h in shifted.values()), shifted
 
 
 @pytest.mark.parametrize("fault", ["target_layer_ids_plus_1", "mask_token:0"])

@@ -176,3 +176,9 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
     assert res.exit_code == 2 and "neither a local folder nor in the Hugging Face cache" in " ".join(
         res.output.split()
     )
+    # a moved target folder is a local path: no download to suggest
+    res = CliRunner().invoke(app, ["check", str(dual), "--target", str(tmp_path / "moved" / "target")])
+    said = " ".join(res.output.split())
+    assert (
+        res.exit_code == 2 and "does not exist: it reads as a local path" in said and "download" not in said
+    )

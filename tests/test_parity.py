@@ -154,7 +154,7 @@ def test_other_shard_layouts_compare_sample_by_sample_and_another_target_is_refu
     assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())
 
 
-@pytest.mark.parametrize("delta, dtype", [(0.02, "fp32"), (0.05, "bf16")])
+@pytest.mark.parametrize("delta, dtype", [(0.02, "fp32"), (0.02, "bf16")])
 def test_a_target_perturbed_in_one_layer_is_flagged_by_its_own_log_probabilities_and_named_first(
     run,
     tiny_target,
@@ -163,10 +163,11 @@ def test_a_target_perturbed_in_one_layer_is_flagged_by_its_own_log_probabilities
     delta,
     dtype,  # noqa: F811
 ):
-    """One decoder layer's weights scaled by 1 + delta (after the aux layers 2, 4, 5: layer 6), features of
-    both targets stored alike: the teacher's top-1 stays high (0.985 at 2%) but the log-probabilities the
-    target gives its own next token move past the storage's noise, so parity disagrees and names the teacher
-    as the first layer that drifts; the aux layers, before it, pass."""
+    """One decoder layer's weights scaled by 1.02 (after the aux layers 2, 4, 5: layer 6), features of
+    both targets stored alike in fp32 or bf16 (the 2% docs/features.md says both storages catch): the
+    teacher's top-1 stays high (0.985) but the log-probabilities the target gives its own next token move
+    past the storage's noise, so parity disagrees and names the teacher as the first layer that drifts; the
+    aux layers, before it, pass."""
     cfg = cfg_for(run, tiny_target_dir, dtype=dtype)
     run_extract(cfg, run, tiny_target, out_dir=str(tmp_path / "ref"))
     layer = tiny_target.parts.layers[6].mlp.down_proj.weight

@@ -2,6 +2,7 @@
 each stage alone from the CLI, decode vs simulate, and the train/eval overlap guard."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,11 @@ def test_run_writes_every_stage_and_the_report_keys(tiny_run):
         and report["tokenize"]["selfcheck_mismatch"] == 0
     )
     assert 0 < report["vocab"]["coverage"] <= 1
+    stages = report["run"]["stages"]  # every stage's wall time, each within the run's
+    names = ["load target", "prompts", "generate", "tokenize", "vocab", "train", "export", "evaluate"]
+    assert list(stages) == names
+    assert all(0 <= r["seconds"] <= report["run"]["seconds"] for r in stages.values())
+    assert sum(r["seconds"] for r in stages.values()) <= report["run"]["seconds"] + 1
     assert report["train"]["final_loss"] > 0 and 0 <= report["train"]["step0_accuracy"] <= 1
     tr = report["train"]  # steady: the steps after the first three only; wall: the stage's whole clock
     assert (
@@ -113,7 +119,11 @@ def test_simulate_and_decode_agree_and_decode_is_lossless(tiny_run):
 
 
 def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(tiny_run):
+    """... and leaves the run's stored recipe alone: its one-off flags are recorded in the report section it
+    writes, not in config.yaml (a later plain evaluate or run measures the recipe's settings)."""
     _, cfg_path, run, _ = tiny_run
+    stored = (run / "config.yaml").read_text()
+    assert "mode: simulate" in stored
     res = CliRunner().invoke(
         app,
         [
@@ -135,7 +145,9 @@ def test_evaluate_decodes_with_a_tree_from_the_cli_losslessly_and_per_category(t
         ],
     )
     assert res.exit_code == 0, res.output
+    assert (run / "config.yaml").read_text() == stored
     rep = json.loads((run / "report.json").read_text())["evaluate-tree"]
+    assert (rep["mode"], rep["k"]) == ("decode", 3)
     s = rep["sets"]["mt_bench"]
     assert rep["greedy_identical"] is True and s["draft"] == {
         "mode": "tree",
@@ -453,3 +465,92 @@ def test_run_with_a_run_dir_alone_reads_its_config_and_never_starts_the_default_
     res = CliRunner().invoke(app, ["run", "--run-dir", str(tmp_path / "old")])
     assert res.exit_code == 2 and "holds a run but no config.yaml" in res.output
     assert (tmp_path / "old" / "manifest.json").read_text() == "{}"  # left as it was
+
+
+def test_export_and_evaluate_refuse_the_runs_drafter_of_another_kind_than_the_config(tiny_run):
+    """A config naming DFlash over a run whose checkpoint and export are EAGLE-3.1's: export would say up to
+    date and keep the EAGLE folder, evaluate would report the EAGLE drafter's τ as DFlash's. Both refuse,
+    naming both kinds; an explicitly named checkpoint or folder is still read as what it is."""
+    from eagle3kit.core.config import ConfigError
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.serve.export import run_export
+
+    cfg, cfg_path, run, _ = tiny_run
+    other = load_config(cfg_path, {"drafter": {"variant": "dflash"}})
+    before = (run / "drafter" / "model.safetensors").read_bytes()
+    with pytest.raises(
+        ConfigError,
+        match=r"best.safetensors holds a drafter of kind EAGLE-3, but the config.s drafter.variant dflash trains",
+    ):
+        run_export(other, run)
+    with pytest.raises(
+        ConfigError,
+        match=r"drafter holds a drafter of kind EAGLE-3, but the config's drafter.variant dflash trains DFlash",
+    ):
+        run_evaluate(other, run)
+    assert (run / "drafter" / "model.safetensors").read_bytes() == before
+    rep = run_evaluate(other, run, drafter_dir=str(run / "drafter"), section="evaluate-named")
+    assert rep["sets"]["mt_bench"]["tau"] > 1.0
+
+
+def test_training_another_kind_in_a_run_sets_the_old_checkpoints_aside_and_switching_back_puts_them_back(
+    tiny_run, tmp_path, capsys
+):
+    """The same run folder trained as DFlash after EAGLE-3.1: the EAGLE checkpoints, log and state move to
+    checkpoints.prev-N (as docs/training.md promises), the message names the changed field, the new log holds
+    DFlash's epochs alone; switching back to EAGLE-3.1 puts its checkpoints back instead of blaming a kill."""
+    import shutil
+
+    from eagle3kit.core.rundir import read_jsonl
+    from eagle3kit.train.stage import run_train
+
+    _, cfg_path, run0, _ = tiny_run
+    run = tmp_path / "run"
+    shutil.copytree(run0.path, run, ignore=shutil.ignore_patterns("drafter*", "evaluate*"))
+    eagle = load_config(cfg_path, {"run_dir": str(run)})
+    old_best = (run / "checkpoints" / "best.safetensors").read_bytes()
+    n_old = len(list(read_jsonl(run / "train_log.jsonl")))
+    dflash = load_config(cfg_path, {"run_dir": str(run), "drafter": {"variant": "dflash", "num_layers": 1},
+                                    "train": {"epochs": 1}})  # fmt: skip
+    capsys.readouterr()
+    run_train(dflash, RunDir(run))
+    said = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"checkpoints/ were made from other inputs \(changed: [^)]*train\.drafter", said), said
+    assert "moved them to" in said and "checkpoints.prev-1" in said
+    prev = run / "checkpoints.prev-1"
+    assert (prev / "best.safetensors").read_bytes() == old_best and (prev / "train_state.pt").exists()
+    assert len(list(read_jsonl(prev / "train_log.jsonl"))) == n_old
+    epochs = [r["epoch"] for _, r in read_jsonl(run / "train_log.jsonl")]
+    assert epochs and set(epochs) == {1}  # DFlash's one epoch alone, not EAGLE's twelve before it
+    capsys.readouterr()
+    run_train(eagle, RunDir(run))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "checkpoints.prev-1/ was made from this run's inputs; put it back" in said and "a kill" not in said
+    assert (run / "checkpoints" / "best.safetensors").read_bytes() == old_best
+
+
+def test_dflash_evaluate_reports_the_untrained_baseline_and_the_token_cap_share_as_eagle_does(
+    tiny_run, tmp_path
+):
+    """DFlash's evaluate section carries what the EAGLE section does: τ of an untrained drafter of the same
+    shape (per set and pooled) and the share of continuations that hit the token cap — the same share as the
+    EAGLE run's, since both measure the target's own continuations of the same prompts."""
+    import shutil
+
+    from eagle3kit.eval.evaluate import run_evaluate
+    from eagle3kit.serve.export import run_export
+    from eagle3kit.train.stage import run_train
+
+    _, cfg_path, run0, report0 = tiny_run
+    run = tmp_path / "run"
+    skip = ("drafter*", "evaluate*", "checkpoints*", "train_log.jsonl", "tensorboard")
+    shutil.copytree(run0.path, run, ignore=shutil.ignore_patterns(*skip))
+    cfg = load_config(cfg_path, {"run_dir": str(run), "drafter": {"variant": "dflash", "num_layers": 1},
+                                 "train": {"epochs": 2}})  # fmt: skip
+    run_train(cfg, RunDir(run))
+    run_export(cfg, RunDir(run))
+    rep = run_evaluate(cfg, RunDir(run))
+    s, e = rep["sets"]["mt_bench"], report0["evaluate"]["sets"]["mt_bench"]
+    assert rep["drafter_kind"] == "dflash" and s["num_prompts"] == e["num_prompts"] == 4
+    assert s["hit_max_new_tokens_share"] == e["hit_max_new_tokens_share"]
+    assert 1.0 <= s["untrained_tau"] <= 1.0 + rep["k"] and rep["untrained_tau"] == s["untrained_tau"]

@@ -80,6 +80,31 @@ def test_real_files_mt_bench_gsm8k_oasst_and_spec_bench_filters():
     assert len(sb) == 400 and dropped["category_filtered"] == 80
 
 
+def test_a_source_with_a_limit_reads_only_the_lines_it_needs(tmp_path):
+    """A 400,000-row JSONL with ``limit: 5`` (a bad line among the first rows, reported as before): the rows
+    read hold a few kilobytes, not the whole file's parsed rows (about 300 MB held before); a negative
+    ``start`` or a category filter still reads the whole file, and gives the same rows as before."""
+    import json
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    row = json.dumps({"prompt": "What is " + "x" * 40 + "?", "category": "c"}) + "\n"
+    with open(path, "w") as f:
+        f.write(row * 2 + "{not json\n" + row * 399_998)
+    src = PromptSource(path=str(path), limit=5)
+    tracemalloc.start()
+    bad: list = []
+    rows, dropped = read_source(src, bad_rows=bad)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(rows) == 5 and dropped["malformed"] == 1 and bad[0]["line"] == 3
+    assert peak < 2_000_000, peak
+    tail, _ = read_source(PromptSource(path=str(path), start=-2), bad_rows=[])
+    assert len(tail) == 2 and tail[0]["messages"] == rows[0]["messages"]
+    some, _ = read_source(PromptSource(path=str(path), start=3, stop=5, categories=["c"]), bad_rows=[])
+    assert len(some) == 2
+
+
 def test_malformed_row_names_file_and_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"turns": ["ok"]}\n{"turns": [\n')

@@ -76,7 +76,12 @@ def test_speculators_dataset_reads_the_values_written(written):
             assert torch.equal(item["loss_mask"], s.mask.long())  # speculators' convention: 1 on reply tokens
             H = pre.shape[1]
             assert item["hidden_states"].shape == (s.ids.numel(), len(AUX) * H)
-            torch.testing.assert_close(item["hidden_states"][:, H : 2 * H], aux[:, H : 2 * H].float())
+            # every aux block, in layer order (aux itself is eagle3kit's states, the test above): written in
+            # another order the peer row would train on layers it does not read at serving time
+            for i in range(len(AUX)):
+                torch.testing.assert_close(
+                    item["hidden_states"][:, i * H : (i + 1) * H], aux[:, i * H : (i + 1) * H].float()
+                )
             torch.testing.assert_close(item["verifier_last_hidden_states"], pre.float())
 
 

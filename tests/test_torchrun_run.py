@@ -98,9 +98,12 @@ def test_torchrun_runs_each_data_stage_once_trains_on_both_processes_and_reports
     assert (run / "drafter" / "model.safetensors").exists() and (run / "drafter-speculators").is_dir()
 
 
-def _two_nodes(how: list[str], port: int, stop_after_on_node1: int = 0) -> list[subprocess.CompletedProcess]:
+def _two_nodes(
+    how: list[str], port: int, stop_after_on_node1: int = 0, how_node1: list[str] | None = None
+) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents (`--nnodes 2 --nproc-per-node 1`) over a c10d rendezvous on localhost,
-    each running `eagle3kit run` with ``how`` (`-c CONFIG`, or `--run-dir RUN`: the run's own config)."""
+    each running `eagle3kit run` with ``how`` (`-c CONFIG`, or `--run-dir RUN`: the run's own config;
+    ``how_node1``: node 1's instead)."""
     procs = [
         subprocess.Popen(
             [
@@ -120,7 +123,7 @@ def _two_nodes(how: list[str], port: int, stop_after_on_node1: int = 0) -> list[
                 "-m",
                 "eagle3kit",
                 "run",
-                *how,
+                *(how_node1 if node == 1 and how_node1 is not None else how),
             ],
             env=_env(stop_after_on_node1 if node == 1 else 0),
             stdout=subprocess.PIPE,
@@ -155,3 +158,18 @@ def test_two_nodes_train_one_dies_and_the_relaunch_resumes_to_the_uninterrupted_
     assert _losses(tmp_path / "run") == pytest.approx(whole, rel=1e-6, abs=1e-7)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["train"]["processes"] == 2 and "evaluate" in report
+
+
+def test_ranks_launched_with_other_configs_stop_before_any_stage_naming_the_keys(tmp_path, vllm_target):
+    """Two nodes given configs that differ in train.lr (0.003 and 0.03): every rank stops before the first
+    stage, naming the key and both values (they would have trained different replicas and exited 0, with
+    config.yaml recording rank 0's alone)."""
+    c0 = _config(tmp_path / "a", vllm_target)
+    c1 = tmp_path / "b.yaml"
+    c1.write_text(c0.read_text().replace("lr: 0.003", "lr: 0.03"))
+    res = _two_nodes(["-c", str(c0)], free_port(), how_node1=["-c", str(c1)])
+    said = " ".join((res[0].stdout + res[0].stderr + res[1].stdout + res[1].stderr).split())
+    assert all(r.returncode != 0 for r in res), said[-2000:]
+    assert "was launched with another config than rank 0 (train.lr: 0.0" in said
+    assert ("0.003 on rank 0, 0.03 on rank 1" in said) or ("0.03 on rank 0, 0.003 on rank 1" in said)
+    assert not (tmp_path / "a" / "run" / "prompts.jsonl").exists()

@@ -288,13 +288,23 @@ def _slow_server_feeder(buf, limit, inflight, states, delay=0.4):
     return f
 
 
+def _in_flight(f, n: int) -> None:
+    """Wait until the stand-in server has received ``n`` requests, and check the last is still in flight
+    (its room reserved, its file not written: each request takes 0.4 s)."""
+    import time
+
+    end = time.time() + 5
+    while f.posts < n and time.time() < end:
+        time.sleep(0.005)
+    assert f.posts == n and f.reserved > 0 and not list(f.buffer.glob("*.safetensors")), (f.posts, f.reserved)
+
+
 def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_forever(tmp_path):
     """A schedule that drops a sample in flight, then one that asks for it again, sends no second
     request for the same file (its reservation was once counted twice and never freed); a schedule
     whose first sample has no room beside the file of a later one makes room instead of waiting
     forever; the feeder's thread dying (its buffer folder deleted) is raised by the read that waits."""
     import shutil
-    import time
 
     from eagle3kit.train.online import sample_key
 
@@ -310,7 +320,7 @@ def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_f
     f.limit = f._size(ibig) + f._size(ik) // 2
     try:
         f.schedule([(k, ik)])
-        time.sleep(0.1)  # in flight
+        _in_flight(f, 1)
         f.schedule([])
         f.schedule([(k, ik)])
         got, err = _read_all(f, [(k, ik)])
@@ -325,7 +335,7 @@ def test_new_schedules_while_a_request_is_in_flight_neither_leak_room_nor_wait_f
     f.limit = int(1.2 * f._size(ij))  # one sample at a time
     try:
         f.schedule([(k, ik)])
-        time.sleep(0.1)
+        _in_flight(f, 1)
         f.schedule([(j, ij), (k, ik)])  # k's file will land first and fill the buffer
         got, err = _read_all(f, [(j, ij), (k, ik)])
         assert err == [] and [torch.equal(s, h) for (_, s), h in zip(got, (hj, hk))] == [True, True]

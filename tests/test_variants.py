@@ -554,10 +554,14 @@ def test_check_refuses_an_export_whose_flags_or_weights_were_edited_after_export
         assert "as eagle3.1" in next(f.message for f in found if f.code == code)
 
 
-def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refused(smollm2_tokenizer):
+def test_the_mask_token_is_a_reserved_token_the_data_never_uses_and_a_used_one_is_refused(
+    smollm2_tokenizer, capsys
+):
     """SmolLM2's pad id 2 is <|im_end|>, supervised in every conversation: the mask slots must not read as
-    it. Unset, the mask token is the smallest id that never occurs in the training data and is no special
-    token; a configured one that occurs is refused, naming how often."""
+    it. Unset, the mask token is a reserved token, as published DFlash drafters take: the first special or
+    added token the training data never uses that is not the end, begin, padding or unknown token
+    (<repo_name>, id 3, not the "!" (17) the target writes); only when every such token occurs, the smallest
+    ordinary id the data never uses, said on the console. A configured one that occurs is refused."""
     import pytest
     import torch
 
@@ -567,12 +571,18 @@ def test_p_eagle_mask_token_is_an_id_the_data_never_uses_and_a_used_one_is_refus
     from eagle3kit.train.samples import mask_token
 
     tok = smollm2_tokenizer
-    special = set(tok.all_special_ids)
-    used = sorted(special | {17, 18, 20, 300})  # every special id occurs, and some text
+    reserved = sorted(int(i) for i in tok.added_tokens_decoder)  # 0 … 16
+    used = sorted(set(tok.all_special_ids) | {17, 18, 20, 300})  # end, begin, pad occur, and some text
     samples = [Sample(torch.tensor(used), torch.ones(len(used), dtype=torch.bool))]
     picked = mask_token(samples, tok, 49152, None)
-    assert picked == 19 and picked not in used and picked not in special
-    assert DrafterVariantConfig(variant="p-eagle").flags(tok, 49152, picked)["mask_token_id"] == 19
+    assert picked == 3 and tok.convert_ids_to_tokens(picked) == "<repo_name>"
+    assert DrafterVariantConfig(variant="p-eagle").flags(tok, 49152, picked)["mask_token_id"] == 3
+    all_used = sorted(set(used) | set(reserved))
+    samples = [Sample(torch.tensor(all_used), torch.ones(len(all_used), dtype=torch.bool))]
+    capsys.readouterr()
+    assert mask_token(samples, tok, 49152, None) == 19
+    said = " ".join(capsys.readouterr().err.split())
+    assert "mask token: 19" in said and "the target may still write it" in said
     with pytest.raises(ConfigError, match=r"mask_token_id 2 \('<\|im_end\|>'\) occurs 1 times"):
         mask_token(samples, tok, 49152, 2)
     assert mask_token(samples, tok, 49152, 21) == 21

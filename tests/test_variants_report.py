@@ -166,6 +166,33 @@ def test_compare_blocks_leaves_out_a_nan_column_and_reads_a_zero_ratio_as_measur
     assert out["dflash"]["aim_1.2x_at_k7_met"] is None
 
 
+def test_compare_blocks_picks_trains_default_as_reference_meets_the_aim_at_1_2x_and_tests_the_seed_spread():
+    """The headline's three choices, each pinned: train's default row (eagle3.1_mixed_betas999) is the
+    reference when measured, whatever the row order, else eagle3.1; the aim holds at a ratio of exactly 1.2 at
+    K = 7 on both sets and not at 1.19 on one; a difference is beyond the seed spread only when larger than
+    the larger of the two rows' spreads, and None when either row has one seed."""
+    default = _block_row("eagle3.1_mixed_betas999", seeds=2, mt_bench_tau_k7=2.0, gsm8k_tau_k7=2.0)
+    default["seed_spread"] = {"mt_bench_tau_k3": 0.05}
+    old = _block_row("eagle3.1", seeds=2, mt_bench_tau_k7=1.0, gsm8k_tau_k7=1.0)
+    block = _block_row(
+        "dflash", seeds=2, mt_bench_tau_k3=2.06, mt_bench_tau_k5=2.04, mt_bench_tau_k7=2.4, gsm8k_tau_k7=2.4
+    )
+    block["seed_spread"] = {"mt_bench_tau_k5": 0.1}
+    for rows in ([old, default, block], [default, old, block], [block, default, old]):
+        out = variants.compare_blocks(rows)
+        assert out["reference"] == "eagle3.1_mixed_betas999"
+        cols = out["dflash"]["vs_reference"]
+        assert cols["mt_bench_tau_k7"]["ratio"] == 1.2 and out["dflash"]["aim_1.2x_at_k7_met"] is True
+        assert cols["mt_bench_tau_k3"]["beyond_seed_spread"] is True  # 0.06 > the reference's 0.05
+        assert cols["mt_bench_tau_k5"]["beyond_seed_spread"] is False  # 0.04 < the block row's 0.1
+    assert variants.compare_blocks([old, block])["reference"] == "eagle3.1"
+    miss = variants.compare_blocks([default, {**block, "gsm8k_tau_k7": 2.38}])
+    assert miss["dflash"]["vs_reference"]["gsm8k_tau_k7"]["ratio"] == 1.19
+    assert miss["dflash"]["aim_1.2x_at_k7_met"] is False
+    one = variants.compare_blocks([default, {**block, "seeds": [{}]}])
+    assert one["dflash"]["vs_reference"]["mt_bench_tau_k3"]["beyond_seed_spread"] is None
+
+
 def test_rows_take_row_colon_seed_each_once_seed_a_non_negative_integer():
     assert variants.parse_rows(" eagle3:0, eagle3:12 ,specforge:1") == [
         "eagle3:0",

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import gpu_processes
+
 from peers import specforge_adapter as sfa
 
 
@@ -74,12 +76,14 @@ def train_specforge(args, key: str, vdir: Path, heldout_tau, open_run, ks) -> di
     tokens = sum(min(s.ids.numel(), 2048) for s in samples) * cfg.train.epochs
     for s in samples:
         s.aux = s.last = s.argmax = None
+    seen = {"at_start": gpu_processes(), "launched_together": args.parallel}
     t = time.perf_counter()
     with open(vdir / "specforge.log", "w") as log:
         rc = subprocess.run(
             plan["argv"], env={**os.environ, **plan["env"]}, stdout=log, stderr=subprocess.STDOUT
         ).returncode
     seconds = time.perf_counter() - t
+    seen["at_end"] = gpu_processes()
     if rc:
         raise SystemExit(f"SpecForge's trainer exited with {rc}: see {vdir / 'specforge.log'}")
     # its steady rate: samples a second over the log windows after the first (its compilation),
@@ -111,7 +115,7 @@ def train_specforge(args, key: str, vdir: Path, heldout_tau, open_run, ks) -> di
             k: plan["config"]["training"].get(k) for k in ("batch_size", "accumulation_steps", "max_steps")
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "concurrent_processes": args.parallel,
+        "gpu_processes": seen,
     }
 
 

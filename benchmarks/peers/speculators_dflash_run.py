@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import gpu_processes
 
 from peers import speculators_dflash_adapter as sda
 from peers.specforge_run import training_split
@@ -154,10 +155,12 @@ def train_speculators_dflash(args, key: str, vdir: Path, heldout_tau, open_run, 
     env = sda.train_env(os.environ.get("SPECULATORS_PATH"))
     (work / "command.json").write_text(json.dumps({"argv": argv, "env": env}, indent=2))
     train_tokens = sum(min(s.ids.numel(), settings["total_seq_len"]) for s in train) * cfg.train.epochs
+    seen = {"at_start": gpu_processes(), "launched_together": args.parallel}
     t = time.perf_counter()
     with open(vdir / "speculators.log", "w") as log:
         rc = subprocess.run(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT).returncode
     seconds = time.perf_counter() - t
+    seen["at_end"] = gpu_processes()
     if rc:
         raise SystemExit(f"speculators' trainer exited with {rc}: see {vdir / 'speculators.log'}")
     ckpt = sda.final_checkpoint(work / "checkpoints", cfg.train.epochs)
@@ -196,7 +199,7 @@ def train_speculators_dflash(args, key: str, vdir: Path, heldout_tau, open_run, 
         },
         "speculators_version": sda.SPECULATORS_VERSION,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
-        "concurrent_processes": args.parallel,
+        "gpu_processes": seen,
     }
 
 

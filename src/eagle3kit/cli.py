@@ -395,6 +395,7 @@ def evaluate(
             )
         },
     )
+    keep_stored_config()  # a measurement: its flags go to its report section, never into the run's recipe
     rep = run_evaluate(
         cfg,
         run,

@@ -214,6 +214,7 @@ def run_all(cfg: Config) -> dict:
     run = RunDir(cfg.run_dir)
     timer, clock = Timer(), StageClock()
     launch = Launch.from_env()
+    launch.agree("config-run", dump_config(cfg))  # ranks given other configs stop before any stage
     # train settings this machine or drafter kind cannot run (tf32 or flex off CUDA) fail now, not after generate
     kind = kind_for_config(cfg)
     kind.check_training(cfg, launch.size)

@@ -86,8 +86,9 @@ class DrafterVariantConfig(StrictSection):
     mask_token_id: StrictInt | None = Field(
         default=None,
         ge=0,
-        description="P-EAGLE's and a block drafter's: the mask slots' input token (default: the smallest id that "
-        "never occurs in the training data and is no special token; one that occurs is refused)",
+        description="P-EAGLE's and a block drafter's: the mask slots' input token (default: the tokenizer's first "
+        "reserved token the training data never uses, not its end, begin, padding or unknown token; one that "
+        "occurs is refused)",
     )
 
     @property
@@ -279,7 +280,9 @@ class TrainConfig(StrictSection):
         "draft-vocabulary loss (0: unchunked); default 0 unless the unchunked loss (8 bytes × "
         "tokens_per_step × draft vocabulary × TTT steps) would take more than a quarter of the CUDA "
         "device's memory, then 4096 (for loss kl the lm_head and the loss fused, gradients taken in "
-        "the forward pass; for the LK losses checkpointed chunks)",
+        "the forward pass; for the LK losses checkpointed chunks); a block drafter: supervised slots per "
+        "checkpointed chunk of its loss over the target's vocabulary, by default chunked (4096) only on CUDA "
+        "when 8 bytes × slots × vocabulary would take more than a quarter of the device",
     )
     pack_length: int = Field(
         default=0,

@@ -23,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from eagle3kit.core.config_base import ConfigError
+
 #: kind name → the module holding its ``KIND``; asked in this order for a folder or checkpoint (the
 #: EAGLE-3 family last: it reads every other layout an engine or a peer writes, naming what it cannot)
 KINDS: dict[str, str] = {
@@ -260,6 +262,22 @@ def kind_for_folder(folder: str | Path) -> DrafterKind:
             if k.owns_folder(config):
                 return k
     return kinds[-1]
+
+
+def check_run_kind(found: DrafterKind, variant: str | None, what: str | Path) -> None:
+    """Refuse a run's own drafter (its checkpoint or export, ``what``) of another kind than the config's
+    ``drafter.variant`` trains: exporting or evaluating it under that config would report the other kind's
+    drafter as this config's.
+
+    Raises:
+        ConfigError: naming both kinds and the two fixes."""
+    want = kind_for_variant(variant)
+    if found.name != want.name:
+        raise ConfigError(
+            f"{what} holds a drafter of kind {found.title}, but the config's drafter.variant "
+            f"{variant or 'eagle3'} trains {want.title}: run `eagle3kit train` with this config first, or use "
+            "the config that drafter was trained with (or name the folder or checkpoint explicitly)"
+        )
 
 
 def kind_for_checkpoint(path: str | Path) -> DrafterKind:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 from collections import Counter
+from itertools import islice
 
 from eagle3kit.core.config import PromptSource
 from eagle3kit.core.rundir import DataError, read_jsonl, sha256_file, write_jsonl
@@ -139,10 +140,27 @@ def _open_rows(src: PromptSource, bad_rows: list | None, dropped: Counter):
         rows, field = open_dataset(src)
         return rows, lambda: rows.categories, field
     lines: list | None = [] if bad_rows is not None else None
+
+    def report_bad() -> None:  # the lines read so far that were not JSON, each once
+        for n, reason in lines or []:
+            bad_rows.append({"path": src.path, "line": n, "reason": reason})
+            dropped["malformed"] += 1
+        if lines:
+            lines.clear()
+
+    filtered = src.categories is not None or src.exclude_categories is not None
+    if not filtered and (src.start or 0) >= 0 and (src.stop is None or src.stop >= 0):
+        # read lazily: a source with a limit (or a stop) reads only the lines it needs
+
+        def lazy():
+            for item in islice(read_jsonl(src.path, bad_lines=lines), src.start, src.stop):
+                report_bad()
+                yield item
+            report_bad()
+
+        return lazy(), lambda: set(), src.field
     file_rows = [(n, r) for n, r in read_jsonl(src.path, bad_lines=lines)]
-    for n, reason in lines or []:
-        bad_rows.append({"path": src.path, "line": n, "reason": reason})
-        dropped["malformed"] += 1
+    report_bad()
     present = {category_key(r.get("category")) for _, r in file_rows if isinstance(r, dict)}
     return file_rows[slice(src.start, src.stop)], lambda: present, src.field
 

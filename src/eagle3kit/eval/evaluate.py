@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.core.config import Config, ConfigError, SpecConfig
-from eagle3kit.core.kinds import kind_for_folder
+from eagle3kit.core.kinds import check_run_kind, kind_for_folder
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.core.rundir import RunDir
@@ -227,9 +227,10 @@ def run_evaluate(
     """
     mode, k = mode or cfg.evaluate.mode, k or cfg.evaluate.k
     folder = Path(drafter_dir) if drafter_dir else run.path / "drafter"
-    return kind_for_folder(folder).evaluate(
-        cfg, run, target, folder, bool(drafter_dir), mode, k, only_sets, section
-    )
+    kind = kind_for_folder(folder)
+    if not drafter_dir and (folder / "config.json").is_file():
+        check_run_kind(kind, cfg.drafter.variant, folder)
+    return kind.evaluate(cfg, run, target, folder, bool(drafter_dir), mode, k, only_sets, section)
 
 
 def evaluate_chain_drafter(

@@ -164,6 +164,13 @@ def locate_target(cfg: TargetConfig) -> dict:
         cached is not None
     ):  # downloaded before (by vLLM, huggingface-cli, an earlier run): read from the cache
         return {"model": cfg.model, "path": cached, "gguf_file": cfg.gguf_file}
+    looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") != 1
+    if looks_local:  # a path, not a hub id: nothing to download
+        raise ConfigError(
+            f"target.model {cfg.model!r} does not exist: it reads as a local path (not a hub id, which is "
+            "owner/name); give the folder that holds the target (config.json and its weights), as it is on "
+            "this machine"
+        )
     if not cfg.allow_download:
         raise ConfigError(
             f"target.model {cfg.model!r} is neither a local folder nor in the Hugging Face cache; eagle3kit "

@@ -112,7 +112,8 @@ def check_drafter(
     num_speculative_tokens: int | None = None,
 ) -> list[Finding]:
     """All findings for serving ``drafter_dir`` beside ``target`` on ``engine``; empty = servable.
-    The folder's drafter kind (:func:`eagle3kit.core.kinds.kind_for_folder`) applies its own rules; for
+    A speculators folder's verifier is checked first, for every kind; then the folder's drafter kind
+    (:func:`eagle3kit.core.kinds.kind_for_folder`) applies its own rules; for
     the EAGLE-3 family (:func:`check_chain_folder`) the checks run in this order, each a function below:
     the folder's files, the config's fields,
     the drafter generation and widths, the tensors against the contract, the vocab maps, positions
@@ -130,7 +131,13 @@ def check_drafter(
     ]
     if missing:
         return missing
-    return kind_for_folder(d).check(d, target, engine, engine_version, max_model_len, num_speculative_tokens)
+    try:  # a speculators folder's verifier, whatever the kind (an unreadable config: the kind's check names it)
+        verifier = _check_verifier(json.loads(cfg_path.read_text()), target)
+    except (OSError, ValueError, AttributeError):
+        verifier = []
+    return verifier + kind_for_folder(d).check(
+        d, target, engine, engine_version, max_model_len, num_speculative_tokens
+    )
 
 
 def check_chain_folder(
@@ -157,7 +164,6 @@ def check_chain_folder(
         ]
     tcfg, tc = load_target_config(target)
     out, stop = check_widths(folder, fields, tc)
-    out = _check_verifier(folder.config, target) + out
     if stop:
         return out
     if fields.draft_vocab_size is None:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from eagle3kit.core.config import Config
-from eagle3kit.core.kinds import kind_for_checkpoint, kind_for_folder
+from eagle3kit.core.kinds import check_run_kind, kind_for_checkpoint, kind_for_folder
 from eagle3kit.core.lineage import check_inputs
 from eagle3kit.core.rundir import RunDir, set_aside, sha256_tensors
 from eagle3kit.core.ui import console
@@ -63,6 +63,8 @@ def run_export(
             f"{src} is not a readable safetensors checkpoint ({type(e).__name__}); give the checkpoints/*.safetensors "
             "train wrote, or a drafter folder"
         ) from None
+    if not checkpoint:
+        check_run_kind(kind, cfg.drafter.variant, src)
     if fmt not in kind.formats:
         raise ExportError(
             f"--format {fmt}: a {kind.title} drafter is written as {', '.join(kind.formats)} only"

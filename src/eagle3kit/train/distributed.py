@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -215,6 +216,30 @@ class Launch:
         if self.size > 1 and self.rank == 0:
             self._store().set(key, outcome)
 
+    def agree(self, key: str, config_yaml: str) -> None:
+        """Every rank: stop unless every rank was launched with the same config (``config_yaml``, the
+        config as :func:`eagle3kit.core.config.dump_config` writes it): ranks given other settings would
+        train other replicas and exit 0, with config.yaml recording rank 0's alone. Each rank posts its
+        config under ``key`` in torchrun's store and compares every rank's with rank 0's, so all stop
+        together, before anything is read or written.
+
+        Raises:
+            ConfigError: naming the first rank that differs and up to five keys with both values."""
+        if self.size == 1:
+            return
+        store = self._store()
+        store.set(f"{key}/{self.rank}", config_yaml)
+        keys = [f"{key}/{r}" for r in range(self.size)]
+        store.wait(keys)
+        first = store.get(keys[0]).decode()
+        for r in range(1, self.size):
+            other = store.get(keys[r]).decode()
+            if other != first:
+                raise ConfigError(
+                    f"rank {r} was launched with another config than rank 0 ({config_diff(first, other, r)}): "
+                    "give every process the same config file and flags"
+                )
+
     def wait_for_rank0(self, key: str) -> None:
         """Every other rank: wait, without a timeout, until rank 0 has announced ``key``.
 
@@ -227,3 +252,22 @@ class Launch:
         outcome = store.get(key).decode()
         if outcome != "ok":
             raise DataError(f"rank 0 stopped before training: {outcome}")
+
+
+def config_diff(first: str, other: str, rank: int, most: int = 5) -> str:
+    """``"train.lr: 0.0003 on rank 0, 0.03 on rank R; …"``: the dotted keys whose values differ between two
+    configs as YAML text (at most ``most``, then how many more)."""
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in (d or {}).items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(yaml.safe_load(first)), flat(yaml.safe_load(other))
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    said = [f"{k}: {a.get(k)} on rank 0, {b.get(k)} on rank {rank}" for k in keys[:most]]
+    return "; ".join(said) + (f"; {len(keys) - most} more" if len(keys) > most else "")

@@ -12,7 +12,7 @@ import torch
 from eagle3kit.core.config import Config, ConfigError
 from eagle3kit.core.config_train import DrafterVariantConfig
 from eagle3kit.core.kinds import kind_for_config, kind_for_variant
-from eagle3kit.core.ui import progress
+from eagle3kit.core.ui import console, progress
 from eagle3kit.model.target import (
     Target,
     target_features,
@@ -104,8 +104,12 @@ def compute_features(
 
 def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
     """The mask token of parallel drafting (P-EAGLE's slots, a block drafter's block): a token the drafter must
-    never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids),
-    else the smallest id that never occurs there and is no special token of ``tokenizer``.
+    never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids); else a
+    reserved token, as published block drafters take one: the first special or added token of ``tokenizer``
+    that the samples never use and that is not its end, begin, padding or unknown token (SmolLM2:
+    ``<repo_name>``, id 3). Only a tokenizer with none such falls back to the smallest ordinary id the
+    samples never use — text the target may still write (an ordinary id missing from a small training
+    set, such as SmolLM2's "!", is one it emits), so that choice is printed.
 
     Raises:
         ConfigError: ``configured`` occurs in the training data (how often, and what it is), or every
@@ -123,9 +127,18 @@ def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {
         int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}
     }
+    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("eos", "bos", "pad", "unk")}
+    reserved = [i for i in sorted(special) if i < vocab_size and i not in roles and not int(counts[i])]
+    if reserved:
+        return reserved[0]
     free = [i for i in (counts[:vocab_size] == 0).nonzero().flatten().tolist() if i not in special]
     if not free:
         raise ConfigError("every token id occurs in the training data: name drafter.mask_token_id")
+    console.print(
+        f"[yellow]mask token: {free[0]} ({tokenizer.convert_ids_to_tokens(free[0])!r}), an ordinary id the training "
+        "data never uses (the tokenizer has no free reserved token); the target may still write it: name an id "
+        "it never writes as drafter.mask_token_id"
+    )
     return free[0]
 
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from eagle3kit.core.config import Config
+from eagle3kit.core.config import Config, dump_config
 from eagle3kit.core.kinds import DrafterKind, kind_for_config
 from eagle3kit.core.rundir import (
     DataError,
@@ -43,6 +43,7 @@ from eagle3kit.train.batches import Sample, length_batches, packed_batches
 from eagle3kit.train.checkpoints import (
     init_from_drafter,
 )
+from eagle3kit.train.distributed import Launch
 from eagle3kit.train.log import TrainLog
 from eagle3kit.train.loop_inputs import _Inputs
 from eagle3kit.train.loop_report import _Report
@@ -84,10 +85,12 @@ def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
 
     Raises:
         ConfigError: missing stage outputs, a vocabulary or tokenizer made for another target, no
-        supervised tokens. DataError: another ``eagle3kit train`` holds this run directory (rank 0
-        holds ``.train.lock`` while it trains, so two trainings never write the same checkpoints).
+        supervised tokens, torchrun ranks given other configs. DataError: another ``eagle3kit train``
+        holds this run directory (rank 0 holds ``.train.lock`` while it trains, so two trainings never
+        write the same checkpoints).
     """
     kind = kind_for_config(cfg)
+    Launch.from_env().agree("config-train", dump_config(cfg))  # torchrun: every rank trains the same config
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the other ranks write nothing of their own
         return _run_train(cfg, run, target, kind)
     with run.lock("train"):

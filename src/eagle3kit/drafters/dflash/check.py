@@ -14,6 +14,7 @@ from safetensors import safe_open
 from eagle3kit.core.config import ConfigError
 from eagle3kit.drafters.dflash.folder import read_dflash_config
 from eagle3kit.drafters.dflash.network import DFlashDrafter
+from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
 from eagle3kit.serve.findings import Finding
 
 #: head sizes the CPU build's attention runs (``vllm/v1/attention/backends/cpu_attn.py``)
@@ -37,6 +38,25 @@ def _attention(cfg: dict, layer: dict, speculators: bool) -> list:
                 "build refuses it (its V1 runner has no mixed sliding/full DFlash drafts)",
                 "serve it on a GPU build with the V2 runner, or train full-attention layers",
                 "warning",
+            )
+        )
+    if sliding:
+        ours = isinstance(cfg.get("eagle3kit"), dict)  # exported by eagle3kit: trained full-attention
+        out.append(
+            _finding(
+                "dflash_sliding",
+                f"layer_types makes {sliding} of {len(types)} layers sliding-window attention (window "
+                f"{layer.get('sliding_window')}) in vLLM, causal inside the block; "
+                + (
+                    "eagle3kit trained this drafter with full, non-causal attention in every layer"
+                    if ours
+                    else "eagle3kit's evaluate and diagnose simulate full, non-causal attention in every layer, so "
+                    "their τ is not what vLLM serves"
+                ),
+                "write full_attention for every layer in layer_types (eagle3kit's export does)"
+                if ours
+                else "measure this drafter where it is served (`eagle3kit bench`)",
+                "error" if ours else "warning",
             )
         )
     if speculators:
@@ -133,6 +153,35 @@ def _fits_target(dcfg, N: int, Ht: int, V: int) -> list:
     return out
 
 
+def _rope(layer: dict, tc) -> list:
+    """The drafter's rope against the target's, every spelling read as the engine reads it (as the EAGLE
+    checks do): vLLM's DFlash layer positions its block with the drafter's own rope, and eagle3kit trains
+    it with the target's. No ``rope_theta`` at all: vLLM assumes 1,000,000."""
+    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
+        return [
+            _finding(
+                "rope",
+                "no rope_theta: vLLM's DFlash layer assumes 1,000,000",
+                "write the rope the drafter was trained with",
+            )
+        ]
+    twice = rope_conflict(layer)
+    if twice:
+        return [_finding("rope_twice", f"the drafter's config: {twice}", "keep one spelling (export again)")]
+    own, want = rope_settings(layer), rope_settings(tc)
+    if same_rope(own, want):
+        return []
+    return [
+        _finding(
+            "rope",
+            f"the drafter's rope (theta {own['rope_theta']}, scaling {own['rope_scaling']}) differs from the "
+            f"target's (theta {want['rope_theta']}, scaling {want['rope_scaling']}): vLLM positions the block "
+            "with the drafter's, not the one it was trained with",
+            "export again (it copies the target's)",
+        )
+    ]
+
+
 def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, engine: str = "vllm") -> list:
     """Every finding for serving the DFlash ``folder`` beside a target of text config ``tc``; empty:
     servable. ``num_speculative_tokens``: the draft length to be served (None: ``block_size − 1``)."""
@@ -179,14 +228,7 @@ def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, en
                 f"serve with num_speculative_tokens ≤ {dcfg.block_size - 1}",
             )
         )
-    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
-        out.append(
-            _finding(
-                "rope",
-                "no rope_theta: vLLM's DFlash layer assumes 1,000,000",
-                "write the rope the drafter was trained with",
-            )
-        )
+    out += _rope(layer, tc)
     if dcfg.head_dim not in CPU_HEAD_SIZES:
         out.append(
             _finding(

@@ -34,10 +34,12 @@ from eagle3kit.train.samples import compute_features
 
 
 def dflash_taus(
-    drafter, target, prompts: list[list[int]], continuations: list[list[int]], ks, device
+    drafter, target, prompts: list[list[int]], continuations: list[list[int]], ks, device, others=()
 ) -> dict:
     """For each draft length in ``ks``: pooled block-drafting stats and the per-prompt τ over (prompt,
-    greedy continuation) pairs, from one batched target pass (the states do not depend on k)."""
+    greedy continuation) pairs, from one batched target pass (the states do not depend on k).
+    ``others``: more drafters of the same target layers measured on the same states (an untrained
+    baseline), their results under ``("other", i)`` keys: ``{("other", i): {k: (pooled, per_prompt)}}``."""
     samples = []
     for p, c in zip(prompts, continuations):
         if c:
@@ -46,19 +48,16 @@ def dflash_taus(
             mask[len(p) :] = True
             samples.append(Sample(ids, mask))
     compute_features(target, samples, drafter.cfg.aux_layer_ids, 8192, device, device, label="target states")
-    out = {k: (AcceptanceStats(k), []) for k in ks}
+    drafters = [drafter, *others]
+    res = [{k: (AcceptanceStats(k), []) for k in ks} for _ in drafters]
     for s in samples:
-        for k, (pooled, per_prompt) in out.items():
-            st = simulate_block_tau(drafter, target, [s], k, device)
-            pooled.merge(st)
-            per_prompt.append(st.tau)
+        for d, out in zip(drafters, res):
+            for k, (pooled, per_prompt) in out.items():
+                st = simulate_block_tau(d, target, [s], k, device)
+                pooled.merge(st)
+                per_prompt.append(st.tau)
         s.aux = s.last = s.argmax = None
-    return out
-
-
-def dflash_tau(drafter, target, prompts: list[list[int]], continuations: list[list[int]], k: int, device):
-    """:func:`dflash_taus` at one draft length ``k``: (pooled stats, per-prompt τ)."""
-    return dflash_taus(drafter, target, prompts, continuations, (k,), device)[k]
+    return {**res[0], **{("other", i): r for i, r in enumerate(res[1:])}}
 
 
 def check_dflash_target(folder: Path, drafter, target, model: str) -> None:
@@ -110,22 +109,41 @@ def run_evaluate_dflash(
     train_rows = trained_prompt_rows(run)
     report: dict = {"mode": "simulate", "k": k, "drafter_kind": "dflash", "max_new_tokens": ec.max_new_tokens,
                     "sets": {}, "drafter": str(folder)}  # fmt: skip
-    pooled = AcceptanceStats(k)
+    pooled, pooled_base = AcceptanceStats(k), AcceptanceStats(k)
     n_prompts = 0
+    # the baseline, as the EAGLE section has it: a drafter of the same shape, freshly initialised (seeded)
+    baseline = None
+    if ec.untrained_baseline:
+        torch.manual_seed(12345)
+        baseline = type(drafter)(d).to(device=device, dtype=target.dtype).eval()
     for name, rows in chosen_sets(cfg, run, only_sets).items():
         prompts = [render_prompt_ids(target.tokenizer, r["messages"]) for r in rows]
         entry: dict = {"num_prompts": len(rows), **check_overlap(train_rows, rows)}
         conts = greedy_continuations(
             target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size, cfg.generate.engine_args
         )
-        stats, per_prompt = dflash_tau(drafter, target, prompts, conts, k, device)
+        got = dflash_taus(
+            drafter, target, prompts, conts, (k,), device, others=[baseline] if baseline else []
+        )
+        stats = got[k][0]
         entry.update(stats.as_dict())
+        hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
+        entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
+        if baseline is not None:
+            base = got[("other", 0)][k][0]
+            entry["untrained_tau"] = round(base.tau, 4)
+            pooled_base.merge(base)
         entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
         report["sets"][name] = entry
         pooled.merge(stats)
         n_prompts += len(rows)
-        console.print(f"evaluate {name}: τ(K={k}, DFlash block) = {stats.tau:.3f} over {len(rows)} prompts")
+        console.print(
+            f"evaluate {name}: τ(K={k}, DFlash block) = {stats.tau:.3f} over {len(rows)} prompts"
+            + (f"; untrained {entry['untrained_tau']:.3f}" if baseline is not None else "")
+        )
     report.update(pooled.as_dict())
     report["num_prompts"] = n_prompts
+    if baseline is not None:
+        report["untrained_tau"] = round(pooled_base.tau, 4)
     run.record_stage(section, {"drafter": str(folder), "mode": "simulate", "k": k}, report)
     return report

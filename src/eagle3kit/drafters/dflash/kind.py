@@ -21,7 +21,6 @@ from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter, defau
 from eagle3kit.drafters.dflash.objective import block_stats, simulate_block_tau
 from eagle3kit.drafters.dflash.trainer import (
     build_dflash,
-    check_dflash_training,
     dflash_report,
     dflash_step,
     is_dflash_checkpoint,
@@ -57,9 +56,6 @@ class DFlashKind(DrafterKind):
     first_accuracy = "slot1_accuracy"
     first_accuracy_label = "slot-1 acc"
 
-    def check_training(self, cfg, world_size: int) -> None:
-        check_dflash_training(cfg, self.title)
-
     def check_features(self, cfg, features: dict) -> None:
         if cfg.drafter.objective == "kl" and features.get("teacher", "last") != "last":
             raise ConfigError(
@@ -72,7 +68,9 @@ class DFlashKind(DrafterKind):
         if tc.precision == "tf32" and device.type != "cuda":
             raise ConfigError(f"train.precision: tf32 needs a CUDA device; {device.type} has no tensor cores")
         bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
-        return {"attention": "sdpa", "bf16": bf16, "tf32": False, "loss_chunk": 0, "compile": False}
+        # unset: chunked on CUDA when the block loss would not fit a quarter of the device (objective.loss_rows)
+        chunk = tc.loss_chunk if tc.loss_chunk is not None else ("auto" if device.type == "cuda" else 0)
+        return {"attention": "sdpa", "bf16": bf16, "tf32": False, "loss_chunk": chunk, "compile": False}
 
     def shaped(self, cfg, target, vocab, aux_ids):
         dc = cfg.drafter

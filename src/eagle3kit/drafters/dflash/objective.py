@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.drafters.dflash.network import DFlashDrafter, block_inputs, block_mask
@@ -46,6 +47,75 @@ def pick_anchors(
     return out.to(mask.device)
 
 
+#: positions per checkpointed chunk of the block loss when ``train.loss_chunk`` is unset and the unchunked
+#: loss would take more than :data:`UNCHUNKED_SHARE` of the CUDA device's memory (8 bytes a logit: the fp32
+#: logits and their log-softmax, kept for the backward pass)
+AUTO_CHUNK, UNCHUNKED_SHARE = 4096, 0.25
+
+
+def loss_rows(
+    target: Target,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    objective: str,
+    before: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
+    extra_fn=None,
+    chunk: int | str | None = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per supervised slot the loss over the target's vocabulary through its frozen lm_head, and the top-1.
+
+    Args:
+        hidden: [N, H] the drafter's states of the supervised slots; labels: int64 [N].
+        objective: ``ce`` (cross-entropy on ``labels``) or ``kl`` (forward KL from the target's distribution
+            at ``before`` [N, Ht], its post-norm state before each slot).
+        extra, extra_fn: logits added to the target head's, ``extra_fn(extra)`` [N, V] (another block drafter's bias).
+        chunk: rows per checkpointed chunk (their logits recomputed in the backward pass, so at most one
+            chunk's [chunk, V] fp32 logits live at once); 0 or None: all rows at once; ``"auto"``:
+            :data:`AUTO_CHUNK` on CUDA when the unchunked loss (8 · N · V bytes) would take more than
+            :data:`UNCHUNKED_SHARE` of the device's memory, else all at once.
+    Returns:
+        (loss fp32 [N], top-1 int64 [N]); chunked and unchunked agree to rounding.
+    """
+
+    def rows(h, lab, prev, ex):
+        logits = teacher_logits(target, h)
+        if ex is not None:
+            logits = logits + extra_fn(ex).float()
+        if objective == "kl":
+            with torch.no_grad():
+                teacher = teacher_logits(target, prev).log_softmax(-1)
+            per = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        else:
+            per = F.cross_entropy(logits, lab, reduction="none")
+        return per, logits.detach().argmax(-1)
+
+    n = hidden.shape[0]
+    if chunk == "auto":  # 8 bytes a logit of the target's vocabulary, every row at once
+        need = 8 * n * int(target.vocab_size) if hidden.is_cuda else 0
+        fits = (
+            not hidden.is_cuda
+            or need <= UNCHUNKED_SHARE * torch.cuda.get_device_properties(hidden.device).total_memory
+        )
+        chunk = 0 if fits else AUTO_CHUNK
+    if not chunk or n <= chunk:
+        return rows(hidden, labels, before, extra)
+    pers, tops = [], []
+    for s in range(0, n, chunk):
+        part = slice(s, s + chunk)
+        per, top = checkpoint(
+            rows,
+            hidden[part],
+            labels[part],
+            None if before is None else before[part],
+            None if extra is None else extra[part],
+            use_reentrant=False,
+        )
+        pers.append(per)
+        tops.append(top)
+    return torch.cat(pers), torch.cat(tops)
+
+
 def dflash_loss(
     model,
     target: Target,
@@ -53,6 +123,7 @@ def dflash_loss(
     anchors: torch.Tensor,
     gamma: float,
     objective: str = "ce",
+    chunk: int | str | None = 0,
 ) -> tuple[torch.Tensor, dict]:
     """The weighted block loss of one batch.
 
@@ -63,6 +134,7 @@ def dflash_loss(
             (real, not padding), ``aux`` [B, T, n · Ht] (the target layers' states), and for
             ``objective: kl`` ``last`` [B, T, Ht] (the target's post-norm final state).
         anchors: int64 [B, A] from :func:`pick_anchors`.
+        chunk: the loss's rows per checkpointed chunk (:func:`loss_rows`; ``train.loss_chunk``).
     Returns:
         (loss scalar, ``{"n": supervised slots, "correct": [per slot k = 1…B−1 correct top-1],
         "count": [per slot supervised], "accepted": Σ per block of the run of correct slots,
@@ -82,22 +154,18 @@ def dflash_loss(
     in_seq = (pos < T) & (anchors >= 0).repeat_interleave(bs, 1) & (k > 0)
     where = pos.clamp(max=T - 1)
     sup = in_seq & mask.gather(1, where) & valid.gather(1, where)
-    logits = teacher_logits(target, hidden[sup])  # fp32 [N, V] through the target's lm_head (frozen)
     labels = ids.gather(1, where)[sup]
     w = torch.exp(-(k.expand(B, -1)[sup] - 1).float() / gamma)
+    before = None
     if objective == "kl":
-        prev = batch["last"].gather(
-            1, (where - 1).clamp(min=0)[..., None].expand(-1, -1, batch["last"].shape[-1])
-        )
-        with torch.no_grad():
-            teacher = teacher_logits(target, prev[sup]).log_softmax(-1)
-        per = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
-    else:
-        per = F.cross_entropy(logits, labels, reduction="none")
+        last = batch["last"]
+        before = last.gather(1, (where - 1).clamp(min=0)[..., None].expand(-1, -1, last.shape[-1]))[sup]
+    # fp32 logits [N, V] through the target's lm_head (frozen), in checkpointed chunks when asked
+    per, top = loss_rows(target, hidden[sup], labels, objective, before, chunk=chunk)
     loss = (per * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = torch.zeros_like(sup)
-        hit[sup] = logits.argmax(-1) == labels
+        hit[sup] = top == labels
         ks = k.expand(B, -1)
         correct = [int((hit & (ks == j)).sum()) for j in range(1, bs)]
         count = [int((sup & (ks == j)).sum()) for j in range(1, bs)]

@@ -8,7 +8,7 @@ whose ``check_config(cfg)`` the config calls once every section is read.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, StrictInt
 
@@ -21,6 +21,8 @@ class BlockSettings(StrictSection):
     """The block drafter's keys (DFlash, arXiv:2602.06036): a block of ``block_size`` slots, the anchor
     then masks, drafted in one non-causal forward of ``num_layers`` decoder layers that read the target's
     states at ``target_layer_ids``."""
+
+    TITLE: ClassVar[str] = "DFlash"  # the kind's name in messages
 
     block_size: StrictInt = Field(
         default=8,
@@ -54,11 +56,22 @@ class BlockSettings(StrictSection):
 
     def check_config(self, cfg) -> None:
         """What a block drafter needs of the other sections: ``drafter.target_layer_ids`` and
-        ``target.aux_layer_ids`` name the same layers when both are set, chain drafting, and
-        ``evaluate.k`` within a block.
+        ``target.aux_layer_ids`` name the same layers when both are set, chain drafting, ``evaluate.k``
+        within a block, and none of the train keys its objective does not read (``train.init_from``, an
+        EAGLE-3 drafter's weights; ``train.pack_length``, since a block never crosses into another sample;
+        ``train.parallel: fsdp``, since the drafter trains data-parallel with DDP) — refused as the config
+        loads, before any stage runs.
 
         Raises:
             ValueError: naming the keys and the fix (pydantic reports it under the config's path)."""
+        tc = cfg.train
+        for key, bad, fix in (
+            ("init_from", tc.init_from, "unset it (the drafter starts from its own initialisation)"),
+            ("pack_length", tc.pack_length, "unset it (a block drafter batches whole samples)"),
+            ("parallel", tc.parallel == "fsdp", "use parallel: ddp (the drafter is replicated)"),
+        ):
+            if bad:
+                raise ValueError(f"train.{key} is not read by a {self.TITLE} drafter: {fix}")
         ids = self.target_layer_ids
         if ids is not None and cfg.target.aux_layer_ids is not None:
             hf = [i + 1 for i in ids]

@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3kit.core.config import ConfigError
 from eagle3kit.core.rundir import write_safetensors
 from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter
 from eagle3kit.drafters.dflash.objective import (
@@ -62,23 +61,6 @@ def save_dflash_checkpoint(
     )
 
 
-def check_dflash_training(cfg, title: str = "DFlash") -> None:
-    """Refuse what the DFlash objective (and ``title``'s, another block drafter's) cannot train with.
-
-    Raises:
-        ConfigError: ``train.init_from`` (an EAGLE-3 drafter's weights), ``train.pack_length`` (a block
-            never crosses into another sequence, so samples are not packed), ``train.parallel: fsdp``
-            (DFlash trains data-parallel with DDP)."""
-    tc = cfg.train
-    for key, bad, fix in (
-        ("init_from", tc.init_from, "unset it (the drafter starts from its own initialisation)"),
-        ("pack_length", tc.pack_length, "unset it (a block drafter batches whole samples)"),
-        ("parallel", tc.parallel == "fsdp", "use parallel: ddp (the drafter is replicated)"),
-    ):
-        if bad:
-            raise ConfigError(f"train.{key} is not read by a {title} drafter: {fix}")
-
-
 def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:
     """A DFlash drafter for ``target`` reading ``aux_ids`` (HF indices; DFlash's target layer ids are
     one less), seeded by ``train.seed``; its mask token is ``drafter.mask_token_id`` or an id the
@@ -110,7 +92,7 @@ def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, see
     )
     gamma = cfg.drafter.gamma or default_gamma(drafter.cfg.block_size)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
-        loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective)
+        loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective, speed["loss_chunk"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     n, tokens = world.sum_floats([float(st["n"]), float(b["valid"].sum())])

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.drafters.dflash.network import block_inputs, block_mask
-from eagle3kit.drafters.dflash.objective import accept_blocks
+from eagle3kit.drafters.dflash.objective import accept_blocks, loss_rows
 from eagle3kit.drafters.dspark.network import DSparkDrafter
 from eagle3kit.model.target import Target, embed_tokens, teacher_logits
 
@@ -79,6 +79,7 @@ def dspark_loss(
     anchors: torch.Tensor,
     gamma: float,
     objective: str = "ce",
+    chunk: int | str | None = 0,
 ) -> tuple[torch.Tensor, dict]:
     """The weighted block loss with the Markov bias, plus the confidence head's loss, of one batch
     (formulas: module docstring).
@@ -109,19 +110,16 @@ def dspark_loss(
     labels = ids.gather(1, where)[sup]
     prev = ids.gather(1, (where - 1).clamp(min=0))[sup]  # the true token before each draft
     markov = drafter.markov_head.embed(prev)
-    logits = teacher_logits(target, hidden) + drafter.markov_head.bias(markov).float()  # fp32 [N, V]
     w = torch.exp(-(j[sup] - 1).float() / gamma)
+    before = None
     if objective == "kl":
         last = batch["last"]
-        before = last.gather(1, (where - 1).clamp(min=0)[..., None].expand(-1, -1, last.shape[-1]))
-        with torch.no_grad():
-            teacher = teacher_logits(target, before[sup]).log_softmax(-1)
-        per = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
-    else:
-        per = F.cross_entropy(logits, labels, reduction="none")
+        before = last.gather(1, (where - 1).clamp(min=0)[..., None].expand(-1, -1, last.shape[-1]))[sup]
+    # fp32 [N, V]: the target head's logits plus the Markov bias, in checkpointed chunks when asked
+    per, top = loss_rows(target, hidden, labels, objective, before, markov, drafter.markov_head.bias, chunk)
     block = (per * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
-        hit_sup = logits.argmax(-1) == labels
+        hit_sup = top == labels
     conf = block.new_zeros(())
     if (
         drafter.confidence_head is not None

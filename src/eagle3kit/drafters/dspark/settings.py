@@ -4,6 +4,8 @@ network plus its heads), with a block that drafts from the anchor itself. Read b
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, StrictInt
 
 from eagle3kit.drafters.dflash.settings import BlockSettings
@@ -13,6 +15,8 @@ VARIANTS = ("dspark",)
 
 class DSparkSettings(BlockSettings):
     """DFlash's block keys; the Markov head drafts the anchor's slot too."""
+
+    TITLE: ClassVar[str] = "DSpark"
 
     block_size: StrictInt = Field(
         default=8, ge=2, description="the block [anchor, mask × (block_size − 1)]; drafts up to block_size"
