@@ -315,6 +315,13 @@ def test_check_refuses_a_dflash_folder_whose_rope_is_not_the_targets(tiny_target
     tcfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
     assert not [f for f in check_drafter(good, tcfg, num_speculative_tokens=3) if f.code.startswith("rope")]
     theta = float(json.loads((good / "config.json").read_text()).get("rope_theta") or 0)
+    inside = tmp_path / "inside"  # the target's theta spelled inside rope_scaling only: the same rope
+    shutil.copytree(good, inside)
+    cfg = {k: v for k, v in json.loads((good / "config.json").read_text()).items() if k != "rope_theta"}
+    (inside / "config.json").write_text(
+        json.dumps({**cfg, "rope_scaling": {"rope_type": "default", "rope_theta": theta}})
+    )
+    assert not [f for f in check_drafter(inside, tcfg, num_speculative_tokens=3) if f.code.startswith("rope")]
     for name, edit in (
         ("theta", {"rope_theta": 1e6}),
         ("params", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}),

@@ -182,3 +182,13 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
     assert (
         res.exit_code == 2 and "does not exist: it reads as a local path" in said and "download" not in said
     )
+    # a bare hub id ("gpt2") is a hub id, not a path: downloaded when allowed, else the download hint
+    from eagle3kit.core.config import ConfigError, TargetConfig
+    from eagle3kit.model.target_files import locate_target
+
+    assert (
+        locate_target(TargetConfig(model="gpt2-absent-here", allow_download=True))["path"]
+        == "gpt2-absent-here"
+    )
+    with pytest.raises(ConfigError, match="huggingface-cli download gpt2-absent-here"):
+        locate_target(TargetConfig(model="gpt2-absent-here"))

@@ -489,6 +489,25 @@ def test_export_and_evaluate_refuse_the_runs_drafter_of_another_kind_than_the_co
     ):
         run_evaluate(other, run)
     assert (run / "drafter" / "model.safetensors").read_bytes() == before
+    # exporting a named checkpoint under another config leaves the run's recipe as it was
+    stored = (run / "config.yaml").read_text()
+    other_path = cfg_path.parent / "other.yaml"
+    other_path.write_text(cfg_path.read_text() + "drafter: {variant: dflash}\n")
+    best = str(run / "checkpoints" / "best.safetensors")
+    res = CliRunner().invoke(
+        app,
+        [
+            "export",
+            "-c",
+            str(other_path),
+            "--checkpoint",
+            best,
+            "--out",
+            str(cfg_path.parent / "named-export"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert (run / "config.yaml").read_text() == stored
     rep = run_evaluate(other, run, drafter_dir=str(run / "drafter"), section="evaluate-named")
     assert rep["sets"]["mt_bench"]["tau"] > 1.0
 

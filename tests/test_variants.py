@@ -576,6 +576,7 @@ def test_the_mask_token_is_a_reserved_token_the_data_never_uses_and_a_used_one_i
     samples = [Sample(torch.tensor(used), torch.ones(len(used), dtype=torch.bool))]
     picked = mask_token(samples, tok, 49152, None)
     assert picked == 3 and tok.convert_ids_to_tokens(picked) == "<repo_name>"
+    assert mask_token(samples, tok, 49152, None, ends=[3]) == 4  # never a token the target ends a turn with
     assert DrafterVariantConfig(variant="p-eagle").flags(tok, 49152, picked)["mask_token_id"] == 3
     all_used = sorted(set(used) | set(reserved))
     samples = [Sample(torch.tensor(all_used), torch.ones(len(all_used), dtype=torch.bool))]

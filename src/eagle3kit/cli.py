@@ -294,6 +294,8 @@ def export(
     """Write the drafter folder vLLM and SGLang load (config.json + model.safetensors)."""
 
     cfg, run = setup_stage(config, run_dir)
+    if checkpoint is not None:  # another drafter's export: the run's recipe stays as it was
+        keep_stored_config()
     show_summary(
         "export",
         run_export(

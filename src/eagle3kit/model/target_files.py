@@ -164,7 +164,8 @@ def locate_target(cfg: TargetConfig) -> dict:
         cached is not None
     ):  # downloaded before (by vLLM, huggingface-cli, an earlier run): read from the cache
         return {"model": cfg.model, "path": cached, "gguf_file": cfg.gguf_file}
-    looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") != 1
+    # a hub id is "owner/name" or a bare name ("gpt2"); a path starts with /, . or ~ or has more parts
+    looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1 or not cfg.model.strip()
     if looks_local:  # a path, not a hub id: nothing to download
         raise ConfigError(
             f"target.model {cfg.model!r} does not exist: it reads as a local path (not a hub id, which is "

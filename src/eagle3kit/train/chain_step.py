@@ -111,7 +111,9 @@ def build_drafter(
     torch.manual_seed(seed)
     unused = None
     if variant is not None and variant.parallel_drafting and samples:
-        unused = mask_token(samples, target.tokenizer, target.vocab_size, variant.mask_token_id)
+        unused = mask_token(
+            samples, target.tokenizer, target.vocab_size, variant.mask_token_id, target.end_of_turn_ids()
+        )
     flags = variant.flags(target.tokenizer, target.vocab_size, unused) if variant is not None else {}
     dcfg = DrafterConfig.from_target(
         target.config, vocab.size, aux_ids, vocab_size=target.vocab_size, **flags

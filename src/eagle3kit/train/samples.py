@@ -102,11 +102,12 @@ def compute_features(
             bar.update(task, advance=len(b), tokens=done_tokens)
 
 
-def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None) -> int:
+def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None, ends=()) -> int:
     """The mask token of parallel drafting (P-EAGLE's slots, a block drafter's block): a token the drafter must
     never confuse with text. ``configured`` when it never occurs in ``samples`` (their token ids); else a
     reserved token, as published block drafters take one: the first special or added token of ``tokenizer``
-    that the samples never use and that is not its end, begin, padding or unknown token (SmolLM2:
+    that the samples never use and that is not its end, begin, padding or unknown token nor one of ``ends``
+    (the target's end-of-turn ids: Llama 3 ends turns with <|end_of_text|> and <|eot_id|>) (SmolLM2:
     ``<repo_name>``, id 3). Only a tokenizer with none such falls back to the smallest ordinary id the
     samples never use — text the target may still write (an ordinary id missing from a small training
     set, such as SmolLM2's "!", is one it emits), so that choice is printed.
@@ -127,7 +128,7 @@ def mask_token(samples: list, tokenizer, vocab_size: int, configured: int | None
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {
         int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}
     }
-    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("eos", "bos", "pad", "unk")}
+    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("eos", "bos", "pad", "unk")} | set(ends)
     reserved = [i for i in sorted(special) if i < vocab_size and i not in roles and not int(counts[i])]
     if reserved:
         return reserved[0]

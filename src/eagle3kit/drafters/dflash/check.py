@@ -157,7 +157,10 @@ def _rope(layer: dict, tc) -> list:
     """The drafter's rope against the target's, every spelling read as the engine reads it (as the EAGLE
     checks do): vLLM's DFlash layer positions its block with the drafter's own rope, and eagle3kit trains
     it with the target's. No ``rope_theta`` at all: vLLM assumes 1,000,000."""
-    if "rope_theta" not in layer and not (layer.get("rope_parameters") or {}).get("rope_theta"):
+    spelled = [layer] + [
+        layer.get(k) for k in ("rope_parameters", "rope_scaling") if isinstance(layer.get(k), dict)
+    ]
+    if not any(d.get("rope_theta") for d in spelled):
         return [
             _finding(
                 "rope",

@@ -66,7 +66,9 @@ def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:
     one less), seeded by ``train.seed``; its mask token is ``drafter.mask_token_id`` or an id the
     training ``samples`` never use (:func:`eagle3kit.train.samples.mask_token`)."""
     dc = cfg.drafter
-    mask_id = mask_token(samples, target.tokenizer, target.vocab_size, dc.mask_token_id)
+    mask_id = mask_token(
+        samples, target.tokenizer, target.vocab_size, dc.mask_token_id, target.end_of_turn_ids()
+    )
     dcfg = DFlashConfig.from_target(
         target.config, mask_id, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
     )

@@ -161,7 +161,9 @@ class DSparkKind(DFlashKind):
         Markov rank :data:`~eagle3kit.drafters.dspark.network.DEFAULT_MARKOV_RANK`, drafting from the
         anchor), seeded by ``train.seed``."""
         dc = cfg.drafter
-        mask_id = mask_token(samples, target.tokenizer, target.vocab_size, dc.mask_token_id)
+        mask_id = mask_token(
+            samples, target.tokenizer, target.vocab_size, dc.mask_token_id, target.end_of_turn_ids()
+        )
         c = DSparkConfig.from_target(
             target.config, mask_id, dc.num_layers, dc.block_size, [a - 1 for a in aux_ids]
         )
