@@ -384,3 +384,21 @@ def test_check_refuses_sliding_layers_in_a_dflash_folder_eagle3kit_trained_full_
         found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.code == "dflash_sliding"]
         assert len(found) == 1 and "2 of 2 layers sliding-window attention (window 2)" in found[0].message
         assert found[0].severity == ("error" if name == "ours" else "warning")
+    # the same layers made sliding the other ways vLLM resolves them, and a layer_types transformers refuses
+    dc = cfg.get("dflash_config") or {}
+    for name, edit, code in (
+        ("use_swa", {"dflash_config": {**dc, "use_swa": True, "swa_window_size": 2}}, "dflash_sliding"),
+        (
+            "derived",
+            {"use_sliding_window": True, "sliding_window": 2, "max_window_layers": 0},
+            "dflash_sliding",
+        ),
+        ("short", {"layer_types": ["full_attention"]}, "layer_types"),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        (bad / "config.json").write_text(
+            json.dumps({**{k: v for k, v in cfg.items() if k != "layer_types"}, **edit})
+        )
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+        assert code in {f.code for f in found}, (name, [f"{f.code}: {f.message}" for f in found])

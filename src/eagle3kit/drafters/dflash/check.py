@@ -25,10 +25,45 @@ def _finding(code, message, fix, severity="error") -> Finding:
     return Finding(code, message, fix, severity)
 
 
-def _attention(cfg: dict, layer: dict, speculators: bool) -> list:
-    """Causality inside the block and the layer types, as vLLM resolves them."""
+def layer_kinds(cfg: dict, layer: dict, n: int) -> tuple[list[str] | None, str | None]:
+    """Each draft layer's attention as vLLM's DFlash model resolves it (``_resolve_layer_attention``): the
+    ``layer_types`` transformers' config holds — as written, or derived from ``use_sliding_window``,
+    ``sliding_window`` and ``max_window_layers`` when absent — with ``dflash_config.use_swa`` making every
+    layer sliding unless some already is. Returns (kinds, None), or (None, why) for a ``layer_types`` that
+    transformers refuses (another length than the ``n`` layers, or an unknown kind)."""
+    types = layer.get("layer_types")
+    if types is None:
+        window = layer.get("sliding_window") if layer.get("use_sliding_window") else None
+        first = layer.get("max_window_layers") or 0
+        types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
+        ]
+    elif (
+        not isinstance(types, list)
+        or len(types) != n
+        or not set(types) <= {"sliding_attention", "full_attention"}
+    ):
+        return (
+            None,
+            f"layer_types {types!r} is not one of full_attention / sliding_attention for each of the {n} layers",
+        )
+    if (cfg.get("dflash_config") or {}).get("use_swa") and "sliding_attention" not in types:
+        types = ["sliding_attention"] * n
+    return list(types), None
+
+
+def _attention(cfg: dict, layer: dict, speculators: bool, n: int) -> list:
+    """Causality inside the block and the layer types, as vLLM resolves them (:func:`layer_kinds`)."""
     out = []
-    types = layer.get("layer_types") or []
+    types, why = layer_kinds(cfg, layer, n)
+    if why:
+        return [
+            _finding(
+                "layer_types",
+                why + ": transformers refuses the config",
+                "write one entry a layer (export again)",
+            )
+        ]
     sliding = sum(t == "sliding_attention" for t in types)
     if 0 < sliding < len(types):
         out.append(
@@ -46,7 +81,7 @@ def _attention(cfg: dict, layer: dict, speculators: bool) -> list:
             _finding(
                 "dflash_sliding",
                 f"layer_types makes {sliding} of {len(types)} layers sliding-window attention (window "
-                f"{layer.get('sliding_window')}) in vLLM, causal inside the block; "
+                f"{(cfg.get('dflash_config') or {}).get('swa_window_size', layer.get('sliding_window'))}) in vLLM; "
                 + (
                     "eagle3kit trained this drafter with full, non-causal attention in every layer"
                     if ours
@@ -242,4 +277,4 @@ def check_dflash(folder: Path, tc, num_speculative_tokens: int | None = None, en
                 "warning",
             )
         )
-    return out + _attention(raw, layer, speculators) + _tensors(folder, dcfg)
+    return out + _attention(raw, layer, speculators, dcfg.num_hidden_layers) + _tensors(folder, dcfg)

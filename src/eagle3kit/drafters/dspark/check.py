@@ -14,7 +14,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eagle3kit.core.config import ConfigError
-from eagle3kit.drafters.dflash.check import _attention, _fits_target
+from eagle3kit.drafters.dflash.check import _attention, _fits_target, _rope
 from eagle3kit.drafters.dspark.folder import SHARED, expected_shapes, read_dspark_config
 from eagle3kit.serve.findings import Finding
 
@@ -142,12 +142,5 @@ def check_dspark(folder: Path, tc, num_speculative_tokens: int | None = None, en
         ]
     N, Ht, V = int(tc.num_hidden_layers), int(tc.hidden_size), int(tc.vocab_size)
     out = _serving(folder, dcfg, num_speculative_tokens, engine) + _fits_target(dcfg, N, Ht, V)
-    if "rope_theta" not in raw and not (raw.get("rope_parameters") or {}).get("rope_theta"):
-        out.append(
-            Finding(
-                "rope",
-                "no rope_theta: vLLM's DFlash layer (DSpark's backbone) assumes 1,000,000",
-                "write the rope the drafter was trained with",
-            )
-        )
-    return out + _attention(raw, raw, False) + _tensors(folder, dcfg)
+    out += _rope(raw, tc)  # DFlash's backbone: the same rope rules, against the target's
+    return out + _attention(raw, raw, False, dcfg.num_hidden_layers) + _tensors(folder, dcfg)
