@@ -355,6 +355,17 @@ def test_check_names_a_missing_verifier_in_a_dflash_speculators_folder(tiny_targ
     bad = write_dflash(d, tmp_path / "bad", layout="speculators", verifier=gone, dtype=torch.float32)
     found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
     assert [f.code for f in found] == ["verifier_missing"] and "moved-away" in found[0].message
+    for name, verifier in (
+        ("empty", {**here, "name_or_path": ""}),
+        ("none", {"architectures": ["LlamaForCausalLM"]}),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(ok, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg["speculators_config"]["verifier"] = verifier
+        (bad / "config.json").write_text(json.dumps(cfg))
+        found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
+        assert "verifier_missing" in {f.code for f in found} and "names no target" in found[0].message, name
 
 
 def test_check_refuses_sliding_layers_in_a_dflash_folder_eagle3kit_trained_full_attention(

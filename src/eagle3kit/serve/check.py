@@ -70,9 +70,21 @@ def verifier_of(drafter_dir: str | Path) -> str | None:
 def _check_verifier(config: dict, target: TargetConfig) -> list[Finding]:
     """A speculators folder's verifier: a local path that is not there is an error (``vllm serve FOLDER``
     would fail to start); one other than the target checked against is a warning."""
-    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    if not isinstance(name, str):
-        return []
+    spec = config.get("speculators_config")
+    if not isinstance(spec, dict):
+        return []  # not a speculators folder
+    verifier = spec.get("verifier")
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    if not isinstance(name, str) or not name.strip():
+        return [
+            Finding(
+                "verifier_missing",
+                "speculators_config.verifier names no target (name_or_path missing or empty): `vllm serve` on this "
+                "folder refuses the config",
+                "export again naming the target: `eagle3kit export --format speculators --verifier ID_OR_FOLDER "
+                "--overwrite`",
+            )
+        ]
     fix = (
         "export again naming the target as the serving machine reads it: "
         "`eagle3kit export --format speculators --verifier ID_OR_FOLDER --overwrite`"
