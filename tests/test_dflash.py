@@ -355,6 +355,8 @@ def test_check_names_a_missing_verifier_in_a_dflash_speculators_folder(tiny_targ
     bad = write_dflash(d, tmp_path / "bad", layout="speculators", verifier=gone, dtype=torch.float32)
     found = [f for f in check_drafter(bad, tcfg, num_speculative_tokens=3) if f.severity == "error"]
     assert [f.code for f in found] == ["verifier_missing"] and "moved-away" in found[0].message
+    import shutil
+
     for name, verifier in (
         ("empty", {**here, "name_or_path": ""}),
         ("none", {"architectures": ["LlamaForCausalLM"]}),
