@@ -11,6 +11,7 @@ from eagle3kit.core.config import ConfigError
 from eagle3kit.model.draft_vocab import DraftVocab
 from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
 from eagle3kit.model.target import Target
+from eagle3kit.train.memory_device import LOSS_CHUNK, UNCHUNKED_LOSS_BYTES, unchunked_loss_fits
 from eagle3kit.train.samples import mask_token
 from eagle3kit.train.ttt import ttt_loss
 
@@ -36,12 +37,6 @@ def tf32_matmuls(on: bool):
             k.fp32_precision = v
 
 
-# Bytes the unchunked loss keeps for the backward pass, per position, TTT step and draft-vocabulary
-# entry: the fp32 log-softmax and the fp32 teacher rows (the product's saved inputs), 8 bytes;
-# measured on the H200 at the 8B shape (benchmarks/peers.py: 16,384 positions, Vd 32,000, TTT 7)
-UNCHUNKED_LOSS_BYTES = 8
-# the share of the GPU's memory the unchunked loss may take before ``loss_chunk: auto`` chunks it
-UNCHUNKED_LOSS_SHARE = 0.25
 # positions per chunk of the fused forward-KL loss (``loss_chunk: auto`` with ``loss: kl`` on CUDA):
 # the fastest of 0 / 4096 / 8192 on the H200 at the 8B shape (benchmarks/results/peers.json)
 FUSED_LOSS_CHUNK = 8192
@@ -84,14 +79,10 @@ def resolve_speed(tc, device: torch.device, draft_vocab: int | None = None) -> d
         if cuda and tc.loss == "kl" and not fsdp:
             chunk = FUSED_LOSS_CHUNK
         elif cuda:
-            need = (
-                unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps) if draft_vocab else None
+            fits = draft_vocab is not None and unchunked_loss_fits(
+                unchunked_loss_bytes(tc.tokens_per_step, draft_vocab, tc.ttt_steps), device
             )
-            fits = (
-                need is not None
-                and need <= UNCHUNKED_LOSS_SHARE * torch.cuda.get_device_properties(device).total_memory
-            )
-            chunk = 0 if fits else 4096
+            chunk = 0 if fits else LOSS_CHUNK
     return {
         "attention": tc.attention if tc.attention != "auto" else ("flex" if cuda else "reference"),
         "bf16": tc.precision == "bf16" or (tc.precision == "auto" and cuda),

@@ -6,6 +6,20 @@ from __future__ import annotations
 import torch
 
 GiB = 1 << 30
+# Bytes an unchunked draft loss keeps for the backward pass per logit: the fp32 log-softmax and the fp32
+# teacher rows (the product's saved inputs); measured on the H200 at the 8B shape (benchmarks/peers.py:
+# 16,384 positions, Vd 32,000, TTT 7)
+UNCHUNKED_LOSS_BYTES = 8
+# the share of the GPU's memory an unchunked loss may take before ``loss_chunk: auto`` chunks it, and the
+# rows of a checkpointed chunk then
+UNCHUNKED_LOSS_SHARE, LOSS_CHUNK = 0.25, 4096
+
+
+def unchunked_loss_fits(need: int, device: torch.device) -> bool:
+    """Whether an unchunked loss keeping ``need`` bytes for the backward pass (:data:`UNCHUNKED_LOSS_BYTES`
+    a logit) fits :data:`UNCHUNKED_LOSS_SHARE` of the CUDA ``device``'s memory: the rule ``loss_chunk:
+    auto`` follows for every drafter kind."""
+    return need <= UNCHUNKED_LOSS_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 def resident_bytes(model, device: torch.device) -> dict[str, int]:

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from eagle3kit.core.metrics import AcceptanceStats
 from eagle3kit.drafters.dflash.network import DFlashDrafter, block_inputs, block_mask
 from eagle3kit.model.target import Target, embed_tokens, teacher_logits
+from eagle3kit.train.memory_device import LOSS_CHUNK, UNCHUNKED_LOSS_BYTES, unchunked_loss_fits
 
 #: γ of the position weights by block size (the paper's: 7 for 16, 5 for 10, 4 for 8)
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -47,12 +48,6 @@ def pick_anchors(
     return out.to(mask.device)
 
 
-#: positions per checkpointed chunk of the block loss when ``train.loss_chunk`` is unset and the unchunked
-#: loss would take more than :data:`UNCHUNKED_SHARE` of the CUDA device's memory (8 bytes a logit: the fp32
-#: logits and their log-softmax, kept for the backward pass)
-AUTO_CHUNK, UNCHUNKED_SHARE = 4096, 0.25
-
-
 def loss_rows(
     target: Target,
     hidden: torch.Tensor,
@@ -71,9 +66,9 @@ def loss_rows(
             at ``before`` [N, Ht], its post-norm state before each slot).
         extra, extra_fn: logits added to the target head's, ``extra_fn(extra)`` [N, V] (another block drafter's bias).
         chunk: rows per checkpointed chunk (their logits recomputed in the backward pass, so at most one
-            chunk's [chunk, V] fp32 logits live at once); 0 or None: all rows at once; ``"auto"``:
-            :data:`AUTO_CHUNK` on CUDA when the unchunked loss (8 · N · V bytes) would take more than
-            :data:`UNCHUNKED_SHARE` of the device's memory, else all at once.
+            chunk's [chunk, V] fp32 logits live at once); 0 or None: all rows at once; ``"auto"``: the rule
+            every kind's ``loss_chunk: auto`` follows (:func:`eagle3kit.train.memory_device.unchunked_loss_fits`
+            for N · V logits on CUDA, then chunks of its ``LOSS_CHUNK``), else all at once.
     Returns:
         (loss fp32 [N], top-1 int64 [N]); chunked and unchunked agree to rounding.
     """
@@ -91,13 +86,10 @@ def loss_rows(
         return per, logits.detach().argmax(-1)
 
     n = hidden.shape[0]
-    if chunk == "auto":  # 8 bytes a logit of the target's vocabulary, every row at once
-        need = 8 * n * int(target.vocab_size) if hidden.is_cuda else 0
-        fits = (
-            not hidden.is_cuda
-            or need <= UNCHUNKED_SHARE * torch.cuda.get_device_properties(hidden.device).total_memory
-        )
-        chunk = 0 if fits else AUTO_CHUNK
+    if chunk == "auto":  # every row's logits over the target's vocabulary at once, if they fit
+        need = UNCHUNKED_LOSS_BYTES * n * int(target.vocab_size)
+        fits = not hidden.is_cuda or unchunked_loss_fits(need, hidden.device)
+        chunk = 0 if fits else LOSS_CHUNK
     if not chunk or n <= chunk:
         return rows(hidden, labels, before, extra)
     pers, tops = [], []
