@@ -87,8 +87,9 @@ def loss_rows(
 
     n = hidden.shape[0]
     if chunk == "auto":  # every row's logits over the target's vocabulary at once, if they fit
-        need = UNCHUNKED_LOSS_BYTES * n * int(target.vocab_size)
-        fits = not hidden.is_cuda or unchunked_loss_fits(need, hidden.device)
+        fits = not hidden.is_cuda or unchunked_loss_fits(
+            UNCHUNKED_LOSS_BYTES * n * int(target.vocab_size), hidden.device
+        )
         chunk = 0 if fits else LOSS_CHUNK
     if not chunk or n <= chunk:
         return rows(hidden, labels, before, extra)
