@@ -33,13 +33,13 @@ from eagle3kit.train.batches import Sample
 from eagle3kit.train.samples import compute_features
 
 
-def dflash_taus(
-    drafter, target, prompts: list[list[int]], continuations: list[list[int]], ks, device, others=()
-) -> dict:
-    """For each draft length in ``ks``: pooled block-drafting stats and the per-prompt τ over (prompt,
-    greedy continuation) pairs, from one batched target pass (the states do not depend on k).
-    ``others``: more drafters of the same target layers measured on the same states (an untrained
-    baseline), their results under ``("other", i)`` keys: ``{("other", i): {k: (pooled, per_prompt)}}``."""
+def block_taus(
+    drafters: list, target, prompts: list[list[int]], continuations: list[list[int]], ks, device
+) -> list[dict]:
+    """For each drafter (the same target layers: a trained one and its untrained baseline) and each draft
+    length in ``ks``: pooled block-drafting stats and the per-prompt τ over (prompt, greedy continuation)
+    pairs, from one batched target pass (the states depend on neither the drafter nor k). Returns one
+    ``{k: (pooled, per_prompt)}`` per drafter, in order."""
     samples = []
     for p, c in zip(prompts, continuations):
         if c:
@@ -47,8 +47,8 @@ def dflash_taus(
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(p) :] = True
             samples.append(Sample(ids, mask))
-    compute_features(target, samples, drafter.cfg.aux_layer_ids, 8192, device, device, label="target states")
-    drafters = [drafter, *others]
+    layers = drafters[0].cfg.aux_layer_ids
+    compute_features(target, samples, layers, 8192, device, device, label="target states")
     res = [{k: (AcceptanceStats(k), []) for k in ks} for _ in drafters]
     for s in samples:
         for d, out in zip(drafters, res):
@@ -57,7 +57,14 @@ def dflash_taus(
                 pooled.merge(st)
                 per_prompt.append(st.tau)
         s.aux = s.last = s.argmax = None
-    return {**res[0], **{("other", i): r for i, r in enumerate(res[1:])}}
+    return res
+
+
+def dflash_taus(
+    drafter, target, prompts: list[list[int]], continuations: list[list[int]], ks, device
+) -> dict:
+    """:func:`block_taus` of one drafter: ``{k: (pooled stats, per-prompt τ)}``."""
+    return block_taus([drafter], target, prompts, continuations, ks, device)[0]
 
 
 def check_dflash_target(folder: Path, drafter, target, model: str) -> None:
@@ -122,15 +129,13 @@ def run_evaluate_dflash(
         conts = greedy_continuations(
             target, prompts, ec.max_new_tokens, backend, cfg.generate.batch_size, cfg.generate.engine_args
         )
-        got = dflash_taus(
-            drafter, target, prompts, conts, (k,), device, others=[baseline] if baseline else []
-        )
-        stats = got[k][0]
+        got = block_taus([drafter, baseline] if baseline else [drafter], target, prompts, conts, (k,), device)
+        stats = got[0][k][0]
         entry.update(stats.as_dict())
         hit = sum(1 for c in conts if len(c) >= ec.max_new_tokens)
         entry["hit_max_new_tokens_share"] = round(hit / max(len(conts), 1), 4)
         if baseline is not None:
-            base = got[("other", 0)][k][0]
+            base = got[1][k][0]
             entry["untrained_tau"] = round(base.tau, 4)
             pooled_base.merge(base)
         entry["continuations"] = str(write_continuations(run, section, name, rows, prompts, conts, backend))
