@@ -23,9 +23,7 @@ done; a rerun reads it back).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -59,14 +57,21 @@ def matmul_params(folder: Path) -> int:
     return n
 
 
-def start_capture_server(args, cfg_path: Path, port: int, folder: Path, work: Path) -> subprocess.Popen:
+def start_capture_server(args, cfg_path: Path, port: int, folder: Path, work: Path):
     """The capture server as a user starts it: ``capture-server`` prints the command into ``capture.sh``,
-    ``sh capture.sh`` runs in its own process group (log ``capture-server.log``); returns once it answers
-    ``/version``.
+    and ``sh capture.sh`` runs as a :class:`~eagle3kit.core.engines.VLLMServer` (its own process group,
+    log ``capture-server.log``); returns the server once it answers ``/version`` (``kill()`` stops it).
 
     Raises:
         SystemExit: capture-server refused the config, or the server exited or was not up in 900 s."""
-    import httpx
+    from eagle3kit.core.engines import VLLMServer
+
+    class CaptureServer(VLLMServer):
+        def spawn(self) -> None:  # capture-server's printed command, not VLLMServer's own
+            log = open(self.log_path, "a")
+            self.proc = subprocess.Popen(["sh", str(work / "capture.sh")], stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+            log.close()
 
     vargs = "" if args.smoke else f"--gpu-memory-utilization {args.gpu_share} --max-model-len 2048"
     cmd = [sys.executable, "-m", "eagle3kit", "capture-server", "-c", str(cfg_path), "--port", str(port)]
@@ -76,33 +81,12 @@ def start_capture_server(args, cfg_path: Path, port: int, folder: Path, work: Pa
     if got.returncode:
         raise SystemExit(f"capture-server exited {got.returncode}: see {work / 'capture-server.txt'}")
     (work / "capture.sh").write_text(got.stdout)
-    log = open(work / "capture-server.log", "a")
-    proc = subprocess.Popen(["sh", str(work / "capture.sh")], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    log.close()
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"the capture server exited {proc.returncode}: see {work / 'capture-server.log'}"
-            )
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/version", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    raise SystemExit(f"the capture server was not up in 900 s: see {work / 'capture-server.log'}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGKILL the capture server's process group (vLLM's engine core with it)."""
+    server = CaptureServer(folder, port, work / "capture-server.log")
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
+        return server.start(900)
+    except RuntimeError as e:
+        server.kill()
+        raise SystemExit(f"the capture server: {e}") from None
 
 
 def summary(report: dict) -> dict:
@@ -167,12 +151,12 @@ def colocated(args, first_run: Path, target_folder: Path, cli) -> dict:
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.time()
-    proc = start_capture_server(args, cfg_path, port, target_folder, work)
+    server = start_capture_server(args, cfg_path, port, target_folder, work)
     up = time.time() - t0
     try:
         code = cli(["run", "-c", str(cfg_path)], work / "run.log")
     finally:
-        stop(proc)
+        server.kill()
     if code:
         raise SystemExit(
             f"the online run exited {code}: see {work / 'run.log'} and {work / 'capture-server.log'}"
