@@ -199,6 +199,49 @@ def test_checkpoints_of_the_earlier_dflash_trainer_are_set_aside_not_overwritten
     assert rep["drafter_variant"] == "dflash" and (d / "checkpoints" / "train_state.pt").exists()
 
 
+@pytest.mark.parametrize("parallel", ["dflash", "ddp"])
+def test_one_process_accumulating_two_micro_batches_trains_what_two_processes_train(
+    base_run, whole_runs, tmp_path, tiny_target_dir, parallel
+):
+    """The two-process run (DDP, one micro-batch of 64 tokens each a step; a DFlash drafter, and the
+    EAGLE-3.1 drafter) against one process with ``accumulate: 2`` at the same seed: the same steps,
+    the same loss every step and the same trained drafter within 1e-4 (the step's loss is the
+    weighted mean over both micro-batches; each sample's DFlash anchors are drawn from its own seed,
+    not from which process holds it)."""
+    from safetensors.torch import load_file
+
+    two_dir, two = whole_runs[parallel]
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_dir = tmp_path / "one"
+    shutil.copytree(base_run, one_dir)
+    cfg = _cfg_file(
+        one_dir,
+        tiny_target_dir,
+        "float64",
+        "epochs: 2, tokens_per_step: 64, checkpoint_every: 3, accumulate: 2",
+        DFLASH if parallel == "dflash" else "",
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
+    one = subprocess.run(
+        [sys.executable, "-m", "eagle3kit", "train", "-c", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = _log(two_dir), _log(one_dir)
+    assert len(a) >= 2 * STEPS_BEFORE_KILL and [r["step"] for r in b] == [r["step"] for r in a]
+    assert [r["tokens"] for r in b] == [r["tokens"] for r in a]  # the same samples each step
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4, abs=1e-6)
+    assert json.loads((one_dir / "report.json").read_text())["train"]["processes"] == 1
+    wa, wb = (load_file(str(d / "checkpoints" / "last.safetensors")) for d in (two_dir, one_dir))
+    assert wa.keys() == wb.keys()
+    for k, v in wa.items():
+        torch.testing.assert_close(wb[k], v, rtol=1e-4, atol=1e-4, msg=k)
+
+
 def test_the_sharded_and_the_replicated_drafter_train_alike(whole_runs):
     """FSDP2 and DDP on the same data and seed: the same loss curve (to 1e-4 relative), every step, and
     the same trained drafter — each run really in its mode (its report reads the mode off the module)."""

@@ -208,7 +208,16 @@ def test_the_loss_is_finite_and_falls_over_twenty_steps():
         opt.step()
     print(f"DSpark loss {losses[0]:.3f} → {losses[-1]:.3f}")
     assert losses[-1] < 0.7 * losses[0]
-    assert set(st) == {"n", "correct", "count", "accepted", "blocks", "block_loss", "confidence_loss"}
+    assert set(st) == {
+        "n",
+        "correct",
+        "count",
+        "accepted",
+        "blocks",
+        "block_loss",
+        "confidence_loss",
+        "weight",
+    }
     # anchors 7 … 30 (mask[p + 1]); draft j of anchor p is the token at p + j, in the sequence up to 31
     assert st["count"] == [24, 23, 22, 21] and st["blocks"] == 24 and st["n"] == 90
     assert abs(st["block_loss"] + st["confidence_loss"] - float(loss.detach())) < 1e-4

@@ -201,7 +201,18 @@ class TrainConfig(StrictSection):
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
-    tokens_per_step: int = Field(default=4096, gt=0)
+    tokens_per_step: int = Field(
+        default=4096,
+        gt=0,
+        description="tokens in one micro-batch (padded: samples × the longest; a longer sample alone); an "
+        "optimizer step takes accumulate × processes micro-batches",
+    )
+    accumulate: int = Field(
+        default=1,
+        ge=1,
+        description="micro-batches each process runs before an optimizer step (gradient accumulation): one "
+        "process with accumulate: N trains what N processes with accumulate: 1 train, step for step",
+    )
     shuffle: Literal["batches", "samples"] = Field(
         default="samples",
         description="batches: samples grouped by length once, the batches' order shuffled each epoch (the "

@@ -120,12 +120,18 @@ class DrafterKind(ABC):
         """A freshly initialised drafter (seeded by ``train.seed``) for the target and its states."""
 
     @abstractmethod
-    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
-        """One optimizer step on ``batch`` (sample indices into ``samples``, whose states are filled):
-        loss, backward (on every process), gradient clipping, the optimizer step when any process had a
-        supervised position. ``seed``: for anything random in the step (the same on a resume). Returns
-        ``(loss, stats)``: ``n`` and ``acc`` (lists, first drafted position first), ``tokens`` (the
-        batch's real tokens over every process) and optionally ``log`` (more fields for the log record)."""
+    def loss(self, model, target, samples, micro, speed: dict, cfg, draft_ids, seed: int):
+        """The objective on one micro-batch ``micro`` (sample indices into ``samples``, or packed rows of
+        them; states filled), forward only: the training loop runs backward, accumulation over
+        micro-batches and processes, clipping and the optimizer step
+        (:func:`eagle3kit.train.optimizer_step.optimizer_step`). ``seed``: the step's, the same on
+        every process and on a resume; a random draw for a sample depends on it and on the sample's
+        index only, so the loss does not depend on which process or micro-batch holds the sample.
+
+        Returns ``(loss, weight, stats)``: the micro-batch's loss (a mean), ``weight`` (float, what the
+        mean is over; the step's objective is Σ loss · weight ÷ Σ weight over every micro-batch of
+        every process), stats: ``n`` and ``acc`` (lists, first drafted position first), ``tokens``
+        (the micro-batch's real tokens) and optionally ``log`` (more fields for the log record)."""
 
     @abstractmethod
     def validate(self, drafter, target, samples, k: int, device):

@@ -136,8 +136,40 @@ def weights_fingerprint(cfg: TargetConfig) -> str | None:
     return located_fingerprint(locate_target(cfg))
 
 
-def locate_target(cfg: TargetConfig) -> dict:
-    """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading)."""
+class LocatedTarget:
+    """A target located once for one command, standing wherever a ``TargetConfig`` does (its fields
+    read through): ``cfg``, ``loc`` (:func:`locate_target`'s dict), and what :func:`load_target_config`
+    and the engine rules' raw ``config.json`` read, each read on first use and kept (:meth:`once`).
+
+    Raises (on construction): ConfigError, as :func:`locate_target`."""
+
+    def __init__(self, cfg: TargetConfig | LocatedTarget):
+        self.cfg = cfg.cfg if isinstance(cfg, LocatedTarget) else cfg
+        self.loc = cfg.loc if isinstance(cfg, LocatedTarget) else _locate(self.cfg)
+        self.memo = cfg.memo if isinstance(cfg, LocatedTarget) else {}
+
+    def __getattr__(self, name: str):
+        if name in ("cfg", "loc", "memo"):  # not set yet: no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.cfg, name)
+
+    def once(self, key: str, read):
+        """``read()``'s value under ``key``, read the first time it is asked for."""
+        if key not in self.memo:
+            self.memo[key] = read()
+        return self.memo[key]
+
+
+def locate_target(cfg: TargetConfig | LocatedTarget) -> dict:
+    """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading; a
+    :class:`LocatedTarget`'s own, located when it was made)."""
+    if isinstance(cfg, LocatedTarget):
+        return cfg.loc
+    return _locate(cfg)
+
+
+def _locate(cfg: TargetConfig) -> dict:
+    """:func:`locate_target` of a ``TargetConfig``."""
     if cfg.model.startswith("pkg:"):
         pkg = cfg.model[4:]
         if pkg != SMOLLM2_PACKAGE:
@@ -201,14 +233,22 @@ _SIZE_KEYS = {
 }
 
 
-def load_target_config(cfg: TargetConfig):
-    """The target's ``(config, text_config)`` without loading weights.
+def load_target_config(cfg: TargetConfig | LocatedTarget):
+    """The target's ``(config, text_config)`` without loading weights (a :class:`LocatedTarget`'s read
+    once).
 
     A GGUF's config is read from the GGUF once (about 10 s for SmolLM2: transformers parses the
     file) and kept under :func:`cache_dir` keyed by the GGUF file's fingerprint, as its tokenizer is.
 
     Raises:
         ConfigError: the target cannot be located (see :func:`locate_target`)."""
+    if isinstance(cfg, LocatedTarget):
+        return cfg.once("configs", lambda: _load_target_config(cfg))
+    return _load_target_config(cfg)
+
+
+def _load_target_config(cfg: TargetConfig | LocatedTarget):
+    """:func:`load_target_config`, read now."""
     from transformers import AutoConfig
 
     loc = locate_target(cfg)

@@ -33,7 +33,7 @@ from eagle3kit.model.contract import (
     served_config,
 )
 from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
-from eagle3kit.model.target_files import load_target_config, target_architectures
+from eagle3kit.model.target_files import LocatedTarget, load_target_config, target_architectures
 from eagle3kit.serve.check_folder import (
     DrafterFolder,
     aux_in_weights,
@@ -131,6 +131,9 @@ def check_drafter(
     the drafter generation and widths, the tensors against the contract, the vocab maps, positions
     and rope, the aux ids, then what the engine (release, layout, target class) supports.
 
+    The target is located once (:class:`~eagle3kit.model.target_files.LocatedTarget`) and its config
+    files read once for every rule.
+
     Raises:
         ConfigError: the target cannot be located (names it).
     """
@@ -143,6 +146,7 @@ def check_drafter(
     ]
     if missing:
         return missing
+    target = LocatedTarget(target)
     try:  # a speculators folder's verifier, whatever the kind (an unreadable config: the kind's check names it)
         verifier = _check_verifier(json.loads(cfg_path.read_text()), target)
     except (OSError, ValueError, AttributeError):

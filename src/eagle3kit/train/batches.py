@@ -185,3 +185,20 @@ def make_batch(samples: list[Sample], idx: list, steps: int, device) -> dict:
             if first.lse is not None:
                 out["lse"] = rowcat(lambda s: s.lse)
     return out
+
+
+def flat_indices(b) -> list[int]:
+    """A batch's sample indices (a packed batch's rows flattened)."""
+    return [i for r in b for i in (r if isinstance(r, list) else [r])]
+
+
+def epoch_batches(train: list[Sample], tc, epoch: int) -> list:
+    """The micro-batches of ``epoch`` over every training sample (``train.tokens_per_step`` tokens each;
+    packed rows with ``train.pack_length``), seeded by ``train.seed`` + epoch: the same on every
+    process, run and resume."""
+    lengths = [s.ids.numel() for s in train]
+    rng = random.Random(tc.seed + epoch)
+    if tc.pack_length:
+        return packed_batches(lengths, tc.tokens_per_step, tc.pack_length, True, rng)
+    mix = random.Random(f"{tc.seed}:{epoch}:samples") if tc.shuffle == "samples" else None
+    return length_batches(lengths, tc.tokens_per_step, True, rng, mix)

@@ -1,5 +1,6 @@
-"""The EAGLE-3 family's training step: its drafter built for the target, the TTT loss's optimizer step
-(:func:`train_step`), and the fast-path settings it runs with (:func:`resolve_speed`)."""
+"""The EAGLE-3 family's training step: its drafter built for the target, the TTT loss of one micro-batch
+(:func:`chain_loss`; :func:`train_step` for one process's whole step), and the fast-path settings it runs with
+(:func:`resolve_speed`)."""
 
 from __future__ import annotations
 
@@ -114,23 +115,20 @@ def build_drafter(
     return d
 
 
-def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict, world=None):
-    """One optimizer step on one batch: the TTT loss (:func:`eagle3kit.train.ttt.ttt_loss`) under bf16
-    autocast when ``speed["bf16"]`` (fp32 matmuls on TF32 tensor cores when ``speed["tf32"]``, the
-    forward and the backward), backward, gradient clipping to ``tc.grad_clip``, AdamW.
+def chain_loss(model, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict):
+    """The TTT loss (:func:`eagle3kit.train.ttt.ttt_loss`) of one micro-batch, forward only, under bf16
+    autocast when ``speed["bf16"]`` (fp32 matmuls on TF32 tensor cores when ``speed["tf32"]``; the
+    training loop runs the backward under the same setting).
 
     Args:
         model: the drafter, or the drafter in DistributedDataParallel.
-        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``grad_clip``, ``loss`` and
-            its ``lk_kl_scale``/``lk_kl_decay``).
+        tc: the ``train`` config section (``ttt_steps``, ``step_weight``, ``loss`` and its
+            ``lk_kl_scale``/``lk_kl_decay``).
         speed: ``{"attention", "bf16", "tf32", "loss_chunk"}`` (see :func:`resolve_speed`).
-        world: the :class:`~eagle3kit.train.distributed.World`; no step is taken when no process had a
-            supervised position (every process still calls backward, as DDP needs).
     Returns:
-        (loss scalar, per-step stats of :func:`eagle3kit.train.ttt.ttt_loss` plus ``tokens``, the batch's
-        real tokens summed over every process).
+        (loss scalar, per-step stats of :func:`eagle3kit.train.ttt.ttt_loss` plus ``tokens``, the
+        micro-batch's real tokens).
     """
-    drafter = getattr(model, "module", model)
     with (
         tf32_matmuls(speed.get("tf32", False)),
         torch.autocast(batch["ids"].device.type, dtype=torch.bfloat16, enabled=speed["bf16"]),
@@ -148,13 +146,21 @@ def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor,
             lk_kl_scale=tc.lk_kl_scale,
             lk_kl_decay=tc.lk_kl_decay,
         )
+    st["tokens"] = int(batch["key_mask"].sum())
+    return loss, st
+
+
+def train_step(model, opt, target: Target, batch: dict, draft_ids: torch.Tensor, tc, speed: dict):
+    """One optimizer step of one process on one batch (what the benchmarks time): :func:`chain_loss`,
+    backward, gradient clipping to ``tc.grad_clip``, AdamW when a position was supervised. ``train``
+    itself steps through :func:`eagle3kit.train.optimizer_step.optimizer_step` (micro-batches,
+    processes). Returns :func:`chain_loss`'s (loss, stats)."""
+    drafter = getattr(model, "module", model)
+    loss, st = chain_loss(model, target, batch, draft_ids, tc, speed)
     opt.zero_grad(set_to_none=True)
     with tf32_matmuls(speed.get("tf32", False)):
         loss.backward()
-    mine = [float(sum(st["n"])), float(batch["key_mask"].sum())]
-    n, tokens = world.sum_floats(mine) if world is not None else mine  # one collective for both
-    st["tokens"] = int(tokens)
-    if n > 0:
+    if sum(st["n"]) > 0:
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
     return loss, st

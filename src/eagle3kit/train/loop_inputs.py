@@ -32,12 +32,13 @@ from eagle3kit.model.target import (
 )
 from eagle3kit.model.target_files import weights_fingerprint
 from eagle3kit.model.target_head import load_target_head
-from eagle3kit.train.batches import Sample
+from eagle3kit.train.batches import Sample, epoch_batches, flat_indices
 from eagle3kit.train.distributed import init_world
 from eagle3kit.train.extract import engine_features, feature_inputs
 from eagle3kit.train.features import load_features
 from eagle3kit.train.memory import MemoryPlan, print_plan, training_plan
 from eagle3kit.train.online import EngineFeeder, sample_key, server_version
+from eagle3kit.train.optimizer_step import rank_micros, step_groups
 from eagle3kit.train.samples import trained_settings
 from eagle3kit.train.transport import bytes_per_token
 
@@ -162,7 +163,7 @@ class _Inputs:
             params,
             len(self.aux_ids),
             shape,
-            self.train,
+            self.mine,
             self.val,
             self.device,
             self.world.size,
@@ -301,7 +302,18 @@ class _Inputs:
             )
         # FSDP: all validate
         self.val = [samples[i] for i in order[:n_val]] if world.main or tc.parallel == "fsdp" else []
-        self.train = [samples[i] for i in order[n_val:]][world.rank :: world.size]  # this process's share
+        # every process forms every step's micro-batches from all of them, and runs its own
+        self.train = [samples[i] for i in order[n_val:]]
+        self.steps = [
+            step_groups(epoch_batches(self.train, tc, e), tc.accumulate, world.size) for e in range(tc.epochs)
+        ]
+        mine = {
+            i
+            for steps in self.steps
+            for g in steps
+            for i in flat_indices(rank_micros(g, world.rank, tc.accumulate)[0])
+        }
+        self.mine = [self.train[i] for i in sorted(mine)]  # the samples whose states this process needs
 
 
 @torch.no_grad()

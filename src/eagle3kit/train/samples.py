@@ -173,6 +173,7 @@ _LATER = {
     "lk_kl_decay": 1.0,
     "online_transport": "file",
     "shuffle": "batches",
+    "accumulate": 1,
 }
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 
 import torch
@@ -39,7 +38,7 @@ from eagle3kit.core.ui import Timer, console, progress
 from eagle3kit.model.target import (
     Target,
 )
-from eagle3kit.train.batches import Sample, length_batches, packed_batches
+from eagle3kit.train.batches import flat_indices
 from eagle3kit.train.checkpoints import (
     init_from_drafter,
 )
@@ -49,27 +48,13 @@ from eagle3kit.train.loop_inputs import _Inputs
 from eagle3kit.train.loop_report import _Report
 from eagle3kit.train.loop_resume import _Resume, _truncate_log
 from eagle3kit.train.online import sample_key
+from eagle3kit.train.optimizer_step import optimizer_step, rank_micros
 from eagle3kit.train.samples import compute_features, warmup_cosine
 from eagle3kit.train.ttt import implied_tau
 
 # optimizer steps of a run left out of its steady tokens/s (flex attention's compilation, the
 # allocator's and autotuner's warm-up)
 WARM_STEPS = 3
-
-
-def _flat(b) -> list[int]:
-    """A batch's sample indices (a packed batch's rows flattened)."""
-    return [i for r in b for i in (r if isinstance(r, list) else [r])]
-
-
-def _epoch_batches(train: list[Sample], tc, epoch: int) -> list:
-    """This epoch's batches (seeded by ``train.seed`` + epoch: the same on every run and resume)."""
-    lengths = [s.ids.numel() for s in train]
-    rng = random.Random(tc.seed + epoch)
-    if tc.pack_length:
-        return packed_batches(lengths, tc.tokens_per_step, tc.pack_length, True, rng)
-    mix = random.Random(f"{tc.seed}:{epoch}:samples") if tc.shuffle == "samples" else None
-    return length_batches(lengths, tc.tokens_per_step, True, rng, mix)
 
 
 def run_train(cfg: Config, run: RunDir, target: Target | None = None) -> dict:
@@ -121,8 +106,10 @@ class _Training(_Inputs, _Resume, _Report):
     ``kind`` (:class:`~eagle3kit.core.kinds.DrafterKind`).
 
     Attributes set by ``__init__`` (resolved inputs): ``world``, ``device``, ``speed``, ``target``,
-    ``vocab``, ``aux_ids``, ``samples`` (every sample with a supervised token), ``train``/``val``
-    (this process's share; validation on rank 0, or on every rank under FSDP), ``features`` (the
+    ``vocab``, ``aux_ids``, ``samples`` (every sample with a supervised token), ``train`` (every
+    training sample, on every process), ``steps`` (per epoch, every optimizer step's micro-batches),
+    ``mine`` (the training samples this process runs in some step), ``val`` (validation on rank 0,
+    or on every rank under FSDP), ``features`` (the
     extracted-features index or None), ``inputs`` (hashed into ``train_state.pt``: a resume needs
     the same), ``provenance`` (stored in every checkpoint). By :meth:`build`: ``drafter``,
     ``model`` (wrapped for DDP/FSDP), ``opt``, ``sched``. By :meth:`restore`: ``start_epoch``,
@@ -153,10 +140,10 @@ class _Training(_Inputs, _Resume, _Report):
         if self.speed["compile"]:
             drafter.compile_layer()
         self.model = world.wrap(drafter, tc.parallel)
-        if world.size > 1 and world.main:
+        if (world.size > 1 or tc.accumulate > 1) and world.main:
             console.print(
-                f"train: world size {world.size} ({tc.parallel.upper()} on {device.type}): each process trains "
-                f"its share of {len(self.samples) - self.n_val} samples"
+                f"train: world size {world.size} ({tc.parallel.upper()} on {device.type}), {tc.accumulate} "
+                f"micro-batch(es) of ≤ {tc.tokens_per_step} tokens each a step, from {len(self.train)} samples"
             )
         self.draft_ids = self.vocab.ids.to(device)
         self.opt = torch.optim.AdamW(
@@ -166,10 +153,9 @@ class _Training(_Inputs, _Resume, _Report):
             weight_decay=tc.weight_decay,
             fused=device.type == "cuda",
         )
-        # each epoch's optimizer steps, the same on every process (the fewest batches any has); an
-        # epoch's batches are fixed by train.seed, so this is known before the first step, and with
+        # each epoch's optimizer steps (every process forms the same ones: self.steps); with
         # train.shuffle: samples it can differ by a few between epochs
-        self.epoch_steps = [world.min_int(len(_epoch_batches(self.train, tc, e))) for e in range(tc.epochs)]
+        self.epoch_steps = [len(steps) for steps in self.steps]
         lr_at = warmup_cosine(sum(self.epoch_steps), tc.warmup_ratio)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_at)
 
@@ -208,7 +194,7 @@ class _Training(_Inputs, _Resume, _Report):
         elif self.start_epoch < tc.epochs and self.features is None:
             t_features = time.perf_counter()
             for group, place, label in (
-                (self.train, self.memory.cache, "target features"),
+                (self.mine, self.memory.cache, "target features"),
                 (self.val, self.memory.val, "validation states"),
             ):
                 if group and place != "off":
@@ -236,12 +222,12 @@ class _Training(_Inputs, _Resume, _Report):
         ``[loss·n, acc0·n, n, tokens]``."""
         tc, world, train = self.tc, self.world, self.train
         self.drafter.train()
-        batches = _epoch_batches(train, tc, epoch)[: self.epoch_steps[epoch]]
+        batches = self.steps[epoch]
         first = self.start_batch if epoch == self.start_epoch else 0
         sums = self.acc_state if (epoch == self.start_epoch and self.acc_state) else [0.0, 0.0, 0, 0]
         if self.feeder is not None:  # the servers fetch ahead, in the order the steps read
             self.feeder.schedule(
-                [(sample_key(train[i].ids), train[i].ids) for b in batches[first:] for i in _flat(b)]
+                [(sample_key(train[i].ids), train[i].ids) for g in batches[first:] for i in self._indices(g)]
             )
         with progress(disable=not world.main) as bar:
             task = bar.add_task(
@@ -273,11 +259,17 @@ class _Training(_Inputs, _Resume, _Report):
                     )
         return sums
 
-    def _step(self, epoch: int, b) -> tuple:
-        """One batch: features when not cached, the optimizer step, the schedule, the log record."""
+    def _indices(self, group: list) -> list[int]:
+        """The samples this process runs of the step ``group`` (every micro-batch's)."""
+        micros, _ = rank_micros(group, self.world.rank, self.tc.accumulate)
+        return [i for m in micros for i in flat_indices(m)]
+
+    def _step(self, epoch: int, group: list) -> tuple:
+        """One optimizer step over ``group`` (the step's micro-batches of every process): features when
+        not cached, :func:`~eagle3kit.train.optimizer_step.optimizer_step`, the schedule, the log record."""
         tc, train = self.tc, self.train
         t_step = time.perf_counter()
-        idx = _flat(b)
+        idx = self._indices(group)
         keys = None
         if self.feeder is not None:
             keys = self._fetch([train[i] for i in idx])
@@ -291,14 +283,16 @@ class _Training(_Inputs, _Resume, _Report):
                 self.device,
                 lse=tc.loss != "kl",
             )
-        # the same on a resume; unique per seed, step and process (below 1024 processes)
-        seed = ((tc.seed * 1_000_003 + self.step) * 1024 + self.world.rank) % (2**63 - 1)
-        loss, st = self.kind.step(
+        seed = (tc.seed * 1_000_003 + self.step) % (2**63 - 1)  # the same on every process and resume
+        micros, idle = rank_micros(group, self.world.rank, tc.accumulate)
+        loss, st = optimizer_step(
+            self.kind,
             self.model,
             self.opt,
             self.target,
             train,
-            b,
+            micros,
+            idle,
             self.speed,
             self.cfg,
             self.world,

@@ -21,8 +21,8 @@ from eagle3kit.drafters.dflash.network import DFlashConfig, DFlashDrafter, defau
 from eagle3kit.drafters.dflash.objective import block_stats, simulate_block_tau
 from eagle3kit.drafters.dflash.trainer import (
     build_dflash,
+    dflash_micro_loss,
     dflash_report,
-    dflash_step,
     is_dflash_checkpoint,
     load_dflash_checkpoint,
     save_dflash_checkpoint,
@@ -84,8 +84,8 @@ class DFlashKind(DrafterKind):
     def build(self, cfg, target, vocab, aux_ids, samples):
         return build_dflash(cfg, target, aux_ids, samples)
 
-    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
-        return dflash_step(model, opt, target, samples, batch, speed, cfg, world, seed)
+    def loss(self, model, target, samples, micro, speed: dict, cfg, draft_ids, seed: int):
+        return dflash_micro_loss(model, target, samples, micro, speed, cfg, seed)
 
     def validate(self, drafter, target, samples, k: int, device):
         return simulate_block_tau(drafter, target, samples, k, device)

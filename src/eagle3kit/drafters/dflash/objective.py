@@ -29,17 +29,23 @@ def default_gamma(block_size: int) -> float:
 
 
 def pick_anchors(
-    mask: torch.Tensor, lengths: list[int], block_size: int, max_anchors: int, gen: torch.Generator
+    mask: torch.Tensor,
+    lengths: list[int],
+    block_size: int,
+    max_anchors: int,
+    gen: torch.Generator | list[torch.Generator],
 ) -> torch.Tensor:
     """Random anchor positions per sequence: ``p ≥ 1`` whose next token is supervised (``mask[p + 1]``)
     and ``p < length − 1``, at most ``max_anchors`` each, sorted, padded with −1.
 
-    Args: mask bool [B, T]; lengths: each row's real length. Returns: int64 [B, A]."""
+    Args: mask bool [B, T]; lengths: each row's real length; gen: one generator for every row, or one
+    per row (then a row's anchors do not depend on the rows beside it). Returns: int64 [B, A]."""
     rows = []
     for b, n in enumerate(lengths):
         cand = (mask[b, 2:n].nonzero().flatten() + 1).cpu()  # p with mask[p + 1], 1 ≤ p ≤ n − 2
         if cand.numel() > max_anchors:
-            cand = cand[torch.randperm(cand.numel(), generator=gen)[:max_anchors]].sort().values
+            g = gen[b] if isinstance(gen, list) else gen
+            cand = cand[torch.randperm(cand.numel(), generator=g)[:max_anchors]].sort().values
         rows.append(cand)
     A = max(1, max(r.numel() for r in rows))
     out = torch.full((len(rows), A), -1, dtype=torch.long)
@@ -129,9 +135,9 @@ def dflash_loss(
         anchors: int64 [B, A] from :func:`pick_anchors`.
         chunk: the loss's rows per checkpointed chunk (:func:`loss_rows`; ``train.loss_chunk``).
     Returns:
-        (loss scalar, ``{"n": supervised slots, "correct": [per slot k = 1…B−1 correct top-1],
-        "count": [per slot supervised], "accepted": Σ per block of the run of correct slots,
-        "blocks": blocks with a supervised slot 1}``)."""
+        (loss scalar, ``{"n": supervised slots, "weight": Σ w_k over them (the loss's denominator),
+        "correct": [per slot k = 1…B−1 correct top-1], "count": [per slot supervised], "accepted": Σ per
+        block of the run of correct slots, "blocks": blocks with a supervised slot 1}``)."""
     drafter = getattr(model, "module", model)
     bs = drafter.cfg.block_size
     ids, mask, valid = batch["ids"], batch["mask"], batch["valid"]
@@ -166,6 +172,7 @@ def dflash_loss(
         blocks = int(sup.view(B, -1, bs)[..., 1].sum())
     return loss, {
         "n": int(sup.sum()),
+        "weight": float(w.sum()),
         "correct": correct,
         "count": count,
         "accepted": int(run.sum()),

@@ -1,6 +1,6 @@
 """DFlash's part of the training loop (:mod:`eagle3kit.train.stage` runs it for every drafter kind:
 lineage, the split, batches, torchrun, online states, the memory plan, resume mid-epoch, the log and
-checkpoints): the drafter built for the target, one optimizer step of the block objective
+checkpoints): the drafter built for the target, the block objective of one micro-batch
 (:mod:`eagle3kit.drafters.dflash.objective`), validation by block drafting, and the checkpoint that
 records the drafter's config.
 """
@@ -76,35 +76,41 @@ def build_dflash(cfg, target, aux_ids, samples) -> DFlashDrafter:
     return DFlashDrafter(dcfg)
 
 
-def dflash_step(model, opt, target, samples, batch, speed: dict, cfg, world, seed: int, loss_fn=dflash_loss):
-    """One optimizer step of the block loss (:func:`eagle3kit.drafters.dflash.objective.dflash_loss`) on
-    the samples ``batch`` indexes: anchors drawn with a generator seeded by ``seed``, bf16 autocast
-    when ``speed["bf16"]``, backward on every process (as DDP needs), clipping to ``train.grad_clip``,
-    the step when any process had a supervised slot. ``loss_fn``: the block loss (another block
-    drafter's, with :func:`~eagle3kit.drafters.dflash.objective.dflash_loss`'s contract).
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index``'s random draws in the step seeded ``seed``: the same whichever
+    process or micro-batch of the step holds the sample."""
+    return (seed * 1_000_003 + index) % (2**63 - 1)
 
-    Returns: (loss, ``{"n": [slots], "acc": [top-1 accuracy per slot 1 … B−1], "tokens", "log"}``)."""
+
+def dflash_micro_loss(model, target, samples, micro, speed: dict, cfg, seed: int, loss_fn=dflash_loss):
+    """The block loss (:func:`eagle3kit.drafters.dflash.objective.dflash_loss`) of the samples ``micro``
+    indexes (a micro-batch, forward only: the training loop runs backward and the optimizer step).
+    Each sample's anchors are drawn by a generator of its own, seeded by :func:`sample_seed` of
+    ``seed`` and its index, so one process with ``train.accumulate: N`` draws what N processes draw;
+    bf16 autocast when ``speed["bf16"]``. ``loss_fn``: the block loss (another block drafter's, with
+    ``dflash_loss``'s contract).
+
+    Returns: (loss, weight — the loss's denominator Σ w_k —, ``{"n": [slots], "acc": [top-1 accuracy
+    per slot 1 … B−1], "tokens": real tokens, "log"}``)."""
     drafter = getattr(model, "module", model)
     device = next(drafter.parameters()).device
-    idx = [i for r in batch for i in (r if isinstance(r, list) else [r])]
+    idx = [i for r in micro for i in (r if isinstance(r, list) else [r])]
     b = dflash_batch(samples, idx, device)
-    gen = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(sample_seed(seed, i)) for i in idx]
     anchors = pick_anchors(
-        b["mask"], [samples[i].ids.numel() for i in idx], drafter.cfg.block_size, cfg.drafter.max_anchors, gen
+        b["mask"],
+        [samples[i].ids.numel() for i in idx],
+        drafter.cfg.block_size,
+        cfg.drafter.max_anchors,
+        gens,
     )
     gamma = cfg.drafter.gamma or default_gamma(drafter.cfg.block_size)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=speed["bf16"]):
         loss, st = loss_fn(model, target, b, anchors, gamma, cfg.drafter.objective, speed["loss_chunk"])
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    n, tokens = world.sum_floats([float(st["n"]), float(b["valid"].sum())])
-    if n > 0:
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
-        opt.step()
     acc = [c / m if m else 0.0 for c, m in zip(st["correct"], st["count"])]
     log = {"block_tau": round(1 + st["accepted"] / st["blocks"], 4)} if st["blocks"] else {}
     log.update({k: round(st[k], 5) for k in ("block_loss", "confidence_loss") if k in st})
-    return loss, {"n": [st["n"]], "acc": acc, "tokens": int(tokens), "log": log}
+    return loss, st["weight"], {"n": [st["n"]], "acc": acc, "tokens": int(b["valid"].sum()), "log": log}
 
 
 def dflash_report(cfg, drafter: DFlashDrafter) -> dict:

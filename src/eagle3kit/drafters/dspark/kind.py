@@ -28,8 +28,8 @@ from eagle3kit.drafters.dflash.evaluate import check_dflash_target
 from eagle3kit.drafters.dflash.faults import dflash_faults
 from eagle3kit.drafters.dflash.kind import DFlashKind
 from eagle3kit.drafters.dflash.trainer import (
+    dflash_micro_loss,
     dflash_report,
-    dflash_step,
     save_dflash_checkpoint,
 )
 from eagle3kit.drafters.dspark import settings
@@ -170,8 +170,8 @@ class DSparkKind(DFlashKind):
         torch.manual_seed(cfg.train.seed)
         return DSparkDrafter(c)
 
-    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
-        return dflash_step(model, opt, target, samples, batch, speed, cfg, world, seed, loss_fn=dspark_loss)
+    def loss(self, model, target, samples, micro, speed: dict, cfg, draft_ids, seed: int):
+        return dflash_micro_loss(model, target, samples, micro, speed, cfg, seed, loss_fn=dspark_loss)
 
     def validate(self, drafter, target, samples, k: int, device):
         return simulate_dspark_tau(drafter, target, samples, min(k, drafter.cfg.drafts_per_block), device)

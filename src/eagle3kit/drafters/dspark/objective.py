@@ -94,7 +94,7 @@ def dspark_loss(
         gamma: the position weights' decay (draft 1 weighs 1); objective: ``ce`` or ``kl``.
     Returns:
         (loss scalar fp32 = block loss + :data:`CONFIDENCE_WEIGHT` · confidence loss, stats) with
-        :func:`~eagle3kit.drafters.dflash.objective.dflash_loss`'s keys — ``n`` supervised drafts,
+        :func:`~eagle3kit.drafters.dflash.objective.dflash_loss`'s keys — ``n`` supervised drafts, ``weight``,
         ``correct``/``count`` per draft index 1 … D (D = ``drafts_per_block``), ``accepted`` (Σ per
         block of the run of correct drafts), ``blocks`` (blocks whose first draft is supervised) — and
         ``block_loss``, ``confidence_loss`` (floats; 0.0 without a confidence head)."""
@@ -133,7 +133,9 @@ def dspark_loss(
     hit = torch.zeros_like(sup)
     hit[sup] = hit_sup
     stats = _block_stats(hit, sup, j, drafter)
-    stats.update(block_loss=float(block.detach()), confidence_loss=float(conf.detach()))
+    stats.update(
+        block_loss=float(block.detach()), confidence_loss=float(conf.detach()), weight=float(w.sum())
+    )
     return block + CONFIDENCE_WEIGHT * conf, stats
 
 

@@ -25,7 +25,7 @@ from eagle3kit.serve.check import check_chain_folder
 from eagle3kit.serve.export import read_chain_checkpoint, write_chain_folder
 from eagle3kit.train.acceptance import simulate_samples, simulate_sequence
 from eagle3kit.train.batches import make_batch
-from eagle3kit.train.chain_step import build_drafter, resolve_speed, train_step
+from eagle3kit.train.chain_step import build_drafter, chain_loss, resolve_speed
 from eagle3kit.train.checkpoints import save_drafter_checkpoint
 from eagle3kit.train.memory import DrafterShape
 
@@ -66,10 +66,11 @@ class Eagle3Kind(DrafterKind):
     def build(self, cfg, target, vocab, aux_ids, samples):
         return build_drafter(target, vocab, aux_ids, cfg.train.seed, cfg.drafter, samples)
 
-    def step(self, model, opt, target, samples, batch, speed: dict, cfg, world, draft_ids, seed: int):
+    def loss(self, model, target, samples, micro, speed: dict, cfg, draft_ids, seed: int):
         device = next(getattr(model, "module", model).parameters()).device
-        b = make_batch(samples, batch, cfg.train.ttt_steps, device)
-        return train_step(model, opt, target, b, draft_ids, cfg.train, speed, world)
+        b = make_batch(samples, micro, cfg.train.ttt_steps, device)
+        loss, st = chain_loss(model, target, b, draft_ids, cfg.train, speed)
+        return loss, 1.0, st
 
     def validate(self, drafter, target, samples, k: int, device):
         return simulate_samples(drafter, target, samples, k, device)
