@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 
 from eagle3kit.core.rundir import DataError
@@ -126,7 +127,9 @@ def encode_template(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-_PLAIN: dict[int, object] = {}
+# each tokenizer object's plain backend, dropped with the tokenizer (keyed by id() a later tokenizer
+# at the same address got the earlier one's backend, and with it other ids)
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plain_backend(tokenizer):
@@ -136,15 +139,15 @@ def _plain_backend(tokenizer):
 
     from tokenizers import Tokenizer
 
-    key = id(tokenizer)
-    if key not in _PLAIN:
+    plain = _PLAIN.get(tokenizer)
+    if plain is None:
         data = json.loads(tokenizer.backend_tokenizer.to_str())
         for a in data.get("added_tokens", []):
             a["special"] = True
         plain = Tokenizer.from_str(json.dumps(data))
         plain.encode_special_tokens = True
-        _PLAIN[key] = plain
-    return _PLAIN[key]
+        _PLAIN[tokenizer] = plain
+    return plain
 
 
 def encode_model_text(tokenizer, text: str) -> list[int]:

@@ -132,7 +132,7 @@ def samples_for_row(
         ids, mask = s.ids[:max_length], s.mask[:max_length]
         if not any(m and t not in eot for t, m in zip(ids, mask)):
             continue  # nothing but end-of-turn tokens supervised within the limit
-        s.ids, s.mask = ids, mask
+        s.ids, s.mask, s.cut = ids, mask, len(ids) < len(s.ids)
         kept.append(s)
     if not kept:
         return [], "prompt_reaches_max_length" if samples and all(

@@ -48,7 +48,8 @@ def conversation(row: dict) -> list[dict]:
 @dataclass
 class Sample:
     """One training sequence: ``ids``/``mask`` (equal length, mask 1 = supervised), the index of
-    the assistant turn it ends with, where the completion starts, and its pieces (for ``--show``)."""
+    the assistant turn it ends with, where the completion starts, and its pieces (for ``--show``);
+    ``cut``: its ids were cut at ``tokenize.max_length`` (the pieces are not)."""
 
     ids: list[int]
     mask: list[int]
@@ -56,6 +57,7 @@ class Sample:
     prompt_len: int
     pieces: list[Piece]
     returned_ids: bool
+    cut: bool = False
 
 
 def _turn_spans(
@@ -204,7 +206,8 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     over the whole conversation up to that turn (no generation prompt, reasoning under the key the
     template reads). Think blocks are stripped from both first (templates drop or empty history
     reasoning); the render may go on past the sample only with whitespace (a template trailer) or,
-    for a reply cut at the token limit, an end-of-turn token.
+    for a reply cut at the token limit, an end-of-turn token; past a sample cut at
+    ``tokenize.max_length`` (``sample.cut``), with anything.
 
     Returns ``ok``, ``retokenized`` (same text, other ids: the model emitted a non-canonical
     tokenization, which the sample keeps; or a reply cut inside a multi-byte character, whose
@@ -245,6 +248,8 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     cut = row.get("finish_reason") == "length" and sample.turn == len(conv) - 1
 
     def rest_ids(rest: list[int]) -> bool:
+        if sample.cut:  # the render's tokens past max_length were never in the sample
+            return True
         if cut and rest and rest[0] in eot:
             rest = rest[1:]
         return all(is_space(t) for t in rest)
@@ -252,8 +257,10 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     if fits(a, b, rest_ids):
         return "ok"
     ta, tb = tokenizer.decode(a), tokenizer.decode(b)
-    if cut:  # a reply cut at the limit may end inside a character, which the server's text drops
+    if cut or sample.cut:  # a cut reply may end inside a character, which the server's text drops
         ta = ta.rstrip("\ufffd").rstrip()
+    if sample.cut and tb.startswith(ta):
+        return "retokenized"
     if tb.startswith(ta):
         rest = tb[len(ta) :].lstrip() if cut else tb[len(ta) :]
         for s in (tokenizer.convert_ids_to_tokens(t) for t in eot):
@@ -265,6 +272,7 @@ def self_check(tokenizer, row: dict, sample: Sample, spec: ThinkSpec, eot_ids: l
     na, nb = squeeze.sub("", ta), squeeze.sub("", tb)
     if nb.startswith(na) and (
         nb[len(na) :] == ""
+        or sample.cut
         or (cut and any(nb[len(na) :] == squeeze.sub("", tokenizer.convert_ids_to_tokens(t)) for t in eot))
     ):
         return "whitespace"  # the template trims or adds whitespace at the turn's edges (Llama's `| trim`)
