@@ -168,11 +168,13 @@ def serve_rows(rows: list[dict], wait_s: float = 400) -> None:
 
 
 def finish_row(row: dict, wait_s: float = 400) -> dict:
-    """Wait for the row's spawned server (:func:`spawn_server`), measure it on the held-out
+    """Wait for the row's server (:func:`spawn_server`, spawned here when it was not yet), measure it on the held-out
     prompts, sent as token ids (the prompts ``evaluate`` rendered), and kill it: adds ``vllm``
     ("served" or "refused", with ``vllm_error`` from its log) and the measurements to the row."""
     from eagle3kit.core.engines import wait_servers
 
+    if row.get("_server") is None:  # not spawned when its run ended (another server was up)
+        spawn_server(row)
     srv = row["_server"]
     try:
         err = wait_servers([srv], wait_s)[0]

@@ -88,10 +88,11 @@ ALONE_PROMPTS = 8  # held-out questions sent to `vllm serve DRAFTER` (the drafte
 
 @pytest.fixture(scope="module")
 def served(trained, plain_server, tmp_path_factory):
-    """Six vLLM servers: no speculation (``plain_server``, up since the run began) and, started
-    together after the run (:func:`eagle3kit.core.engines.start_servers`), our dual-engine export
-    and four broken copies of it, forced through although `check` refuses two of them: without
-    fc.weight, without d2t, aux ids one layer later, norm_before_residual true. The plain server
+    """Seven vLLM servers: no speculation (``plain_server``, up since the run began) and, started two
+    at a time after the run (:data:`SERVED_GROUPS`, :func:`eagle3kit.core.engines.start_servers`), the
+    drafter folder served alone, our dual-engine export and four broken copies of it, forced through
+    although `check` refuses two of them: without fc.weight, without d2t, aux ids one layer later,
+    norm_before_residual true. The plain server
     and the export are measured on the same 20 held-out questions (greedy, 64 tokens: ``out[name]``
     = (token ids per prompt, counter delta or None)); `eagle3kit diagnose` runs against every
     speculative server on the first DIAGNOSE_PROMPTS (``out["diagnose"][name]``), and once more
@@ -129,35 +130,41 @@ def served(trained, plain_server, tmp_path_factory):
             None if name == "plain" else spec_decode_delta(before, spec_decode_counters(srv.url)),
         )
 
-    started = start_servers([server(n) for n in folders] + [alone])
-    servers = {"plain": plain_server, **dict(zip(folders, started)), "alone": started[-1]}
-    try:
-        err = wait_servers([plain_server], 300)[0]  # spawned before the run: up long ago
-        if err:
-            raise RuntimeError(err)
-        for name, srv in servers.items():
-            if name in ("plain", "eagle3"):
-                measure(name, srv)
-            if name == "alone":
-                before = spec_decode_counters(srv.url)
-                ids = served_token_ids(srv.url, rows[:ALONE_PROMPTS], 64)
-                out[name] = (ids, spec_decode_delta(before, spec_decode_counters(srv.url)))
-                continue
-            if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
-                out["bench"] = run_bench_ci(srv, servers["plain"], rows[:8], trained / "drafter", tmp)
-                out["bench_other_template"] = out["bench"].pop("bench_other_template")
-                out["doc_blocks"] = run_doc_blocks(srv, servers["plain"], trained / "drafter", tmp / "docs")
-            if name != "plain":  # `eagle3kit diagnose` against each server, given the drafter as trained
+    err = wait_servers([plain_server], 300)[0]  # spawned before the run: up long ago
+    if err:
+        raise RuntimeError(err)
+    measure("plain", plain_server)
+    for group in SERVED_GROUPS:  # started a few at a time: a vLLM CPU server holds about 2 GB
+        started = start_servers([alone if n == "alone" else server(n) for n in group])
+        try:
+            for name, srv in zip(group, started):
+                if name == "alone":
+                    before = spec_decode_counters(srv.url)
+                    ids = served_token_ids(srv.url, rows[:ALONE_PROMPTS], 64)
+                    out[name] = (ids, spec_decode_delta(before, spec_decode_counters(srv.url)))
+                    continue
+                if name == "eagle3":  # `eagle3kit bench` with the baseline server beside it
+                    measure(name, srv)
+                    out["bench"] = run_bench_ci(srv, plain_server, rows[:8], trained / "drafter", tmp)
+                    out["bench_other_template"] = out["bench"].pop("bench_other_template")
+                    out["doc_blocks"] = run_doc_blocks(srv, plain_server, trained / "drafter", tmp / "docs")
+                # `eagle3kit diagnose` against each server, given the drafter as trained
                 out.setdefault("diagnose", {})[name] = run_diagnose_ci(
                     srv, trained / "drafter", rows, tmp / name
                 )
-        out["diagnose"]["client_template"] = run_diagnose_ci(  # a client rendering Llama 3.1's template
-            servers["eagle3"], trained / "drafter", rows[:2], tmp / "client_template", template=LLAMA_TEMPLATE
-        )
-    finally:
-        for srv in servers.values():
-            srv.kill()
+                if name == "eagle3":  # once more, as a client rendering Llama 3.1's template
+                    out["diagnose"]["client_template"] = run_diagnose_ci(
+                        srv, trained / "drafter", rows[:2], tmp / "client_template", template=LLAMA_TEMPLATE
+                    )
+        finally:
+            for srv in started:
+                srv.kill()
     return out
+
+
+#: the speculative servers of ``served``, started group by group (with the plain server, at most three
+#: vLLM servers are up at once)
+SERVED_GROUPS = [("eagle3", "alone"), ("no_fc", "no_d2t"), ("aux_plus_1", "nbr_flipped")]
 
 
 LLAMA_TEMPLATE = SHARED / "tokenizers" / "llama3.1_instruct_tokenizer_config.json"
@@ -913,23 +920,26 @@ def dflash_served(dflash_trained, served, plain_server, tmp_path_factory):
         for n in ("target_layer_ids_plus_1", "mask_token:0")
     }
     folders = {"dflash": dflash_trained / "drafter", "constant": constant, **planted}
-    servers = dict(zip(folders, start_servers([server(n, f) for n, f in folders.items()], 600)))
     out: dict = {"diagnose": {}}
-    try:
-        for name, rows in (("dflash", served["rows"]), ("constant", served["rows"][:CONSTANT_PROMPTS])):
-            before = spec_decode_counters(servers[name].url)
-            ids = served_token_ids(servers[name].url, rows, 64)
-            out[name] = (ids, counter_delta(before, spec_decode_counters(servers[name].url)))
-        for name in ("dflash", *planted):  # `eagle3kit diagnose`, given the drafter as trained
-            out["diagnose"][name] = run_diagnose_ci(
-                servers[name],
-                dflash_trained / "drafter",
-                served["rows"],
-                tmp / "diagnose" / name.replace(":", "_"),
-            )
-    finally:
-        for srv in servers.values():
-            srv.kill()
+    for group in (("dflash", "constant"), tuple(planted)):  # two at a time: about 2 GB a server
+        servers = dict(zip(group, start_servers([server(n, folders[n]) for n in group], 600)))
+        try:
+            for name, rows in (("dflash", served["rows"]), ("constant", served["rows"][:CONSTANT_PROMPTS])):
+                if name in servers:
+                    before = spec_decode_counters(servers[name].url)
+                    ids = served_token_ids(servers[name].url, rows, 64)
+                    out[name] = (ids, counter_delta(before, spec_decode_counters(servers[name].url)))
+            for name in ("dflash", *planted):  # `eagle3kit diagnose`, given the drafter as trained
+                if name in servers:
+                    out["diagnose"][name] = run_diagnose_ci(
+                        servers[name],
+                        dflash_trained / "drafter",
+                        served["rows"],
+                        tmp / "diagnose" / name.replace(":", "_"),
+                    )
+        finally:
+            for srv in servers.values():
+                srv.kill()
     return out
 
 

@@ -50,8 +50,9 @@ def run_pool():
 @pytest.fixture(scope="module")
 def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numerics_run, run_pool):
     """Every family's whole run, two at a time in :func:`run_pool` (after :func:`other_numerics_run`'s);
-    each family's vLLM server with its drafter is spawned as soon as its run ends and measured from a
-    thread once it answers (:func:`family_flow.finish_row`), beside the runs still going; the refusals'
+    each family's vLLM server with its drafter is spawned as soon as its run ends when no other waits
+    to be measured (else by its measurement, :func:`family_flow.finish_row`), and measured from a
+    thread once it answers, beside the runs still going; the refusals'
     launches start first. A run or a measurement that raises is kept as its exception, for that
     family's test to raise."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -69,7 +70,10 @@ def family_rows(tmp_path_factory, smollm2_tok_dir, refusal_servers, other_numeri
             family = futures[done]
             try:
                 row = done.result()
-                family_flow.spawn_server(row)  # other numerics' too: its test measures it
+                # other numerics' too (its test measures it); a family's only while no measurement is
+                # waiting, else when its turn comes in finish_row: at most two family servers up at once
+                if family is None or all(f.done() for f in measured.values()):
+                    family_flow.spawn_server(row)
                 if family is not None:
                     rows[family] = row
                     measured[family] = pool.submit(family_flow.finish_row, row)
