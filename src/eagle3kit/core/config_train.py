@@ -339,6 +339,12 @@ class TrainConfig(StrictSection):
             )
         return v
 
+    @field_validator("pack_length", mode="before")
+    @classmethod
+    def _pack_length_null(cls, v):
+        """``pack_length: null`` (written to unset it) is 0: one sample per row."""
+        return 0 if v is None else v
+
     @field_validator("feature_cache", mode="before")
     @classmethod
     def _feature_cache_bool(cls, v):

@@ -197,7 +197,13 @@ def _locate(cfg: TargetConfig) -> dict:
     ):  # downloaded before (by vLLM, huggingface-cli, an earlier run): read from the cache
         return {"model": cfg.model, "path": cached, "gguf_file": cfg.gguf_file}
     # a hub id is "owner/name" or a bare name ("gpt2"); a path starts with /, . or ~ or has more parts
-    looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1 or not cfg.model.strip()
+    # "runs/nope" could be a hub id, but not when "runs" is a folder here: then it is a missing path
+    looks_local = (
+        cfg.model.startswith(("/", ".", "~"))
+        or cfg.model.count("/") > 1
+        or not cfg.model.strip()
+        or ("/" in cfg.model and Path(cfg.model.split("/")[0]).is_dir())
+    )
     if looks_local:  # a path, not a hub id: nothing to download
         raise ConfigError(
             f"target.model {cfg.model!r} does not exist: it reads as a local path (not a hub id, which is "

@@ -103,12 +103,45 @@ def _check_verifier(config: dict, target: TargetConfig) -> list[Finding]:
         if local
         else name == target.model
     )
-    if same or (local and target.model.startswith("pkg:")):
+    if same:
         return []
+    if local and target.model.startswith("pkg:"):  # a packaged target has no folder: compare the shapes
+        return _verifier_shape(name, target, fix)
     return [
         Finding(
             "verifier_differs",
             f"`vllm serve` on this folder loads {name}; this check compared it with {target.model}",
+            f"check with --target {name}, or " + fix.split(": ", 1)[1],
+            "warning",
+        )
+    ]
+
+
+#: the sizes a verifier folder and a packaged target must share to be one model
+_VERIFIER_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+
+
+def _verifier_shape(name: str, target: TargetConfig, fix: str) -> list[Finding]:
+    """A local verifier folder beside a packaged target (``pkg:``, no folder to compare paths with):
+    ``verifier_differs`` (warning) when its config.json's sizes are not the target's; [] when they are
+    or its config cannot be read (``vllm serve`` names that itself)."""
+    try:
+        mine = json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    mine = mine.get("text_config") or mine
+    theirs = load_target_config(target)[1]
+    differ = [
+        f"{k} {mine.get(k)} against {getattr(theirs, k, None)}"
+        for k in _VERIFIER_SIZES
+        if mine.get(k) is not None and mine.get(k) != getattr(theirs, k, None)
+    ]
+    if not differ:
+        return []
+    return [
+        Finding(
+            "verifier_differs",
+            f"`vllm serve` on this folder loads {name}, another model than {target.model} ({', '.join(differ)})",
             f"check with --target {name}, or " + fix.split(": ", 1)[1],
             "warning",
         )
