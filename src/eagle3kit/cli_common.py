@@ -18,6 +18,7 @@ from eagle3kit.core.config_base import ConfigError
 from eagle3kit.core.rundir import DataError, RunDir, write_failed, write_text
 from eagle3kit.core.ui import console, print_table
 from eagle3kit.model.contract import ExportError
+from eagle3kit.model.target_files import one_command
 
 # plain click help (no rich panels): booleans read "--flag / --no-flag", every default shown, no type column
 app = typer.Typer(
@@ -76,7 +77,8 @@ def guard(fn):
     def wrapper(*a, **kw):
 
         try:
-            out = fn(*a, **kw)
+            with one_command():  # the command's target located and read once
+                out = fn(*a, **kw)
             if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 stores the config
                 for path, text in _PENDING:
                     write_text(path, text)

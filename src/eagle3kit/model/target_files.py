@@ -4,6 +4,9 @@ checkpoint's tensor names and eagle3kit's cache folder (docs/families.md). Nothi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import hashlib
 import importlib.util
 import json
@@ -160,12 +163,46 @@ class LocatedTarget:
         return self.memo[key]
 
 
+# one command's targets, located and read once (see one_command); None outside a command
+_COMMAND: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "eagle3kit_command_targets", default=None
+)
+
+
+@contextlib.contextmanager
+def one_command():
+    """Inside the block (one CLI command), a target is located, and its config read, once: every
+    :func:`locate_target`, :func:`load_target_config` and :func:`command_memo` of the same target (its
+    ``model``, ``gguf_file``, ``allow_download``, ``trust_remote_code``, and the current folder) returns
+    what the first call found. Outside it, each call reads again."""
+    token = _COMMAND.set({})
+    try:
+        yield
+    finally:
+        _COMMAND.reset(token)
+
+
+def command_memo(cfg: TargetConfig | LocatedTarget, what: str, read):
+    """``read()`` once per command for this target and ``what`` (:func:`one_command`), each caller given
+    its own copy (transformers may change a config it loads a model with); a :class:`LocatedTarget`
+    keeps its own; outside a command, ``read()`` each time."""
+    if isinstance(cfg, LocatedTarget):
+        return copy.deepcopy(cfg.once(what, read))
+    memo = _COMMAND.get()
+    if memo is None:
+        return read()
+    key = (what, cfg.model, cfg.gguf_file, cfg.allow_download, cfg.trust_remote_code, os.getcwd())
+    if key not in memo:
+        memo[key] = read()
+    return copy.deepcopy(memo[key])
+
+
 def locate_target(cfg: TargetConfig | LocatedTarget) -> dict:
     """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading; a
-    :class:`LocatedTarget`'s own, located when it was made)."""
+    :class:`LocatedTarget`'s own, located when it was made; once per command, :func:`one_command`)."""
     if isinstance(cfg, LocatedTarget):
         return cfg.loc
-    return _locate(cfg)
+    return command_memo(cfg, "locate", lambda: _locate(cfg))
 
 
 def _locate(cfg: TargetConfig) -> dict:
@@ -248,9 +285,7 @@ def load_target_config(cfg: TargetConfig | LocatedTarget):
 
     Raises:
         ConfigError: the target cannot be located (see :func:`locate_target`)."""
-    if isinstance(cfg, LocatedTarget):
-        return cfg.once("configs", lambda: _load_target_config(cfg))
-    return _load_target_config(cfg)
+    return command_memo(cfg, "configs", lambda: _load_target_config(cfg))
 
 
 def _load_target_config(cfg: TargetConfig | LocatedTarget):

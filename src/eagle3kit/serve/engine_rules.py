@@ -21,7 +21,7 @@ from eagle3kit.core.engines import (
     uses_mla,
     vllm_cpu_build,
 )
-from eagle3kit.model.target_files import LocatedTarget, locate_target
+from eagle3kit.model.target_files import LocatedTarget, command_memo, locate_target
 from eagle3kit.serve.findings import Finding
 
 # where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)
@@ -424,11 +424,9 @@ def vllm_support_findings(archs: list[str], model_type: str, engine_version: str
 
 def raw_target_config(target: TargetConfig | LocatedTarget) -> dict:
     """The target's ``config.json`` as written (what vLLM reads: transformers' classes drop or add
-    keys), or {} for a GGUF target; a :class:`~eagle3kit.model.target_files.LocatedTarget`'s read once
-    (the same dict each time: read it, do not change it)."""
-    if isinstance(target, LocatedTarget):
-        return target.once("raw", lambda: _raw_target_config(target))
-    return _raw_target_config(target)
+    keys), or {} for a GGUF target; read once per command or
+    :class:`~eagle3kit.model.target_files.LocatedTarget` (:func:`~eagle3kit.model.target_files.command_memo`)."""
+    return command_memo(target, "raw", lambda: _raw_target_config(target))
 
 
 def _raw_target_config(target: TargetConfig | LocatedTarget) -> dict:
