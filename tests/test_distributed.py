@@ -235,6 +235,9 @@ def test_one_process_accumulating_two_micro_batches_trains_what_two_processes_tr
     assert len(a) >= 2 * STEPS_BEFORE_KILL and [r["step"] for r in b] == [r["step"] for r in a]
     assert [r["tokens"] for r in b] == [r["tokens"] for r in a]  # the same samples each step
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4, abs=1e-6)
+    assert [r["n"] for r in b] == [r["n"] for r in a]  # the log's counts are the step's, not rank 0's
+    for x, y in zip(b, a):
+        assert x["acc"] == pytest.approx(y["acc"], abs=2e-4)
     assert json.loads((one_dir / "report.json").read_text())["train"]["processes"] == 1
     wa, wb = (load_file(str(d / "checkpoints" / "last.safetensors")) for d in (two_dir, one_dir))
     assert wa.keys() == wb.keys()
@@ -412,3 +415,29 @@ def test_a_world_size_without_torchrun_is_refused_by_name(monkeypatch):
         ConfigError, match="WORLD_SIZE is 2 but RANK, MASTER_ADDR, MASTER_PORT unset: launch with torchrun"
     ):
         init_world(torch.device("cpu"))
+
+
+def test_packed_rows_train_alike_on_two_processes_and_on_one_accumulating_two(
+    base_run, tmp_path, tiny_target_dir
+):
+    """``train.pack_length``: samples packed into rows of 64 tokens, micro-batches of rows; two DDP
+    processes and one process with ``accumulate: 2`` take the same steps with the same loss (1e-4)."""
+    runs = {}
+    for name, nproc, acc in (("two", 2, 1), ("one", 1, 2)):
+        d = tmp_path / name
+        shutil.copytree(base_run, d)
+        cfg = _cfg_file(
+            d,
+            tiny_target_dir,
+            "float64",
+            f"epochs: 1, tokens_per_step: 64, pack_length: 64, accumulate: {acc}",
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        cmd = [*(launch if nproc == 2 else [sys.executable]), "-m", "eagle3kit", "train", "-c", str(cfg)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = _log(d)
+    assert len(runs["one"]) >= 3 and [r["tokens"] for r in runs["one"]] == [r["tokens"] for r in runs["two"]]
+    assert [r["loss"] for r in runs["one"]] == pytest.approx([r["loss"] for r in runs["two"]], rel=1e-4)

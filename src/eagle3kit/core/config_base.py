@@ -32,3 +32,28 @@ class StrictSection(BaseModel):
         if bool not in kinds and kinds & {int, float}:
             raise ValueError("a number is needed here, not true/false")
         return v
+
+
+def invalid_config_message(path, e, overrides: dict) -> str:
+    """``load_config``'s message for a config pydantic refused (``e``, a ``ValidationError``; ``path``, the
+    config file): one line per error, naming the field
+    and the value; a value given on the command line (``overrides``) is said to come from there, not
+    from the file; a rule over several sections (no field path) is its message alone."""
+    flags = {f"{k}.{sub}" for k, v in overrides.items() if isinstance(v, dict) for sub in v}
+    flags |= {k for k, v in overrides.items() if not isinstance(v, dict)}
+    lines, from_flags = [], []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc:
+            lines.append(f"  {msg}")
+            continue
+        flag = any(loc == f or loc.startswith(f + ".") for f in flags)
+        from_flags.append(flag)
+        lines.append(f"  {loc}: {msg} (got {err.get('input')!r}{', from the command line' if flag else ''})")
+    head = (
+        f"invalid value on the command line (config {path}):"
+        if from_flags and all(from_flags)
+        else f"{path}: invalid config:"
+    )
+    return head + "\n" + "\n".join(lines)

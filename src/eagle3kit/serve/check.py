@@ -123,13 +123,25 @@ _VERIFIER_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attent
 
 def _verifier_shape(name: str, target: TargetConfig, fix: str) -> list[Finding]:
     """A local verifier folder beside a packaged target (``pkg:``, no folder to compare paths with):
-    ``verifier_differs`` (warning) when its config.json's sizes are not the target's; [] when they are
-    or its config cannot be read (``vllm serve`` names that itself)."""
+    ``verifier_differs`` (warning) when its config.json's sizes are not the target's, ``verifier_unreadable``
+    (error) when that config is missing, unreadable or empty; [] when the sizes agree."""
     try:
         mine = json.loads((Path(name).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    mine = mine.get("text_config") or mine
+    except (OSError, ValueError) as e:
+        mine, why = None, f"{type(e).__name__}: {str(e)[:120]}"
+    else:
+        why = "it is not a mapping of the model's settings"
+    if isinstance(mine, dict) and isinstance(mine.get("text_config"), dict):
+        mine = mine["text_config"]
+    if not isinstance(mine, dict) or not mine:
+        return [
+            Finding(
+                "verifier_unreadable",
+                f"the folder names its target {name}, whose config.json cannot be read ({why}): `vllm serve` on "
+                "this folder fails",
+                fix,
+            )
+        ]
     theirs = load_target_config(target)[1]
     differ = [
         f"{k} {mine.get(k)} against {getattr(theirs, k, None)}"

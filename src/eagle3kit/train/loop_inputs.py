@@ -311,7 +311,8 @@ class _Inputs:
             i
             for steps in self.steps
             for g in steps
-            for i in flat_indices(rank_micros(g, world.rank, tc.accumulate)[0])
+            for micro in rank_micros(g, world.rank, tc.accumulate)[0]
+            for i in flat_indices(micro)
         }
         self.mine = [self.train[i] for i in sorted(mine)]  # the samples whose states this process needs
 

@@ -94,8 +94,9 @@ def optimizer_step(
             DistributedDataParallel or sharded by FSDP2 under torchrun. seed: the step's.
         world: the :class:`~eagle3kit.train.distributed.World`.
     Returns:
-        (loss — the step's objective over every process, a 0-dim fp64 tensor —, stats: ``n``, ``acc``,
-        ``log`` of this process's micro-batches, ``tokens`` over every process).
+        (loss — the step's objective over every process, a 0-dim fp64 tensor —, stats: ``n`` (summed)
+        and ``acc`` (weighted by the micro-batches' weights) and ``tokens`` over every process,
+        ``log`` of this process's micro-batches).
     """
     drafter = getattr(model, "module", model)
     opt.zero_grad(set_to_none=True)
@@ -115,7 +116,14 @@ def optimizer_step(
             sums[3] + st["tokens"],
         ]
         parts.append((weight, st))
-    total, weighted, n, tokens = world.sum_floats(sums)
+    st = _merge(parts)
+    # one collective: the step's sums, and every process's n and weight-summed acc for the log
+    local_w = sums[0] if sums[0] > 0 else 0.0
+    got = world.sum_floats(sums + [float(x) for x in st["n"]] + [a * local_w for a in st["acc"]])
+    total, weighted, n, tokens = got[:4]
+    st["n"] = [int(x) for x in got[4 : 4 + len(st["n"])]]
+    if total > 0:
+        st["acc"] = [a / total for a in got[4 + len(st["n"]) :]]
     if n > 0 and total > 0:
         scale = world.size / total  # the processes' gradients arrive averaged: × size gives their sum
         if scale != 1.0:
@@ -124,7 +132,6 @@ def optimizer_step(
                     p.grad.mul_(scale)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         opt.step()
-    st = _merge(parts)
     st["tokens"] = int(tokens)
     step_loss = weighted / total if total > 0 else value
     return torch.tensor(step_loss, dtype=torch.float64), st

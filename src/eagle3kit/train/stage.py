@@ -141,9 +141,14 @@ class _Training(_Inputs, _Resume, _Report):
             drafter.compile_layer()
         self.model = world.wrap(drafter, tc.parallel)
         if (world.size > 1 or tc.accumulate > 1) and world.main:
+            how = (
+                f"{tc.parallel.upper()} on {device.type}"
+                if world.size > 1
+                else f"one process on {device.type}"
+            )
             console.print(
-                f"train: world size {world.size} ({tc.parallel.upper()} on {device.type}), {tc.accumulate} "
-                f"micro-batch(es) of ≤ {tc.tokens_per_step} tokens each a step, from {len(self.train)} samples"
+                f"train: world size {world.size} ({how}), {tc.accumulate} micro-batch(es) of ≤ "
+                f"{tc.tokens_per_step} tokens each a step, from {len(self.train)} samples"
             )
         self.draft_ids = self.vocab.ids.to(device)
         self.opt = torch.optim.AdamW(
