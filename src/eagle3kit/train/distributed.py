@@ -56,14 +56,6 @@ class World:
         if self.size > 1:
             dist.barrier()
 
-    def min_int(self, value: int) -> int:
-        """The smallest ``value`` over all processes."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t)
-
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sums over all processes."""
         if self.size == 1:

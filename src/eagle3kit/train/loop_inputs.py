@@ -307,14 +307,13 @@ class _Inputs:
         self.steps = [
             step_groups(epoch_batches(self.train, tc, e), tc.accumulate, world.size) for e in range(tc.epochs)
         ]
-        mine = {
-            i
-            for steps in self.steps
-            for g in steps
-            for micro in rank_micros(g, world.rank, tc.accumulate)[0]
-            for i in flat_indices(micro)
-        }
+        mine = {i for steps in self.steps for g in steps for i in self._indices(g)}
         self.mine = [self.train[i] for i in sorted(mine)]  # the samples whose states this process needs
+
+    def _indices(self, group: list) -> list[int]:
+        """The samples this process runs of the step ``group`` (every micro-batch's)."""
+        micros, _ = rank_micros(group, self.world.rank, self.tc.accumulate)
+        return [i for m in micros for i in flat_indices(m)]
 
 
 @torch.no_grad()

@@ -100,7 +100,7 @@ def optimizer_step(
     """
     drafter = getattr(model, "module", model)
     opt.zero_grad(set_to_none=True)
-    parts, sums = [], [0.0, 0.0, 0.0, 0.0]  # Σ weight, Σ loss·weight, supervised positions, real tokens
+    parts, weighted = [], 0.0  # (weight, stats) per micro-batch; Σ loss · weight
     for i, micro in enumerate(micros):
         with grad_sync(model, i == len(micros) - 1):
             loss, weight, st = kind.loss(model, target, samples, micro, speed, cfg, draft_ids, seed)
@@ -109,22 +109,17 @@ def optimizer_step(
             with tf32_matmuls(speed.get("tf32", False)):
                 (loss * weight).backward()
         value = float(loss.detach())
-        sums = [
-            sums[0] + weight,
-            sums[1] + value * weight,
-            sums[2] + float(sum(st["n"])),
-            sums[3] + st["tokens"],
-        ]
+        weighted += value * weight
         parts.append((weight, st))
     st = _merge(parts)
-    # one collective: the step's sums, and every process's n and weight-summed acc for the log
-    local_w = sums[0] if sums[0] > 0 else 0.0
-    got = world.sum_floats(sums + [float(x) for x in st["n"]] + [a * local_w for a in st["acc"]])
-    total, weighted, n, tokens = got[:4]
-    st["n"] = [int(x) for x in got[4 : 4 + len(st["n"])]]
+    mine = sum(w for w, _ in parts)
+    # one collective: Σ weight, Σ loss · weight, real tokens, n per position, weight-summed acc
+    got = world.sum_floats([mine, weighted, st["tokens"], *st["n"], *(a * mine for a in st["acc"])])
+    total, weighted, st["tokens"] = got[0], got[1], int(got[2])
+    st["n"] = [int(x) for x in got[3 : 3 + len(st["n"])]]
     if total > 0:
-        st["acc"] = [a / total for a in got[4 + len(st["n"]) :]]
-    if n > 0 and total > 0:
+        st["acc"] = [a / total for a in got[3 + len(st["n"]) :]]
+    if sum(st["n"]) > 0 and total > 0:
         scale = world.size / total  # the processes' gradients arrive averaged: × size gives their sum
         if scale != 1.0:
             for p in drafter.parameters():
@@ -132,6 +127,5 @@ def optimizer_step(
                     p.grad.mul_(scale)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
         opt.step()
-    st["tokens"] = int(tokens)
     step_loss = weighted / total if total > 0 else value
     return torch.tensor(step_loss, dtype=torch.float64), st

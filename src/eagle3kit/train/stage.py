@@ -38,7 +38,6 @@ from eagle3kit.core.ui import Timer, console, progress
 from eagle3kit.model.target import (
     Target,
 )
-from eagle3kit.train.batches import flat_indices
 from eagle3kit.train.checkpoints import (
     init_from_drafter,
 )
@@ -263,11 +262,6 @@ class _Training(_Inputs, _Resume, _Report):
                         f"train: stopped after {self.steps_run} steps (EAGLE3KIT_STOP_AFTER_STEPS)"
                     )
         return sums
-
-    def _indices(self, group: list) -> list[int]:
-        """The samples this process runs of the step ``group`` (every micro-batch's)."""
-        micros, _ = rank_micros(group, self.world.rank, self.tc.accumulate)
-        return [i for m in micros for i in flat_indices(m)]
 
     def _step(self, epoch: int, group: list) -> tuple:
         """One optimizer step over ``group`` (the step's micro-batches of every process): features when

@@ -22,6 +22,7 @@ from eagle3kit.drafters.dflash.objective import (
     dflash_loss,
     pick_anchors,
 )
+from eagle3kit.train.batches import flat_indices
 from eagle3kit.train.samples import mask_token
 
 #: the metadata key that marks a DFlash checkpoint (export and evaluate read it)
@@ -94,7 +95,7 @@ def dflash_micro_loss(model, target, samples, micro, speed: dict, cfg, seed: int
     per slot 1 … B−1], "tokens": real tokens, "log"}``)."""
     drafter = getattr(model, "module", model)
     device = next(drafter.parameters()).device
-    idx = [i for r in micro for i in (r if isinstance(r, list) else [r])]
+    idx = flat_indices(micro)
     b = dflash_batch(samples, idx, device)
     gens = [torch.Generator().manual_seed(sample_seed(seed, i)) for i in idx]
     anchors = pick_anchors(
