@@ -80,6 +80,31 @@ def build_tiny_llama(num_layers: int = 8, seed: int = 0, dtype=torch.float32, **
     return m
 
 
+@pytest.fixture
+def target_reads(monkeypatch) -> dict:
+    """Counts, while the test runs, how often the target is located (``locate``), its config read through
+    transformers (``configs``) and its config.json read as written (``raw``): the dict, updated live."""
+    from eagle3kit.model import target_files
+    from eagle3kit.serve import engine_rules
+
+    calls = {"locate": 0, "configs": 0, "raw": 0}
+
+    def counting(key, fn):
+        def wrapped(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    for module, name, key in (
+        (target_files, "_locate", "locate"),
+        (target_files, "_load_target_config", "configs"),
+        (engine_rules, "_raw_target_config", "raw"),
+    ):
+        monkeypatch.setattr(module, name, counting(key, getattr(module, name)))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny random 8-layer Llama (hidden 64) with SmolLM2's real tokenizer, saved as a local folder."""

@@ -235,26 +235,11 @@ def test_a_target_config_without_its_sizes_is_named_not_blamed_on_the_drafter(
     assert "target_hidden_size" not in said and "fc_width" not in said
 
 
-def test_check_locates_the_target_once_and_reads_its_configs_once(good, tiny_target_dir, monkeypatch):
+def test_check_locates_the_target_once_and_reads_its_configs_once(good, tiny_target_dir, target_reads):
     """One `eagle3kit check`: the target is located once, and its config read once through transformers
     and once as written (every rule reads the same), for a servable folder and for one with findings."""
-    from eagle3kit.model import target_files
-    from eagle3kit.serve import engine_rules
-
-    calls = {"locate": 0, "configs": 0, "raw": 0}
-
-    def counting(key, fn):
-        def wrapped(*a, **kw):
-            calls[key] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(target_files, "_locate", counting("locate", target_files._locate))
-    monkeypatch.setattr(
-        target_files, "_load_target_config", counting("configs", target_files._load_target_config)
-    )
-    monkeypatch.setattr(engine_rules, "_raw_target_config", counting("raw", engine_rules._raw_target_config))
     res = CliRunner().invoke(app, ["check", str(good), "--target", str(tiny_target_dir), "--json"])
     assert res.exit_code == 0, res.output
-    assert calls == {"locate": 1, "configs": 1, "raw": 1}
+    assert target_reads == {"locate": 1, "configs": 1, "raw": 1}
+    check_drafter(good, TargetConfig(model=str(tiny_target_dir)))  # called as a function: the same
+    assert target_reads == {"locate": 2, "configs": 2, "raw": 2}

@@ -20,29 +20,16 @@ evaluate: {{k: 2, max_new_tokens: 8}}
 """
 
 
-def test_a_whole_run_locates_its_target_once(tmp_path, tiny_target_dir, monkeypatch):
+def test_a_whole_run_locates_its_target_once(tmp_path, tiny_target_dir, target_reads):
     from eagle3kit.model import target_files
 
-    calls = {"locate": 0, "configs": 0}
-
-    def counting(key, fn):
-        def wrapped(*a, **kw):
-            calls[key] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(target_files, "_locate", counting("locate", target_files._locate))
-    monkeypatch.setattr(
-        target_files, "_load_target_config", counting("configs", target_files._load_target_config)
-    )
     cfg = tmp_path / "c.yaml"
     cfg.write_text(CONFIG.format(run=tmp_path / "run", target=tiny_target_dir, gsm8k=GSM8K))
     res = CliRunner().invoke(app, ["run", "-c", str(cfg)])
     assert res.exit_code == 0, res.output[-3000:]
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
-    assert calls == {"locate": 1, "configs": 1}
+    assert (target_reads["locate"], target_reads["configs"]) == (1, 1)
     # outside a command nothing is kept: a call reads again
     target_files.locate_target(TargetConfig(model=str(tiny_target_dir)))
     target_files.locate_target(TargetConfig(model=str(tiny_target_dir)))
-    assert calls["locate"] == 3
+    assert target_reads["locate"] == 3

@@ -139,30 +139,6 @@ def weights_fingerprint(cfg: TargetConfig) -> str | None:
     return located_fingerprint(locate_target(cfg))
 
 
-class LocatedTarget:
-    """A target located once for one command, standing wherever a ``TargetConfig`` does (its fields
-    read through): ``cfg``, ``loc`` (:func:`locate_target`'s dict), and what :func:`load_target_config`
-    and the engine rules' raw ``config.json`` read, each read on first use and kept (:meth:`once`).
-
-    Raises (on construction): ConfigError, as :func:`locate_target`."""
-
-    def __init__(self, cfg: TargetConfig | LocatedTarget):
-        self.cfg = cfg.cfg if isinstance(cfg, LocatedTarget) else cfg
-        self.loc = cfg.loc if isinstance(cfg, LocatedTarget) else _locate(self.cfg)
-        self.memo = cfg.memo if isinstance(cfg, LocatedTarget) else {}
-
-    def __getattr__(self, name: str):
-        if name in ("cfg", "loc", "memo"):  # not set yet: no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(self.cfg, name)
-
-    def once(self, key: str, read):
-        """``read()``'s value under ``key``, read the first time it is asked for."""
-        if key not in self.memo:
-            self.memo[key] = read()
-        return self.memo[key]
-
-
 # one command's targets, located and read once (see one_command); None outside a command
 _COMMAND: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "eagle3kit_command_targets", default=None
@@ -171,10 +147,14 @@ _COMMAND: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def one_command():
-    """Inside the block (one CLI command), a target is located, and its config read, once: every
-    :func:`locate_target`, :func:`load_target_config` and :func:`command_memo` of the same target (its
-    ``model``, ``gguf_file``, ``allow_download``, ``trust_remote_code``, and the current folder) returns
-    what the first call found. Outside it, each call reads again."""
+    """Inside the block (one CLI command, or one ``check``), a target is located, and its config read,
+    once: every :func:`locate_target`, :func:`load_target_config` and :func:`command_memo` of the same
+    target (its ``model``, ``gguf_file``, ``allow_download``, ``trust_remote_code``, and the current
+    folder) returns what the first call found. A block inside another keeps the outer one's reads.
+    Outside any, each call reads again."""
+    if _COMMAND.get() is not None:
+        yield
+        return
     token = _COMMAND.set({})
     try:
         yield
@@ -182,12 +162,10 @@ def one_command():
         _COMMAND.reset(token)
 
 
-def command_memo(cfg: TargetConfig | LocatedTarget, what: str, read):
+def command_memo(cfg: TargetConfig, what: str, read):
     """``read()`` once per command for this target and ``what`` (:func:`one_command`), each caller given
-    its own copy (transformers may change a config it loads a model with); a :class:`LocatedTarget`
-    keeps its own; outside a command, ``read()`` each time."""
-    if isinstance(cfg, LocatedTarget):
-        return copy.deepcopy(cfg.once(what, read))
+    its own copy (transformers may change a config it loads a model with); outside a command,
+    ``read()`` each time."""
     memo = _COMMAND.get()
     if memo is None:
         return read()
@@ -201,11 +179,9 @@ def command_memo(cfg: TargetConfig | LocatedTarget, what: str, read):
     return value
 
 
-def locate_target(cfg: TargetConfig | LocatedTarget) -> dict:
-    """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading; a
-    :class:`LocatedTarget`'s own, located when it was made; once per command, :func:`one_command`)."""
-    if isinstance(cfg, LocatedTarget):
-        return cfg.loc
+def locate_target(cfg: TargetConfig) -> dict:
+    """Where the target's weights are: ``{"path", "gguf_file", "model"}`` (no loading; once per
+    command, :func:`one_command`)."""
     return command_memo(cfg, "locate", lambda: _locate(cfg))
 
 
@@ -281,9 +257,9 @@ _SIZE_KEYS = {
 }
 
 
-def load_target_config(cfg: TargetConfig | LocatedTarget):
-    """The target's ``(config, text_config)`` without loading weights (a :class:`LocatedTarget`'s read
-    once).
+def load_target_config(cfg: TargetConfig):
+    """The target's ``(config, text_config)`` without loading weights (read once per command,
+    :func:`one_command`).
 
     A GGUF's config is read from the GGUF once (about 10 s for SmolLM2: transformers parses the
     file) and kept under :func:`cache_dir` keyed by the GGUF file's fingerprint, as its tokenizer is.
@@ -293,7 +269,7 @@ def load_target_config(cfg: TargetConfig | LocatedTarget):
     return command_memo(cfg, "configs", lambda: _load_target_config(cfg))
 
 
-def _load_target_config(cfg: TargetConfig | LocatedTarget):
+def _load_target_config(cfg: TargetConfig):
     """:func:`load_target_config`, read now."""
     from transformers import AutoConfig
 

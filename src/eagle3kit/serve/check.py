@@ -33,7 +33,7 @@ from eagle3kit.model.contract import (
     served_config,
 )
 from eagle3kit.model.target import rope_conflict, rope_settings, same_rope
-from eagle3kit.model.target_files import LocatedTarget, load_target_config, target_architectures
+from eagle3kit.model.target_files import load_target_config, one_command, target_architectures
 from eagle3kit.serve.check_folder import (
     DrafterFolder,
     aux_in_weights,
@@ -107,14 +107,17 @@ def _check_verifier(config: dict, target: TargetConfig) -> list[Finding]:
         return []
     if local and target.model.startswith("pkg:"):  # a packaged target has no folder: compare the shapes
         return _verifier_shape(name, target, fix)
-    return [
-        Finding(
-            "verifier_differs",
-            f"`vllm serve` on this folder loads {name}; this check compared it with {target.model}",
-            f"check with --target {name}, or " + fix.split(": ", 1)[1],
-            "warning",
-        )
-    ]
+    return [_verifier_differs(name, f"; this check compared it with {target.model}", fix)]
+
+
+def _verifier_differs(name: str, said: str, fix: str) -> Finding:
+    """The ``verifier_differs`` warning: `vllm serve` loads ``name``, then ``said`` (against what)."""
+    return Finding(
+        "verifier_differs",
+        f"`vllm serve` on this folder loads {name}{said}",
+        f"check with --target {name}, or " + fix.split(": ", 1)[1],
+        "warning",
+    )
 
 
 #: the sizes a verifier folder and a packaged target must share to be one model
@@ -150,14 +153,7 @@ def _verifier_shape(name: str, target: TargetConfig, fix: str) -> list[Finding]:
     ]
     if not differ:
         return []
-    return [
-        Finding(
-            "verifier_differs",
-            f"`vllm serve` on this folder loads {name}, another model than {target.model} ({', '.join(differ)})",
-            f"check with --target {name}, or " + fix.split(": ", 1)[1],
-            "warning",
-        )
-    ]
+    return [_verifier_differs(name, f", another model than {target.model} ({', '.join(differ)})", fix)]
 
 
 def check_drafter(
@@ -176,8 +172,8 @@ def check_drafter(
     the drafter generation and widths, the tensors against the contract, the vocab maps, positions
     and rope, the aux ids, then what the engine (release, layout, target class) supports.
 
-    The target is located once (:class:`~eagle3kit.model.target_files.LocatedTarget`) and its config
-    files read once for every rule.
+    The target is located once and its config files read once for every rule
+    (:func:`~eagle3kit.model.target_files.one_command`).
 
     Raises:
         ConfigError: the target cannot be located (names it).
@@ -191,14 +187,14 @@ def check_drafter(
     ]
     if missing:
         return missing
-    target = LocatedTarget(target)
-    try:  # a speculators folder's verifier, whatever the kind (an unreadable config: the kind's check names it)
-        verifier = _check_verifier(json.loads(cfg_path.read_text()), target)
-    except (OSError, ValueError, AttributeError):
-        verifier = []
-    return verifier + kind_for_folder(d).check(
-        d, target, engine, engine_version, max_model_len, num_speculative_tokens
-    )
+    with one_command():  # one location and one read of the target's config for every rule
+        try:  # a speculators folder's verifier, whatever the kind (an unreadable config: the kind's check names it)
+            verifier = _check_verifier(json.loads(cfg_path.read_text()), target)
+        except (OSError, ValueError, AttributeError):
+            verifier = []
+        return verifier + kind_for_folder(d).check(
+            d, target, engine, engine_version, max_model_len, num_speculative_tokens
+        )
 
 
 def check_chain_folder(

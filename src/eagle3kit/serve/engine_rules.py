@@ -21,7 +21,7 @@ from eagle3kit.core.engines import (
     uses_mla,
     vllm_cpu_build,
 )
-from eagle3kit.model.target_files import LocatedTarget, command_memo, locate_target
+from eagle3kit.model.target_files import command_memo, locate_target
 from eagle3kit.serve.findings import Finding
 
 # where the vLLM rules were measured by serving what they pass and refuse (printed by `eagle3kit check`)
@@ -422,14 +422,14 @@ def vllm_support_findings(archs: list[str], model_type: str, engine_version: str
     return out
 
 
-def raw_target_config(target: TargetConfig | LocatedTarget) -> dict:
+def raw_target_config(target: TargetConfig) -> dict:
     """The target's ``config.json`` as written (what vLLM reads: transformers' classes drop or add
-    keys), or {} for a GGUF target; read once per command or
-    :class:`~eagle3kit.model.target_files.LocatedTarget` (:func:`~eagle3kit.model.target_files.command_memo`)."""
+    keys), or {} for a GGUF target; read once per command
+    (:func:`~eagle3kit.model.target_files.one_command`)."""
     return command_memo(target, "raw", lambda: _raw_target_config(target))
 
 
-def _raw_target_config(target: TargetConfig | LocatedTarget) -> dict:
+def _raw_target_config(target: TargetConfig) -> dict:
     """:func:`raw_target_config`, read now."""
     loc = locate_target(target)
     if loc["gguf_file"] or not (Path(loc["path"]) / "config.json").is_file():
