@@ -75,25 +75,21 @@ def _write_cfg(run_dir, target_dir, parallel: str = "ddp"):
 def _launch(
     run_dir, target_dir, stop_after: int | None = None, parallel: str = "ddp"
 ) -> subprocess.CompletedProcess:
-    cfg = _write_cfg(run_dir, target_dir, parallel)
+    return _train(_write_cfg(run_dir, target_dir, parallel), 2, stop_after)
+
+
+def _train(cfg, processes: int, stop_after: int | None = None) -> subprocess.CompletedProcess:
+    """``eagle3kit train -c cfg`` in one process, or under torchrun in ``processes`` (gloo);
+    ``stop_after``: the run stops after that many steps (EAGLE3KIT_STOP_AFTER_STEPS)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
     if stop_after:
         env["EAGLE3KIT_STOP_AFTER_STEPS"] = str(stop_after)
+    launch = [sys.executable]
+    if processes > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "eagle3kit",
-            "train",
-            "-c",
-            str(cfg),
-        ],
+        [*launch, "-m", "eagle3kit", "train", "-c", str(cfg)],
         env=env,
         capture_output=True,
         text=True,
@@ -221,15 +217,7 @@ def test_one_process_accumulating_two_micro_batches_trains_what_two_processes_tr
         "epochs: 2, tokens_per_step: 64, checkpoint_every: 3, accumulate: 2",
         DFLASH if parallel == "dflash" else "",
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
-    one = subprocess.run(
-        [sys.executable, "-m", "eagle3kit", "train", "-c", str(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    one = _train(cfg, 1)
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = _log(two_dir), _log(one_dir)
     assert len(a) >= 2 * STEPS_BEFORE_KILL and [r["step"] for r in b] == [r["step"] for r in a]
@@ -432,11 +420,7 @@ def test_packed_rows_train_alike_on_two_processes_and_on_one_accumulating_two(
             "float64",
             f"epochs: 1, tokens_per_step: 64, pack_length: 64, accumulate: {acc}",
         )
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop("EAGLE3KIT_STOP_AFTER_STEPS", None)
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        cmd = [*(launch if nproc == 2 else [sys.executable]), "-m", "eagle3kit", "train", "-c", str(cfg)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = _train(cfg, nproc)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = _log(d)
     assert len(runs["one"]) >= 3 and [r["tokens"] for r in runs["one"]] == [r["tokens"] for r in runs["two"]]
