@@ -439,7 +439,12 @@ def main() -> None:
         if args.online and name == args.drafter_list[0]:  # before the others: the row no peer has
             from serving_gpu_online import colocated
 
-            online = colocated(args, runs[name], target_folder(), cli)
+            try:  # a failed online row is recorded, not fatal: the served rows still follow
+                online = colocated(args, runs[name], target_folder(), cli)
+            except SystemExit as e:
+                online = {"failed": str(e)}
+                print(f"online row failed: {e}", flush=True)
+            torch.cuda.empty_cache()
     from eagle3kit.core.rundir import write_text
 
     out = Path(args.out)

@@ -47,7 +47,10 @@ def plot(rows: list[dict], levels: list[int], path: Path) -> None:
 
 
 def print_online(rec: dict) -> None:
-    """The colocated online row beside the offline one (serving_gpu_online.py)."""
+    """The colocated online row beside the offline one (serving_gpu_online.py), or why it failed."""
+    if "failed" in rec:
+        print(f"online training: failed ({rec['failed']})")
+        return
     print(
         "| training | tokens/s steady | tokens/s wall | MFU steady | wait for states s | final loss "
         "| τ K3 MT-bench | τ K3 GSM8K |"
