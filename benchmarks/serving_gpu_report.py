@@ -35,7 +35,10 @@ def plot(rows: list[dict], levels: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         ys = [(r["levels"].get(str(c)) or {}).get("speedup") for c in levels]
-        ax.plot(levels, ys, marker="o", label=f"{r['drafter']} K={r['k']} (τ {r['tau_served'] or 0:.2f})")
+        run = f" {r['run']}" if r.get("run") else ""
+        ax.plot(
+            levels, ys, marker="o", label=f"{r['drafter']} K={r['k']} (τ {r['tau_served'] or 0:.2f}){run}"
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")

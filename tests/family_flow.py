@@ -120,7 +120,9 @@ def run_family(
     folder = family_targets.build(family, work / "target", smollm2_dir)
     cfg_path = write_config(work, folder, prompts, tokens, epochs, eval_prompts, lr)
     report = run_all(load_config(cfg_path))
-    release_engines()
+    from eagle3kit.data import backends
+
+    assert not backends._VLLM, "run_all returned with its vLLM engine still cached (GBs of KV cache held)"
     drafter = work / "run" / "drafter"
     findings = check_drafter(drafter, TargetConfig(model=str(folder)))
     errors = [f for f in findings if f.severity == "error"]

@@ -205,7 +205,9 @@ class StageClock:
 
 
 def run_all(cfg: Config) -> dict:
-    """Run every stage; returns ``report.json``'s content and prints the summary table.
+    """Run every stage; returns ``report.json``'s content and prints the summary table. The in-process
+    vLLM engine that generate and evaluate use is shut down before training on a GPU and after evaluate
+    everywhere, so the process holds none of its memory when this returns.
 
     Under ``torchrun`` (:class:`~eagle3kit.train.distributed.Launch`) rank 0 runs the data stages
     while the other ranks wait, every rank trains, then rank 0 alone exports and evaluates (the
@@ -252,6 +254,9 @@ def run_all(cfg: Config) -> dict:
     else:
         with clock("evaluate"):
             run_evaluate(cfg, run, target)
+    # evaluate's engine (its continuations) is not kept past the run: on a GPU it holds nearly all the free
+    # memory, which a caller of run_all in the same process (a second run, a server) would not get back
+    release_vllm_engine()
     run.update_report(
         "run", {"seconds": round(timer.seconds, 1), "processes": launch.size, "stages": clock.stages}
     )
