@@ -14,10 +14,14 @@
 #   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
 #       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
+#   bash benchmarks/serving_gpu_device.sh keep
+#       each trained drafter's run (data stages, drafter, report; no checkpoints) into $OUT/run-NAME.tgz;
+#       put them in .gpudata/runs here: a later `start` carrying .gpudata/runs reads those drafters
+#       back instead of training them again (on a fresh machine too)
 set -uo pipefail
-W=/tmp/sg
+W=${SG_WORK:-/tmp/sg} # SG_WORK: only for the script's own tests
 REPO=/tmp/sg-repo
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -46,6 +50,11 @@ launch() { # launch COMMAND FOLDER COPY SCRIPT [ARGS]: FOLDER copied to COPY, SC
   running && { echo "$name: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
   rm -rf $REPO "$copy" && mkdir -p $REPO /tmp/sg-out &&
     cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$folder" "$copy" || exit 1
+  for kept in .gpudata/runs/run-*.tgz; do # trained runs `keep` brought back, unless this machine has them
+    [ -f "$kept" ] || continue
+    name=$(basename "$kept" .tgz) && name=${name#run-}
+    [ -f "$W/$name/trained.json" ] || { mkdir -p "$W" && tar -xzf "$kept" -C "$(dirname "$W")" && echo "== $name: read back from $kept"; } || exit 1
+  done
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   fi
@@ -70,12 +79,22 @@ shape)
   launch shape "$data" /tmp/sgs-data benchmarks/serving_gpu_shape.py --data /tmp/sgs-data --work /tmp/sgs \
     --out /tmp/sg-out/serving_gpu_8b_shape.json "$@"
   ;;
+keep)
+  mkdir -p "${OUT:-/tmp}"
+  for done in $W/*/trained.json; do
+    [ -f "$done" ] || { echo "keep: no trained drafter under $W yet" >&2; exit 2; }
+    name=$(basename "$(dirname "$done")")
+    tar -czf "${OUT:-/tmp}/run-$name.tgz" -C "$(dirname "$W")" --exclude=checkpoints --exclude=tensorboard \
+      --exclude='online-buffer' --exclude='online-consumed' "$(basename "$W")/$name" || exit 1
+    echo "run-$name.tgz: $(du -m "${OUT:-/tmp}/run-$name.tgz" | cut -f1) MB"
+  done
+  ;;
 wait)
   [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }
   wait_for "${1:-480}"
   ;;
 *)
-  echo "serving_gpu_device.sh: unknown command $cmd (start, shape or wait)" >&2
+  echo "serving_gpu_device.sh: unknown command $cmd (start, shape, wait or keep)" >&2
   exit 2
   ;;
 esac

@@ -4,6 +4,7 @@ vLLM on a machine without network) and benchmarks/serving_gpu.py (its options an
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -207,6 +208,32 @@ def test_the_serving_device_script_shows_its_usage_and_refuses_a_shared_folder_w
     assert res.returncode == 2 and "unknown command nope" in res.stderr
     res = subprocess.run(["bash", str(sh), "wait", "1x"], capture_output=True, text=True)
     assert res.returncode == 2 and "SECONDS must be a whole number of seconds, got '1x'" in res.stderr
+
+
+def test_keep_brings_back_each_trained_run_without_its_checkpoints(tmp_path):
+    """``keep``: one archive per drafter that has ``trained.json``, holding its data stages and drafter and
+    none of its checkpoints; none trained is refused by name."""
+    import tarfile
+
+    sh, work, out = REPO / "benchmarks" / "serving_gpu_device.sh", tmp_path / "sg", tmp_path / "out"
+    env = {**os.environ, "SG_WORK": str(work), "OUT": str(out)}
+    res = subprocess.run(["bash", str(sh), "keep"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and f"no trained drafter under {work}" in res.stderr
+    for name, trained in (("eagle3.1", True), ("dflash", False)):
+        run = work / name / "run"
+        for f in ("tokens.safetensors", "drafter/model.safetensors", "checkpoints/step-1/state.safetensors"):
+            (run / f).parent.mkdir(parents=True, exist_ok=True)
+            (run / f).write_bytes(b"x" * 10)
+        if trained:
+            (work / name / "trained.json").write_text("{}\n")
+    res = subprocess.run(["bash", str(sh), "keep"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["run-eagle3.1.tgz"]
+    with tarfile.open(out / "run-eagle3.1.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"sg/eagle3.1/trained.json", "sg/eagle3.1/run/tokens.safetensors"} <= names
+    assert "sg/eagle3.1/run/drafter/model.safetensors" in names
+    assert not [n for n in names if "checkpoints" in n]
 
 
 @pytest.fixture()
