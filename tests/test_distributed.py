@@ -289,6 +289,51 @@ def test_one_process_resume_survives_setting_changes_and_refuses_mismatched_file
     assert again["last_step"] == res["last_step"] and again["tokens_per_s"] == res["tokens_per_s"]
 
 
+def test_patience_stops_when_validation_tau_stops_rising_and_a_rerun_stays_stopped(
+    base_run, tmp_path, tiny_target_dir
+):
+    """train.patience 1 with a learning rate too small to move validation τ: epoch 1 is the best, epoch 2
+    does not beat it, so training stops after 2 of 6 epochs, says so, and the report records it; a rerun
+    trains nothing more; without patience all 6 run."""
+    from eagle3kit.core.config import load_config
+    from eagle3kit.core.ui import console
+    from eagle3kit.train.stage import run_train
+
+    runs = {}
+    for name, extra in (("patient", "patience: 1, "), ("all", "")):
+        d = tmp_path / name
+        shutil.copytree(base_run, d)
+        train = f"{extra}epochs: 6, tokens_per_step: 256, tensorboard: false"
+        cfg = load_config(_cfg_file(d, tiny_target_dir, "float64", train))
+        cfg.train.lr = 1.0e-12
+        with console.capture() as cap:
+            runs[name] = run_train(cfg, RunDir(d))
+        said = " ".join(cap.get().split())
+        if name == "patient":
+            assert (
+                "has not beaten epoch 1's for 1 epochs: stopping after epoch 2 of 6 (train.patience)" in said
+            )
+            with console.capture() as cap:
+                again = run_train(cfg, RunDir(d))
+            assert "already stopped at epoch 2 (train.patience)" in " ".join(cap.get().split())
+            assert [h["epoch"] for h in again["history"]] == [1, 2]
+    patient, whole = runs["patient"], runs["all"]
+    assert [h["epoch"] for h in patient["history"]] == [1, 2] and patient["best_epoch"] == 1
+    assert patient["stopped_early"] is True and patient["epochs_run"] == 2 and patient["epochs"] == 6
+    assert whole["stopped_early"] is False and whole["epochs_run"] == 6
+
+
+def test_patience_without_validation_samples_is_refused_by_name():
+    from pydantic import ValidationError
+
+    from eagle3kit.core.config import Config
+
+    with pytest.raises(
+        ValidationError, match=r"train.patience 2 stops on validation τ, and train.val_fraction is 0"
+    ):
+        Config.model_validate({"train": {"patience": 2, "val_fraction": 0}})
+
+
 def _mixed_cfg(run_dir, target_dir, shuffle: str = "samples"):
     cfg = _cfg_file(
         run_dir,

@@ -192,6 +192,12 @@ class TrainConfig(StrictSection):
         default=0.8, gt=0.0, le=1.0, description="loss weight of TTT step k is step_weight**k"
     )
     epochs: int = Field(default=20, ge=1)
+    patience: int | None = Field(
+        default=None,
+        ge=1,
+        description="stop once validation τ has not beaten its best for this many epochs in a row (the "
+        "best checkpoint is what export reads); unset: every epoch runs. Needs val_fraction > 0",
+    )
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = Field(
         default=(0.9, 0.999),
@@ -328,6 +334,15 @@ class TrainConfig(StrictSection):
     wandb_project: str | None = Field(
         default=None, description="also log to this Weights & Biases project (pip install wandb)"
     )
+
+    @model_validator(mode="after")
+    def _patience_needs_validation(self):
+        if self.patience is not None and self.val_fraction == 0:
+            raise ValueError(
+                f"train.patience {self.patience} stops on validation τ, and train.val_fraction is 0: set "
+                "train.val_fraction (e.g. 0.05), or remove train.patience"
+            )
+        return self
 
     @field_validator("memory_limit_gib")
     @classmethod

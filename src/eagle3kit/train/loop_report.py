@@ -67,6 +67,20 @@ class _Report:
                     model_state,
                 )
         self.save(epoch + 1, 0, None)
+        if self.stopped_early() and world.main:
+            console.print(
+                f"train: validation τ has not beaten epoch {self.best['epoch']}'s for {self.tc.patience} epochs: "
+                f"stopping after epoch {epoch + 1} of {self.tc.epochs} (train.patience)"
+            )
+
+    def stopped_early(self) -> bool:
+        """True once the best score (validation τ; the negated training loss when no sample was held out) is
+        ``train.patience`` or more epochs older than the last epoch run; False when patience is unset. Read
+        from the history and best that a resume restores, so a resumed run that had stopped stays stopped."""
+        patience = self.tc.patience
+        if patience is None or not self.history:
+            return False
+        return self.history[-1]["epoch"] - self.best["epoch"] >= patience
 
     def _simulate_val(self) -> AcceptanceStats:
         """Simulated τ on the validation split; when its states are kept nowhere
@@ -108,6 +122,8 @@ class _Report:
             "best_epoch": self.best["epoch"],
             "best_val_tau": round(self.best["val_tau"], 4) if self.n_val else None,
             "epochs": tc.epochs,
+            "epochs_run": final.get("epoch", 0),
+            "stopped_early": self.stopped_early(),
             **self.kind.report(self.cfg, self.drafter),
             "train_samples": len(self.samples) - self.n_val,
             "val_samples": self.n_val,

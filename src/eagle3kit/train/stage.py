@@ -86,14 +86,20 @@ def _run_train(cfg: Config, run: RunDir, target: Target | None, kind: DrafterKin
     t = _Training(cfg, run, target, kind)  # resolve inputs: files, vocab, target, samples, features, split
     t.build()  # the drafter, init_from, optimizer and schedule
     t.restore()  # resume from checkpoints/last.*, or set foreign ones aside
-    if t.start_epoch >= t.tc.epochs:
+    if t.start_epoch >= t.tc.epochs or t.stopped_early():
         if t.world.main:
-            console.print("[green]train: all epochs already done")
+            console.print(
+                "[green]train: all epochs already done"
+                if t.start_epoch >= t.tc.epochs
+                else f"[green]train: already stopped at epoch {t.start_epoch} (train.patience)"
+            )
         done = run.report.get("train")
         if done and not t.swapped:  # checkpoints put back: the report is theirs, written again
             return done
     t.prepare()  # pending mark, the feature cache, the log
     for epoch in range(t.start_epoch, t.tc.epochs):
+        if t.stopped_early():  # a resume of a run that had stopped stays stopped
+            break
         sums = t.train_epoch(epoch)
         t.validate(epoch, sums)  # val τ, the best checkpoint, last.* for resume
     return t.write()  # report.json and the manifest
