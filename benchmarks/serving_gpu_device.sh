@@ -11,17 +11,22 @@
 #   bash benchmarks/serving_gpu_device.sh shape DATA [SERVING_GPU_SHAPE OPTIONS]   (carrying DATA's folder)
 #       the same for serving_gpu_shape.py (the 8B-shaped target; DATA: recipe_shape.py pack's
 #       recipe_shape_pack.txt, prompts/ and shapes/llama8b-full), --work /tmp/sgs
+#   bash benchmarks/serving_gpu_device.sh scaling SHARED [SCALING_KINDS OPTIONS]   (carrying SHARED's folder)
+#       the same for scaling_kinds.py (SHARED also holding data/prompts/humaneval.jsonl.gz), --work /tmp/sk;
+#       a pool kept before, .gpudata/pool/pool.jsonl.gz with its pool_provenance.json (carried), is read
+#       instead of generated; `wait` also brings the pool back as $OUT/pool.jsonl.gz (up to 16 MiB)
 #   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
 #       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
-#   bash benchmarks/serving_gpu_device.sh keep
-#       each trained drafter's run (data stages, drafter, report; no checkpoints) into $OUT/run-NAME.tgz;
-#       put them in .gpudata/runs here: a later `start` carrying .gpudata/runs reads those drafters
-#       back instead of training them again (on a fresh machine too)
+#   bash benchmarks/serving_gpu_device.sh keep NAME
+#       drafter NAME's trained run (its data stages, the served drafter folder, its report; no checkpoints
+#       or other export layouts) into $OUT/run-NAME.tgz.part-NN, 15 MiB each (a file comes back only up to
+#       16 MiB; one drafter a call); put them in .gpudata/runs here: a later `start` carrying .gpudata/runs
+#       reads that drafter back instead of training it again (on a fresh machine too)
 set -uo pipefail
 W=${SG_WORK:-/tmp/sg} # SG_WORK: only for the script's own tests
 REPO=/tmp/sg-repo
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -32,7 +37,11 @@ snapshot() { # one archive: a command brings back only a few files
       sg/*-fault-*/*.log sg/*-k*/served.txt sg/specforge/run/specforge.log sg/online/*.json sg/online/*.log \
       sg/online/*.txt sg/online/capture.sh 2>/dev/null) \
     $(ls -d sg/*-k*/diagnose sg/*-k*/bench sg/*-k*/*.log sg/*-fault-*/diagnose 2>/dev/null) \
-    $(ls sgs/*.json sgs/*.log sgs/rs/*.json sgs/rs/*.log 2>/dev/null) $(ls -d sgs/diagnose sgs/bench 2>/dev/null))
+    $(ls sgs/*.json sgs/*.log sgs/rs/*.json sgs/rs/*.log 2>/dev/null) $(ls -d sgs/diagnose sgs/bench 2>/dev/null) \
+    $(ls sk/state.json sk/pool_provenance.json sk/n*/*/row.json sk/n*/manifest.json 2>/dev/null))
+  if [ -f /tmp/sk/pool.jsonl.gz ] && [ "$(stat -c %s /tmp/sk/pool.jsonl.gz)" -le 16777216 ]; then
+    cp /tmp/sk/pool.jsonl.gz /tmp/sk/pool_provenance.json "${OUT:-/tmp}/"
+  fi
   grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |^diagnose: |Traceback|Error|wrote " /tmp/sg.log | tail -20
   tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
@@ -50,10 +59,13 @@ launch() { # launch COMMAND FOLDER COPY SCRIPT [ARGS]: FOLDER copied to COPY, SC
   running && { echo "$name: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
   rm -rf $REPO "$copy" && mkdir -p $REPO /tmp/sg-out &&
     cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$folder" "$copy" || exit 1
-  for kept in .gpudata/runs/run-*.tgz; do # trained runs `keep` brought back, unless this machine has them
-    [ -f "$kept" ] || continue
-    name=$(basename "$kept" .tgz) && name=${name#run-}
-    [ -f "$W/$name/trained.json" ] || { mkdir -p "$W" && tar -xzf "$kept" -C "$(dirname "$W")" && echo "== $name: read back from $kept"; } || exit 1
+  for first in .gpudata/runs/run-*.tgz.part-00; do # trained runs `keep` brought back, unless this machine has them
+    [ -f "$first" ] || continue
+    name=$(basename "$first" .tgz.part-00) && name=${name#run-}
+    [ -f "$W/$name/trained.json" ] && continue
+    mkdir -p "$W" && cat .gpudata/runs/run-"$name".tgz.part-* | tar -xz -C "$(dirname "$W")" ||
+      { echo "$name: the parts in .gpudata/runs do not make a whole archive; bring them back again" >&2; exit 1; }
+    echo "== $name: read back from .gpudata/runs"
   done
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -80,21 +92,33 @@ shape)
     --out /tmp/sg-out/serving_gpu_8b_shape.json "$@"
   ;;
 keep)
-  mkdir -p "${OUT:-/tmp}"
-  for done in $W/*/trained.json; do
-    [ -f "$done" ] || { echo "keep: no trained drafter under $W yet" >&2; exit 2; }
-    name=$(basename "$(dirname "$done")")
-    tar -czf "${OUT:-/tmp}/run-$name.tgz" -C "$(dirname "$W")" --exclude=checkpoints --exclude=tensorboard \
-      --exclude='online-buffer' --exclude='online-consumed' "$(basename "$W")/$name" || exit 1
-    echo "run-$name.tgz: $(du -m "${OUT:-/tmp}/run-$name.tgz" | cut -f1) MB"
-  done
+  name=${1:-}
+  [ -n "$name" ] || { echo "keep: name the drafter, e.g. keep eagle3.1 ($(ls $W 2>/dev/null | tr '\n' ' '))" >&2; exit 2; }
+  [ -f "$W/$name/trained.json" ] || { echo "keep: no trained drafter $name under $W" >&2; exit 2; }
+  mkdir -p "${OUT:-/tmp}" && rm -f "${OUT:-/tmp}/run-$name.tgz.part-"*
+  tar -cz -C "$(dirname "$W")" --exclude=checkpoints --exclude='checkpoints.*' --exclude=tensorboard \
+    --exclude='online-buffer' --exclude='online-consumed' --exclude='drafter-*' "$(basename "$W")/$name" |
+    split -b 15m -d -a 2 - "${OUT:-/tmp}/run-$name.tgz.part-" || exit 1
+  n=$(ls "${OUT:-/tmp}/run-$name.tgz.part-"* | wc -l)
+  [ "$n" -le 7 ] || echo "keep: $n parts: more than one call brings back (8 files); carry fewer at once" >&2
+  echo "run-$name.tgz: $n part(s), $(du -cm "${OUT:-/tmp}/run-$name.tgz.part-"* | tail -1 | cut -f1) MB"
+  ;;
+scaling)
+  shared=${1:?scaling needs the shared folder (data/prompts, data/chats), e.g. .gpudata/shared}
+  shift
+  [ -f "$shared/data/prompts/humaneval.jsonl.gz" ] ||
+    { echo "scaling: $shared has no data/prompts/humaneval.jsonl.gz" >&2; exit 2; }
+  pool=()
+  [ -f .gpudata/pool/pool.jsonl.gz ] && pool=(--pool "$PWD/.gpudata/pool/pool.jsonl.gz")
+  launch scaling "$shared" /tmp/sg-shared benchmarks/scaling_kinds.py --work /tmp/sk --shared /tmp/sg-shared \
+    --results /tmp/sg-out/scaling_kinds "${pool[@]}" "$@"
   ;;
 wait)
   [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }
   wait_for "${1:-480}"
   ;;
 *)
-  echo "serving_gpu_device.sh: unknown command $cmd (start, shape, wait or keep)" >&2
+  echo "serving_gpu_device.sh: unknown command $cmd (start, shape, scaling, wait or keep)" >&2
   exit 2
   ;;
 esac

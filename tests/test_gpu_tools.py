@@ -206,34 +206,49 @@ def test_the_serving_device_script_shows_its_usage_and_refuses_a_shared_folder_w
     assert res.returncode == 2 and f"{tmp_path} has no data/ folder" in res.stderr
     res = subprocess.run(["bash", str(sh), "nope"], capture_output=True, text=True)
     assert res.returncode == 2 and "unknown command nope" in res.stderr
+    res = subprocess.run(
+        ["bash", str(sh), "scaling", str(tmp_path)], capture_output=True, text=True, cwd=REPO
+    )
+    assert res.returncode == 2 and f"{tmp_path} has no data/prompts/humaneval.jsonl.gz" in res.stderr
     res = subprocess.run(["bash", str(sh), "wait", "1x"], capture_output=True, text=True)
     assert res.returncode == 2 and "SECONDS must be a whole number of seconds, got '1x'" in res.stderr
 
 
-def test_keep_brings_back_each_trained_run_without_its_checkpoints(tmp_path):
-    """``keep``: one archive per drafter that has ``trained.json``, holding its data stages and drafter and
-    none of its checkpoints; none trained is refused by name."""
-    import tarfile
-
+def test_keep_brings_back_one_trained_run_in_parts_without_its_checkpoints_and_start_reads_it_back(tmp_path):
+    """``keep NAME``: the drafter's run in 15 MiB parts holding its data stages and served folder, none of its
+    checkpoints or other export layouts; the parts put together give the run back; a drafter not trained
+    (or none named) is refused by name."""
     sh, work, out = REPO / "benchmarks" / "serving_gpu_device.sh", tmp_path / "sg", tmp_path / "out"
     env = {**os.environ, "SG_WORK": str(work), "OUT": str(out)}
     res = subprocess.run(["bash", str(sh), "keep"], capture_output=True, text=True, env=env)
-    assert res.returncode == 2 and f"no trained drafter under {work}" in res.stderr
-    for name, trained in (("eagle3.1", True), ("dflash", False)):
-        run = work / name / "run"
-        for f in ("tokens.safetensors", "drafter/model.safetensors", "checkpoints/step-1/state.safetensors"):
-            (run / f).parent.mkdir(parents=True, exist_ok=True)
-            (run / f).write_bytes(b"x" * 10)
-        if trained:
-            (work / name / "trained.json").write_text("{}\n")
-    res = subprocess.run(["bash", str(sh), "keep"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "keep: name the drafter" in res.stderr
+    run = work / "eagle3.1" / "run"
+    random = __import__("random").Random(0)
+    files = {
+        "tokens.safetensors": b"t" * 10,
+        "drafter/model.safetensors": random.randbytes(20 * 2**20),  # 20 MiB that gzip cannot shrink
+        "drafter-speculators/model.safetensors": b"s" * 10,
+        "checkpoints/best.safetensors": b"c" * 10,
+    }
+    for f, data in files.items():
+        (run / f).parent.mkdir(parents=True, exist_ok=True)
+        (run / f).write_bytes(data)
+    (work / "eagle3.1" / "trained.json").write_text("{}\n")
+    res = subprocess.run(["bash", str(sh), "keep", "dflash"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "no trained drafter dflash" in res.stderr
+    res = subprocess.run(["bash", str(sh), "keep", "eagle3.1"], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["run-eagle3.1.tgz"]
-    with tarfile.open(out / "run-eagle3.1.tgz") as tar:
-        names = set(tar.getnames())
-    assert {"sg/eagle3.1/trained.json", "sg/eagle3.1/run/tokens.safetensors"} <= names
-    assert "sg/eagle3.1/run/drafter/model.safetensors" in names
-    assert not [n for n in names if "checkpoints" in n]
+    parts = sorted(p.name for p in out.iterdir())
+    assert parts == ["run-eagle3.1.tgz.part-00", "run-eagle3.1.tgz.part-01"]
+    assert all((out / p).stat().st_size <= 15 * 2**20 for p in parts)
+    back = tmp_path / "back"
+    back.mkdir()
+    whole = b"".join((out / p).read_bytes() for p in parts)
+    subprocess.run(["tar", "-xz", "-C", str(back)], input=whole, check=True)
+    got = back / "sg" / "eagle3.1"
+    assert (got / "trained.json").exists() and (got / "run" / "tokens.safetensors").exists()
+    assert (got / "run" / "drafter" / "model.safetensors").read_bytes() == files["drafter/model.safetensors"]
+    assert not (got / "run" / "checkpoints").exists() and not (got / "run" / "drafter-speculators").exists()
 
 
 @pytest.fixture()

@@ -75,12 +75,14 @@ class _Report:
 
     def stopped_early(self) -> bool:
         """True once the best score (validation τ; the negated training loss when no sample was held out) is
-        ``train.patience`` or more epochs older than the last epoch run; False when patience is unset. Read
+        ``train.patience`` or more epochs older than the last epoch run, and epochs were left; False when
+        patience is unset. Read
         from the history and best that a resume restores, so a resumed run that had stopped stays stopped."""
         patience = self.tc.patience
         if patience is None or not self.history:
             return False
-        return self.history[-1]["epoch"] - self.best["epoch"] >= patience
+        last = self.history[-1]["epoch"]
+        return last < self.tc.epochs and last - self.best["epoch"] >= patience
 
     def _simulate_val(self) -> AcceptanceStats:
         """Simulated τ on the validation split; when its states are kept nowhere
