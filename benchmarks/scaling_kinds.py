@@ -129,7 +129,49 @@ def keep_pool(work: Path, args, state: dict) -> None:
                 "command": " ".join(["python", "benchmarks/scaling_kinds.py", *sys.argv[1:]]),
             },
         )
-    state["pool"] = json.loads(prov.read_text())
+    state["pool"] = read_provenance(prov)
+
+
+def read_provenance(path: Path) -> dict:
+    """A ``pool_provenance.json``, checked: a JSON object naming its conversations' SHA-256.
+
+    Raises:
+        SystemExit: naming the file, when it is missing, not JSON, or lacks ``conversations_sha256``."""
+    try:
+        got = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(
+            f"{path} is missing: a kept pool travels with the provenance written beside it"
+        ) from None
+    except ValueError as e:
+        raise SystemExit(f"{path} is not JSON ({e}); restore the file this script wrote") from None
+    if not isinstance(got, dict) or not isinstance(got.get("conversations_sha256"), str):
+        raise SystemExit(
+            f"{path} is not a pool's provenance (no conversations_sha256); restore the file written"
+        )
+    return got
+
+
+def read_kept_pool(src: Path) -> tuple[list[dict], dict]:
+    """The conversations of a ``pool.jsonl.gz`` this script kept, and the provenance beside it.
+
+    Raises:
+        SystemExit: naming the file, when it is not gzip, cut short, or holds a line that is not a JSON object."""
+    got = read_provenance(src.with_name("pool_provenance.json"))
+    rows = []
+    try:
+        with gzip.open(src, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError(f"line {i} is not a JSON object")
+                    rows.append(row)
+    except (OSError, EOFError, ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(
+            f"--pool {src}: not a pool.jsonl.gz this script wrote ({type(e).__name__}: {e})"
+        ) from None
+    return rows, got
 
 
 def stage_pool(args, work: Path, state: dict) -> None:
@@ -137,19 +179,26 @@ def stage_pool(args, work: Path, state: dict) -> None:
     from eagle3kit.core.rundir import RunDir, sha256_file, write_json, write_jsonl
 
     pool = RunDir(work / "pool")
-    if args.pool and not (pool / "conversations.jsonl").exists():
-        src = Path(args.pool)
-        rows = [json.loads(line) for line in gzip.open(src, "rt", encoding="utf-8") if line.strip()]
-        write_jsonl(pool / "conversations.jsonl", rows)
-        prov = src.with_name("pool_provenance.json")
-        got = json.loads(prov.read_text()) if prov.exists() else {"read_from": str(src)}
-        if got.get("conversations_sha256") not in (None, sha256_file(pool / "conversations.jsonl")):
-            (pool / "conversations.jsonl").unlink()  # nothing of it kept: a rerun reads the file again
-            raise SystemExit(
-                f"{src}: its conversations differ from {prov}'s SHA-256; give the pair as written"
-            )
-        shutil.copy(src, work / "pool.jsonl.gz")
-        write_json(work / "pool_provenance.json", got)
+    if args.pool:
+        rows, got = read_kept_pool(Path(args.pool))
+        have = work / "pool_provenance.json"
+        if (pool / "conversations.jsonl").exists():
+            before = read_provenance(have) if have.exists() else {}
+            if before.get("conversations_sha256") != got["conversations_sha256"]:
+                raise SystemExit(
+                    f"--pool {args.pool}: {work} already holds another pool ({before.get('conversations', '?')} "
+                    "conversations); use a new --work folder for this one"
+                )
+        else:
+            write_jsonl(pool / "conversations.jsonl", rows)
+            if sha256_file(pool / "conversations.jsonl") != got["conversations_sha256"]:
+                (pool / "conversations.jsonl").unlink()  # nothing of it kept: a rerun reads the file again
+                raise SystemExit(
+                    f"{args.pool}: its conversations differ from pool_provenance.json's SHA-256 beside it; give "
+                    "the pair as written"
+                )
+            shutil.copy(args.pool, work / "pool.jsonl.gz")
+            write_json(work / "pool_provenance.json", got)
     if not (pool / "conversations.jsonl").exists():
         stage_data(args, work, state)
     keep_pool(work, args, state)
@@ -161,6 +210,9 @@ def stage_subsets(args, work: Path, state: dict) -> None:
     from eagle3kit.data.sources import normalize_text
     from eagle3kit.eval.evaluate import check_overlap
 
+    if not (work / "pool" / "conversations.jsonl").exists():
+        raise SystemExit(f"{work / 'pool'} has no conversations: run the data stage first")
+    state["pool"] = read_provenance(work / "pool_provenance.json")
     rows = [r for _, r in read_jsonl(work / "pool" / "conversations.jsonl")]
     evals = eval_rows(args.shared)
     clean = drop_eval_overlap(rows, [r for rs in evals.values() for r in rs])
@@ -189,8 +241,11 @@ def stage_subsets(args, work: Path, state: dict) -> None:
             run.path, {"run_dir": str(run.path), "target": {"model": args.target, "dtype": DTYPE}, **RECIPE}
         )
         made = run.stage_inputs("subset")
-        if made and made["pool"] != state["pool"]["conversations_sha256"]:
-            raise SystemExit(f"{run.path} was cut from another pool; use another --work folder")
+        if made and (made["pool"], made["seed"]) != (state["pool"]["conversations_sha256"], args.seed):
+            raise SystemExit(
+                f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be prefixes of "
+                "one order: rerun with the seed they were cut with, or use another --work folder"
+            )
         if not made:
             take = order[:size]
             write_jsonl(run / "conversations.jsonl", take)
@@ -270,6 +325,10 @@ def stage_eval(args, work: Path, state: dict) -> None:
     missing = [n for n, d in drafters.items() if n not in tau and not d.is_dir()]
     if missing:
         raise SystemExit(f"no trained drafter for {missing}: run the train stage first")
+    want = {f"k{k}" for k in args.ks}
+    for n in [n for n in tau if n in drafters]:  # measured at other Ks: measured again at these
+        if not isinstance(tau[n], dict) or any(not want <= set(v) for v in tau[n].values()):
+            del tau[n]
     if all(n in tau for n in drafters):
         return
     device = pick_device(args.device)
@@ -292,14 +351,19 @@ def stage_decode(args, work: Path, state: dict) -> None:
     from eagle3kit.model.folder import load_exported
     from eagle3kit.model.target import load_target, pick_device
 
-    if "eagle3.1" not in args.kinds or state.get("decode", {}).get("greedy_identical") is not None:
-        return
     size = args.sizes[-1]
+    run_name = f"n{size}/eagle3.1-s{args.largest_seeds[0]}"
+    done = state.get("decode") or {}
+    if "eagle3.1" not in args.kinds or (
+        done.get("run") == run_name and done.get("greedy_identical") is not None
+    ):
+        return
+    state.pop("decode", None)
     device = pick_device(args.device)
     target = load_target(TargetConfig(model=args.target, dtype=DTYPE), device=device)
     path = folder(work, size) / f"eagle3.1-s{args.largest_seeds[0]}" / "drafter"
     drafter = load_exported(path, device=device).eval().to(target.dtype)
-    out = state.setdefault("decode", {"run": str(path.parent.relative_to(work)), "k": 3, "sets": {}})
+    out = state.setdefault("decode", {"run": run_name, "k": 3, "sets": {}})
     for name, (_, prompts, _) in heldout_sets(
         work, target, args.shared, args.eval_tokens, args.eval_prompts
     ).items():
@@ -326,7 +390,22 @@ def stage_report(args, work: Path, state: dict) -> None:
         name = row_key(size, kind, seed)
         if not (vdir / "row.json").exists() or name not in state.get("tau", {}):
             raise SystemExit(f"{name} is not trained and measured yet: run the train and eval stages first")
-        rows.append({**json.loads((vdir / "row.json").read_text()), "tau": state["tau"][name]})
+        try:
+            row = json.loads((vdir / "row.json").read_text())
+        except ValueError as e:
+            raise SystemExit(
+                f"{vdir / 'row.json'} is not JSON ({e}): delete it and run the train stage again"
+            ) from None
+        tau = state["tau"][name]
+        missing = [
+            f"{s}_k{k}"
+            for s in ("mt_bench", "gsm8k_heldout")
+            for k in args.ks
+            if f"k{k}" not in tau.get(s, {})
+        ]
+        if missing:
+            raise SystemExit(f"{name} has no τ for {missing}: run the eval stage with these --ks first")
+        rows.append({**row, "tau": tau})
     write_report(args, state, rows)
 
 
@@ -342,8 +421,12 @@ def check_args(args) -> None:
         raise SystemExit(f"--kinds: {bad or 'none given'}; give one or both of {', '.join(KINDS)}")
     if any(not 1 <= k <= 7 for k in args.ks):
         raise SystemExit(f"--ks {args.ks}: each K from 1 to 7 (DFlash drafts at most its block size − 1 = 7)")
-    if args.patience is not None and args.patience < 1:
-        raise SystemExit(f"--patience {args.patience}: at least 1 epoch (or leave it out: every epoch runs)")
+    if args.patience < 1 or args.max_epochs < 1:
+        raise SystemExit(f"--patience {args.patience}, --max-epochs {args.max_epochs}: each at least 1 epoch")
+    for name in ("sizes", "kinds", "ks", "seeds", "largest_seeds"):
+        got = getattr(args, name)
+        if len(set(got)) != len(got):
+            raise SystemExit(f"--{name.replace('_', '-')} {got}: an entry given twice; give each once")
     if args.pool and not Path(args.pool).is_file():
         raise SystemExit(f"--pool {args.pool}: no such file (a pool.jsonl.gz this script wrote)")
     missing = [s["path"] for s in SOURCES if not (Path(args.shared) / s["path"]).is_file()]

@@ -72,6 +72,18 @@ def aim(mean: dict) -> dict | None:
     return out
 
 
+def stopping_rule(rows: list[dict]) -> str:
+    """The rule the rows were trained under, read from the rows (runs trained under different rules are
+    named as such, not averaged into one sentence)."""
+    rules = sorted({(r.get("epochs_max"), r.get("patience")) for r in rows}, key=str)
+    said = [
+        f"at most {e} epochs, stopped once validation τ (5% of the subset) has not beaten its best for {p}"
+        for e, p in rules
+    ]
+    head = "" if len(rules) == 1 else f"{len(rules)} rules among the rows (retrained under other options): "
+    return head + "; ".join(said) + "; the best epoch's drafter is measured"
+
+
 def plot(mean: dict, ks: list[int], path: Path) -> None:
     import matplotlib
 
@@ -82,7 +94,8 @@ def plot(mean: dict, ks: list[int], path: Path) -> None:
     sizes = sorted(mean)
     for ax, s in zip(axes, SETS):
         for kind, color in (("eagle3.1", "tab:blue"), ("dflash", "tab:orange")):
-            for k, style in zip(ks, ("--", "-.", "-")):
+            for i, k in enumerate(ks):
+                style = ("--", "-.", "-", ":")[i % 4]
                 ys = [mean[n][kind][s][f"k{k}"] if kind in mean[n] else None for n in sizes]
                 ax.plot(sizes, ys, style, marker="o", color=color, label=f"{kind} K={k}")
         ax.set_xscale("log")
@@ -106,8 +119,7 @@ def write_report(args, state: dict, rows: list[dict]) -> None:
         "SmolLM2-135M-Instruct's own conversations, with early stopping on validation τ",
         "machine": state.get("machine"),
         "smoke": bool(args.smoke),
-        "stopping_rule": f"at most {args.max_epochs} epochs; stop once validation τ (5% of the subset) has not "
-        f"beaten its best for {args.patience} epochs; the best epoch's drafter is measured",
+        "stopping_rule": stopping_rule(rows),
         "pool": state.get("pool"),
         "rows": rows,
         "mean_over_seeds": {str(n): c for n, c in mean.items()},

@@ -18,6 +18,7 @@
 #   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
 #       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
+#   bash benchmarks/serving_gpu_device.sh readback     what `start` does first: puts carried parts together
 #   bash benchmarks/serving_gpu_device.sh keep NAME
 #       drafter NAME's trained run (its data stages, the served drafter folder, its report; no checkpoints
 #       or other export layouts) into $OUT/run-NAME.tgz.part-NN, 15 MiB each (a file comes back only up to
@@ -26,7 +27,7 @@
 set -uo pipefail
 W=${SG_WORK:-/tmp/sg} # SG_WORK: only for the script's own tests
 REPO=/tmp/sg-repo
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -53,20 +54,31 @@ wait_for() {
   running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"
   snapshot
 }
+read_back() { # the trained runs `keep` brought back (carried in .gpudata/runs), unless this machine has them
+  local first name tmp
+  for first in .gpudata/runs/run-*.tgz.part-00; do
+    [ -f "$first" ] || continue
+    name=$(basename "$first" .tgz.part-00) && name=${name#run-}
+    [ -f "$W/$name/trained.json" ] && continue
+    tmp="$W.readback" && rm -rf "$tmp" && mkdir -p "$tmp" "$W" # unpacked aside: a broken archive leaves nothing
+    if ! cat .gpudata/runs/run-"$name".tgz.part-* | tar -xz -C "$tmp" ||
+      [ ! -f "$tmp/$(basename "$W")/$name/trained.json" ]; then
+      rm -rf "$tmp"
+      echo "$name: the parts in .gpudata/runs do not make one whole archive (one missing, or left from another" \
+        "keep); bring that keep's parts back again" >&2
+      return 1
+    fi
+    rm -rf "${W:?}/$name" && mv "$tmp/$(basename "$W")/$name" "$W/$name" && rm -rf "$tmp" || return 1
+    echo "== $name: read back from .gpudata/runs"
+  done
+}
 launch() { # launch COMMAND FOLDER COPY SCRIPT [ARGS]: FOLDER copied to COPY, SCRIPT started in its own session
   local name=$1 folder=$2 copy=$3 script=$4
   shift 4
   running && { echo "$name: a run is going on (pid $(cat $W.pid)); use wait" >&2; exit 2; }
   rm -rf $REPO "$copy" && mkdir -p $REPO /tmp/sg-out &&
     cp -r src benchmarks examples tools tests pyproject.toml $REPO/ && cp -r "$folder" "$copy" || exit 1
-  for first in .gpudata/runs/run-*.tgz.part-00; do # trained runs `keep` brought back, unless this machine has them
-    [ -f "$first" ] || continue
-    name=$(basename "$first" .tgz.part-00) && name=${name#run-}
-    [ -f "$W/$name/trained.json" ] && continue
-    mkdir -p "$W" && cat .gpudata/runs/run-"$name".tgz.part-* | tar -xz -C "$(dirname "$W")" ||
-      { echo "$name: the parts in .gpudata/runs do not make a whole archive; bring them back again" >&2; exit 1; }
-    echo "== $name: read back from .gpudata/runs"
-  done
+  read_back || exit 1
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   fi
@@ -91,16 +103,24 @@ shape)
   launch shape "$data" /tmp/sgs-data benchmarks/serving_gpu_shape.py --data /tmp/sgs-data --work /tmp/sgs \
     --out /tmp/sg-out/serving_gpu_8b_shape.json "$@"
   ;;
+readback)
+  read_back
+  ;;
 keep)
   name=${1:-}
   [ -n "$name" ] || { echo "keep: name the drafter, e.g. keep eagle3.1 ($(ls $W 2>/dev/null | tr '\n' ' '))" >&2; exit 2; }
+  [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || { echo "keep: '$name' is not a drafter's name (letters, digits, . _ -)" >&2; exit 2; }
   [ -f "$W/$name/trained.json" ] || { echo "keep: no trained drafter $name under $W" >&2; exit 2; }
   mkdir -p "${OUT:-/tmp}" && rm -f "${OUT:-/tmp}/run-$name.tgz.part-"*
   tar -cz -C "$(dirname "$W")" --exclude=checkpoints --exclude='checkpoints.*' --exclude=tensorboard \
     --exclude='online-buffer' --exclude='online-consumed' --exclude='drafter-*' "$(basename "$W")/$name" |
     split -b 15m -d -a 2 - "${OUT:-/tmp}/run-$name.tgz.part-" || exit 1
   n=$(ls "${OUT:-/tmp}/run-$name.tgz.part-"* | wc -l)
-  [ "$n" -le 7 ] || echo "keep: $n parts: more than one call brings back (8 files); carry fewer at once" >&2
+  if [ "$n" -gt 4 ]; then # a call brings back at most 64 MiB, and carries at most 64 MiB with the repository
+    rm -f "${OUT:-/tmp}/run-$name.tgz.part-"*
+    echo "keep: $name's run is $n parts of 15 MiB, more than one command brings back (64 MiB): not kept" >&2
+    exit 1
+  fi
   echo "run-$name.tgz: $n part(s), $(du -cm "${OUT:-/tmp}/run-$name.tgz.part-"* | tail -1 | cut -f1) MB"
   ;;
 scaling)
@@ -118,7 +138,7 @@ wait)
   wait_for "${1:-480}"
   ;;
 *)
-  echo "serving_gpu_device.sh: unknown command $cmd (start, shape, scaling, wait or keep)" >&2
+  echo "serving_gpu_device.sh: unknown command $cmd (start, shape, scaling, wait, keep or readback)" >&2
   exit 2
   ;;
 esac

@@ -294,7 +294,8 @@ def test_patience_stops_when_validation_tau_stops_rising_and_a_rerun_stays_stopp
 ):
     """train.patience 1 with a learning rate too small to move validation τ: epoch 1 is the best, epoch 2
     does not beat it, so training stops after 2 of 6 epochs, says so, and the report records it; a rerun
-    trains nothing more; without patience all 6 run."""
+    trains nothing more, and one without patience resumes at epoch 3 (patience is not hashed into the
+    run's inputs, so runs made before it existed resume too); without patience all 6 run."""
     from eagle3kit.core.config import load_config
     from eagle3kit.core.ui import console
     from eagle3kit.train.stage import run_train
@@ -317,6 +318,20 @@ def test_patience_stops_when_validation_tau_stops_rising_and_a_rerun_stays_stopp
                 again = run_train(cfg, RunDir(d))
             assert "already stopped at epoch 2 (train.patience)" in " ".join(cap.get().split())
             assert [h["epoch"] for h in again["history"]] == [1, 2]
+            cfg.train.patience = (
+                None  # when to stop is not what an epoch trains: the run goes on from epoch 3
+            )
+            with console.capture() as cap:
+                on = run_train(cfg, RunDir(d))
+            assert "starting fresh" not in cap.get() and [h["epoch"] for h in on["history"]] == [
+                1,
+                2,
+                3,
+                4,
+                5,
+                6,
+            ]
+            cfg.train.patience = 1
     patient, whole = runs["patient"], runs["all"]
     assert [h["epoch"] for h in patient["history"]] == [1, 2] and patient["best_epoch"] == 1
     assert patient["stopped_early"] is True and patient["epochs_run"] == 2 and patient["epochs"] == 6

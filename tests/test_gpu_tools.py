@@ -249,6 +249,22 @@ def test_keep_brings_back_one_trained_run_in_parts_without_its_checkpoints_and_s
     assert (got / "trained.json").exists() and (got / "run" / "tokens.safetensors").exists()
     assert (got / "run" / "drafter" / "model.safetensors").read_bytes() == files["drafter/model.safetensors"]
     assert not (got / "run" / "checkpoints").exists() and not (got / "run" / "drafter-speculators").exists()
+    # `readback` (what start does first) from the parts carried in .gpudata/runs, into an empty work folder
+    here, fresh = tmp_path / "repo", tmp_path / "fresh" / "sg"
+    (here / ".gpudata" / "runs").mkdir(parents=True)
+    env2 = {**env, "SG_WORK": str(fresh)}
+    shutil.copy(out / parts[0], here / ".gpudata" / "runs" / parts[0])  # one part missing: nothing read back
+    res = subprocess.run(["bash", str(sh), "readback"], capture_output=True, text=True, env=env2, cwd=here)
+    assert res.returncode == 1 and "do not make one whole archive" in res.stderr
+    assert not (fresh / "eagle3.1").exists()
+    shutil.copy(out / parts[1], here / ".gpudata" / "runs" / parts[1])
+    res = subprocess.run(["bash", str(sh), "readback"], capture_output=True, text=True, env=env2, cwd=here)
+    assert res.returncode == 0 and "eagle3.1: read back" in res.stdout, res.stderr
+    assert (fresh / "eagle3.1" / "run" / "drafter" / "model.safetensors").read_bytes() == files[
+        "drafter/model.safetensors"
+    ]
+    res = subprocess.run(["bash", str(sh), "keep", "../up"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "is not a drafter's name" in res.stderr
 
 
 @pytest.fixture()

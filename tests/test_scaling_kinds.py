@@ -74,6 +74,8 @@ def test_subsets_hold_no_evaluation_prompt_near_copy_or_repeat_and_record_what_w
     assert json.loads((work / "pool_provenance.json").read_text())["subsets"]["kept"] == 6
     with pytest.raises(SystemExit, match="larger than the pool's 6 usable conversations"):
         sk.stage_subsets(_args(tmp_path, sizes=[3, 7]), work, state)
+    with pytest.raises(SystemExit, match=r"cut from another pool or --seed \(0\)"):  # n5 no longer a prefix
+        sk.stage_subsets(_args(tmp_path, sizes=[3, 5, 6], seed=1), work, state)
 
 
 def test_a_kept_pool_is_read_back_by_a_later_work_folder_and_a_changed_one_is_refused(tmp_path):
@@ -101,6 +103,22 @@ def test_a_kept_pool_is_read_back_by_a_later_work_folder_and_a_changed_one_is_re
             _args(tmp_path, pool=str(first / "pool.jsonl.gz"), max_new_tokens=8), tmp_path / "third", {}
         )
     assert not (tmp_path / "third" / "pool" / "conversations.jsonl").exists()
+    other = tmp_path / "other"  # a second, different pool for a work folder that has one
+    write_jsonl(other / "pool" / "conversations.jsonl", rows[:3])
+    sk.keep_pool(other, args, {"machine": "CPU"})
+    with pytest.raises(SystemExit, match="already holds another pool"):
+        sk.stage_pool(_args(tmp_path, pool=str(other / "pool.jsonl.gz"), max_new_tokens=8), second, {})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "pool.jsonl.gz").write_text("not gzip\n")
+    with pytest.raises(SystemExit, match="pool_provenance.json is missing"):
+        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
+    (bad / "pool_provenance.json").write_text(json.dumps(prov))
+    with pytest.raises(SystemExit, match="not a pool.jsonl.gz this script wrote"):
+        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
+    (bad / "pool_provenance.json").write_text("[1]")
+    with pytest.raises(SystemExit, match="is not a pool's provenance"):
+        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
 
 
 def _row(size: int, kind: str, seed: int, mt: float, gsm: float) -> dict:
@@ -146,7 +164,13 @@ def test_the_report_finds_the_crossover_the_seed_spread_and_the_aim(tmp_path):
     rep.write_report(args, {"machine": "CPU"}, rows)
     table = (tmp_path / "out" / "scaling_kinds.md").read_text()
     assert "| 20,000 | dflash | 2 | 5, 5 | 2.100 ±0.100 |" in table
-    assert json.loads((tmp_path / "out" / "scaling_kinds.json").read_text())["crossover"] == cross
+    got = json.loads((tmp_path / "out" / "scaling_kinds.json").read_text())
+    assert got["crossover"] == cross
+    assert got["stopping_rule"].startswith(
+        "at most None epochs"
+    )  # read from the rows, not the report's options
+    rows[0] |= {"epochs_max": 30, "patience": 3}
+    assert rep.stopping_rule(rows).startswith("2 rules among the rows")
 
 
 @pytest.mark.parametrize(
@@ -157,6 +181,9 @@ def test_the_report_finds_the_crossover_the_seed_spread_and_the_aim(tmp_path):
         (["--sizes", "100", "100"], "distinct positive numbers"),
         (["--stages", "data,fly"], "['fly'] unknown"),
         (["--pool", "/nonexistent/pool.jsonl.gz"], "--pool /nonexistent/pool.jsonl.gz: no such file"),
+        (["--seeds", "0", "0"], "--seeds [0, 0]: an entry given twice"),
+        (["--kinds", "dflash,dflash"], "--kinds ['dflash', 'dflash']: an entry given twice"),
+        (["--max-epochs", "0"], "each at least 1 epoch"),
     ],
 )
 def test_bad_options_are_refused_by_name_before_anything_runs(tmp_path, flags, said):

@@ -68,8 +68,11 @@ class _Report:
                 )
         self.save(epoch + 1, 0, None)
         if self.stopped_early() and world.main:
+            what = (
+                "validation τ" if val_stats else "the training loss (no sample was held out for validation)"
+            )
             console.print(
-                f"train: validation τ has not beaten epoch {self.best['epoch']}'s for {self.tc.patience} epochs: "
+                f"train: {what} has not beaten epoch {self.best['epoch']}'s for {self.tc.patience} epochs: "
                 f"stopping after epoch {epoch + 1} of {self.tc.epochs} (train.patience)"
             )
 

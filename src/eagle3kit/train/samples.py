@@ -163,6 +163,7 @@ _LOGISTICS = {
     "online_inflight",
     "online_timeout_s",
     "memory_limit_gib",
+    "patience",  # when to stop, not what an epoch trains: a run given another patience resumes where it was
 }
 
 
