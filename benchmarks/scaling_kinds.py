@@ -29,17 +29,14 @@ Stages (``--stages``, default all; a finished one, subset or run is read back, s
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scaling_curve import SOURCES, load_state, save_state, stage_data, write_config  # noqa: E402
-from scaling_data import drop_eval_overlap, eval_rows, stratified_order, user_text  # noqa: E402
+from scaling_curve import SOURCES, load_state, save_state  # noqa: E402
+from scaling_kinds_data import DTYPE, card, folder, stage_pool, stage_subsets  # noqa: E402
 from serving_gpu import DRAFTERS  # noqa: E402  (one definition of each kind's settings)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,11 +44,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 SIZES = (1000, 5000, 20000, 50000)
 KINDS = ("eagle3.1", "dflash")
 KS = (3, 5, 7)
-RECIPE = {  # examples/smollm2.yaml's tokenize, vocab and train settings; validation for the stopping rule
-    "tokenize": {"max_length": 2048},
-    "vocab": {"draft_vocab_size": 8192},
-    "train": {"ttt_steps": 7, "tokens_per_step": 8192, "val_fraction": 0.05},
-}
 SMOKE = {
     "sizes": [12, 24],
     "magpie": 4,
@@ -65,12 +57,7 @@ SMOKE = {
     "decode_prompts": 1,
     "tokens_per_step": 512,
 }  # --smoke: every stage on a CPU in minutes (measures nothing)
-DTYPE = "float32"  # the target as the example recipe loads it, for training and for τ
 STAGES = ("data", "subsets", "train", "eval", "decode", "report")
-
-
-def folder(work: Path, size: int) -> Path:
-    return work / f"n{size}"
 
 
 def run_names(args) -> list[tuple[int, str, int]]:
@@ -84,185 +71,6 @@ def run_names(args) -> list[tuple[int, str, int]]:
 
 def row_key(size: int, kind: str, seed: int) -> str:
     return f"n{size}/{kind}-s{seed}"
-
-
-def card() -> str:
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        return f"1x {torch.cuda.get_device_name(0)}"
-    return f"CPU ({os.cpu_count()} cores)"
-
-
-def keep_pool(work: Path, args, state: dict) -> None:
-    """``<work>/pool.jsonl.gz`` (the pool's conversations, compressed) and ``pool_provenance.json`` beside
-    it, once; a pool read from ``--pool`` keeps the provenance it came with."""
-    from eagle3kit.core.rundir import RunDir, read_jsonl, sha256_file, write_json
-
-    gz, prov = work / "pool.jsonl.gz", work / "pool_provenance.json"
-    pool = RunDir(work / "pool")
-    if not gz.exists():
-        tmp = gz.with_suffix(".gz.part")
-        with gzip.open(tmp, "wt", encoding="utf-8") as fh:
-            for _, row in read_jsonl(pool / "conversations.jsonl"):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        tmp.rename(gz)
-    if not prov.exists():
-        gen = pool.report.get("generate", {})
-        write_json(
-            prov,
-            {
-                "target": args.target,
-                "sources": [{k: v for k, v in s.items() if k != "limit"} for s in SOURCES],
-                "magpie_prompts": args.magpie,
-                "prompts": pool.report.get("prompts"),
-                "generate": {
-                    "max_new_tokens": args.max_new_tokens,
-                    "greedy": True,
-                    **{k: v for k, v in gen.items() if isinstance(v, (int, float, str))},
-                },
-                "conversations": sum(1 for _ in read_jsonl(pool / "conversations.jsonl")),
-                "conversations_sha256": sha256_file(pool / "conversations.jsonl"),
-                "card": state.get("machine") or card(),
-                "command": " ".join(["python", "benchmarks/scaling_kinds.py", *sys.argv[1:]]),
-            },
-        )
-    state["pool"] = read_provenance(prov)
-
-
-def read_provenance(path: Path) -> dict:
-    """A ``pool_provenance.json``, checked: a JSON object naming its conversations' SHA-256.
-
-    Raises:
-        SystemExit: naming the file, when it is missing, not JSON, or lacks ``conversations_sha256``."""
-    try:
-        got = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SystemExit(
-            f"{path} is missing: a kept pool travels with the provenance written beside it"
-        ) from None
-    except ValueError as e:
-        raise SystemExit(f"{path} is not JSON ({e}); restore the file this script wrote") from None
-    if not isinstance(got, dict) or not isinstance(got.get("conversations_sha256"), str):
-        raise SystemExit(
-            f"{path} is not a pool's provenance (no conversations_sha256); restore the file written"
-        )
-    return got
-
-
-def read_kept_pool(src: Path) -> tuple[list[dict], dict]:
-    """The conversations of a ``pool.jsonl.gz`` this script kept, and the provenance beside it.
-
-    Raises:
-        SystemExit: naming the file, when it is not gzip, cut short, or holds a line that is not a JSON object."""
-    got = read_provenance(src.with_name("pool_provenance.json"))
-    rows = []
-    try:
-        with gzip.open(src, "rt", encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise ValueError(f"line {i} is not a JSON object")
-                    rows.append(row)
-    except (OSError, EOFError, ValueError, UnicodeDecodeError) as e:
-        raise SystemExit(
-            f"--pool {src}: not a pool.jsonl.gz this script wrote ({type(e).__name__}: {e})"
-        ) from None
-    return rows, got
-
-
-def stage_pool(args, work: Path, state: dict) -> None:
-    """The ``data`` stage: the pool generated (``scaling_curve``'s data stage) or read from ``--pool``."""
-    from eagle3kit.core.rundir import RunDir, sha256_file, write_json, write_jsonl
-
-    pool = RunDir(work / "pool")
-    if args.pool:
-        rows, got = read_kept_pool(Path(args.pool))
-        have = work / "pool_provenance.json"
-        if (pool / "conversations.jsonl").exists():
-            before = read_provenance(have) if have.exists() else {}
-            if before.get("conversations_sha256") != got["conversations_sha256"]:
-                raise SystemExit(
-                    f"--pool {args.pool}: {work} already holds another pool ({before.get('conversations', '?')} "
-                    "conversations); use a new --work folder for this one"
-                )
-        else:
-            write_jsonl(pool / "conversations.jsonl", rows)
-            if sha256_file(pool / "conversations.jsonl") != got["conversations_sha256"]:
-                (pool / "conversations.jsonl").unlink()  # nothing of it kept: a rerun reads the file again
-                raise SystemExit(
-                    f"{args.pool}: its conversations differ from pool_provenance.json's SHA-256 beside it; give "
-                    "the pair as written"
-                )
-            shutil.copy(args.pool, work / "pool.jsonl.gz")
-            write_json(work / "pool_provenance.json", got)
-    if not (pool / "conversations.jsonl").exists():
-        stage_data(args, work, state)
-    keep_pool(work, args, state)
-
-
-def stage_subsets(args, work: Path, state: dict) -> None:
-    """Nested subsets of the pool without evaluation prompts or near copies (module docstring)."""
-    from eagle3kit.core.rundir import RunDir, read_jsonl, sha256_file, write_json, write_jsonl
-    from eagle3kit.data.sources import normalize_text
-    from eagle3kit.eval.evaluate import check_overlap
-
-    if not (work / "pool" / "conversations.jsonl").exists():
-        raise SystemExit(f"{work / 'pool'} has no conversations: run the data stage first")
-    state["pool"] = read_provenance(work / "pool_provenance.json")
-    rows = [r for _, r in read_jsonl(work / "pool" / "conversations.jsonl")]
-    evals = eval_rows(args.shared)
-    clean = drop_eval_overlap(rows, [r for rs in evals.values() for r in rs])
-    seen, unique = set(), []
-    for r in clean:  # the target writing its own prompts repeats some: one conversation a prompt
-        key = normalize_text(user_text(r))
-        if key not in seen:
-            seen.add(key)
-            unique.append(r)
-    order = stratified_order(unique, args.seed)
-    counts = {
-        "pool": len(rows),
-        "dropped_overlapping_eval": len(rows) - len(clean),
-        "dropped_repeated_prompt": len(clean) - len(unique),
-        "kept": len(unique),
-        "sources": dict(Counter(r.get("source") for r in unique)),
-    }
-    if args.sizes[-1] > len(order):
-        raise SystemExit(
-            f"--sizes {args.sizes[-1]} is larger than the pool's {len(order)} usable conversations ({counts}): "
-            "use smaller --sizes, or a new --work with a larger --magpie"
-        )
-    for size in args.sizes:
-        run = RunDir(folder(work, size))
-        write_config(
-            run.path, {"run_dir": str(run.path), "target": {"model": args.target, "dtype": DTYPE}, **RECIPE}
-        )
-        made = run.stage_inputs("subset")
-        if made and (made["pool"], made["seed"]) != (state["pool"]["conversations_sha256"], args.seed):
-            raise SystemExit(
-                f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be prefixes of "
-                "one order: rerun with the seed they were cut with, or use another --work folder"
-            )
-        if not made:
-            take = order[:size]
-            write_jsonl(run / "conversations.jsonl", take)
-            overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}  # raises on an exact copy
-            run.record_stage(
-                "subset",
-                {"pool": state["pool"]["conversations_sha256"], "seed": args.seed, "size": size},
-                {"sources": dict(Counter(r.get("source") for r in take)), "overlap_with_eval": overlap},
-                {"conversations.jsonl": sha256_file(run / "conversations.jsonl")},
-            )
-        print(
-            f"n{size}: {run.report['subset']['sources']}  overlap: {run.report['subset']['overlap_with_eval']}"
-        )
-    prov = json.loads((work / "pool_provenance.json").read_text())
-    prov["subsets"] = {**counts, "near_copy_rule": "word-set Jaccard >= 0.9 with an evaluation prompt"}
-    write_json(work / "pool_provenance.json", prov)
-    state["pool"] = prov
 
 
 def train_settings(args, kind: str, seed: int) -> tuple[dict, dict]:

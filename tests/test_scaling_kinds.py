@@ -24,7 +24,7 @@ def _load(name: str):
     return mod
 
 
-sk, rep = _load("scaling_kinds"), _load("scaling_kinds_report")
+sk, skd, rep = _load("scaling_kinds"), _load("scaling_kinds_data"), _load("scaling_kinds_report")
 
 
 def _conv(i: int, text: str, source: str = "magpie") -> dict:
@@ -43,7 +43,7 @@ def _args(tmp_path, **over) -> argparse.Namespace:
 def test_subsets_hold_no_evaluation_prompt_near_copy_or_repeat_and_record_what_was_dropped(tmp_path):
     from eagle3kit.core.rundir import read_jsonl, write_json, write_jsonl
 
-    evals = sk.eval_rows(str(SHARED))
+    evals = skd.eval_rows(str(SHARED))
     mt = evals["mt_bench"][3]["messages"][0]["content"]
     held = evals["gsm8k_heldout"][7]["messages"][0]["content"]
     rows = [
@@ -59,7 +59,7 @@ def test_subsets_hold_no_evaluation_prompt_near_copy_or_repeat_and_record_what_w
     write_jsonl(work / "pool" / "conversations.jsonl", rows)
     write_json(work / "pool_provenance.json", {"conversations_sha256": "abc"})
     state = {"pool": {"conversations_sha256": "abc"}}
-    sk.stage_subsets(_args(tmp_path), work, state)
+    skd.stage_subsets(_args(tmp_path), work, state)
     sub = state["pool"]["subsets"]
     assert (sub["pool"], sub["dropped_overlapping_eval"], sub["dropped_repeated_prompt"], sub["kept"]) == (
         10,
@@ -73,9 +73,9 @@ def test_subsets_hold_no_evaluation_prompt_near_copy_or_repeat_and_record_what_w
     assert not {"r10", "r11", "r12", "r13"} & set(n5)
     assert json.loads((work / "pool_provenance.json").read_text())["subsets"]["kept"] == 6
     with pytest.raises(SystemExit, match="larger than the pool's 6 usable conversations"):
-        sk.stage_subsets(_args(tmp_path, sizes=[3, 7]), work, state)
+        skd.stage_subsets(_args(tmp_path, sizes=[3, 7]), work, state)
     with pytest.raises(SystemExit, match=r"cut from another pool or --seed \(0\)"):  # n5 no longer a prefix
-        sk.stage_subsets(_args(tmp_path, sizes=[3, 5, 6], seed=1), work, state)
+        skd.stage_subsets(_args(tmp_path, sizes=[3, 5, 6], seed=1), work, state)
 
 
 def test_a_kept_pool_is_read_back_by_a_later_work_folder_and_a_changed_one_is_refused(tmp_path):
@@ -86,39 +86,39 @@ def test_a_kept_pool_is_read_back_by_a_later_work_folder_and_a_changed_one_is_re
     write_jsonl(first / "pool" / "conversations.jsonl", rows)
     RunDir(first / "pool")  # the run folder the data stage would leave
     args = _args(tmp_path, max_new_tokens=8, magpie=2)
-    sk.keep_pool(first, args, {"machine": "CPU"})
+    skd.keep_pool(first, args, {"machine": "CPU"})
     prov = json.loads((first / "pool_provenance.json").read_text())
     assert prov["conversations"] == 4 and prov["conversations_sha256"] == sha256_file(
         first / "pool/conversations.jsonl"
     )
     second = tmp_path / "second"
     state = {}
-    sk.stage_pool(_args(tmp_path, pool=str(first / "pool.jsonl.gz"), max_new_tokens=8), second, state)
+    skd.stage_pool(_args(tmp_path, pool=str(first / "pool.jsonl.gz"), max_new_tokens=8), second, state)
     assert [r for _, r in read_jsonl(second / "pool" / "conversations.jsonl")] == rows
     assert state["pool"]["conversations_sha256"] == prov["conversations_sha256"]
     with gzip.open(first / "pool.jsonl.gz", "at", encoding="utf-8") as fh:  # one more row than its provenance
         fh.write(json.dumps(_conv(9, "extra")) + "\n")
     with pytest.raises(SystemExit, match="differ from .*pool_provenance.json's SHA-256"):
-        sk.stage_pool(
+        skd.stage_pool(
             _args(tmp_path, pool=str(first / "pool.jsonl.gz"), max_new_tokens=8), tmp_path / "third", {}
         )
     assert not (tmp_path / "third" / "pool" / "conversations.jsonl").exists()
     other = tmp_path / "other"  # a second, different pool for a work folder that has one
     write_jsonl(other / "pool" / "conversations.jsonl", rows[:3])
-    sk.keep_pool(other, args, {"machine": "CPU"})
+    skd.keep_pool(other, args, {"machine": "CPU"})
     with pytest.raises(SystemExit, match="already holds another pool"):
-        sk.stage_pool(_args(tmp_path, pool=str(other / "pool.jsonl.gz"), max_new_tokens=8), second, {})
+        skd.stage_pool(_args(tmp_path, pool=str(other / "pool.jsonl.gz"), max_new_tokens=8), second, {})
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "pool.jsonl.gz").write_text("not gzip\n")
     with pytest.raises(SystemExit, match="pool_provenance.json is missing"):
-        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
+        skd.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
     (bad / "pool_provenance.json").write_text(json.dumps(prov))
     with pytest.raises(SystemExit, match="not a pool.jsonl.gz this script wrote"):
-        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
+        skd.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
     (bad / "pool_provenance.json").write_text("[1]")
     with pytest.raises(SystemExit, match="is not a pool's provenance"):
-        sk.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
+        skd.stage_pool(_args(tmp_path, pool=str(bad / "pool.jsonl.gz")), tmp_path / "fourth", {})
 
 
 def _row(size: int, kind: str, seed: int, mt: float, gsm: float) -> dict:
