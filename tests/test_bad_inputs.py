@@ -102,6 +102,7 @@ def test_empty_prompt_source_stops_at_the_prompts_stage(tmp_path):
             "--section names a report.json section: 'evaluate' followed by",
         ),
         (["generate", "--backend", "foo"], "generate.backend"),
+        (["train", "--patience", "0"], "train.patience"),
     ],
 )
 def test_cli_flags_are_validated_like_the_config(tmp_path, args, needle):
@@ -109,7 +110,9 @@ def test_cli_flags_are_validated_like_the_config(tmp_path, args, needle):
     assert res.exit_code == 2
     said = " ".join(res.output.split())
     assert needle in said
-    if needle.startswith(("evaluate.", "generate.")):  # the flag is named as the source, not the config
+    if needle.startswith(
+        ("evaluate.", "generate.", "train.")
+    ):  # the flag is named as the source, not the config
         assert "invalid value on the command line" in said and "from the command line)" in said, said
 
 

@@ -238,6 +238,12 @@ def train(
     epochs: Optional[int] = typer.Option(
         None, "--epochs", help="epochs (default: the config's train.epochs, 20 where it names none)"
     ),
+    patience: Optional[int] = typer.Option(
+        None,
+        "--patience",
+        help="stop once validation τ has not beaten its best for this many epochs (default: the config's "
+        "train.patience; none: every epoch runs)",
+    ),
     online_from: Optional[list[str]] = typer.Option(
         None,
         "--online-from",
@@ -258,6 +264,7 @@ def train(
                 init_from=str(init_from) if init_from is not None else None,
                 features=str(features) if features is not None else None,
                 epochs=epochs,
+                patience=patience,
                 online_from=list(online_from) if online_from else None,
                 online_transport=online_transport,
             )
