@@ -42,7 +42,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scaling_data import drop_eval_overlap, eval_rows, stratified_order  # noqa: E402
+from scaling_data import drop_eval_overlap, eval_rows, stratified_order, write_subset_run  # noqa: E402
 from scaling_report import ABLATION  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,35 +294,11 @@ def folder(work: Path, name: str) -> Path:
 def write_subset(args, work: Path, name: str, take: list[dict], evals: dict, state: dict) -> None:
     """Write one subset's run folder (config, conversations, a ``subset`` stage with its source mix
     and its overlap with the evaluation sets) unless it is there already."""
-    from eagle3kit.core.rundir import RunDir, sha256_file, write_jsonl
-    from eagle3kit.eval.evaluate import check_overlap
-
-    run = RunDir(folder(work, name))
-    write_config(run.path, {"run_dir": str(run.path), "target": {"model": args.target}, **recipe(args)})
-    made = run.stage_inputs("subset")
-    if made and (made["pool"], made["seed"]) != (state["pool"]["sha256"], args.seed):
-        raise SystemExit(
-            f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be nested "
-            "prefixes of one order: use another --work folder, or rerun with the seed it was made with"
-        )
-    if not made:
-        write_jsonl(run / "conversations.jsonl", take)
-        overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}  # raises on an exact overlap
-        run.record_stage(
-            "subset",
-            {"pool": state["pool"]["sha256"], "seed": args.seed, "size": len(take)},
-            {
-                "conversations": len(take),
-                "sources": dict(Counter(r.get("source") for r in take)),
-                "overlap_with_eval": overlap,
-            },
-            {"conversations.jsonl": sha256_file(run / "conversations.jsonl")},
-        )
-    state.setdefault("subsets", {})[name] = run.report["subset"]
-    print(
-        f"{run.path.name}: {run.report['subset']['sources']}  "
-        f"overlap with eval sets: {run.report['subset']['overlap_with_eval']}"
-    )
+    path = folder(work, name)
+    write_config(path, {"run_dir": str(path), "target": {"model": args.target}, **recipe(args)})
+    got = write_subset_run(path, take, evals, state["pool"]["sha256"], args.seed)
+    state.setdefault("subsets", {})[name] = got
+    print(f"{path.name}: {got['sources']}  overlap with eval sets: {got['overlap_with_eval']}")
 
 
 def train_subset(work: Path, name: str, target) -> dict:

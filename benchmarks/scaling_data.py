@@ -5,6 +5,8 @@ nested subsets (``benchmarks/scaling_curve.py``)."""
 from __future__ import annotations
 
 import random
+from collections import Counter
+from pathlib import Path
 
 
 def eval_rows(shared: str) -> dict[str, list[dict]]:
@@ -56,3 +58,38 @@ def stratified_order(rows: list[dict], seed: int) -> list[dict]:
         rng.shuffle(group)
         keyed += [((j + 0.5) / len(group), rng.random(), r) for j, r in enumerate(group)]
     return [r for *_, r in sorted(keyed, key=lambda x: (x[0], x[1]))]
+
+
+def write_subset_run(path: Path, take: list[dict], evals: dict, pool_sha: str, seed: int) -> dict:
+    """One subset's run folder at ``path`` (its ``config.yaml`` written by the caller): the conversations
+    ``take`` and a ``subset`` stage recording the pool and seed it was cut with, its source mix and its
+    overlap with the evaluation sets ``evals``, unless the folder holds the subset already; returns the
+    ``subset`` report.
+
+    Raises:
+        SystemExit: the folder was cut from another pool or seed (subsets must be prefixes of one order).
+        ConfigError: a conversation equals an evaluation prompt (``evaluate.check_overlap``)."""
+    from eagle3kit.core.rundir import RunDir, sha256_file, write_jsonl
+    from eagle3kit.eval.evaluate import check_overlap
+
+    run = RunDir(path)
+    made = run.stage_inputs("subset")
+    if made and (made["pool"], made["seed"]) != (pool_sha, seed):
+        raise SystemExit(
+            f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be nested "
+            "prefixes of one order: use another --work folder, or rerun with the seed it was made with"
+        )
+    if not made:
+        write_jsonl(run / "conversations.jsonl", take)
+        overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}  # raises on an exact overlap
+        run.record_stage(
+            "subset",
+            {"pool": pool_sha, "seed": seed, "size": len(take)},
+            {
+                "conversations": len(take),
+                "sources": dict(Counter(r.get("source") for r in take)),
+                "overlap_with_eval": overlap,
+            },
+            {"conversations.jsonl": sha256_file(run / "conversations.jsonl")},
+        )
+    return run.report["subset"]

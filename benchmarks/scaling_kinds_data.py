@@ -5,6 +5,7 @@ and why recorded in the provenance."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import shutil
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scaling_curve import SOURCES, stage_data, write_config  # noqa: E402
-from scaling_data import drop_eval_overlap, eval_rows, stratified_order, user_text  # noqa: E402
+from scaling_data import drop_eval_overlap, eval_rows, stratified_order, user_text, write_subset_run  # noqa: E402
 
 RECIPE = {  # examples/smollm2.yaml's tokenize, vocab and train settings; validation for the stopping rule
     "tokenize": {"max_length": 2048},
@@ -44,11 +45,10 @@ def keep_pool(work: Path, args, state: dict) -> None:
 
     gz, prov = work / "pool.jsonl.gz", work / "pool_provenance.json"
     pool = RunDir(work / "pool")
-    if not gz.exists():
+    if not gz.exists():  # the file's own bytes: its SHA-256 in the provenance holds for what is read back
         tmp = gz.with_suffix(".gz.part")
-        with gzip.open(tmp, "wt", encoding="utf-8") as fh:
-            for _, row in read_jsonl(pool / "conversations.jsonl"):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        with open(pool / "conversations.jsonl", "rb") as src, gzip.open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
         tmp.rename(gz)
     if not prov.exists():
         gen = pool.report.get("generate", {})
@@ -93,35 +93,38 @@ def read_provenance(path: Path) -> dict:
     return got
 
 
-def read_kept_pool(src: Path) -> tuple[list[dict], dict]:
-    """The conversations of a ``pool.jsonl.gz`` this script kept, and the provenance beside it.
+def read_kept_pool(src: Path) -> tuple[bytes, dict]:
+    """The conversations file a ``pool.jsonl.gz`` this script kept holds (its bytes, each line checked to be a
+    JSON object), and the provenance beside it, whose SHA-256 they match.
 
     Raises:
-        SystemExit: naming the file, when it is not gzip, cut short, or holds a line that is not a JSON object."""
+        SystemExit: naming the file, when it is not gzip, cut short, holds a line that is not a JSON object,
+        or differs from its provenance's SHA-256."""
     got = read_provenance(src.with_name("pool_provenance.json"))
-    rows = []
     try:
-        with gzip.open(src, "rt", encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise ValueError(f"line {i} is not a JSON object")
-                    rows.append(row)
+        with gzip.open(src, "rb") as fh:
+            data = fh.read()
+        for i, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            if line.strip() and not isinstance(json.loads(line), dict):
+                raise ValueError(f"line {i} is not a JSON object")
     except (OSError, EOFError, ValueError, UnicodeDecodeError) as e:
         raise SystemExit(
             f"--pool {src}: not a pool.jsonl.gz this script wrote ({type(e).__name__}: {e})"
         ) from None
-    return rows, got
+    if hashlib.sha256(data).hexdigest() != got["conversations_sha256"]:
+        raise SystemExit(
+            f"{src}: its conversations differ from pool_provenance.json's SHA-256 beside it; give the pair as written"
+        )
+    return data, got
 
 
 def stage_pool(args, work: Path, state: dict) -> None:
     """The ``data`` stage: the pool generated (``scaling_curve``'s data stage) or read from ``--pool``."""
-    from eagle3kit.core.rundir import RunDir, sha256_file, write_json, write_jsonl
+    from eagle3kit.core.rundir import RunDir, write_json, write_text
 
     pool = RunDir(work / "pool")
     if args.pool:
-        rows, got = read_kept_pool(Path(args.pool))
+        data, got = read_kept_pool(Path(args.pool))
         have = work / "pool_provenance.json"
         if (pool / "conversations.jsonl").exists():
             before = read_provenance(have) if have.exists() else {}
@@ -131,13 +134,7 @@ def stage_pool(args, work: Path, state: dict) -> None:
                     "conversations); use a new --work folder for this one"
                 )
         else:
-            write_jsonl(pool / "conversations.jsonl", rows)
-            if sha256_file(pool / "conversations.jsonl") != got["conversations_sha256"]:
-                (pool / "conversations.jsonl").unlink()  # nothing of it kept: a rerun reads the file again
-                raise SystemExit(
-                    f"{args.pool}: its conversations differ from pool_provenance.json's SHA-256 beside it; give "
-                    "the pair as written"
-                )
+            write_text(pool / "conversations.jsonl", data.decode("utf-8"))
             shutil.copy(args.pool, work / "pool.jsonl.gz")
             write_json(work / "pool_provenance.json", got)
     if not (pool / "conversations.jsonl").exists():
@@ -147,9 +144,8 @@ def stage_pool(args, work: Path, state: dict) -> None:
 
 def stage_subsets(args, work: Path, state: dict) -> None:
     """Nested subsets of the pool without evaluation prompts or near copies (module docstring)."""
-    from eagle3kit.core.rundir import RunDir, read_jsonl, sha256_file, write_json, write_jsonl
+    from eagle3kit.core.rundir import read_jsonl, write_json
     from eagle3kit.data.sources import normalize_text
-    from eagle3kit.eval.evaluate import check_overlap
 
     if not (work / "pool" / "conversations.jsonl").exists():
         raise SystemExit(f"{work / 'pool'} has no conversations: run the data stage first")
@@ -177,30 +173,12 @@ def stage_subsets(args, work: Path, state: dict) -> None:
             "use smaller --sizes, or a new --work with a larger --magpie"
         )
     for size in args.sizes:
-        run = RunDir(folder(work, size))
-        write_config(
-            run.path, {"run_dir": str(run.path), "target": {"model": args.target, "dtype": DTYPE}, **RECIPE}
-        )
-        made = run.stage_inputs("subset")
-        if made and (made["pool"], made["seed"]) != (state["pool"]["conversations_sha256"], args.seed):
-            raise SystemExit(
-                f"{run.path} was cut from another pool or --seed ({made['seed']}); subsets must be prefixes of "
-                "one order: rerun with the seed they were cut with, or use another --work folder"
-            )
-        if not made:
-            take = order[:size]
-            write_jsonl(run / "conversations.jsonl", take)
-            overlap = {n: check_overlap(take, rs) for n, rs in evals.items()}  # raises on an exact copy
-            run.record_stage(
-                "subset",
-                {"pool": state["pool"]["conversations_sha256"], "seed": args.seed, "size": size},
-                {"sources": dict(Counter(r.get("source") for r in take)), "overlap_with_eval": overlap},
-                {"conversations.jsonl": sha256_file(run / "conversations.jsonl")},
-            )
-        print(
-            f"n{size}: {run.report['subset']['sources']}  overlap: {run.report['subset']['overlap_with_eval']}"
-        )
-    prov = json.loads((work / "pool_provenance.json").read_text())
-    prov["subsets"] = {**counts, "near_copy_rule": "word-set Jaccard >= 0.9 with an evaluation prompt"}
-    write_json(work / "pool_provenance.json", prov)
-    state["pool"] = prov
+        path = folder(work, size)
+        write_config(path, {"run_dir": str(path), "target": {"model": args.target, "dtype": DTYPE}, **RECIPE})
+        got = write_subset_run(path, order[:size], evals, state["pool"]["conversations_sha256"], args.seed)
+        print(f"n{size}: {got['sources']}  overlap: {got['overlap_with_eval']}")
+    state["pool"]["subsets"] = {
+        **counts,
+        "near_copy_rule": "word-set Jaccard >= 0.9 with an evaluation prompt",
+    }
+    write_json(work / "pool_provenance.json", state["pool"])
