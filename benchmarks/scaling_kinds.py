@@ -70,6 +70,7 @@ def run_names(args) -> list[tuple[int, str, int]]:
 
 
 def row_key(size: int, kind: str, seed: int) -> str:
+    """A run's name, its folder under ``--work``: ``n{size}/{kind}-s{seed}``."""
     return f"n{size}/{kind}-s{seed}"
 
 
@@ -91,18 +92,19 @@ def stage_train(args, work: Path, state: dict) -> None:
 
     for size in args.sizes:
         todo = [(k, s) for (n, k, s) in run_names(args) if n == size]
-        todo = [(k, s) for k, s in todo if not (folder(work, size) / f"{k}-s{s}" / "row.json").exists()]
+        todo = [(k, s) for k, s in todo if not (work / row_key(size, k, s) / "row.json").exists()]
         if not todo:
             continue
         if not (folder(work, size) / "conversations.jsonl").exists():
             raise SystemExit(f"{folder(work, size)} has no conversations: run the subsets stage first")
         run, cfg, _, target = open_run(str(folder(work, size)))
+        machine = card()
         for kind, seed in todo:
-            vdir = folder(work, size) / f"{kind}-s{seed}"
+            vdir = work / row_key(size, kind, seed)
             section, settings = train_settings(args, kind, seed)
             res, seconds = train_variant(cfg, run, vdir, target, drafter=section, **settings)
             row = {
-                "card": card(),
+                "card": machine,
                 "conversations": size,
                 "kind": kind,
                 "seed": seed,
@@ -112,7 +114,7 @@ def stage_train(args, work: Path, state: dict) -> None:
                 **{k: res.get(k) for k in ("epochs_run", "best_epoch", "best_val_tau", "stopped_early")},
                 **{k: res.get(k) for k in ("tokens_per_s_wall", "tokens_per_s_steady", "final_loss")},
                 "train_seconds": round(seconds, 1),
-                "gpu_hours": round(seconds / 3600, 4) if "CPU" not in card() else None,
+                "gpu_hours": round(seconds / 3600, 4) if "CPU" not in machine else None,
             }
             write_json(vdir / "row.json", row)
             print(
@@ -129,7 +131,7 @@ def stage_eval(args, work: Path, state: dict) -> None:
     from eagle3kit.model.target import load_target, pick_device
 
     tau = state.setdefault("tau", {})
-    drafters = {row_key(*r): folder(work, r[0]) / f"{r[1]}-s{r[2]}" / "drafter" for r in run_names(args)}
+    drafters = {row_key(*r): work / row_key(*r) / "drafter" for r in run_names(args)}
     missing = [n for n, d in drafters.items() if n not in tau and not d.is_dir()]
     if missing:
         raise SystemExit(f"no trained drafter for {missing}: run the train stage first")
@@ -160,7 +162,7 @@ def stage_decode(args, work: Path, state: dict) -> None:
     from eagle3kit.model.target import load_target, pick_device
 
     size = args.sizes[-1]
-    run_name = f"n{size}/eagle3.1-s{args.largest_seeds[0]}"
+    run_name = row_key(size, "eagle3.1", args.largest_seeds[0])
     done = state.get("decode") or {}
     if "eagle3.1" not in args.kinds or (
         done.get("run") == run_name and done.get("greedy_identical") is not None
@@ -169,7 +171,7 @@ def stage_decode(args, work: Path, state: dict) -> None:
     state.pop("decode", None)
     device = pick_device(args.device)
     target = load_target(TargetConfig(model=args.target, dtype=DTYPE), device=device)
-    path = folder(work, size) / f"eagle3.1-s{args.largest_seeds[0]}" / "drafter"
+    path = work / run_name / "drafter"
     drafter = load_exported(path, device=device).eval().to(target.dtype)
     out = state.setdefault("decode", {"run": run_name, "k": 3, "sets": {}})
     for name, (_, prompts, _) in heldout_sets(
@@ -194,8 +196,8 @@ def stage_report(args, work: Path, state: dict) -> None:
 
     rows = []
     for size, kind, seed in run_names(args):
-        vdir = folder(work, size) / f"{kind}-s{seed}"
         name = row_key(size, kind, seed)
+        vdir = work / name
         if not (vdir / "row.json").exists() or name not in state.get("tau", {}):
             raise SystemExit(f"{name} is not trained and measured yet: run the train and eval stages first")
         try:
