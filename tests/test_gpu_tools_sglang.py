@@ -87,7 +87,9 @@ def test_the_engine_table_keeps_vllms_staging_and_gives_sglang_a_reason_for_each
     assert all(len(why) > 20 for why in sg.skip.values())
     assert all(len(why) > 20 for members in sg.trim.values() for why in members.values())
     assert "sgl_kernel/flash_ops.abi3.so" in sg.trim["sglang-kernel"] and "sglang-kernel" not in sg.skip
-    assert {"torch", "transformers", "flashinfer-cubin", "torchcodec"} <= set(sg.skip) and not sg.pins
+    assert {"torch", "flashinfer-cubin", "torchcodec"} <= set(sg.skip) and "transformers" not in sg.skip
+    assert set(sg.over_image) == {"transformers", "tokenizers"} and sg.pins == {"tokenizers": "0.22.2"}
+    assert not eng["vllm"].over_image
 
 
 def test_sglang_wheels_lose_their_trimmed_members_and_every_wheel_is_stored_uncompressed(stage, tmp_path):
@@ -134,6 +136,39 @@ def test_the_sglang_closure_gives_each_left_out_package_its_own_reason(stage, tm
     assert sorted(got) == ["fastapi", "starlette"]
     assert "video decoding" in left["torchcodec"] and "2.11.0+cu130" in left["torch"]
     assert left["numpy"] == "on the GPU machine"
+
+
+def test_sglang_gets_its_own_transformers_and_tokenizers_although_the_image_has_both(
+    stage, tmp_path, monkeypatch
+):
+    """The image's transformers 5.17 stops SGLang 0.5.14's server at import (its config registry names a
+    model type 5.17 already defines), and transformers 5.8.1 refuses the image's tokenizers 0.23: both are
+    staged into SGLang's site at the versions it accepts, while vLLM's staging leaves them to the image."""
+    index = tmp_path / "index"
+    index.mkdir()
+    wheels = {
+        "transformers": fake_wheel(index, "transformers", "5.8.1", ["tokenizers<=0.23.0,>=0.22.0", "numpy>=1.17"]),
+        "tokenizers": fake_wheel(index, "tokenizers", "0.22.2", []),
+    }  # fmt: skip
+    asked = []
+
+    def download(spec, dest):
+        asked.append(spec)
+        return wheels[stage.Requirement(spec).name]
+
+    monkeypatch.setattr(stage, "download", download)
+    image = {"transformers", "tokenizers", "numpy", "torch"}
+    sg = stage.ENGINES["sglang"]
+    got, left = stage.closure(
+        ["transformers==5.8.1"], sg.counted_as_present(image), tmp_path, sg.skip, sg.pins
+    )
+    assert sorted(got) == ["tokenizers", "transformers"] and "tokenizers==0.22.2" in asked
+    assert left == {"numpy": "on the GPU machine"}
+    vllm = stage.ENGINES["vllm"]
+    got, left = stage.closure(
+        ["transformers==5.8.1"], vllm.counted_as_present(image), tmp_path, vllm.skip, vllm.pins
+    )
+    assert got == {} and left == {"transformers": "on the GPU machine"}
 
 
 def test_the_device_script_picks_the_engines_folders_and_refuses_an_unknown_engine(tmp_path):

@@ -10,7 +10,7 @@ bf16 Llama with ``--attention-backend flashinfer``, or nowhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from packaging.utils import canonicalize_name
 
@@ -24,7 +24,9 @@ class Engine:
     """One engine's staging.
 
     ``trim``: distribution name → {wheel member: why it is removed}; ``skip``: requirement name → why it
-    is not staged; ``pins``: name → version staged whatever the requirement says; ``extra``: requirements
+    is not staged; ``pins``: name → version staged whatever the requirement says; ``over_image``: name →
+    why it is staged although the GPU image has it (the image's version fails at import; staged at the
+    version the requirements or ``pins`` name, into the engine's own site); ``extra``: requirements
     staged beyond the engine's own (imported at server start, reached only through skipped packages);
     ``store_all``: every staged wheel rewritten uncompressed (xz then compresses it), not only the trimmed
     ones; ``stage``/``site``: the folders on the GPU machine (the parts, the installed packages);
@@ -35,11 +37,17 @@ class Engine:
     trim: dict[str, dict[str, str]]
     skip: dict[str, str]
     pins: dict[str, str]
+    over_image: dict[str, str] = field(default_factory=dict)
     extra: tuple[str, ...] = ()
     store_all: bool = False
     stage: str = "/tmp/vstage"
     site: str = "/tmp/site"
     check: str = "check"
+
+    def counted_as_present(self, have: set[str]) -> set[str]:
+        """The GPU machine's packages (``have``: canonical names) that staging leaves to the machine: all
+        but ``over_image``, which the engine's own site gets at the version it accepts."""
+        return have - set(self.over_image)
 
 
 # --- vLLM 0.26.0 (its staging is unchanged by the engine table: same wheels, manifest and output) ----
@@ -123,12 +131,6 @@ SGLANG_SKIP = {
         "torch": f"{_MACHINE}: SGLang 0.5.14 pins torch==2.11.0, the image's 2.11.0+cu130",
         "torchaudio": f"{_MACHINE} (2.11.0, as pinned); imported only in functions (srt/utils/common.py:849)",
         "torchvision": f"{_MACHINE} (0.26.0, torch 2.11's)",
-        "transformers": (
-            f"{_MACHINE} 5.17.0 although SGLang pins ==5.8.1: each transformers import of the serving path "
-            "resolves in 5.17.0 (the 3 names 5.17 lacks are in the qwen2_5_vl, moss_vl and pixtral models, "
-            "which the model registry skips with a warning); 5.8.1 would also need tokenizers 0.22.x "
-            "(it refuses the image's 0.23 at import)"
-        ),
         "timm": f"{_MACHINE} (SGLang pins 1.0.16; only vision models import it)",
         "flashinfer-cubin": (
             "prebuilt cubins (TRT-LLM/Blackwell kernels), found only if installed (flashinfer/jit/env.py:"
@@ -199,7 +201,17 @@ SGLANG_ENGINE = Engine(
     spec=SGLANG,
     trim=SGLANG_TRIM,
     skip=SGLANG_SKIP,
-    pins={},  # SGLang's own exact pins (flashinfer 0.6.12, apache-tvm-ffi 0.1.9, xgrammar 0.2.1, openai 2.6.1)
+    # SGLang's own exact pins (flashinfer 0.6.12, apache-tvm-ffi 0.1.9, xgrammar 0.2.1, openai 2.6.1,
+    # transformers 5.8.1); tokenizers: the newest that transformers 5.8.1 accepts below the image's
+    pins={"tokenizers": "0.22.2"},
+    over_image={
+        "transformers": (
+            "SGLang 0.5.14 pins ==5.8.1; with the image's 5.17.0 its config registry stops the import of the "
+            "server: AutoConfig.register('qwen3_asr', …) raises ValueError, a name 5.17 already defines "
+            "(seen on an H200, 2026-12-07)"
+        ),
+        "tokenizers": "transformers 5.8.1 requires tokenizers>=0.22.0,<=0.23.0 and refuses the image's 0.23 at import",
+    },
     # imported at server start (srt/entrypoints/openai/serving_chat.py:24, srt/sampling/custom_logit_processor.py:7)
     # but required only by outlines / mistral-common / datasets, which are skipped
     extra=("jsonschema", "dill"),

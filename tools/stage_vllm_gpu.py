@@ -263,7 +263,8 @@ def stage(args, have: set[str], old: list[Path], work: Path) -> None:
     wheels_dir.mkdir()
     engine_wheel = download(eng.spec, work)
     roots = [str(r) for r in requires(engine_wheel, set())] + list(eng.extra) + list(OURS)
-    wheels, left = closure(roots, have, wheels_dir, eng.skip, eng.pins)
+    # what the image has at a version the engine refuses is staged into the engine's own site all the same
+    wheels, left = closure(roots, eng.counted_as_present(have), wheels_dir, eng.skip, eng.pins)
     size = sum(p.stat().st_size for p in wheels.values())
     print(f"{len(wheels)} dependency wheels, {size / 1e6:.1f} MB; left out: {len(left)}", flush=True)
     for name, why in sorted(left.items()):
@@ -298,7 +299,7 @@ def stage(args, have: set[str], old: list[Path], work: Path) -> None:
         **(
             {"vllm_trim": trim}
             if eng.name == "vllm"
-            else {"trims": trim, "pins": eng.pins, "extra": list(eng.extra)}
+            else {"trims": trim, "pins": eng.pins, "over_image": eng.over_image, "extra": list(eng.extra)}
         ),
         "left_out": left,
         "prepare_seconds": round(time.time() - t0, 1),
