@@ -15,8 +15,9 @@
 #       the same for scaling_kinds.py (SHARED also holding data/prompts/humaneval.jsonl.gz), --work /tmp/sk;
 #       a pool kept before, .gpudata/pool/pool.jsonl.gz with its pool_provenance.json (carried), is read
 #       instead of generated; `wait` also brings the pool back as $OUT/pool.jsonl.gz (up to 16 MiB)
-#   bash benchmarks/serving_gpu_device.sh wait [SECONDS]
-#       waits up to SECONDS (default 480) or until the run ends, then copies what it has made so far
+#   bash benchmarks/serving_gpu_device.sh wait [SECONDS] [UNTIL]
+#       waits up to SECONDS (default 480) or until the run ends (or, with UNTIL, a path under the work
+#       folder such as online/online.json, until that exists), then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
 #   bash benchmarks/serving_gpu_device.sh readback     what `start` does first: puts carried parts together
 #   bash benchmarks/serving_gpu_device.sh keep NAME
@@ -27,7 +28,7 @@
 set -uo pipefail
 W=${SG_WORK:-/tmp/sg} # SG_WORK: only for the script's own tests
 REPO=/tmp/sg-repo
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -45,13 +46,20 @@ snapshot() { # one archive: a command brings back only a few files
   fi
   grep -aE "^[a-z0-9.]+-(k[0-9]+|fault-[a-z0-9_]+): |^diagnose: |Traceback|Error|wrote " /tmp/sg.log | tail -20
   tail -c 2000 /tmp/sg.log | tr '\r' '\n' | grep -v '^\s*$' | tail -5
-  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true
 }
 running() { [ -f $W.pid ] && kill -0 "$(cat $W.pid)" 2>/dev/null; }
-wait_for() {
-  local end=$(($(date +%s) + ${1:-480}))
-  while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
-  running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"
+wait_for() { # wait_for SECONDS [UNTIL]
+  local end=$(($(date +%s) + ${1:-480})) until=${2:-}
+  while running && [ "$(date +%s)" -lt "$end" ]; do
+    [ -n "$until" ] && [ -e "$W/$until" ] && break
+    sleep 5
+  done
+  if [ -n "$until" ] && [ -e "$W/$until" ]; then
+    echo "== $until is there ($(date -u +%H:%M:%S)); the run $(running && echo goes on || echo has ended)"
+  else
+    running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"
+  fi
   snapshot
 }
 read_back() { # the trained runs `keep` brought back (carried in .gpudata/runs), unless this machine has them
@@ -135,7 +143,11 @@ scaling)
   ;;
 wait)
   [[ "${1:-480}" =~ ^[0-9]+$ ]] || { echo "wait: SECONDS must be a whole number of seconds, got '$1'" >&2; exit 2; }
-  wait_for "${1:-480}"
+  if [ -n "${2:-}" ] && { [[ "$2" == /* ]] || [[ "$2" == *..* ]]; }; then
+    echo "wait: UNTIL is a path under the work folder $W, such as online/online.json, got '$2'" >&2
+    exit 2
+  fi
+  wait_for "${1:-480}" "${2:-}"
   ;;
 *)
   echo "serving_gpu_device.sh: unknown command $cmd (start, shape, scaling, wait, keep or readback)" >&2

@@ -214,6 +214,39 @@ def test_the_serving_device_script_shows_its_usage_and_refuses_a_shared_folder_w
     assert res.returncode == 2 and "SECONDS must be a whole number of seconds, got '1x'" in res.stderr
 
 
+def test_wait_until_a_record_exists_returns_while_the_run_goes_on(tmp_path):
+    """``wait SECONDS UNTIL``: a running run's wait ends as soon as UNTIL (a path under the work folder)
+    exists, not at SECONDS, and says the run goes on; a path outside the work folder is refused."""
+    import time
+
+    sh, work, out = REPO / "benchmarks" / "serving_gpu_device.sh", tmp_path / "sg", tmp_path / "out"
+    env = {**os.environ, "SG_WORK": str(work), "OUT": str(out)}
+    res = subprocess.run(["bash", str(sh), "wait", "5", "../etc"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "UNTIL is a path under the work folder" in res.stderr
+    (work / "online").mkdir(parents=True)
+    run = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "sg.pid").write_text(f"{run.pid}\n")
+        (work / "online" / "online.json").write_text("{}\n")
+        t = time.time()
+        res = subprocess.run(
+            ["bash", str(sh), "wait", "40", "online/online.json"], capture_output=True, text=True, env=env
+        )
+        took = time.time() - t
+        assert (
+            res.returncode == 0 and "== online/online.json is there" in res.stdout and "goes on" in res.stdout
+        )
+        assert took < 20 and run.poll() is None
+        (work / "online" / "online.json").unlink()  # absent: the wait runs to SECONDS while the run goes on
+        t = time.time()
+        res = subprocess.run(
+            ["bash", str(sh), "wait", "6", "online/online.json"], capture_output=True, text=True, env=env
+        )
+        assert "== still running" in res.stdout and time.time() - t >= 6
+    finally:
+        run.kill()
+
+
 def test_keep_brings_back_one_trained_run_in_parts_without_its_checkpoints_and_start_reads_it_back(tmp_path):
     """``keep NAME``: the drafter's run in 15 MiB parts holding its data stages and served folder, none of its
     checkpoints or other export layouts; the parts put together give the run back; a drafter not trained
