@@ -50,6 +50,23 @@ def gpu_processes() -> int | None:
     return sum(1 for line in got.stdout.splitlines() if line.strip())
 
 
+def gpu_peak_memory() -> dict | None:
+    """This process's peak GPU memory on device 0 since ``torch.cuda.reset_peak_memory_stats()`` (or its
+    start): what PyTorch's allocator held for tensors (``allocated_gib``) and reserved from the driver
+    (``reserved_gib``, the figure that must fit the card), and the card's total (``card_gib``), in GiB
+    (2**30 bytes) to 0.01; None without CUDA. The CUDA context (a few hundred MiB) is not counted."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gib = 2**30
+    return {
+        "allocated_gib": round(torch.cuda.max_memory_allocated(0) / gib, 2),
+        "reserved_gib": round(torch.cuda.max_memory_reserved(0) / gib, 2),
+        "card_gib": round(torch.cuda.get_device_properties(0).total_memory / gib, 2),
+    }
+
+
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in ``path``.
 

@@ -221,7 +221,7 @@ def train_one(args, key: str) -> None:
     """One row and seed: the drafter trained on the data run's tokens and vocabulary, exported,
     and measured (``<run>/result.json``)."""
     import torch
-    from common import gpu_processes, heldout_tau, open_run, train_variant
+    from common import gpu_peak_memory, gpu_processes, heldout_tau, open_run, train_variant
 
     name, seed = key.split(":")
     vdir = run_dir(args, key)
@@ -237,10 +237,13 @@ def train_one(args, key: str) -> None:
     trained = {**EARLIER, **(more[0] if more else {})}
     settings = {**speed, **trained}
     seen = {"at_start": gpu_processes(), "launched_together": args.parallel}
+    if torch.cuda.is_available():  # from here: the target held, its load's transient peak not counted
+        torch.cuda.reset_peak_memory_stats(0)
     res, seconds = train_variant(
         cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
     )
     seen["at_end"] = gpu_processes()
+    peak = gpu_peak_memory()
     tau, counts = heldout_tau(
         base, target, args.shared, {key: vdir / "drafter"}, device, ks=KS + EXTRA_KS, **args.eval
     )
@@ -263,6 +266,7 @@ def train_one(args, key: str) -> None:
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "gpu_processes": seen,
+        "gpu_peak_memory": peak,  # this process's, while training (the target's features included)
         "speed": args.speed,
         "loss_chunk": speed["loss_chunk"],
         "precision": speed["precision"],

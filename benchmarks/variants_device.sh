@@ -21,6 +21,8 @@
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh speed ROWS [PARALLEL]
 #   or DFlash beside EAGLE-3.1 (the data run made on the device, or carried from the CPU):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh dflash ROWS [PARALLEL]
+#   (VW_LOSS_CHUNK=4096 before it: the loss in checkpointed chunks, what lets a DFlash row at tf32 fit an
+#   80 GB card; the default 0 computes it whole; each row's result.json records its gpu_peak_memory)
 #   (the data run is made on the device when .vwdata holds only shared.tar.xz; a base.tar.xz that pack
 #   left there is used instead, its tokens and vocabulary made again: remove it to generate on the device)
 #
@@ -134,7 +136,7 @@ dflash)
   cat >$W/dflash.sh <<EOS
 cd $REPO
 export PYTHONPATH=/tmp/site:$REPO/src SPECULATORS_PATH=/tmp/site PYTHONUNBUFFERED=1
-V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk 0"
+V="python3 benchmarks/variants.py --work $W --shared /tmp/shared --precision tf32 --loss-chunk ${VW_LOSS_CHUNK:-0}"
 $data >$W/data.log 2>&1 || { echo "variants: τ not measured: the data run failed (exit \$?), see data.log" >>$W/main.log; exit 1; }
 \$V --stages train,report --rows $rows --parallel $par --out $W/variants_dflash.json >>$W/main.log 2>&1
 echo "variants: τ done (exit \$?)" >>$W/main.log

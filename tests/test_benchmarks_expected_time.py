@@ -252,3 +252,29 @@ def test_a_row_records_the_gpu_processes_it_saw_not_how_many_it_launched(tmp_pat
             and text.count("gpu_processes()") == 2
             and "concurrent_processes" not in text
         )
+
+
+def test_a_variants_row_records_its_peak_gpu_memory_in_gib_beside_the_cards(monkeypatch):
+    """benchmarks/common.gpu_peak_memory: the allocator's peak allocated and reserved bytes and the card's
+    total, in GiB to 0.01 (what says whether a row fits an 80 GB card); None without CUDA. variants.py's
+    training rows reset the peak after the target is loaded and record it under ``gpu_peak_memory``."""
+    sys.path.insert(0, str(BENCH))
+    import common
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert common.gpu_peak_memory() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 61.5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 70.254 * 2**30)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 79.19 * 2**30})()
+    )
+    assert common.gpu_peak_memory() == {"allocated_gib": 61.5, "reserved_gib": 70.25, "card_gib": 79.19}
+    text = (BENCH / "variants.py").read_text()
+    assert (
+        text.index("reset_peak_memory_stats(0)")
+        < text.index("= train_variant(")
+        < text.index("peak = gpu_peak_memory()")
+    )
+    assert '"gpu_peak_memory": peak' in text
