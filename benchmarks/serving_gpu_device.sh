@@ -16,8 +16,8 @@
 #       a pool kept before, .gpudata/pool/pool.jsonl.gz with its pool_provenance.json (carried), is read
 #       instead of generated; `wait` also brings the pool back as $OUT/pool.jsonl.gz (up to 16 MiB)
 #   bash benchmarks/serving_gpu_device.sh wait [SECONDS] [UNTIL]
-#       waits up to SECONDS (default 480) or until the run ends (or, with UNTIL, a path under the work
-#       folder such as online/online.json, until that exists), then copies what it has made so far
+#       waits up to SECONDS (default 480) or until the run ends (or, with UNTIL, a file under serving_gpu.py's
+#       work folder /tmp/sg such as online/online.json, until it is written), then copies what it has made so far
 #       into $OUT/sg.tgz (the results JSON and plot, every record, the logs) and prints the log's tail
 #   bash benchmarks/serving_gpu_device.sh readback     what `start` does first: puts carried parts together
 #   bash benchmarks/serving_gpu_device.sh keep NAME
@@ -28,7 +28,7 @@
 set -uo pipefail
 W=${SG_WORK:-/tmp/sg} # SG_WORK: only for the script's own tests
 REPO=/tmp/sg-repo
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 case "$cmd" in "" | -h | --help) usage; exit 0 ;; esac
 shift
@@ -52,10 +52,10 @@ running() { [ -f $W.pid ] && kill -0 "$(cat $W.pid)" 2>/dev/null; }
 wait_for() { # wait_for SECONDS [UNTIL]
   local end=$(($(date +%s) + ${1:-480})) until=${2:-}
   while running && [ "$(date +%s)" -lt "$end" ]; do
-    [ -n "$until" ] && [ -e "$W/$until" ] && break
+    [ -n "$until" ] && [ -s "$W/$until" ] && [ ! -d "$W/$until" ] && break
     sleep 5
   done
-  if [ -n "$until" ] && [ -e "$W/$until" ]; then
+  if [ -n "$until" ] && [ -s "$W/$until" ] && [ ! -d "$W/$until" ]; then
     echo "== $until is there ($(date -u +%H:%M:%S)); the run $(running && echo goes on || echo has ended)"
   else
     running && echo "== still running ($(date -u +%H:%M:%S))" || echo "== finished ($(date -u +%H:%M:%S))"

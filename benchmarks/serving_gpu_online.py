@@ -183,5 +183,7 @@ def colocated(args, first_run: Path, target_folder: Path, cli) -> dict:
         "mfu": mfu(rows, matmul_params(first_run / "drafter"), matmul_params(target_folder), rate),
         "seconds": round(time.time() - t0, 1),
     }
-    done.write_text(json.dumps(rec, indent=1) + "\n")
+    from eagle3kit.core.rundir import write_text
+
+    write_text(done, json.dumps(rec, indent=1) + "\n")  # atomic: `wait … online/online.json` reads it whole
     return rec

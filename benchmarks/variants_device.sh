@@ -22,7 +22,8 @@
 #   or DFlash beside EAGLE-3.1 (the data run made on the device, or carried from the CPU):
 #   device call 2:  carry [".device/p2", ".vwdata"] benchmarks/variants_device.sh dflash ROWS [PARALLEL]
 #   (VW_LOSS_CHUNK=4096 before it: the loss in checkpointed chunks, what lets a DFlash row at tf32 fit an
-#   80 GB card; the default 0 computes it whole; each row's result.json records its gpu_peak_memory)
+#   80 GB card; the default 0 computes it whole; each eagle3kit row's result.json records its
+#   gpu_peak_memory, the peers' rows do not)
 #   (the data run is made on the device when .vwdata holds only shared.tar.xz; a base.tar.xz that pack
 #   left there is used instead, its tokens and vocabulary made again: remove it to generate on the device)
 #
@@ -121,6 +122,8 @@ dflash)
   # and 7; then VW_AFTER (a command, run in the repo copy once the rows are measured), if set
   rows=${1:?rows}
   par=${2:-3}
+  [[ "${VW_LOSS_CHUNK:-0}" =~ ^[0-9]+$ ]] ||
+    { echo "dflash: VW_LOSS_CHUNK is a whole number of loss rows (4096; 0: unchunked), got '$VW_LOSS_CHUNK'" >&2; exit 2; }
   install_smollm2 || exit 1
   mkdir -p $W /tmp/shared && tar -C /tmp/shared -xJf .vwdata/shared.tar.xz
   data='$V --stages data' from="made here"

@@ -276,5 +276,6 @@ def test_a_variants_row_records_its_peak_gpu_memory_in_gib_beside_the_cards(monk
         text.index("reset_peak_memory_stats(0)")
         < text.index("= train_variant(")
         < text.index("peak = gpu_peak_memory()")
+        < text.index("= heldout_tau(")  # the peak of training, not of the evaluation after it
     )
     assert '"gpu_peak_memory": peak' in text

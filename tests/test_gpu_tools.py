@@ -221,12 +221,18 @@ def test_wait_until_a_record_exists_returns_while_the_run_goes_on(tmp_path):
 
     sh, work, out = REPO / "benchmarks" / "serving_gpu_device.sh", tmp_path / "sg", tmp_path / "out"
     env = {**os.environ, "SG_WORK": str(work), "OUT": str(out)}
-    res = subprocess.run(["bash", str(sh), "wait", "5", "../etc"], capture_output=True, text=True, env=env)
-    assert res.returncode == 2 and "UNTIL is a path under the work folder" in res.stderr
+    for bad in ("../etc", "/etc/passwd", "online/../../x"):
+        res = subprocess.run(["bash", str(sh), "wait", "5", bad], capture_output=True, text=True, env=env)
+        assert res.returncode == 2 and "UNTIL is a path under the work folder" in res.stderr, bad
     (work / "online").mkdir(parents=True)
     run = subprocess.Popen(["sleep", "60"])
     try:
         (tmp_path / "sg.pid").write_text(f"{run.pid}\n")
+        (work / "online" / "online.json").write_text("")  # begun, not written: no early end
+        res = subprocess.run(
+            ["bash", str(sh), "wait", "6", "online/online.json"], capture_output=True, text=True, env=env
+        )
+        assert "== still running" in res.stdout
         (work / "online" / "online.json").write_text("{}\n")
         t = time.time()
         res = subprocess.run(

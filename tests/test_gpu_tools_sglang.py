@@ -198,3 +198,40 @@ def test_the_sglang_check_serves_on_flashinfer_with_eagle3(monkeypatch):
     assert flags["--speculative-algorithm"] == "EAGLE3" and flags["--speculative-draft-model-path"] == "/d"
     assert int(flags["--speculative-num-draft-tokens"]) == int(flags["--speculative-num-steps"]) + 1
     assert {"sglang.srt.models.llama_eagle3", "sglang.srt.speculative.dflash_worker_v2"} <= set(chk.IMPORTS)
+
+
+def test_stage_hands_the_closure_the_image_less_what_the_engine_stages_over_it(stage, tmp_path, monkeypatch):
+    """``stage()`` itself (not only ``closure``) leaves transformers and tokenizers out of what it counts as
+    on the GPU machine for SGLang, and keeps them there for vLLM."""
+    import argparse
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def closure(roots, have, *rest):
+        seen["have"] = set(have)
+        raise Stop
+
+    monkeypatch.setattr(stage, "download", lambda spec, dest: fake_wheel(tmp_path, "eng", "1.0", []))
+    monkeypatch.setattr(stage, "closure", closure)
+    image = {"numpy", "transformers", "tokenizers"}
+    for engine, kept in (("sglang", {"numpy"}), ("vllm", image)):
+        args = argparse.Namespace(engine=engine, check=True, no_target=True, out=tmp_path / "o", part_mb=56)
+        work = tmp_path / engine
+        work.mkdir()
+        with pytest.raises(Stop):
+            stage.stage(args, image, [], work)
+        assert seen["have"] == kept, engine
+
+
+def test_the_engines_folders_are_those_the_device_script_exports(stage):
+    """The table's ``site`` for each engine is the PYTHONPATH `stage_vllm_gpu.sh env ENGINE` prints (the
+    script keeps its own copy of the paths), and an unknown engine is refused there."""
+    sh = REPO / "tools" / "stage_vllm_gpu.sh"
+    for name, eng in stage.ENGINES.items():
+        res = subprocess.run(["bash", str(sh), "env", name], capture_output=True, text=True, cwd=REPO)
+        assert res.returncode == 0 and f"PYTHONPATH={eng.site}:" in res.stdout, name
+    res = subprocess.run(["bash", str(sh), "env", "sglng"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and "the engine is vllm or sglang, got 'sglng'" in res.stderr

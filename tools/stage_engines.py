@@ -202,7 +202,8 @@ SGLANG_ENGINE = Engine(
     trim=SGLANG_TRIM,
     skip=SGLANG_SKIP,
     # SGLang's own exact pins (flashinfer 0.6.12, apache-tvm-ffi 0.1.9, xgrammar 0.2.1, openai 2.6.1,
-    # transformers 5.8.1); tokenizers: the newest that transformers 5.8.1 accepts below the image's
+    # transformers 5.8.1); tokenizers 0.22.2: the release the served check ran with, inside the range
+    # transformers 5.8.1 checks at import
     pins={"tokenizers": "0.22.2"},
     over_image={
         "transformers": (
@@ -210,7 +211,10 @@ SGLANG_ENGINE = Engine(
             "server: AutoConfig.register('qwen3_asr', …) raises ValueError, a name 5.17 already defines "
             "(seen on an H200, 2026-12-07)"
         ),
-        "tokenizers": "transformers 5.8.1 requires tokenizers>=0.22.0,<=0.23.0 and refuses the image's 0.23 at import",
+        "tokenizers": (
+            "transformers 5.8.1 checks tokenizers>=0.22.0,<=0.23.0 at import; the image holds a 0.23 release "
+            "(its exact version unread), and the served check ran with 0.22.2"
+        ),
     },
     # imported at server start (srt/entrypoints/openai/serving_chat.py:24, srt/sampling/custom_logit_processor.py:7)
     # but required only by outlines / mistral-common / datasets, which are skipped

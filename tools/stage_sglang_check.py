@@ -25,6 +25,7 @@ the request counted no verify step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -144,9 +145,12 @@ def serve_once(inputs: dict, port: int, wait_s: float, log: Path) -> dict:
         up = time.time() - t0
         t = time.time()
         body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
-        r = httpx.post(url + "/generate", json=body, timeout=300)
-        r.raise_for_status()
-        got = r.json()
+        try:
+            r = httpx.post(url + "/generate", json=body, timeout=300)
+            r.raise_for_status()
+            got = r.json()
+        except (httpx.HTTPError, ValueError) as e:  # an error status, a timeout, an answer that is not JSON
+            return {"error": f"the /generate request failed: {type(e).__name__}: {e}"}
         meta = got.get("meta_info", {})
         spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
         return {
@@ -156,12 +160,14 @@ def serve_once(inputs: dict, port: int, wait_s: float, log: Path) -> dict:
             "text": got.get("text"),
             "spec": spec,
         }
-    finally:
-        try:
+    finally:  # the server's whole process group, also when it has exited already
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
+        try:
             proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main() -> None:
@@ -173,7 +179,9 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, default=None, help="where the record and the server log go (default --stage)"
     )
-    ap.add_argument("--wait", type=float, default=540.0, help="seconds to wait for the server (default 540)")
+    # 480: with the imports (about 20 s), the inputs (about 40 s) and the server's stop (up to 30 s), a
+    # check fits a 600-s command
+    ap.add_argument("--wait", type=float, default=480.0, help="seconds to wait for the server (default 480)")
     ap.add_argument("--port", type=int, default=8012)
     ap.add_argument("--inputs-only", action="store_true", help=argparse.SUPPRESS)  # the child of step 2
     args = ap.parse_args()
@@ -199,8 +207,10 @@ def main() -> None:
             rec["inputs_error"] = res.stderr[-3000:]
         else:
             rec["inputs"] = json.loads(line[len("INPUTS ") :])
-            rec.update(serve_once(rec["inputs"], args.port, args.wait, args.stage / "check_server.log"))
-            shutil.copyfile(args.stage / "check_server.log", out / "sglang_check_server.log")
+            try:
+                rec.update(serve_once(rec["inputs"], args.port, args.wait, args.stage / "check_server.log"))
+            finally:  # the server's log comes back whatever happened
+                shutil.copyfile(args.stage / "check_server.log", out / "sglang_check_server.log")
     rec["check_seconds"] = round(time.time() - t0, 1)
     rec["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                 text=True).stdout.strip()  # fmt: skip

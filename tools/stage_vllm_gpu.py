@@ -9,7 +9,7 @@ Run here, on a machine with PyPI::
                                                             # about 360 MB, compresses with xz about 3)
     python3 tools/stage_vllm_gpu.py --out .stage --check    # lists what it would stage: the same
                                                             # downloads (about 1 minute), no archive
-    python3 tools/stage_vllm_gpu.py --engine sglang --out .stage-sglang   # SGLang: 3 parts (2 with
+    python3 tools/stage_vllm_gpu.py --engine sglang --out .stage-sglang   # SGLang: 3 parts (1 with
                                                             # --no-target, where vLLM's staging is there)
 
 What it writes under ``--out``: ``p1/`` … ``pN/``, each holding one part of a single ``stage.tar.xz``
@@ -33,10 +33,11 @@ What goes in the archive:
 
 For SGLang (``tools/stage_engines.py`` lists what is trimmed and skipped, each with the line of SGLang's
 sources that shows it is not imported on the serving path): the sglang wheel, sglang-kernel less
-FlashAttention 3 (1.76 GB), FlashMLA and its non-Hopper build, xgrammar less its static library, and
-every staged wheel rewritten uncompressed; SGLang is installed into its own folder there
-(``/tmp/site-sglang``), so that it and vLLM, whose versions of flashinfer, xgrammar, apache-tvm-ffi and
-openai differ, can both be on one machine.
+FlashAttention 3 (1.76 GB), FlashMLA and common_ops' build for other cards than Hopper, xgrammar less its
+static library, SGLang's pinned transformers 5.8.1 with tokenizers 0.22.2 (the image's transformers stops
+SGLang's import), and every staged wheel rewritten uncompressed; SGLang is installed into its own folder
+there (``/tmp/site-sglang``), so that it and vLLM, whose versions of flashinfer, xgrammar, apache-tvm-ffi,
+openai and transformers differ, can both be on one machine.
 
 ``--have`` names a file of the GPU machine's installed distributions, one ``name==version`` (or a bare
 name) a line, as ``python3 -m pip list --format=freeze`` prints it there; the default is the list read

