@@ -237,8 +237,6 @@ def train_one(args, key: str) -> None:
     trained = {**EARLIER, **(more[0] if more else {})}
     settings = {**speed, **trained}
     seen = {"at_start": gpu_processes(), "launched_together": args.parallel}
-    if torch.cuda.is_available():  # from here: the target held, its load's transient peak not counted
-        torch.cuda.reset_peak_memory_stats(0)
     res, seconds = train_variant(
         cfg, base, vdir, target, drafter=drafter, seed=int(seed), loss=loss, **settings
     )
@@ -266,7 +264,7 @@ def train_one(args, key: str) -> None:
         },
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "gpu_processes": seen,
-        "gpu_peak_memory": peak,  # this process's, while training (the target's features included)
+        "gpu_peak_memory": peak,  # since the training stage reset it (the target held, its features included)
         "speed": args.speed,
         "loss_chunk": speed["loss_chunk"],
         "precision": speed["precision"],

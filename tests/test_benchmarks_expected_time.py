@@ -256,8 +256,9 @@ def test_a_row_records_the_gpu_processes_it_saw_not_how_many_it_launched(tmp_pat
 
 def test_a_variants_row_records_its_peak_gpu_memory_in_gib_beside_the_cards(monkeypatch):
     """benchmarks/common.gpu_peak_memory: the allocator's peak allocated and reserved bytes and the card's
-    total, in GiB to 0.01 (what says whether a row fits an 80 GB card); None without CUDA. variants.py's
-    training rows reset the peak after the target is loaded and record it under ``gpu_peak_memory``."""
+    total, in GiB to 0.01 (what says whether a row fits an 80 GB card); None without CUDA. The training stage
+    resets the peak after the target is loaded; variants.py's rows read it after training, before
+    evaluating, under ``gpu_peak_memory``."""
     sys.path.insert(0, str(BENCH))
     import common
     import torch
@@ -272,9 +273,10 @@ def test_a_variants_row_records_its_peak_gpu_memory_in_gib_beside_the_cards(monk
     )
     assert common.gpu_peak_memory() == {"allocated_gib": 61.5, "reserved_gib": 70.25, "card_gib": 79.19}
     text = (BENCH / "variants.py").read_text()
+    stage = (BENCH.parent / "src" / "eagle3kit" / "train" / "loop_inputs.py").read_text()
+    assert "torch.cuda.reset_peak_memory_stats(self.device)" in stage
     assert (
-        text.index("reset_peak_memory_stats(0)")
-        < text.index("= train_variant(")
+        text.index("= train_variant(")
         < text.index("peak = gpu_peak_memory()")
         < text.index("= heldout_tau(")  # the peak of training, not of the evaluation after it
     )

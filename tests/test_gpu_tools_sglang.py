@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_gpu_tools import fake_wheel  # the one writer of test wheels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,21 +24,6 @@ def stage(monkeypatch):
     import stage_vllm_gpu
 
     return stage_vllm_gpu
-
-
-def fake_wheel(
-    folder: Path, name: str, version: str, requires: list[str], members: dict | None = None
-) -> Path:
-    """A deflated wheel holding a METADATA with ``requires`` as Requires-Dist lines (and ``members``)."""
-    path = folder / f"{name}-{version}-py3-none-any.whl"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires
-    )
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
-        for member, data in (members or {}).items():
-            z.writestr(member, data)
-    return path
 
 
 def run_stage(*argv: str) -> subprocess.CompletedProcess:
