@@ -877,8 +877,8 @@ def dflash_trained(trained, tmp_path_factory):
     """A DFlash drafter trained by `eagle3kit run` on the EAGLE-3 run's own prompts, conversations and
     tokens (copied with their records: those stages are up to date; train, export and evaluate run).
     It runs after ``served``, not beside it: started in a process of its own as the EAGLE-3 run ended, it
-    made the plain server's 20 requests take 144 s instead of 14 (a vLLM CPU server's step waits on both
-    cores), also with that process kept to one core."""
+    made the plain server's 20 requests take 144 s instead of 14 (kept to one core: still over 60 s; a vLLM
+    CPU server's engine uses both cores)."""
     import shutil
 
     from eagle3kit.pipeline import run_all
