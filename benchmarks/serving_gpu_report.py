@@ -55,19 +55,20 @@ def print_online(rec: dict) -> None:
         print(f"online training: failed ({rec['failed']})")
         return
     print(
-        "| training | tokens/s steady | tokens/s wall | MFU steady | wait for states s | final loss "
-        "| τ K3 MT-bench | τ K3 GSM8K |"
+        "| training | tokens/s steady | tokens/s wall | MFU steady | wait for states s | read states s "
+        "| final loss | τ K3 MT-bench | τ K3 GSM8K |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rec["rows"].items():
         m, tau = rec["mfu"].get(name) or {}, r["tau_k3"]
-        wait = (r.get("online") or {}).get("wait_s")
+        feed = r.get("online") or {}
         cells = [
             name,
             r["tokens_per_s_steady"],
             r["tokens_per_s_wall"],
             m.get("steady"),
-            wait,
+            feed.get("wait_s"),
+            feed.get("read_s"),
             r["final_loss"],
         ]
         cells += [tau.get("mt_bench"), tau.get("gsm8k_heldout")]

@@ -220,6 +220,8 @@ def test_online_training_equals_offline_training_on_the_stored_engine_states(onl
     from eagle3kit.train.checkpoints import checkpoint_provenance
 
     assert rep_on["online"]["requests"] > 0 and rep_on["online"]["wait_s"] >= 0
+    # reading the files is timed apart from waiting for them, and is part of the train stage
+    assert 0 < rep_on["online"]["read_s"] < rep_on["seconds"]["stage"]
     # the online trainer held only the target's embedding, final norm and lm_head (decoder layers on meta)
     assert rep_on["online"]["target_loaded"] == "head"
     # the source as `extract --backend vllm` tags it: `parity` and train.serve_engine read it the same way

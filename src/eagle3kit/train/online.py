@@ -219,6 +219,7 @@ class EngineFeeder:
         self.order: list[tuple[str, torch.Tensor]] = []
         self.next = 0  # index into order of the next request to send
         self.wait_s = 0.0
+        self.read_s = 0.0
         self.peak_bytes = 0
         self.requests = 0
         self.reused = 0
@@ -397,7 +398,8 @@ class EngineFeeder:
     # ---- consuming ----------------------------------------------------------------------------
     def get(self, key: str, ids: torch.Tensor) -> torch.Tensor:
         """The states [T, n_ids, Ht] of the sample ``key`` (token ids ``ids``), waiting for them if
-        needed (counted in :attr:`wait_s`); its file is deleted once read."""
+        needed (counted in :attr:`wait_s`, seconds); reading the file into a tensor is counted in
+        :attr:`read_s` (seconds); its file is deleted once read."""
         t0 = time.perf_counter()
         with self.cv:
             while key not in self.futures and self.error is None:
@@ -413,6 +415,7 @@ class EngineFeeder:
         path = fut.result()  # (the read counts as pending until done: no room is made by deleting it)
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
+        t1 = time.perf_counter()
         try:
             states = read_captured(self.reader, path, ids, self.n_ids, self.transport, self.layer_ids)
         except DataError as e:  # cut short by a server killed mid-write, or left by another run: ask again
@@ -428,6 +431,7 @@ class EngineFeeder:
             states = read_captured(
                 self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
             )
+        self.read_s += time.perf_counter() - t1  # (a file requested again: its wait counts here too)
         with self.cv:
             self.pending[key] -= 1
             if self.pending[key] <= 0:  # this file's last scheduled read
@@ -438,8 +442,8 @@ class EngineFeeder:
         return states
 
     def close(self) -> dict:
-        """Stop fetching; returns the statistics (seconds waited, peak bytes, requests, reused files,
-        damaged files requested again)."""
+        """Stop fetching; returns the statistics (seconds waited for states, seconds reading them, peak
+        bytes, requests, reused files, damaged files requested again)."""
         with self.cv:
             self._stop = True
             self.cv.notify_all()
@@ -452,6 +456,7 @@ class EngineFeeder:
     def stats(self) -> dict:
         return {
             "wait_s": round(self.wait_s, 3),
+            "read_s": round(self.read_s, 3),
             "peak_buffer_bytes": self.peak_bytes,
             "requests": self.requests,
             "reused_files": self.reused,
