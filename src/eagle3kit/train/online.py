@@ -428,10 +428,12 @@ class EngineFeeder:
                 self.stale += 1
             self.reused_keys.discard(key)
             _remove(path)
-            states = read_captured(
-                self.reader, self._fetch(key, ids, path), ids, self.n_ids, self.transport, self.layer_ids
-            )
-        self.read_s += time.perf_counter() - t1  # (a file requested again: its wait counts here too)
+            t2 = time.perf_counter()
+            fetched = self._fetch(key, ids, path)
+            waited = time.perf_counter() - t2
+            self.wait_s, t1 = self.wait_s + waited, t1 + waited  # waiting for the new file, not reading
+            states = read_captured(self.reader, fetched, ids, self.n_ids, self.transport, self.layer_ids)
+        self.read_s += time.perf_counter() - t1
         with self.cv:
             self.pending[key] -= 1
             if self.pending[key] <= 0:  # this file's last scheduled read
