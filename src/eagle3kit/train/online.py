@@ -415,9 +415,8 @@ class EngineFeeder:
         path = fut.result()  # (the read counts as pending until done: no room is made by deleting it)
         self.wait_s += time.perf_counter() - t0
         self._note_peak()
-        t1 = time.perf_counter()
         try:
-            states = read_captured(self.reader, path, ids, self.n_ids, self.transport, self.layer_ids)
+            states = self._read(path, ids)
         except DataError as e:  # cut short by a server killed mid-write, or left by another run: ask again
             if not isinstance(e, DamagedCaptureError) and key not in self.reused_keys:
                 raise  # what this run's servers wrote just now: the error is theirs (the message says)
@@ -428,12 +427,10 @@ class EngineFeeder:
                 self.stale += 1
             self.reused_keys.discard(key)
             _remove(path)
-            t2 = time.perf_counter()
+            t1 = time.perf_counter()
             fetched = self._fetch(key, ids, path)
-            waited = time.perf_counter() - t2
-            self.wait_s, t1 = self.wait_s + waited, t1 + waited  # waiting for the new file, not reading
-            states = read_captured(self.reader, fetched, ids, self.n_ids, self.transport, self.layer_ids)
-        self.read_s += time.perf_counter() - t1
+            self.wait_s += time.perf_counter() - t1  # waiting for the new file, not reading it
+            states = self._read(fetched, ids)
         with self.cv:
             self.pending[key] -= 1
             if self.pending[key] <= 0:  # this file's last scheduled read
@@ -442,6 +439,14 @@ class EngineFeeder:
                     _remove(path)
             self.cv.notify_all()
         return states
+
+    def _read(self, path: Path, ids: torch.Tensor) -> torch.Tensor:
+        """:func:`read_captured` of one file, its seconds added to :attr:`read_s` (a read that raises too)."""
+        t0 = time.perf_counter()
+        try:
+            return read_captured(self.reader, path, ids, self.n_ids, self.transport, self.layer_ids)
+        finally:
+            self.read_s += time.perf_counter() - t0
 
     def close(self) -> dict:
         """Stop fetching; returns the statistics (seconds waited for states, seconds reading them, peak
