@@ -144,9 +144,8 @@ def served(trained, plain_server, tmp_path_factory):
                     ids = served_token_ids(srv.url, rows[:ALONE_PROMPTS], 64)
                     out[name] = (ids, spec_decode_delta(before, spec_decode_counters(srv.url)))
                     continue
-                if (
-                    name == "eagle3"
-                ):  # `eagle3kit bench` (the docs page's, with the baseline server beside it)
+                # `eagle3kit bench`: the bench page's commands, with the baseline server beside it
+                if name == "eagle3":
                     measure(name, srv)
                     out["bench_other_template"] = run_bench_other_template(srv, rows[:8], tmp)
                     out["doc_blocks"] = run_doc_blocks(srv, plain_server, trained / "drafter", tmp / "docs")
