@@ -53,7 +53,7 @@ wait_for() { # wait_for SECONDS [UNTIL]
   local end=$(($(date +%s) + ${1:-480})) until=${2:-}
   while running && [ "$(date +%s)" -lt "$end" ]; do
     [ -n "$until" ] && [ -s "$W/$until" ] && [ ! -d "$W/$until" ] && break
-    sleep 5
+    sleep 1
   done
   if [ -n "$until" ] && [ -s "$W/$until" ] && [ ! -d "$W/$until" ]; then
     echo "== $until is there ($(date -u +%H:%M:%S)); the run $(running && echo goes on || echo has ended)"

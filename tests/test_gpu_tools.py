@@ -230,7 +230,7 @@ def test_wait_until_a_record_exists_returns_while_the_run_goes_on(tmp_path):
         (tmp_path / "sg.pid").write_text(f"{run.pid}\n")
         (work / "online" / "online.json").write_text("")  # begun, not written: no early end
         res = subprocess.run(
-            ["bash", str(sh), "wait", "6", "online/online.json"], capture_output=True, text=True, env=env
+            ["bash", str(sh), "wait", "2", "online/online.json"], capture_output=True, text=True, env=env
         )
         assert "== still running" in res.stdout
         (work / "online" / "online.json").write_text("{}\n")
@@ -242,13 +242,13 @@ def test_wait_until_a_record_exists_returns_while_the_run_goes_on(tmp_path):
         assert (
             res.returncode == 0 and "== online/online.json is there" in res.stdout and "goes on" in res.stdout
         )
-        assert took < 20 and run.poll() is None
+        assert took < 10 and run.poll() is None
         (work / "online" / "online.json").unlink()  # absent: the wait runs to SECONDS while the run goes on
         t = time.time()
         res = subprocess.run(
-            ["bash", str(sh), "wait", "6", "online/online.json"], capture_output=True, text=True, env=env
+            ["bash", str(sh), "wait", "2", "online/online.json"], capture_output=True, text=True, env=env
         )
-        assert "== still running" in res.stdout and time.time() - t >= 6
+        assert "== still running" in res.stdout and time.time() - t >= 2
     finally:
         run.kill()
 
