@@ -499,6 +499,10 @@ def test_diagnose_says_engine_and_reference_agree_for_the_drafter_as_trained(ser
     assert rep["reference"]["within"] and abs(rep["reference"]["delta"]) <= 0.03 * rep["reference"]["tau"]
     assert rep["engine"]["tau"] > 1.3 and rep["k"] == 3 and rep["prompts"]["count"] == DIAGNOSE_PROMPTS
     assert not any(h.get("explains") for h in rep["hypotheses"]) and "numerics" not in rep
+    # the engine computes EAGLE-3.1 (the default drafter), not EAGLE-3 with its norms ignored (what an engine
+    # before EAGLE-3.1 runs): that plant lies at least twice as far from vLLM's per-prompt τ, and 0.01 further
+    ignored = next(h for h in rep["hypotheses"] if h["name"] == "eagle31_norms_ignored")
+    assert ignored["distance"] >= 2 * rep["reference"]["distance"] + 0.01, (ignored, rep["reference"])
     # the drafter-is-what-it-is part: per position, per category, vocab coverage of the served text
     adv = rep["advice"]
     cov = adv["draft_vocab_coverage_of_served_tokens"]  # a 2,048-entry vocabulary: some served tokens miss it
