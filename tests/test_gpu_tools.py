@@ -246,8 +246,9 @@ def test_wait_until_a_record_exists_returns_while_the_run_goes_on(tmp_path):
         (work / "online" / "online.json").unlink()  # absent: the wait runs to SECONDS while the run goes on
         t = time.time()
         res = subprocess.run(
-            ["bash", str(sh), "wait", "2", "online/online.json"], capture_output=True, text=True, env=env
+            ["bash", str(sh), "wait", "3", "online/online.json"], capture_output=True, text=True, env=env
         )
+        # the script counts the clock's whole seconds: a wait of 3 lasts more than 2
         assert "== still running" in res.stdout and time.time() - t >= 2
     finally:
         run.kill()
