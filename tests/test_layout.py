@@ -94,6 +94,16 @@ def long_functions(root: Path) -> list[str]:
     return found
 
 
+def test_the_command_line_starts_without_the_heavy_modules_only_some_commands_need():
+    """Every `eagle3kit` command imports ``eagle3kit.cli``: vLLM, transformers and torch.distributed's
+    checkpoint and FSDP modules (together about 0.7 s, for training only) are imported inside the
+    functions that use them, so a command that does not use them never pays for them."""
+    heavy = ["vllm", "transformers", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
+    code = f"import sys, eagle3kit.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
 def test_no_function_runs_past_80_lines_without_a_reason():
     assert long_functions(PACKAGE) == []
 
