@@ -62,7 +62,7 @@ def variant_config(work, folder, drafter: dict, loss: str) -> dict:
 
 @pytest.fixture(scope="module")
 def served_variants(tmp_path_factory, smollm2_tok_dir):
-    """Each variant's drafter, its τ simulated on the first run's held-out continuations (with
+    """Each variant's whole run, its drafter's τ simulated on the run's held-out continuations (with
     each plant), and its vLLM server's τ and outputs on the same prompts (sent as token ids)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -70,50 +70,38 @@ def served_variants(tmp_path_factory, smollm2_tok_dir):
 
     work = tmp_path_factory.mktemp("variants")
     folder = family_flow.family_targets.build(FAMILY, work / "target", smollm2_tok_dir)
-    rows, measured, first = {}, {}, None
+    rows, measured = {}, {}
     with ThreadPoolExecutor(1) as pool:
         for name, (drafter, loss, _) in VARIANTS.items():
             (work / name).mkdir()
             cfg = variant_config(work / name, folder, drafter, loss)
-            rows[name], first = train_variant(cfg, first)
-            rows[name]["_serve"] = (folder, rows[name]["drafter"], first["conts"], TOKENS, work / name)
-            family_flow.spawn_server(rows[name])  # starts beside the next variant's training
+            rows[name] = train_variant(cfg)
+            rows[name]["_serve"] = (folder, rows[name]["drafter"], rows[name]["_conts"], TOKENS, work / name)
+            family_flow.spawn_server(rows[name])  # starts beside the next variant's run
             rows[name]["speculative_config"] = eagle3_speculative_config(rows[name]["drafter"], 3)
             measured[name] = pool.submit(family_flow.finish_row, rows[name])
-        simulate_rows(rows, first, cfg)
+        simulate_rows(rows, cfg)
         for name, done in measured.items():
             done.result()
     return rows
 
 
-def train_variant(cfg, first: dict | None) -> tuple[dict, dict]:
-    """The first variant's whole run (``first`` is None), or a training on the first run's tokens
-    and vocabulary; returns (its row, the first run's {run, conts})."""
-    import shutil
-
+def train_variant(cfg) -> dict:
+    """The variant's whole run: its row (the drafter, evaluate's τ and held-out continuations)."""
     from eagle3kit.core.rundir import RunDir, read_jsonl
     from eagle3kit.pipeline import run_all
-    from eagle3kit.serve.export import run_export
-    from eagle3kit.train.stage import run_train
 
     run = RunDir(cfg.run_dir)
-    row = {"drafter": run / "drafter"}
-    if first is None:
-        report = run_all(cfg)
-        family_flow.release_engines()
-        ev = report["evaluate"]["sets"]["gsm8k_heldout"]
-        row["evaluate_tau"] = ev["tau"]
-        return row, {"run": run, "conts": [r for _, r in read_jsonl(ev["continuations"])]}
-    for f in ("tokens.safetensors", "vocab.safetensors", "manifest.json"):
-        shutil.copy(first["run"] / f, run / f)
-    run_train(cfg, run)
-    run_export(cfg, run)
-    return row, first
+    report = run_all(cfg)
+    family_flow.release_engines()
+    ev = report["evaluate"]["sets"]["gsm8k_heldout"]
+    conts = [r for _, r in read_jsonl(ev["continuations"])]
+    return {"drafter": run / "drafter", "evaluate_tau": ev["tau"], "_conts": conts}
 
 
-def simulate_rows(rows: dict, first: dict, cfg) -> None:
-    """τ of each drafter as trained and with each of its plants, on the first run's held-out
-    prompts and the target's greedy continuations (``simulate``: what ``evaluate`` computes)."""
+def simulate_rows(rows: dict, cfg) -> None:
+    """τ of each drafter as trained and with each of its plants, on its run's held-out prompts and
+    the target's greedy continuations (``simulate``: what ``evaluate`` computes)."""
     import torch
 
     from eagle3kit.diagnose.faults import FAULTS, planted
@@ -122,10 +110,10 @@ def simulate_rows(rows: dict, first: dict, cfg) -> None:
     from eagle3kit.model.target import load_target
 
     target = load_target(cfg.target, device="cpu")
-    prompts = [c["prompt_ids"] for c in first["conts"]]
-    outs = [c["continuation_ids"] for c in first["conts"]]
     faults = {f.name: f for f in FAULTS}
     for name, row in rows.items():
+        prompts = [c["prompt_ids"] for c in row["_conts"]]
+        outs = [c["continuation_ids"] for c in row["_conts"]]
         d = load_exported(row["drafter"]).eval().to(torch.float32)
         copies = [d] + [planted(faults[p], d)[0] for p in VARIANTS[name][2]]
         sims = simulate_drafters(copies, target, prompts, outs, 3, torch.device("cpu"))
@@ -163,5 +151,5 @@ def test_vllm_serves_each_variant_at_the_acceptance_evaluate_predicts(name, serv
         assert row["speculative_config"]["parallel_drafting"] is True and "mask_token_id" in row["variant"]
     else:
         assert "parallel_drafting" not in row["speculative_config"]
-    if "evaluate_tau" in row:  # the run's own evaluate measured the τ simulated here
-        assert abs(row["evaluate_tau"] - row["sim_tau"]) < 1e-4  # (the report rounds τ to 4 decimals)
+    # the run's own evaluate measured the τ simulated here
+    assert abs(row["evaluate_tau"] - row["sim_tau"]) < 1e-4  # (the report rounds τ to 4 decimals)
